@@ -1,0 +1,42 @@
+"""A small synchronous client of the coordinator API, for the CLI and the tests."""
+
+import httpx
+
+from services.common.service import auth_headers
+
+
+class CoordinatorError(RuntimeError):
+    pass
+
+
+class CoordinatorClient:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=auth_headers(token),
+                                 timeout=timeout_s)
+
+    def _json(self, resp: httpx.Response, ok: tuple[int, ...] = (200,)):
+        if resp.status_code not in ok:
+            raise CoordinatorError(f"{resp.request.method} {resp.request.url.path}: "
+                                   f"{resp.status_code} {resp.text}")
+        return resp.json()
+
+    def submit(self, spec: dict) -> str:
+        return self._json(self.http.post("/v1/runs", json=spec), (201,))["id"]
+
+    def run(self, run_id: str) -> dict:
+        return self._json(self.http.get(f"/v1/runs/{run_id}"))
+
+    def runs(self) -> list[dict]:
+        return self._json(self.http.get("/v1/runs"))
+
+    def metrics(self, run_id: str) -> list[dict]:
+        return self._json(self.http.get(f"/v1/runs/{run_id}/metrics"))["steps"]
+
+    def cancel(self, run_id: str) -> dict:
+        return self._json(self.http.post(f"/v1/runs/{run_id}/cancel"))
+
+    def workers(self) -> list[dict]:
+        return self._json(self.http.get("/v1/workers"))
+
+    def close(self) -> None:
+        self.http.close()

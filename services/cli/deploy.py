@@ -1,0 +1,110 @@
+"""A whole spotrl deployment as local processes: Redis, weight store, coordinator, trainer and
+rollout workers. Used by `spotrl up` and by the integration tests; stops everything it started.
+"""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.cli import procs
+
+
+@dataclass
+class DeploymentConfig:
+    work_dir: Path
+    reserved: int = 1
+    preemptible: int = 1
+    api_token: str | None = None
+    redis_url: str | None = None  # use this Redis instead of starting one
+    worker_slots: int = 64
+    flush_tokens: int = 4
+    trainer_threads: int = 1
+    worker_threads: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class Deployment:
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
+        self.work_dir = Path(config.work_dir).resolve()
+        self.log_dir = self.work_dir / "logs"
+        self.procs: dict[str, procs.Proc] = {}
+        self.redis_url = config.redis_url or ""
+        self.coordinator_url = ""
+        self.weightstore_url = ""
+        self.trainer_url = ""
+        self._workers = 0
+
+    def base_env(self) -> dict[str, str]:
+        env = {"SPOTRL_REDIS_URL": self.redis_url, "SPOTRL_COORDINATOR_URL": self.coordinator_url,
+               "SPOTRL_WEIGHTSTORE_URL": self.weightstore_url, **self.config.extra_env}
+        if self.config.api_token:
+            env["SPOTRL_API_TOKEN"] = self.config.api_token
+        return env
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
+        if not self.redis_url:
+            proc, self.redis_url = procs.start_redis(self.log_dir, self.work_dir / "redis")
+            self.procs["redis"] = proc
+        ws_port, co_port, tr_port = procs.free_port(), procs.free_port(), procs.free_port()
+        self.weightstore_url = f"http://127.0.0.1:{ws_port}"
+        self.coordinator_url = f"http://127.0.0.1:{co_port}"
+        self.trainer_url = f"http://127.0.0.1:{tr_port}"
+        env = self.base_env()
+        self.procs["weightstore"] = procs.start_service(
+            "weightstore", "services.weightstore.main",
+            env | {"SPOTRL_PORT": str(ws_port), "SPOTRL_ROOT": str(self.work_dir / "weights")},
+            self.log_dir, ws_port)
+        self.procs["coordinator"] = procs.start_service(
+            "coordinator", "services.coordinator.main",
+            env | {"SPOTRL_PORT": str(co_port)}, self.log_dir, co_port)
+        self.procs["trainer"] = procs.start_service(
+            "trainer", "services.trainer.main",
+            env | procs.thread_env(self.config.trainer_threads)
+            | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")},
+            self.log_dir, tr_port)
+        for _ in range(self.config.reserved):
+            self.add_worker("reserved", wait=False)
+        for _ in range(self.config.preemptible):
+            self.add_worker("preemptible", wait=False)
+        procs.wait_healthy(list(self.procs.values()), timeout_s)
+
+    def add_worker(self, pool: str, wait: bool = True, **settings: str) -> procs.Proc:
+        self._workers += 1
+        name = f"rollout-{pool}-{self._workers}"
+        port = procs.free_port()
+        env = self.base_env() | procs.thread_env(self.config.worker_threads) | {
+            "SPOTRL_PORT": str(port), "SPOTRL_POOL": pool, "SPOTRL_WORKER_ID": name,
+            "SPOTRL_SLOTS": str(self.config.worker_slots),
+            "SPOTRL_FLUSH_TOKENS": str(self.config.flush_tokens),
+            "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
+            "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
+        } | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+        proc = procs.start_service(name, "services.rollout.main", env, self.log_dir, port)
+        self.procs[name] = proc
+        if wait:
+            procs.wait_healthy([proc])
+        return proc
+
+    def workers(self) -> list[procs.Proc]:
+        return [p for name, p in self.procs.items() if name.startswith("rollout-")]
+
+    def check_alive(self) -> None:
+        for p in self.procs.values():
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+
+    def stop(self) -> None:
+        """Stop workers first, then the services, then Redis."""
+        order = sorted(self.procs.values(),
+                       key=lambda p: (0 if p.name.startswith("rollout") else 2 if p.name == "redis" else 1))
+        for p in order:
+            p.stop()
+        time.sleep(0)

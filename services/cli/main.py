@@ -1,0 +1,131 @@
+"""The `spotrl` command line."""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_HOME = Path(os.environ.get("SPOTRL_HOME", ".spotrl"))
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.cli.up import up
+
+    model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
+    overrides = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+                 "learning_rate": args.learning_rate, "max_new_tokens": args.max_new_tokens,
+                 "temperature": args.temperature, "seed": args.seed}
+    if args.task_path:
+        overrides["task_path"] = args.task_path
+    try:
+        summary = up(DEFAULT_HOME, model, args.task, args.steps, args.reserved, args.preemptible,
+                     overrides, args.pretrain_steps)
+    except KeyboardInterrupt:
+        print(json.dumps({"state": "interrupted"}))
+        return 130
+    print(json.dumps(summary))
+    ok = summary["state"] == "succeeded" and summary["groups_incomplete"] == 0
+    return 0 if ok else 1
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from services.cli.up import ensure_model
+
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} already holds a model (use --force to rebuild)", file=sys.stderr)
+        return 1
+    if args.force:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+    ensure_model(out, args.task, args.task_path, args.pretrain_steps)
+    print(json.dumps({"model": str(out)}))
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from pydantic import ValidationError
+
+    from services.cli.client import CoordinatorClient, CoordinatorError
+    from services.common.runspec import RunSpec
+
+    with open(args.spec, "rb") as fh:
+        raw = tomllib.load(fh)
+    try:
+        spec = RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        print(f"invalid run spec {args.spec}:\n{exc}", file=sys.stderr)
+        return 2
+    client = CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
+    try:
+        print(client.submit(json.loads(spec.model_dump_json())))
+    except CoordinatorError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from services.cli.client import CoordinatorClient
+
+    client = CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
+    out = client.run(args.run) if args.run else client.runs()
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="run the embedded default: every service locally, one RL run")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--model", help="model folder (default: build one under $SPOTRL_HOME)")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "math"])
+    p.add_argument("--task-path", help="JSONL file for the math task")
+    p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
+    p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("init-model", help="build and pre-train a small base model")
+    p.add_argument("out")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "math"])
+    p.add_argument("--task-path")
+    p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=_cmd_init_model)
+
+    url = os.environ.get("SPOTRL_COORDINATOR_URL", "http://127.0.0.1:8100")
+    p = sub.add_parser("submit", help="submit a run spec (TOML) to a coordinator")
+    p.add_argument("spec")
+    p.add_argument("--url", default=url)
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("status", help="show one run, or all runs")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--url", default=url)
+    p.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from services.common.logs import setup_logging
+
+    setup_logging("spotrl", os.environ.get("SPOTRL_LOG_LEVEL", "WARNING"))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

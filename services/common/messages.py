@@ -1,0 +1,109 @@
+"""The messages that cross service boundaries, encoded as msgpack (never pickle).
+
+Each type is a pydantic model, so a message is validated when decoded: a malformed one raises
+`MalformedMessage` with the reason, and the reader parks it instead of crashing. On a stream, a
+message is one entry with the single field `m` holding the msgpack bytes.
+"""
+
+from typing import Literal, Self
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FinishReason = Literal["stop", "length", "abort"]
+Pool = Literal["reserved", "preemptible"]
+FIELD = b"m"
+
+
+class MalformedMessage(ValueError):
+    """A message that could not be decoded or does not match its type."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        try:
+            return cls.model_validate(msgpack.unpackb(data, raw=False))
+        except (ValueError, TypeError, msgpack.UnpackException, ValidationError) as exc:
+            raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
+
+    def fields(self) -> dict[bytes, bytes]:
+        """The stream entry for XADD."""
+        return {FIELD: self.encode()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> Self:
+        if FIELD not in fields:
+            raise MalformedMessage(f"{cls.__name__}: entry has no field 'm'")
+        return cls.decode(fields[FIELD])
+
+
+class Job(Message):
+    """A token-level job: continue `prompt_ids + prefix_ids` for at most `remaining_tokens`."""
+
+    run_id: str
+    request_id: str  # "{step}:{prompt_index}:{sample_index}"
+    lease: int = Field(ge=0)  # bumped on every migration; deltas with an older lease are dropped
+    version: int = Field(ge=0)  # weight version that must generate every token
+    prompt_ids: list[int]
+    prefix_ids: list[int] = []  # tokens already collected for this request (a continuation)
+    remaining_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)  # 0 = greedy
+    top_p: float = Field(gt=0.0, le=1.0)
+    seed: int  # per-request sampling seed
+    stop_token_ids: list[int] = []
+
+
+class DeltaItem(Message):
+    """New tokens of one request since the worker's last flush."""
+
+    request_id: str
+    lease: int
+    offset: int = Field(ge=0)  # index in the response of token_ids[0]
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token under the sampling distribution
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+class DeltaBatch(Message):
+    """One flush of a worker: deltas of all its active requests."""
+
+    worker_id: str
+    version: int
+    items: list[DeltaItem]
+
+
+class Response(Message):
+    token_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    finish_reason: FinishReason
+    leases: int = 1  # how many leases (1 + migrations) produced it
+
+
+class Group(Message):
+    """All n responses to one prompt, ready for the trainer."""
+
+    run_id: str
+    step: int
+    version: int
+    prompt_index: int
+    prompt_ids: list[int]
+    responses: list[Response]
+
+
+class Heartbeat(Message):
+    worker_id: str
+    pool: Pool
+    run_id: str | None
+    version: int | None  # weight version loaded, None before the first load
+    active: int  # requests executing
+    slots: int
+    tokens_generated: int
+    at: float  # unix time

@@ -1,0 +1,63 @@
+"""Math word problems from a JSONL file of {"question", "answer"} rows (GSM8K style), scored
+with a real math verifier (math-verify).
+
+A GSM8K answer holds its final value after `####`; a response is right when math-verify finds
+the same value in it (the last number, a boxed expression, or a LaTeX expression).
+"""
+
+import json
+import random
+from pathlib import Path
+
+from services.common.tasks.base import Example, TaskError
+
+PROMPT_SUFFIX = "\nAnswer:"
+
+
+def final_answer(answer: str) -> str:
+    """The part of a GSM8K answer after `####`, or the whole answer."""
+    return answer.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+class MathJsonlTask:
+    name = "math"
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise TaskError(f"math task file {path} does not exist")
+        rows: list[Example] = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(Example(row["question"].strip() + PROMPT_SUFFIX, str(row["answer"])))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise TaskError(f"{path}:{number}: not a question/answer row ({exc})") from exc
+        if not rows:
+            raise TaskError(f"math task file {path} has no rows")
+        self.rows = rows
+
+    def examples(self, seed: int, step: int, count: int) -> list[Example]:
+        order = list(range(len(self.rows)))
+        random.Random(f"math:{seed}").shuffle(order)
+        start = step * count
+        return [self.rows[order[(start + i) % len(order)]] for i in range(count)]
+
+    def reward(self, response: str, example: Example) -> float:
+        from math_verify import parse, verify
+
+        gold = parse(final_answer(example.answer))
+        guess = parse(response)
+        if not gold or not guess:
+            return 0.0
+        return 1.0 if verify(gold, guess) else 0.0
+
+    def corpus(self, seed: int, count: int, label_noise: float) -> list[str]:
+        rng = random.Random(f"math-corpus:{seed}")
+        texts = []
+        for _ in range(count):
+            ex = rng.choice(self.rows)
+            texts.append(f"{ex.prompt} {final_answer(ex.answer)}")
+        return texts

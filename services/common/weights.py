@@ -1,0 +1,162 @@
+"""Client of the weight store: upload a model folder as a version, pull a version into a local
+folder with parallel range requests, verifying every sha256 before anything is loaded.
+
+A pull writes into `{dest}.partial` and renames it to `dest` only when every file checked out,
+so a folder named after a version is always complete. On any failure it tries the next replica.
+"""
+
+import asyncio
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.common.service import auth_headers
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 8 * 1024 * 1024
+UPLOAD_BLOCK = 1024 * 1024
+
+
+class WeightTransferError(RuntimeError):
+    """A version could not be uploaded or pulled intact."""
+
+
+@dataclass
+class PullResult:
+    folder: Path
+    version: int
+    bytes: int
+    seconds: float
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(UPLOAD_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class WeightClient:
+    def __init__(self, urls: list[str], token: str | None = None, parallel: int = 8) -> None:
+        if not urls:
+            raise ValueError("at least one weight store URL is needed")
+        self.urls = urls
+        self.headers = auth_headers(token)
+        self.parallel = parallel
+        self._next = 0
+
+    def _replicas(self) -> list[str]:
+        """Replicas in round-robin order, so pulls spread over them."""
+        start = self._next % len(self.urls)
+        self._next += 1
+        return self.urls[start:] + self.urls[:start]
+
+    # ---- upload ----
+    async def upload_folder(
+        self, folder: Path, model: str, version: int, metadata: dict | None = None
+    ) -> dict:
+        files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+        entries = []
+        base = self.urls[0]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), headers=self.headers) as http:
+            for path in files:
+                sha = await asyncio.to_thread(sha256_file, path)
+
+                async def body(p: Path = path):
+                    with open(p, "rb") as fh:
+                        while block := fh.read(UPLOAD_BLOCK):
+                            yield block
+
+                url = f"{base}/v1/models/{model}/versions/{version}/files/{path.name}"
+                resp = await http.put(url, content=body(), headers={"x-sha256": sha})
+                if resp.status_code != 200:
+                    raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
+                entries.append(resp.json())
+            manifest = {"files": entries, "metadata": metadata or {}}
+            url = f"{base}/v1/models/{model}/versions/{version}/commit"
+            resp = await http.post(url, json=manifest)
+            if resp.status_code != 201:
+                raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
+            return resp.json()
+
+    # ---- pull ----
+    async def latest_version(self, model: str) -> int | None:
+        for base in self._replicas():
+            try:
+                async with httpx.AsyncClient(timeout=10.0) as http:
+                    resp = await http.get(f"{base}/v1/models/{model}/versions")
+                if resp.status_code == 200:
+                    versions = resp.json()["versions"]
+                    return versions[-1] if versions else None
+            except httpx.HTTPError as exc:
+                log.warning("weight store %s unreachable: %s", base, exc)
+        raise WeightTransferError(f"no weight store replica answered for {model}")
+
+    async def pull(self, model: str, version: int, dest: Path, attempts: int = 6) -> PullResult:
+        """Download and verify a version into `dest`, retrying over replicas with backoff."""
+        if (dest / ".complete").is_file():
+            return PullResult(dest, version, 0, 0.0)
+        last_error: Exception | None = None
+        for attempt in range(attempts):
+            for base in self._replicas():
+                try:
+                    return await self._pull_from(base, model, version, dest)
+                except (httpx.HTTPError, WeightTransferError, OSError) as exc:
+                    last_error = exc
+                    log.warning("pull %s v%d from %s failed: %s", model, version, base, exc)
+            await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+        raise WeightTransferError(f"pull {model} v{version} failed: {last_error}")
+
+    async def _pull_from(self, base: str, model: str, version: int, dest: Path) -> PullResult:
+        started = time.monotonic()
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        limits = httpx.Limits(max_connections=self.parallel)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as http:
+            resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
+            if resp.status_code != 200:
+                raise WeightTransferError(f"manifest: {resp.status_code} {resp.text}")
+            manifest = resp.json()
+            gate = asyncio.Semaphore(self.parallel)
+            jobs = []
+            for entry in manifest["files"]:
+                path = partial / entry["name"]
+                with open(path, "wb") as fh:
+                    fh.truncate(entry["size"])
+                url = f"{base}/v1/models/{model}/versions/{version}/files/{entry['name']}"
+                for start in range(0, entry["size"], CHUNK_BYTES):
+                    end = min(start + CHUNK_BYTES, entry["size"]) - 1
+                    jobs.append(self._fetch_range(http, gate, url, path, start, end))
+            await asyncio.gather(*jobs)
+        for entry in manifest["files"]:
+            got = await asyncio.to_thread(sha256_file, partial / entry["name"])
+            if got != entry["sha256"]:
+                raise WeightTransferError(f"{entry['name']}: sha256 mismatch (corrupt transfer)")
+        (partial / ".complete").write_text(str(version))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(partial, dest)
+        total = sum(e["size"] for e in manifest["files"])
+        return PullResult(dest, version, total, time.monotonic() - started)
+
+    @staticmethod
+    async def _fetch_range(http, gate, url: str, path: Path, start: int, end: int) -> None:
+        async with gate:
+            resp = await http.get(url, headers={"range": f"bytes={start}-{end}"})
+            if resp.status_code not in (200, 206):
+                raise WeightTransferError(f"{url}: {resp.status_code}")
+            data = resp.content
+            if len(data) != end - start + 1:
+                raise WeightTransferError(f"{url}: short read {len(data)} of {end - start + 1}")
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, start)
+        finally:
+            os.close(fd)

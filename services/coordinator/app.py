@@ -1,0 +1,67 @@
+"""Coordinator: the REST API for runs and workers, and the scheduler that makes the oldest
+queued run active and drives its rollout manager.
+"""
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import Gauge
+
+from services.common import keys
+from services.common.redis_streams import connect, with_reconnect
+from services.common.service import BackgroundTasks, add_health_and_metrics, token_guard
+from services.coordinator import routes_runs, routes_workers
+from services.coordinator.rollout_manager import RunCancelled, RunManager
+from services.coordinator.runs import RunStore
+from services.coordinator.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
+
+
+async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
+    """Forever: activate the oldest queued run (or resume the active one) and drive it."""
+    while True:
+        run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
+            store.activate_next, "activate run")
+        QUEUED.set(await store.r.llen(keys.RUN_QUEUE))
+        if run_id is None:
+            await asyncio.sleep(settings.scheduler_poll_s)
+            continue
+        log.info("run %s active", run_id)
+        try:
+            manager = RunManager(store.r, run_id, await store.spec(run_id))
+            await manager.run()
+        except RunCancelled as exc:
+            log.info("run %s stopped: %s", run_id, exc)
+            if await store.active() == run_id:
+                await store.r.delete(keys.ACTIVE_RUN)
+            continue
+        except Exception as exc:
+            log.exception("run %s failed", run_id)
+            await store.finish(run_id, "failed", repr(exc))
+            continue
+        await store.finish(run_id, "succeeded")
+        log.info("run %s succeeded", run_id)
+
+
+def build_app(settings: CoordinatorSettings) -> FastAPI:
+    tasks = BackgroundTasks()
+    r = connect(settings.redis_url)
+    store = RunStore(r)
+    guard = token_guard(settings.api_token)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks.start("scheduler", schedule_runs(store, settings))
+        yield
+        await tasks.stop()
+        await r.aclose()
+
+    app = FastAPI(title="spotrl coordinator", version="1", lifespan=lifespan)
+    add_health_and_metrics(app, "coordinator", tasks)
+    app.include_router(routes_runs.build_router(store, guard))
+    app.include_router(routes_workers.build_router(r, guard))
+    return app

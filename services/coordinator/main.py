@@ -1,0 +1,17 @@
+"""Entry point: `python -m services.coordinator.main`."""
+
+from services.common.logs import setup_logging
+from services.common.service import serve
+from services.coordinator.settings import CoordinatorSettings
+
+
+def main() -> None:
+    settings = CoordinatorSettings()
+    setup_logging("coordinator", settings.log_level)
+    from services.coordinator.app import build_app
+
+    serve(build_app(settings), settings.host, settings.port)
+
+
+if __name__ == "__main__":
+    main()

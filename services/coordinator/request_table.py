@@ -1,0 +1,149 @@
+"""Bookkeeping of the requests of one step: which tokens each response has, under which lease,
+and which groups are complete. Pure: no Redis, no clock.
+
+Rules it enforces:
+- a delta is applied only for the request's current lease (fencing); older leases are dropped;
+- tokens are appended once: a delta's offset must continue the response; a delta that repeats
+  tokens already held is trimmed to its new part; one that leaves a gap is refused;
+- a response is finished once, and then never changes.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.common.messages import DeltaItem, FinishReason, Job
+
+
+class Applied(Enum):
+    APPENDED = "appended"
+    FINISHED = "finished"  # appended and the response is now complete
+    DUPLICATE = "duplicate"  # nothing new
+    STALE_LEASE = "stale_lease"
+    GAP = "gap"
+    UNKNOWN = "unknown"
+    ALREADY_DONE = "already_done"
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int
+    lease: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.token_ids)
+
+
+def request_id(step: int, prompt_index: int, sample_index: int) -> str:
+    return f"{step}:{prompt_index}:{sample_index}"
+
+
+class RequestTable:
+    def __init__(
+        self,
+        run_id: str,
+        step: int,
+        version: int,
+        prompts: list[list[int]],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        stop_token_ids: list[int],
+    ) -> None:
+        self.run_id, self.step, self.version = run_id, step, version
+        self.group_size = group_size
+        self.temperature, self.top_p = temperature, top_p
+        self.stop_token_ids = stop_token_ids
+        self.requests: dict[str, RequestState] = {}
+        self.prompts = prompts
+        for p, prompt_ids in enumerate(prompts):
+            for s in range(group_size):
+                rid = request_id(step, p, s)
+                self.requests[rid] = RequestState(
+                    rid, p, s, prompt_ids, max_new_tokens, seed=hash((seed, step, p, s)) & 0x7FFFFFFF
+                )
+        self.pending_groups = set(range(len(prompts)))
+        self.stats = {a.value: 0 for a in Applied}
+
+    def job(self, rid: str) -> Job:
+        """The job that continues request `rid` from what has been collected, under its lease."""
+        r = self.requests[rid]
+        return Job(
+            run_id=self.run_id,
+            request_id=rid,
+            lease=r.lease,
+            version=self.version,
+            prompt_ids=r.prompt_ids,
+            prefix_ids=list(r.token_ids),
+            remaining_tokens=max(1, r.remaining),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=r.seed,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    def initial_jobs(self) -> list[Job]:
+        return [self.job(rid) for rid in self.requests]
+
+    def migrate(self, rid: str) -> Job | None:
+        """Bump the lease of an unfinished request and return its continuation job."""
+        r = self.requests.get(rid)
+        if r is None or r.done:
+            return None
+        r.lease += 1
+        return self.job(rid)
+
+    def apply(self, item: DeltaItem) -> Applied:
+        result = self._apply(item)
+        self.stats[result.value] += 1
+        return result
+
+    def _apply(self, item: DeltaItem) -> Applied:
+        r = self.requests.get(item.request_id)
+        if r is None:
+            return Applied.UNKNOWN
+        if item.lease != r.lease:
+            return Applied.STALE_LEASE
+        if r.done:
+            return Applied.ALREADY_DONE
+        have = len(r.token_ids)
+        if item.offset > have:
+            return Applied.GAP
+        skip = have - item.offset
+        new_tokens = item.token_ids[skip:]
+        new_logprobs = item.logprobs[skip:]
+        if len(new_tokens) > r.remaining:
+            new_tokens, new_logprobs = new_tokens[: r.remaining], new_logprobs[: r.remaining]
+        r.token_ids.extend(new_tokens)
+        r.logprobs.extend(new_logprobs)
+        if item.finished or r.remaining <= 0:
+            r.finish_reason = item.finish_reason or "length"
+            return Applied.FINISHED
+        return Applied.APPENDED if new_tokens else Applied.DUPLICATE
+
+    def group(self, prompt_index: int) -> list[RequestState]:
+        return [self.requests[request_id(self.step, prompt_index, s)] for s in range(self.group_size)]
+
+    def group_done(self, prompt_index: int) -> bool:
+        return all(r.done for r in self.group(prompt_index))
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if not r.done]
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending_groups

@@ -1,0 +1,184 @@
+"""The rollout manager of one run: for each step, queue B x n token-level jobs on the stream of
+the step's weight version, collect token deltas, score finished responses and publish complete
+groups to the trainer. A thin asyncio shell around `RequestTable`.
+
+It does not train and does not move weights: step s starts when the trainer has committed weight
+version s, and the run ends when version `steps` is committed.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+from tokenizers import Tokenizer
+
+from services.common import keys
+from services.common.messages import DeltaBatch, Group, Response
+from services.common.redis_streams import (
+    decode_or_park,
+    ensure_group,
+    park,
+    read_group,
+    with_reconnect,
+)
+from services.common.runspec import RunSpec
+from services.common.step_metrics import record_step
+from services.common.tasks import Example, load_task
+from services.coordinator.request_table import Applied, RequestTable
+
+log = logging.getLogger(__name__)
+DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
+TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
+GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
+ROLLOUT_S = Histogram("spotrl_coordinator_rollout_seconds", "Rollout time of a step",
+                      buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
+
+POLL_S = 0.05
+DELTA_BATCH = 256
+JOBS_TTL_S = 600
+
+
+class RunCancelled(Exception):
+    pass
+
+
+def stop_token_ids(model_dir: Path) -> list[int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [int(eos)]
+
+
+class RunManager:
+    def __init__(self, r: aioredis.Redis, run_id: str, spec: RunSpec) -> None:
+        self.r, self.run_id, self.spec = r, run_id, spec
+        model_dir = Path(spec.model)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.stop_ids = stop_token_ids(model_dir)
+        self.task = load_task(spec.task, spec.task_path)
+        self.consumer = "coordinator"
+        self.table: RequestTable | None = None
+
+    async def run(self) -> None:
+        """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
+        deltas = keys.deltas_stream(self.run_id)
+        await ensure_group(self.r, deltas, keys.COORDINATOR_GROUP)
+        step = await self._wait_version(0)
+        while step < self.spec.steps:
+            await self._run_step(step)
+            step = await self._wait_version(step + 1)
+
+    async def _check_running(self) -> None:
+        state = await self.r.hget(keys.run(self.run_id), "state")
+        if state != b"running":
+            raise RunCancelled(state.decode() if state else "deleted")
+
+    async def _wait_version(self, at_least: int) -> int:
+        """Wait until the trainer committed a version >= at_least; return it."""
+        while True:
+            await self._check_running()
+            raw = await self.r.get(keys.run_version(self.run_id))
+            if raw is not None and int(raw) >= at_least:
+                return int(raw)
+            await asyncio.sleep(POLL_S * 2)
+
+    async def _run_step(self, step: int) -> None:
+        spec = self.spec
+        examples = self.task.examples(spec.seed, step, spec.prompts_per_step)
+        prompts = [self.tokenizer.encode(e.prompt).ids for e in examples]
+        table = RequestTable(
+            self.run_id, step, step, prompts, spec.group_size, spec.max_new_tokens,
+            spec.temperature, spec.top_p, spec.seed, self.stop_ids,
+        )
+        self.table = table
+        jobs = keys.jobs_stream(self.run_id, step)
+        await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for job in table.initial_jobs():
+                pipe.xadd(jobs, job.fields())
+            await pipe.execute()
+        started = time.monotonic()
+        log.info("step %d: queued %d jobs on %s", step, len(table.requests), jobs)
+        rewards: dict[str, float] = {}
+        last_check = started
+        while not table.complete:
+            await self._collect(table, examples, rewards)
+            PENDING.set(len(table.unfinished()))
+            if time.monotonic() - last_check > 0.5:
+                await self._check_running()
+                last_check = time.monotonic()
+        rollout_s = time.monotonic() - started
+        ROLLOUT_S.observe(rollout_s)
+        tokens = sum(len(r.token_ids) for r in table.requests.values())
+        mean_reward = sum(rewards.values()) / max(1, len(rewards))
+        await record_step(self.r, self.run_id, step, {
+            "version": step,
+            "reward_mean": mean_reward,
+            "response_tokens": tokens,
+            "response_len_mean": tokens / len(table.requests),
+            "rollout_s": rollout_s,
+            "tokens_per_s": tokens / max(rollout_s, 1e-9),
+            "stale_deltas": table.stats[Applied.STALE_LEASE.value],
+        })
+        await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
+        log.info("step %d: rollout done in %.2fs, %d tokens, reward %.3f",
+                 step, rollout_s, tokens, mean_reward)
+
+    async def _collect(self, table: RequestTable, examples: list[Example], rewards: dict) -> None:
+        deltas = keys.deltas_stream(self.run_id)
+        entries = await with_reconnect(
+            lambda: read_group(self.r, deltas, keys.COORDINATOR_GROUP, self.consumer,
+                               DELTA_BATCH, int(POLL_S * 1000)),
+            "read deltas",
+        )
+        if not entries:
+            return
+        parked: list[tuple[bytes, str]] = []
+        finished_groups: set[int] = set()
+        for entry in entries:
+            batch = decode_or_park(DeltaBatch, entry, parked)
+            if batch is None:
+                continue
+            for item in batch.items:
+                before = len(table.requests[item.request_id].token_ids) \
+                    if item.request_id in table.requests else 0
+                outcome = table.apply(item)
+                DELTA_ITEMS.labels(outcome.value).inc()
+                if outcome in (Applied.APPENDED, Applied.FINISHED):
+                    TOKENS.inc(len(table.requests[item.request_id].token_ids) - before)
+                if outcome is Applied.FINISHED:
+                    state = table.requests[item.request_id]
+                    text = self.tokenizer.decode(
+                        [t for t in state.token_ids if t not in self.stop_ids])
+                    rewards[item.request_id] = self.task.reward(text, examples[state.prompt_index])
+                    if table.group_done(state.prompt_index):
+                        finished_groups.add(state.prompt_index)
+        for p in sorted(finished_groups):
+            if p in table.pending_groups:
+                await self._publish_group(table, p, rewards)
+                table.pending_groups.discard(p)
+        await park(self.r, keys.parked_stream(self.run_id), "deltas", parked)
+        await self.r.xack(deltas, keys.COORDINATOR_GROUP, *[e[0] for e in entries])
+
+    async def _publish_group(self, table: RequestTable, p: int, rewards: dict) -> None:
+        members = table.group(p)
+        group = Group(
+            run_id=self.run_id,
+            step=table.step,
+            version=table.version,
+            prompt_index=p,
+            prompt_ids=table.prompts[p],
+            responses=[
+                Response(token_ids=m.token_ids, logprobs=m.logprobs, reward=rewards[m.request_id],
+                         finish_reason=m.finish_reason or "length", leases=m.lease + 1)
+                for m in members
+            ],
+        )
+        await self.r.xadd(keys.groups_stream(self.run_id), group.fields())
+        GROUPS.inc()

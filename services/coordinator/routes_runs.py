@@ -1,0 +1,73 @@
+"""/v1/runs: submit, list, inspect, cancel runs and read their per-step metrics."""
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from services.common import keys
+from services.common.runspec import ModelFolderError, RunSpec
+from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
+from services.coordinator.schemas import RunCreated, RunPublic
+
+
+def build_router(store: RunStore, write_guard) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs", tags=["runs"])
+    write = [Depends(write_guard)]
+
+    async def public(run_id: str) -> RunPublic:
+        try:
+            run = await store.get(run_id)
+        except RunNotFound:
+            raise HTTPException(404, f"run {run_id} does not exist") from None
+        spec = RunSpec.model_validate_json(run["spec"])
+        version = await store.version(run_id)
+        rows = await store.metrics(run_id)
+        last = next((row for row in reversed(rows) if "reward_mean" in row), {})
+        incomplete = await store.r.hget(keys.trainer_state(run_id), "groups_incomplete")
+        return RunPublic(
+            id=run_id,
+            state=run["state"],
+            spec=spec,
+            step=version or 0,
+            steps=spec.steps,
+            weight_version=version,
+            reward_mean=last.get("reward_mean"),
+            tokens_per_s=last.get("tokens_per_s"),
+            groups_incomplete=int(incomplete or 0),
+            created_at=float(run["created_at"]),
+            started_at=float(run["started_at"]) if "started_at" in run else None,
+            finished_at=float(run["finished_at"]) if "finished_at" in run else None,
+            error=run.get("error", ""),
+        )
+
+    @router.post("", status_code=201, response_model=RunCreated, dependencies=write)
+    async def submit(spec: RunSpec) -> RunCreated:
+        try:
+            spec.check_model_folder()
+        except ModelFolderError as exc:
+            raise HTTPException(400, str(exc)) from None
+        run_id = await store.submit(spec)
+        return RunCreated(id=run_id, state="queued")
+
+    @router.get("", response_model=list[RunPublic])
+    async def list_runs(limit: int = 100) -> list[RunPublic]:
+        return [await public(run_id) for run_id in await store.list_ids(max(1, min(limit, 1000)))]
+
+    @router.get("/{run_id}", response_model=RunPublic)
+    async def get_run(run_id: str) -> RunPublic:
+        return await public(run_id)
+
+    @router.get("/{run_id}/metrics")
+    async def metrics(run_id: str, request: Request) -> dict:
+        await public(run_id)
+        return {"run_id": run_id, "steps": await store.metrics(run_id)}
+
+    @router.post("/{run_id}/cancel", response_model=RunPublic, dependencies=write)
+    async def cancel(run_id: str) -> RunPublic:
+        try:
+            await store.cancel(run_id)
+        except RunNotFound:
+            raise HTTPException(404, f"run {run_id} does not exist") from None
+        except RunNotCancellable as exc:
+            raise HTTPException(409, str(exc)) from None
+        return await public(run_id)
+
+    return router

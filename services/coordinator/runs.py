@@ -1,0 +1,101 @@
+"""Runs in Redis: submission into a FIFO queue, listing, cancellation, activation, metrics rows.
+
+A run is a hash `run(id)`; the queue is a list; at most one run is active at a time.
+"""
+
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from services.common import keys
+from services.common.runspec import FINAL_STATES, RunSpec
+from services.common.step_metrics import read_steps
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+class RunNotCancellable(ValueError):
+    pass
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+class RunStore:
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+
+    async def submit(self, spec: RunSpec) -> str:
+        run_id = time.strftime("r%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        now = time.time()
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                keys.run(run_id),
+                mapping={"id": run_id, "spec": spec.model_dump_json(), "state": "queued",
+                         "created_at": now},
+            )
+            pipe.zadd(keys.RUN_INDEX, {run_id: now})
+            pipe.rpush(keys.RUN_QUEUE, run_id)
+            await pipe.execute()
+        return run_id
+
+    async def get(self, run_id: str) -> dict[str, str]:
+        h = await self.r.hgetall(keys.run(run_id))
+        if not h:
+            raise RunNotFound(run_id)
+        return _decode(h)
+
+    async def spec(self, run_id: str) -> RunSpec:
+        return RunSpec.model_validate_json((await self.get(run_id))["spec"])
+
+    async def list_ids(self, limit: int = 100) -> list[str]:
+        return [x.decode() for x in await self.r.zrevrange(keys.RUN_INDEX, 0, limit - 1)]
+
+    async def active(self) -> str | None:
+        value = await self.r.get(keys.ACTIVE_RUN)
+        return value.decode() if value else None
+
+    async def activate_next(self) -> str | None:
+        """Pop the oldest queued run and make it active (no-op while one is active)."""
+        if await self.active():
+            return None
+        while True:
+            raw = await self.r.lpop(keys.RUN_QUEUE)
+            if raw is None:
+                return None
+            run_id = raw.decode()
+            state = await self.r.hget(keys.run(run_id), "state")
+            if state == b"queued":
+                break
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.run(run_id), mapping={"state": "running", "started_at": time.time()})
+            pipe.set(keys.ACTIVE_RUN, run_id)
+            await pipe.execute()
+        return run_id
+
+    async def finish(self, run_id: str, state: str, error: str = "") -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.run(run_id),
+                      mapping={"state": state, "finished_at": time.time(), "error": error})
+            await pipe.execute()
+        if await self.active() == run_id:
+            await self.r.delete(keys.ACTIVE_RUN)
+
+    async def cancel(self, run_id: str) -> str:
+        run = await self.get(run_id)
+        if run["state"] in FINAL_STATES:
+            raise RunNotCancellable(f"run {run_id} is already {run['state']}")
+        await self.r.lrem(keys.RUN_QUEUE, 0, run_id)
+        await self.finish(run_id, "cancelled")
+        return "cancelled"
+
+    async def version(self, run_id: str) -> int | None:
+        value = await self.r.get(keys.run_version(run_id))
+        return int(value) if value is not None else None
+
+    async def metrics(self, run_id: str) -> list[dict]:
+        return await read_steps(self.r, run_id)

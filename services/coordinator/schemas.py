@@ -1,0 +1,43 @@
+"""Request and response bodies of the coordinator's REST API (one schema per use)."""
+
+from pydantic import BaseModel, Field
+
+from services.common.messages import Pool
+from services.common.runspec import RunSpec, RunState
+
+
+class RunCreated(BaseModel):
+    id: str
+    state: RunState
+
+
+class RunPublic(BaseModel):
+    id: str
+    state: RunState
+    spec: RunSpec
+    step: int = Field(description="RL steps trained so far (= newest weight version).")
+    steps: int
+    weight_version: int | None
+    reward_mean: float | None = Field(description="Mean reward of the newest rollout step.")
+    tokens_per_s: float | None = Field(description="Rollout tokens/s of the newest step.")
+    groups_incomplete: int = Field(description="Groups the trainer got with != n responses.")
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    error: str = ""
+
+
+class WorkerCreate(BaseModel):
+    id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    pool: Pool
+    engine: str = Field(min_length=1, max_length=50)
+    slots: int = Field(ge=1, le=100000)
+    url: str = ""
+
+
+class WorkerPublic(WorkerCreate):
+    alive: bool
+    run_id: str | None = None
+    version: int | None = None
+    active: int = 0
+    tokens_generated: int = 0

@@ -1,0 +1,39 @@
+"""Rollout worker service: the worker's tasks plus health, metrics and status over HTTP."""
+
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+
+from services.common import keys
+from services.common.redis_streams import connect
+from services.common.service import BackgroundTasks, add_health_and_metrics
+from services.rollout.settings import RolloutSettings
+from services.rollout.worker import RolloutWorker
+
+
+def build_app(settings: RolloutSettings) -> FastAPI:
+    torch.set_num_threads(settings.torch_threads)
+    tasks = BackgroundTasks()
+    r = connect(settings.redis_url)
+    worker = RolloutWorker(settings, r)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks.start("jobs", worker.jobs_forever())
+        tasks.start("generate", worker.generate_forever())
+        tasks.start("heartbeat", worker.heartbeat_forever())
+        yield
+        await tasks.stop()
+        await worker._flush()
+        await r.delete(keys.worker_heartbeat(settings.worker_id))
+        await r.aclose()
+
+    app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
+    add_health_and_metrics(app, "rollout", tasks, extra=worker.status)
+
+    @app.get("/v1/status")
+    async def status() -> dict:
+        return worker.status()
+
+    return app

@@ -1,0 +1,20 @@
+"""Entry point: `python -m services.rollout.main`."""
+
+import os
+
+from services.common.logs import setup_logging
+from services.common.service import serve
+from services.rollout.settings import RolloutSettings
+
+
+def main() -> None:
+    settings = RolloutSettings()
+    os.environ.setdefault("OMP_NUM_THREADS", str(settings.torch_threads))
+    setup_logging(f"rollout[{settings.worker_id}]", settings.log_level)
+    from services.rollout.app import build_app
+
+    serve(build_app(settings), settings.host, settings.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.messages import Pool
+from services.common.settings import CommonSettings
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class RolloutSettings(CommonSettings):
+    port: int = Field(8400, ge=0, le=65535, description="HTTP port (health, metrics, status).")
+    worker_id: str = Field(default_factory=default_worker_id, description="Unique worker name.")
+    pool: Pool = Field("preemptible", description="reserved (training hardware) or preemptible.")
+    engine: Literal["hf"] = Field("hf", description="Generation backend.")
+    device: str = Field("cpu", description="torch device of the engine.")
+    slots: int = Field(64, ge=1, le=4096, description="Most requests generated at once.")
+    flush_tokens: int = Field(4, ge=1, le=4096, description="Flush deltas every N decode steps.")
+    flush_ms: int = Field(100, ge=1, le=60000, description="...or after this many milliseconds.")
+    heartbeat_s: float = Field(1.0, gt=0, le=60, description="Heartbeat period.")
+    heartbeat_ttl_s: float = Field(5.0, gt=0, le=600, description="Declared dead after this.")
+    cache_dir: Path = Field(Path(".spotrl/rollout"), description="Where pulled weights go.")
+    advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")

@@ -1,0 +1,244 @@
+"""The rollout worker: registers with the coordinator, heartbeats, pulls the weights of the
+active run's newest version, reads token-level jobs of exactly that version, generates, and
+flushes token deltas every few tokens. One asyncio task talks to Redis; one drives the engine.
+
+The engine is touched only by the generation task (in a worker thread during a decode step),
+so adding jobs and stepping never race.
+"""
+
+import asyncio
+import logging
+import time
+
+import httpx
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common import keys
+from services.common.messages import DeltaBatch, DeltaItem, Heartbeat, Job
+from services.common.redis_streams import (
+    decode_or_park,
+    park,
+    read_group,
+    with_reconnect,
+)
+from services.common.service import auth_headers
+from services.common.weights import WeightClient
+from services.rollout.engine import HFEngine, TokenEvent
+from services.rollout.settings import RolloutSettings
+
+log = logging.getLogger(__name__)
+TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["pool"])
+ACTIVE = Gauge("spotrl_rollout_active_requests", "Requests generating")
+PULL_S = Histogram("spotrl_rollout_weight_pull_seconds", "Weight pull + load time",
+                   buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
+FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
+
+
+class Pending:
+    """Tokens of one request generated since its last flush."""
+
+    def __init__(self, lease: int, offset: int) -> None:
+        self.lease, self.offset = lease, offset
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason = None
+
+
+class RolloutWorker:
+    def __init__(self, settings: RolloutSettings, r: aioredis.Redis) -> None:
+        self.s = settings
+        self.r = r
+        self.engine = HFEngine(settings.device)
+        self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
+        self.run_id: str | None = None
+        self.version: int | None = None
+        self.inbox: asyncio.Queue[tuple[bytes, Job]] = asyncio.Queue()
+        self.entry_of: dict[str, bytes] = {}  # request id -> job entry id, acked when finished
+        self.pending: dict[str, Pending] = {}
+        self.tokens_generated = 0
+        self.steps_since_flush = 0
+        self.last_flush = time.monotonic()
+        self.state = "starting"
+
+    @property
+    def busy(self) -> int:
+        return self.engine.active + self.inbox.qsize()
+
+    # ---- registration and heartbeat ----
+    async def register(self) -> None:
+        body = {"id": self.s.worker_id, "pool": self.s.pool, "engine": self.s.engine,
+                "slots": self.s.slots, "url": self.s.advertise_url}
+        delay = 0.2
+        while True:
+            try:
+                async with httpx.AsyncClient(timeout=10.0) as http:
+                    resp = await http.post(f"{self.s.coordinator_url}/v1/workers", json=body,
+                                           headers=auth_headers(self.s.api_token))
+                if resp.status_code == 201:
+                    log.info("registered %s (%s pool)", self.s.worker_id, self.s.pool)
+                    return
+                raise RuntimeError(f"registration refused: {resp.status_code} {resp.text}")
+            except httpx.HTTPError as exc:
+                log.warning("coordinator not reachable (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            beat = Heartbeat(
+                worker_id=self.s.worker_id, pool=self.s.pool, run_id=self.run_id,
+                version=self.version, active=self.busy, slots=self.s.slots,
+                tokens_generated=self.tokens_generated, at=time.time(),
+            )
+            await with_reconnect(
+                lambda b=beat: self.r.set(keys.worker_heartbeat(self.s.worker_id), b.encode(),
+                                          px=int(self.s.heartbeat_ttl_s * 1000)),
+                "heartbeat",
+            )
+            await asyncio.sleep(self.s.heartbeat_s)
+
+    # ---- jobs ----
+    async def jobs_forever(self) -> None:
+        await self.register()
+        while True:
+            raw = await with_reconnect(lambda: self.r.get(keys.ACTIVE_RUN), "active run")
+            run_id = raw.decode() if raw else None
+            if run_id != self.run_id:
+                await self._switch_run(run_id)
+            if run_id is None:
+                self.state = "idle"
+                await asyncio.sleep(0.1)
+                continue
+            raw_v = await self.r.get(keys.run_version(run_id))
+            latest = int(raw_v) if raw_v is not None else None
+            if latest is None:
+                await asyncio.sleep(0.05)
+                continue
+            if latest != self.version:
+                await self._load_version(run_id, latest)
+                continue
+            free = self.s.slots - self.busy
+            if free <= 0:
+                await asyncio.sleep(0.01)
+                continue
+            self.state = "serving"
+            stream = keys.jobs_stream(run_id, self.version)
+            entries = await with_reconnect(
+                lambda: read_group(self.r, stream, keys.WORKERS_GROUP, self.s.worker_id, free, 50),
+                "read jobs",
+            )
+            parked: list[tuple[bytes, str]] = []
+            for entry in entries:
+                job = decode_or_park(Job, entry, parked)
+                if job is not None:
+                    self.inbox.put_nowait((entry[0], job))
+            await park(self.r, keys.parked_stream(run_id), "jobs", parked)
+            if parked:
+                await self.r.xack(stream, keys.WORKERS_GROUP, *[p[0] for p in parked])
+
+    async def _switch_run(self, run_id: str | None) -> None:
+        dropped = self.engine.abort_all()
+        while not self.inbox.empty():
+            self.inbox.get_nowait()
+        self.entry_of.clear()
+        self.pending.clear()
+        if dropped:
+            log.info("run changed: dropped %d requests", len(dropped))
+        self.run_id, self.version = run_id, None
+
+    async def _load_version(self, run_id: str, version: int) -> None:
+        self.state = "loading"
+        started = time.monotonic()
+        dest = self.s.cache_dir / self.s.worker_id / run_id / f"v{version}"
+        result = await self.weights.pull(run_id, version, dest)
+        await asyncio.to_thread(self.engine.load, result.folder)
+        self.version = version
+        await self.r.sadd(keys.worker_loads(run_id, self.s.worker_id), version)
+        PULL_S.observe(time.monotonic() - started)
+        PULL_BYTES.inc(result.bytes)
+        log.info("loaded %s v%d (%d bytes) in %.2fs", run_id, version, result.bytes,
+                 time.monotonic() - started)
+        if version > 0:
+            old = self.s.cache_dir / self.s.worker_id / run_id / f"v{version - 1}"
+            await asyncio.to_thread(_remove_tree, old)
+
+    # ---- generation ----
+    async def generate_forever(self) -> None:
+        while True:
+            while not self.inbox.empty():
+                entry_id, job = self.inbox.get_nowait()
+                if job.run_id != self.run_id or job.version != self.version:
+                    continue
+                self.engine.add(job)
+                self.entry_of[job.request_id] = entry_id
+                self.pending[job.request_id] = Pending(job.lease, len(job.prefix_ids))
+            ACTIVE.set(self.engine.active)
+            if self.engine.active == 0:
+                await self._flush()
+                await asyncio.sleep(0.005)
+                continue
+            events = await asyncio.to_thread(self.engine.step)
+            finished = self._record(events)
+            self.steps_since_flush += 1
+            due = (time.monotonic() - self.last_flush) * 1000 >= self.s.flush_ms
+            if finished or due or self.steps_since_flush >= self.s.flush_tokens:
+                await self._flush()
+
+    def _record(self, events: list[TokenEvent]) -> bool:
+        finished = False
+        for ev in events:
+            p = self.pending.get(ev.request_id)
+            if p is None:
+                continue
+            p.tokens.append(ev.token_id)
+            p.logprobs.append(ev.logprob)
+            if ev.finish_reason is not None:
+                p.finish_reason = ev.finish_reason
+                finished = True
+        self.tokens_generated += len(events)
+        TOKENS.labels(self.s.pool).inc(len(events))
+        return finished
+
+    async def _flush(self) -> None:
+        self.steps_since_flush = 0
+        self.last_flush = time.monotonic()
+        items, done = [], []
+        for rid, p in self.pending.items():
+            if not p.tokens and p.finish_reason is None:
+                continue
+            items.append(DeltaItem(request_id=rid, lease=p.lease, offset=p.offset,
+                                   token_ids=p.tokens, logprobs=p.logprobs,
+                                   finished=p.finish_reason is not None,
+                                   finish_reason=p.finish_reason))
+            if p.finish_reason is not None:
+                done.append(rid)
+            else:
+                p.offset += len(p.tokens)
+                p.tokens, p.logprobs = [], []
+        if not items or self.run_id is None:
+            return
+        batch = DeltaBatch(worker_id=self.s.worker_id, version=self.version or 0, items=items)
+        run_id = self.run_id
+        await with_reconnect(lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields()),
+                             "flush deltas")
+        FLUSHES.inc()
+        if done:
+            stream = keys.jobs_stream(run_id, self.version or 0)
+            entry_ids = [self.entry_of.pop(rid) for rid in done if rid in self.entry_of]
+            for rid in done:
+                self.pending.pop(rid, None)
+            if entry_ids:
+                await self.r.xack(stream, keys.WORKERS_GROUP, *entry_ids)
+
+    def status(self) -> dict:
+        return {"worker_id": self.s.worker_id, "pool": self.s.pool, "state": self.state,
+                "run_id": self.run_id, "version": self.version, "active": self.engine.active,
+                "tokens_generated": self.tokens_generated}
+
+
+def _remove_tree(path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

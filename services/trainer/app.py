@@ -1,0 +1,34 @@
+"""Trainer service: the training loop as a background task, plus health, metrics and status."""
+
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+
+from services.common.redis_streams import connect
+from services.common.service import BackgroundTasks, add_health_and_metrics
+from services.trainer.loop import TrainerLoop
+from services.trainer.settings import TrainerSettings
+
+
+def build_app(settings: TrainerSettings) -> FastAPI:
+    torch.set_num_threads(settings.torch_threads)
+    tasks = BackgroundTasks()
+    r = connect(settings.redis_url)
+    loop = TrainerLoop(settings, r)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks.start("trainer", loop.forever())
+        yield
+        await tasks.stop()
+        await r.aclose()
+
+    app = FastAPI(title="spotrl trainer", version="1", lifespan=lifespan)
+    add_health_and_metrics(app, "trainer", tasks, extra=lambda: {"status": loop.status})
+
+    @app.get("/v1/status")
+    async def status() -> dict:
+        return loop.status
+
+    return app

@@ -1,0 +1,136 @@
+"""Build a small base model for a task: a byte-level BPE tokenizer trained offline with
+`tokenizers`, a Qwen2-architecture model with untied embeddings, and a short pre-training on the
+task's format. The result is a Hugging Face folder (config.json, model.safetensors,
+tokenizer.json) that every engine and the trainer load like any other model.
+
+It does not download anything and is not meant to make a good model: only one that knows the
+task's format, so that RL starts above zero reward and below the ceiling.
+"""
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field
+
+from services.common.tasks import load_task
+
+log = logging.getLogger(__name__)
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+class InitModelSpec(BaseModel):
+    task: str = "arithmetic"
+    task_path: str | None = None
+    hidden_size: int = Field(128, ge=16, le=4096)
+    layers: int = Field(3, ge=1, le=64)
+    heads: int = Field(4, ge=1, le=64)
+    vocab_size: int = Field(320, ge=260, le=65536, description="BPE vocabulary target")
+    pretrain_steps: int = Field(600, ge=0, description="optimizer steps of pre-training")
+    batch_size: int = Field(128, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    label_noise: float = Field(
+        0.55, ge=0, le=1, description="share of pre-training answers that are wrong"
+    )
+    seed: int = 0
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
+
+
+def build_model(spec: InitModelSpec, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.hidden_size * 3,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def pretrain(
+    model, tokenizer, texts: list[str], spec: InitModelSpec, progress: Callable | None = None
+) -> float:
+    """Next-token training on `texts` (+EOS); returns the last loss."""
+    rng = random.Random(spec.seed)
+    encoded = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
+    warmup = max(1, spec.pretrain_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, spec.pretrain_steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    loss_value = float("nan")
+    for step in range(spec.pretrain_steps):
+        batch = rng.sample(encoded, min(spec.batch_size, len(encoded)))
+        width = max(len(x) for x in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_value = loss.item()
+        if progress is not None:
+            progress(step + 1, spec.pretrain_steps, loss_value)
+    model.eval()
+    return loss_value
+
+
+def init_model(out_dir: str | Path, spec: InitModelSpec, progress: Callable | None = None) -> Path:
+    """Build, pre-train and save a base model in `out_dir`; returns the folder."""
+    out = Path(out_dir)
+    started = time.monotonic()
+    task = load_task(spec.task, spec.task_path)
+    texts = task.corpus(spec.seed, 20000, spec.label_noise)
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    model = build_model(spec, tokenizer)
+    loss = pretrain(model, tokenizer, texts, spec, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "spotrl-init.json").write_text(spec.model_dump_json(indent=2))
+    log.info("built %s in %.1fs (final loss %.3f)", out, time.monotonic() - started, loss)
+    return out

@@ -1,0 +1,156 @@
+"""The trainer loop: wait for the active run, publish its base weights as version 0, then for
+each step consume the step's B groups as they arrive (backpropagating each on arrival), step the
+optimizer once, commit version v+1 to the weight store and announce it.
+
+Groups are acknowledged on the stream only after the version they trained is committed.
+"""
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common import keys
+from services.common.messages import Group
+from services.common.redis_streams import (
+    decode_or_park,
+    ensure_group,
+    park,
+    read_group,
+    with_reconnect,
+)
+from services.common.runspec import RunSpec
+from services.common.step_metrics import record_step
+from services.common.weights import WeightClient
+from services.trainer.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+STEPS = Counter("spotrl_trainer_steps_total", "Optimizer steps")
+GROUPS = Counter("spotrl_trainer_groups_total", "Groups consumed", ["outcome"])
+STEP_S = Histogram("spotrl_trainer_step_seconds", "Wall time of an RL step in the trainer")
+WAIT_S = Counter("spotrl_trainer_wait_seconds_total", "Seconds idle waiting for groups")
+VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")
+
+
+class RunStopped(Exception):
+    pass
+
+
+class TrainerLoop:
+    def __init__(self, settings: TrainerSettings, r: aioredis.Redis) -> None:
+        self.settings = settings
+        self.r = r
+        self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
+        self.status: dict = {"run_id": None, "step": None, "state": "idle"}
+
+    async def forever(self) -> None:
+        while True:
+            run_id = await with_reconnect(lambda: self.r.get(keys.ACTIVE_RUN), "active run")
+            if run_id is None:
+                self.status = {"run_id": None, "step": None, "state": "idle"}
+                await asyncio.sleep(self.settings.poll_s)
+                continue
+            run_id = run_id.decode()
+            try:
+                await self.train_run(run_id)
+            except RunStopped as exc:
+                log.info("run %s stopped: %s", run_id, exc)
+            # wait for the coordinator to move on from this run
+            while await self.r.get(keys.ACTIVE_RUN) == run_id.encode():
+                await asyncio.sleep(self.settings.poll_s)
+
+    async def _check_running(self, run_id: str) -> None:
+        state = await self.r.hget(keys.run(run_id), "state")
+        if state != b"running":
+            raise RunStopped(state.decode() if state else "deleted")
+
+    async def train_run(self, run_id: str) -> None:
+        from services.trainer.policy import Policy
+
+        spec = RunSpec.model_validate_json(await self.r.hget(keys.run(run_id), "spec"))
+        self.status = {"run_id": run_id, "step": 0, "state": "loading"}
+        policy = await asyncio.to_thread(Policy, Path(spec.model), spec, self.settings.device)
+        groups_stream = keys.groups_stream(run_id)
+        await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
+        version = await self.r.get(keys.run_version(run_id))
+        if version is None:
+            await self._publish(run_id, policy, 0, spec)
+            version = 0
+        step = int(version)
+        while step < spec.steps:
+            await self._check_running(run_id)
+            self.status = {"run_id": run_id, "step": step, "state": "training"}
+            await self._train_step(run_id, spec, policy, step)
+            step += 1
+        self.status = {"run_id": run_id, "step": step, "state": "done"}
+        log.info("run %s: trained %d steps", run_id, step)
+
+    async def _train_step(self, run_id: str, spec: RunSpec, policy, step: int) -> None:
+        stream = keys.groups_stream(run_id)
+        started = time.monotonic()
+        wait_s = 0.0
+        consumed = 0
+        incomplete = 0
+        entry_ids: list[bytes] = []
+        last_check = started
+        while consumed < spec.prompts_per_step:
+            t0 = time.monotonic()
+            entries = await with_reconnect(
+                lambda: read_group(self.r, stream, keys.TRAINER_GROUP, "trainer",
+                                   spec.prompts_per_step - consumed, 100),
+                "read groups",
+            )
+            if not entries:
+                wait_s += time.monotonic() - t0
+                if time.monotonic() - last_check > 0.5:
+                    await self._check_running(run_id)
+                    last_check = time.monotonic()
+                continue
+            parked: list[tuple[bytes, str]] = []
+            good: list[Group] = []
+            for entry in entries:
+                entry_ids.append(entry[0])
+                group = decode_or_park(Group, entry, parked)
+                if group is None:
+                    continue
+                if group.step != step:
+                    parked.append((entry[0], f"group of step {group.step} during step {step}"))
+                    continue
+                if len(group.responses) != spec.group_size:
+                    incomplete += 1
+                    GROUPS.labels("incomplete").inc()
+                    parked.append((entry[0], f"{len(group.responses)} responses, want n={spec.group_size}"))
+                    continue
+                good.append(group)
+            await park(self.r, keys.parked_stream(run_id), "groups", parked)
+            consumed += len(good)
+            GROUPS.labels("trained").inc(len(good))
+            if good:
+                await asyncio.to_thread(policy.accumulate, good)
+        WAIT_S.inc(wait_s)
+        stats = await asyncio.to_thread(policy.optimizer_step)
+        await self._publish(run_id, policy, step + 1, spec)
+        await self.r.xack(stream, keys.TRAINER_GROUP, *entry_ids)
+        await self.r.hincrby(keys.trainer_state(run_id), "groups_incomplete", incomplete)
+        await self.r.hincrby(keys.trainer_state(run_id), "groups_trained", consumed)
+        await self.r.hset(keys.trainer_state(run_id), "steps_trained", step + 1)
+        train_s = time.monotonic() - started
+        STEP_S.observe(train_s)
+        STEPS.inc()
+        await record_step(self.r, run_id, step, stats | {
+            "train_s": train_s, "train_wait_s": wait_s, "groups_incomplete": incomplete,
+        })
+        log.info("run %s step %d: trained %d groups in %.2fs (waited %.2fs), loss %.4f",
+                 run_id, step, consumed, train_s, wait_s, stats["policy_loss"])
+
+    async def _publish(self, run_id: str, policy, version: int, spec: RunSpec) -> None:
+        t0 = time.monotonic()
+        folder = self.settings.work_dir / run_id / f"v{version}"
+        await asyncio.to_thread(policy.export, folder)
+        await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
+        await self.r.set(keys.run_version(run_id), version)
+        VERSION.set(version)
+        log.info("run %s: version %d committed in %.2fs", run_id, version, time.monotonic() - t0)

@@ -1,0 +1,12 @@
+from pathlib import Path
+
+from pydantic import Field
+
+from services.common.settings import CommonSettings
+
+
+class TrainerSettings(CommonSettings):
+    port: int = Field(8300, ge=0, le=65535, description="HTTP port (health, metrics, status).")
+    work_dir: Path = Field(Path(".spotrl/trainer"), description="Scratch folder for exports.")
+    device: str = Field("cpu", description="torch device for training, e.g. cpu or cuda.")
+    poll_s: float = Field(0.1, gt=0, le=60, description="Idle poll of the active run.")

@@ -1,0 +1,99 @@
+"""Weight store HTTP API: upload files of a version, commit it atomically, read manifests and
+files (with HTTP range requests). It knows nothing of runs or training.
+"""
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import FileResponse, JSONResponse
+from prometheus_client import Counter
+
+from services.common.service import BackgroundTasks, add_health_and_metrics, token_guard
+from services.weightstore.settings import WeightStoreSettings
+from services.weightstore.storage import FileEntry, Manifest, StorageError, WeightStorage
+
+log = logging.getLogger(__name__)
+BYTES_IN = Counter("spotrl_weightstore_bytes_received_total", "Bytes uploaded")
+COMMITS = Counter("spotrl_weightstore_commits_total", "Versions committed")
+
+
+def build_app(settings: WeightStoreSettings) -> FastAPI:
+    storage = WeightStorage(settings.root, settings.keep_versions)
+    tasks = BackgroundTasks()
+    write_auth = [Depends(token_guard(settings.api_token))]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # An upload cut off before its commit is never served: staging starts empty.
+        for model in storage.models():
+            storage.discard_staging(model)
+        yield
+        await tasks.stop()
+
+    app = FastAPI(title="spotrl weight store", version="1", lifespan=lifespan)
+    app.state.storage = storage
+    add_health_and_metrics(app, "weightstore", tasks)
+
+    @app.exception_handler(StorageError)
+    async def storage_error(request: Request, exc: StorageError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.put(
+        "/v1/models/{model}/versions/{version}/files/{name}",
+        dependencies=write_auth,
+        response_model=FileEntry,
+    )
+    async def upload_file(
+        model: str,
+        version: int,
+        name: str,
+        request: Request,
+        x_sha256: Annotated[str | None, Header()] = None,
+    ) -> FileEntry:
+        async def chunks():
+            async for chunk in request.stream():
+                BYTES_IN.inc(len(chunk))
+                yield chunk
+
+        if version < 0:
+            raise StorageError("version must be >= 0")
+        return await storage.write_file(model, version, name, chunks(), x_sha256)
+
+    @app.post(
+        "/v1/models/{model}/versions/{version}/commit",
+        dependencies=write_auth,
+        response_model=Manifest,
+        status_code=201,
+    )
+    async def commit(model: str, version: int, manifest: Manifest) -> Manifest:
+        if version < 0:
+            raise StorageError("version must be >= 0")
+        committed = storage.commit(model, version, manifest)
+        COMMITS.inc()
+        log.info("committed %s v%d (%d files, %d bytes)", model, version,
+                 len(committed.files), committed.total_bytes())
+        return committed
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"models": storage.models()}
+
+    @app.get("/v1/models/{model}/versions")
+    async def list_versions(model: str) -> dict:
+        return {"model": model, "versions": storage.versions(model)}
+
+    @app.get("/v1/models/{model}/latest", response_model=Manifest)
+    async def latest(model: str) -> Manifest:
+        return storage.latest(model)
+
+    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
+    async def manifest(model: str, version: int) -> Manifest:
+        return storage.manifest(model, version)
+
+    @app.get("/v1/models/{model}/versions/{version}/files/{name}")
+    async def read_file(model: str, version: int, name: str) -> FileResponse:
+        return FileResponse(storage.file_path(model, version, name))
+
+    return app

@@ -1,0 +1,17 @@
+"""Entry point: `python -m services.weightstore.main`."""
+
+from services.common.logs import setup_logging
+from services.common.service import serve
+from services.weightstore.settings import WeightStoreSettings
+
+
+def main() -> None:
+    settings = WeightStoreSettings()
+    setup_logging("weightstore", settings.log_level)
+    from services.weightstore.app import build_app
+
+    serve(build_app(settings), settings.host, settings.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+from pathlib import Path
+
+from pydantic import Field
+
+from services.common.settings import CommonSettings
+
+
+class WeightStoreSettings(CommonSettings):
+    port: int = Field(8200, ge=0, le=65535, description="HTTP port.")
+    root: Path = Field(Path(".spotrl/weights"), description="Folder holding every version.")
+    keep_versions: int = Field(4, ge=1, le=10000, description="Committed versions kept per model.")

@@ -1,0 +1,172 @@
+"""Versioned model files on local disk with atomic commit.
+
+Layout under `root`:
+    {model}/staging/{version}/{file}     files being uploaded (never served)
+    {model}/v{version:08d}/{file}        committed versions, each with manifest.json
+
+A version becomes visible by one rename of its staging folder, after every file in the manifest
+was found with the right size and sha256. Retention keeps the newest `keep` versions.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+MANIFEST = "manifest.json"
+
+
+class StorageError(Exception):
+    status = 400
+
+
+class NotFound(StorageError):
+    status = 404
+
+
+class Conflict(StorageError):
+    status = 409
+
+
+class FileEntry(BaseModel):
+    name: str = Field(pattern=NAME_RE.pattern)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Manifest(BaseModel):
+    model: str = ""
+    version: int = Field(0, ge=0)
+    files: list[FileEntry] = Field(min_length=1)
+    metadata: dict[str, str | int | float | bool | None] = {}
+
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME_RE.match(name) or name == MANIFEST:
+        raise StorageError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-'")
+    return name
+
+
+class WeightStorage:
+    def __init__(self, root: str | Path, keep: int) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ---- paths ----
+    def _model_dir(self, model: str) -> Path:
+        return self.root / check_name("model", model)
+
+    def _staging(self, model: str, version: int) -> Path:
+        return self._model_dir(model) / "staging" / str(version)
+
+    def committed_dir(self, model: str, version: int) -> Path:
+        return self._model_dir(model) / f"v{version:08d}"
+
+    def is_committed(self, model: str, version: int) -> bool:
+        return (self.committed_dir(model, version) / MANIFEST).is_file()
+
+    # ---- writes ----
+    async def write_file(
+        self, model: str, version: int, name: str, chunks: AsyncIterator[bytes], sha256: str | None
+    ) -> FileEntry:
+        """Stream one file into staging; the file appears under its name only when complete."""
+        check_name("file", name)
+        if self.is_committed(model, version):
+            raise Conflict(f"{model} version {version} is committed; its files cannot change")
+        staging = self._staging(model, version)
+        staging.mkdir(parents=True, exist_ok=True)
+        part = staging / f".{name}.part"
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(part, "wb") as fh:
+                async for chunk in chunks:
+                    fh.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+            got = digest.hexdigest()
+            if sha256 is not None and sha256.lower() != got:
+                raise StorageError(f"{name}: sha256 of the bytes received is {got}, not {sha256}")
+            os.replace(part, staging / name)
+        finally:
+            part.unlink(missing_ok=True)
+        (staging / f".{name}.sha256").write_text(got)
+        return FileEntry(name=name, size=size, sha256=got)
+
+    def commit(self, model: str, version: int, manifest: Manifest) -> Manifest:
+        """Make a version visible, all or nothing."""
+        if self.is_committed(model, version):
+            raise Conflict(f"{model} version {version} is already committed")
+        staging = self._staging(model, version)
+        problems = []
+        for entry in manifest.files:
+            path = staging / entry.name
+            if not path.is_file():
+                problems.append(f"{entry.name}: not uploaded")
+                continue
+            if path.stat().st_size != entry.size:
+                problems.append(f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}")
+            sha_file = staging / f".{entry.name}.sha256"
+            if sha_file.is_file() and sha_file.read_text() != entry.sha256:
+                problems.append(f"{entry.name}: sha256 differs from the manifest")
+        if problems:
+            raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
+        final = manifest.model_copy(update={"model": model, "version": version})
+        listed = {e.name for e in manifest.files}
+        for extra in staging.iterdir():
+            if extra.name not in listed:
+                extra.unlink()
+        (staging / MANIFEST).write_text(final.model_dump_json(indent=1))
+        os.replace(staging, self.committed_dir(model, version))
+        self._apply_retention(model)
+        return final
+
+    def _apply_retention(self, model: str) -> None:
+        for version in self.versions(model)[: -self.keep]:
+            shutil.rmtree(self.committed_dir(model, version), ignore_errors=True)
+
+    def discard_staging(self, model: str) -> None:
+        shutil.rmtree(self._model_dir(model) / "staging", ignore_errors=True)
+
+    # ---- reads ----
+    def models(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and NAME_RE.match(p.name))
+
+    def versions(self, model: str) -> list[int]:
+        folder = self._model_dir(model)
+        if not folder.is_dir():
+            return []
+        found = []
+        for p in folder.iterdir():
+            if p.name.startswith("v") and p.name[1:].isdigit() and (p / MANIFEST).is_file():
+                found.append(int(p.name[1:]))
+        return sorted(found)
+
+    def manifest(self, model: str, version: int) -> Manifest:
+        path = self.committed_dir(model, version) / MANIFEST
+        if not path.is_file():
+            raise NotFound(f"{model} has no committed version {version}")
+        return Manifest.model_validate(json.loads(path.read_text()))
+
+    def latest(self, model: str) -> Manifest:
+        versions = self.versions(model)
+        if not versions:
+            raise NotFound(f"model {model!r} has no committed version")
+        return self.manifest(model, versions[-1])
+
+    def file_path(self, model: str, version: int, name: str) -> Path:
+        check_name("file", name)
+        manifest = self.manifest(model, version)
+        if name not in {f.name for f in manifest.files}:
+            raise NotFound(f"{model} v{version} has no file {name!r}")
+        return self.committed_dir(model, version) / name
