@@ -11,13 +11,15 @@ class CoordinatorError(RuntimeError):
 
 class CoordinatorClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=auth_headers(token),
-                                 timeout=timeout_s)
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers=auth_headers(token), timeout=timeout_s
+        )
 
     def _json(self, resp: httpx.Response, ok: tuple[int, ...] = (200,)):
         if resp.status_code not in ok:
-            raise CoordinatorError(f"{resp.request.method} {resp.request.url.path}: "
-                                   f"{resp.status_code} {resp.text}")
+            raise CoordinatorError(
+                f"{resp.request.method} {resp.request.url.path}: {resp.status_code} {resp.text}"
+            )
         return resp.json()
 
     def submit(self, spec: dict) -> str:

@@ -36,8 +36,12 @@ class Deployment:
         self._workers = 0
 
     def base_env(self) -> dict[str, str]:
-        env = {"SPOTRL_REDIS_URL": self.redis_url, "SPOTRL_COORDINATOR_URL": self.coordinator_url,
-               "SPOTRL_WEIGHTSTORE_URL": self.weightstore_url, **self.config.extra_env}
+        env = {
+            "SPOTRL_REDIS_URL": self.redis_url,
+            "SPOTRL_COORDINATOR_URL": self.coordinator_url,
+            "SPOTRL_WEIGHTSTORE_URL": self.weightstore_url,
+            **self.config.extra_env,
+        }
         if self.config.api_token:
             env["SPOTRL_API_TOKEN"] = self.config.api_token
         return env
@@ -59,17 +63,28 @@ class Deployment:
         self.trainer_url = f"http://127.0.0.1:{tr_port}"
         env = self.base_env()
         self.procs["weightstore"] = procs.start_service(
-            "weightstore", "services.weightstore.main",
+            "weightstore",
+            "services.weightstore.main",
             env | {"SPOTRL_PORT": str(ws_port), "SPOTRL_ROOT": str(self.work_dir / "weights")},
-            self.log_dir, ws_port)
+            self.log_dir,
+            ws_port,
+        )
         self.procs["coordinator"] = procs.start_service(
-            "coordinator", "services.coordinator.main",
-            env | {"SPOTRL_PORT": str(co_port)}, self.log_dir, co_port)
+            "coordinator",
+            "services.coordinator.main",
+            env | {"SPOTRL_PORT": str(co_port)},
+            self.log_dir,
+            co_port,
+        )
         self.procs["trainer"] = procs.start_service(
-            "trainer", "services.trainer.main",
-            env | procs.thread_env(self.config.trainer_threads)
+            "trainer",
+            "services.trainer.main",
+            env
+            | procs.thread_env(self.config.trainer_threads)
             | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")},
-            self.log_dir, tr_port)
+            self.log_dir,
+            tr_port,
+        )
         for _ in range(self.config.reserved):
             self.add_worker("reserved", wait=False)
         for _ in range(self.config.preemptible):
@@ -80,13 +95,20 @@ class Deployment:
         self._workers += 1
         name = f"rollout-{pool}-{self._workers}"
         port = procs.free_port()
-        env = self.base_env() | procs.thread_env(self.config.worker_threads) | {
-            "SPOTRL_PORT": str(port), "SPOTRL_POOL": pool, "SPOTRL_WORKER_ID": name,
-            "SPOTRL_SLOTS": str(self.config.worker_slots),
-            "SPOTRL_FLUSH_TOKENS": str(self.config.flush_tokens),
-            "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
-            "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
-        } | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+        env = (
+            self.base_env()
+            | procs.thread_env(self.config.worker_threads)
+            | {
+                "SPOTRL_PORT": str(port),
+                "SPOTRL_POOL": pool,
+                "SPOTRL_WORKER_ID": name,
+                "SPOTRL_SLOTS": str(self.config.worker_slots),
+                "SPOTRL_FLUSH_TOKENS": str(self.config.flush_tokens),
+                "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
+                "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
+            }
+            | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+        )
         proc = procs.start_service(name, "services.rollout.main", env, self.log_dir, port)
         self.procs[name] = proc
         if wait:
@@ -103,8 +125,10 @@ class Deployment:
 
     def stop(self) -> None:
         """Stop workers first, then the services, then Redis."""
-        order = sorted(self.procs.values(),
-                       key=lambda p: (0 if p.name.startswith("rollout") else 2 if p.name == "redis" else 1))
+        order = sorted(
+            self.procs.values(),
+            key=lambda p: 0 if p.name.startswith("rollout") else 2 if p.name == "redis" else 1,
+        )
         for p in order:
             p.stop()
         time.sleep(0)

@@ -13,14 +13,27 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from services.cli.up import up
 
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
-    overrides = {"prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
-                 "learning_rate": args.learning_rate, "max_new_tokens": args.max_new_tokens,
-                 "temperature": args.temperature, "seed": args.seed}
+    overrides = {
+        "prompts_per_step": args.prompts_per_step,
+        "group_size": args.group_size,
+        "learning_rate": args.learning_rate,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
     if args.task_path:
         overrides["task_path"] = args.task_path
     try:
-        summary = up(DEFAULT_HOME, model, args.task, args.steps, args.reserved, args.preemptible,
-                     overrides, args.pretrain_steps)
+        summary = up(
+            DEFAULT_HOME,
+            model,
+            args.task,
+            args.steps,
+            args.reserved,
+            args.preemptible,
+            overrides,
+            args.pretrain_steps,
+        )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
         return 130
@@ -83,15 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="run the embedded default: every service locally, one RL run")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--model", help="model folder (default: build one under $SPOTRL_HOME)")
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "math"])
     p.add_argument("--task-path", help="JSONL file for the math task")
     p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
     p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
-    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

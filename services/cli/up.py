@@ -25,15 +25,24 @@ def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: 
     spec = InitModelSpec(task=task, task_path=task_path, pretrain_steps=pretrain_steps)
     with _bar("pre-training base model") as bar:
         task_id = bar.add_task("init-model", total=spec.pretrain_steps, info="")
-        init_model(model, spec, lambda s, n, loss: bar.update(task_id, completed=s,
-                                                              info=f"loss {loss:.3f}"))
+        init_model(
+            model,
+            spec,
+            lambda s, n, loss: bar.update(task_id, completed=s, info=f"loss {loss:.3f}"),
+        )
     return model
 
 
 def _bar(title: str) -> Progress:
     console.print(f"[bold]{title}[/bold]")
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
@@ -62,14 +71,23 @@ def watch(client: CoordinatorClient, run_id: str, deployment: Deployment) -> dic
             alive = [w for w in client.workers() if w["alive"]]
             reward = "-" if run["reward_mean"] is None else f"{run['reward_mean']:.3f}"
             tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:.0f}"
-            bar.update(task_id, completed=run["step"],
-                       info=f"reward {reward}  tok/s {tps}  workers {len(alive)}")
+            bar.update(
+                task_id,
+                completed=run["step"],
+                info=f"reward {reward}  tok/s {tps}  workers {len(alive)}",
+            )
     return run
 
 
 def up(
-    work_dir: Path, model: Path, task: str, steps: int, reserved: int, preemptible: int,
-    spec_overrides: dict, pretrain_steps: int,
+    work_dir: Path,
+    model: Path,
+    task: str,
+    steps: int,
+    reserved: int,
+    preemptible: int,
+    spec_overrides: dict,
+    pretrain_steps: int,
 ) -> dict:
     started = time.monotonic()
     ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)

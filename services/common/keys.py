@@ -23,7 +23,7 @@ def run_version(run_id: str) -> str:
 
 
 def run_step(run_id: str, step: int) -> str:
-    """Hash: one row of per-step metrics; rollout fields by the coordinator, train by the trainer."""
+    """Hash: one row of per-step metrics (rollout fields: coordinator; training: trainer)."""
     return f"{PREFIX}:run:{run_id}:step:{step}"
 
 

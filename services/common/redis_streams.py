@@ -66,9 +66,7 @@ async def autoclaim(
     return [e for e in reply[1] if e[1] is not None]
 
 
-def decode_or_park(
-    cls: type[M], entry: Entry, parked: list[tuple[bytes, str]]
-) -> M | None:
+def decode_or_park(cls: type[M], entry: Entry, parked: list[tuple[bytes, str]]) -> M | None:
     """Decode an entry; on failure record (entry_id, reason) in `parked` and return None."""
     entry_id, fields = entry
     try:
@@ -87,9 +85,7 @@ async def park(r: aioredis.Redis, stream: str, source: str, parked: list[tuple[b
 T = TypeVar("T")
 
 
-async def with_reconnect(
-    op: Callable[[], Awaitable[T]], what: str, max_delay_s: float = 5.0
-) -> T:
+async def with_reconnect(op: Callable[[], Awaitable[T]], what: str, max_delay_s: float = 5.0) -> T:
     """Run `op`, retrying with jittered backoff while Redis is unreachable."""
     delay = 0.1
     while True:

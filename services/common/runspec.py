@@ -27,7 +27,9 @@ class RunSpec(BaseModel):
     prompts_per_step: int = Field(16, ge=1, le=8192, description="Prompts per RL step (B).")
     steps: int = Field(20, ge=1, le=1_000_000, description="RL steps (optimizer steps).")
     max_new_tokens: int = Field(8, ge=1, le=131072, description="Response token budget.")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 = greedy.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 = greedy."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     learning_rate: float = Field(1e-4, gt=0.0, lt=1.0, description="Adam learning rate.")
     kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="KL-to-initial-policy coefficient.")

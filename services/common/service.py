@@ -74,7 +74,9 @@ def token_guard(token: str | None) -> Callable[[Request], None]:
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+            )
 
     return check
 

@@ -13,7 +13,9 @@ from services.common import keys
 
 async def record_step(r: aioredis.Redis, run_id: str, step: int, fields: dict) -> None:
     async with r.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.run_step(run_id, step), mapping={k: json.dumps(v) for k, v in fields.items()})
+        pipe.hset(
+            keys.run_step(run_id, step), mapping={k: json.dumps(v) for k, v in fields.items()}
+        )
         pipe.zadd(keys.run_steps_done(run_id), {str(step): step})
         await pipe.execute()
 

@@ -25,7 +25,8 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
     """Forever: activate the oldest queued run (or resume the active one) and drive it."""
     while True:
         run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
-            store.activate_next, "activate run")
+            store.activate_next, "activate run"
+        )
         QUEUED.set(await store.r.llen(keys.RUN_QUEUE))
         if run_id is None:
             await asyncio.sleep(settings.scheduler_poll_s)

@@ -74,7 +74,12 @@ class RequestTable:
             for s in range(group_size):
                 rid = request_id(step, p, s)
                 self.requests[rid] = RequestState(
-                    rid, p, s, prompt_ids, max_new_tokens, seed=hash((seed, step, p, s)) & 0x7FFFFFFF
+                    rid,
+                    p,
+                    s,
+                    prompt_ids,
+                    max_new_tokens,
+                    seed=hash((seed, step, p, s)) & 0x7FFFFFFF,
                 )
         self.pending_groups = set(range(len(prompts)))
         self.stats = {a.value: 0 for a in Applied}
@@ -136,7 +141,9 @@ class RequestTable:
         return Applied.APPENDED if new_tokens else Applied.DUPLICATE
 
     def group(self, prompt_index: int) -> list[RequestState]:
-        return [self.requests[request_id(self.step, prompt_index, s)] for s in range(self.group_size)]
+        return [
+            self.requests[request_id(self.step, prompt_index, s)] for s in range(self.group_size)
+        ]
 
     def group_done(self, prompt_index: int) -> bool:
         return all(r.done for r in self.group(prompt_index))

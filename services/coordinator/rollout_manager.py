@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
 TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
 GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
-ROLLOUT_S = Histogram("spotrl_coordinator_rollout_seconds", "Rollout time of a step",
-                      buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+ROLLOUT_S = Histogram(
+    "spotrl_coordinator_rollout_seconds",
+    "Rollout time of a step",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
 
 POLL_S = 0.05
@@ -93,8 +96,16 @@ class RunManager:
         examples = self.task.examples(spec.seed, step, spec.prompts_per_step)
         prompts = [self.tokenizer.encode(e.prompt).ids for e in examples]
         table = RequestTable(
-            self.run_id, step, step, prompts, spec.group_size, spec.max_new_tokens,
-            spec.temperature, spec.top_p, spec.seed, self.stop_ids,
+            self.run_id,
+            step,
+            step,
+            prompts,
+            spec.group_size,
+            spec.max_new_tokens,
+            spec.temperature,
+            spec.top_p,
+            spec.seed,
+            self.stop_ids,
         )
         self.table = table
         jobs = keys.jobs_stream(self.run_id, step)
@@ -117,24 +128,40 @@ class RunManager:
         ROLLOUT_S.observe(rollout_s)
         tokens = sum(len(r.token_ids) for r in table.requests.values())
         mean_reward = sum(rewards.values()) / max(1, len(rewards))
-        await record_step(self.r, self.run_id, step, {
-            "version": step,
-            "reward_mean": mean_reward,
-            "response_tokens": tokens,
-            "response_len_mean": tokens / len(table.requests),
-            "rollout_s": rollout_s,
-            "tokens_per_s": tokens / max(rollout_s, 1e-9),
-            "stale_deltas": table.stats[Applied.STALE_LEASE.value],
-        })
+        await record_step(
+            self.r,
+            self.run_id,
+            step,
+            {
+                "version": step,
+                "reward_mean": mean_reward,
+                "response_tokens": tokens,
+                "response_len_mean": tokens / len(table.requests),
+                "rollout_s": rollout_s,
+                "tokens_per_s": tokens / max(rollout_s, 1e-9),
+                "stale_deltas": table.stats[Applied.STALE_LEASE.value],
+            },
+        )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
-        log.info("step %d: rollout done in %.2fs, %d tokens, reward %.3f",
-                 step, rollout_s, tokens, mean_reward)
+        log.info(
+            "step %d: rollout done in %.2fs, %d tokens, reward %.3f",
+            step,
+            rollout_s,
+            tokens,
+            mean_reward,
+        )
 
     async def _collect(self, table: RequestTable, examples: list[Example], rewards: dict) -> None:
         deltas = keys.deltas_stream(self.run_id)
         entries = await with_reconnect(
-            lambda: read_group(self.r, deltas, keys.COORDINATOR_GROUP, self.consumer,
-                               DELTA_BATCH, int(POLL_S * 1000)),
+            lambda: read_group(
+                self.r,
+                deltas,
+                keys.COORDINATOR_GROUP,
+                self.consumer,
+                DELTA_BATCH,
+                int(POLL_S * 1000),
+            ),
             "read deltas",
         )
         if not entries:
@@ -146,8 +173,11 @@ class RunManager:
             if batch is None:
                 continue
             for item in batch.items:
-                before = len(table.requests[item.request_id].token_ids) \
-                    if item.request_id in table.requests else 0
+                before = (
+                    len(table.requests[item.request_id].token_ids)
+                    if item.request_id in table.requests
+                    else 0
+                )
                 outcome = table.apply(item)
                 DELTA_ITEMS.labels(outcome.value).inc()
                 if outcome in (Applied.APPENDED, Applied.FINISHED):
@@ -155,7 +185,8 @@ class RunManager:
                 if outcome is Applied.FINISHED:
                     state = table.requests[item.request_id]
                     text = self.tokenizer.decode(
-                        [t for t in state.token_ids if t not in self.stop_ids])
+                        [t for t in state.token_ids if t not in self.stop_ids]
+                    )
                     rewards[item.request_id] = self.task.reward(text, examples[state.prompt_index])
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
@@ -175,8 +206,13 @@ class RunManager:
             prompt_index=p,
             prompt_ids=table.prompts[p],
             responses=[
-                Response(token_ids=m.token_ids, logprobs=m.logprobs, reward=rewards[m.request_id],
-                         finish_reason=m.finish_reason or "length", leases=m.lease + 1)
+                Response(
+                    token_ids=m.token_ids,
+                    logprobs=m.logprobs,
+                    reward=rewards[m.request_id],
+                    finish_reason=m.finish_reason or "length",
+                    leases=m.lease + 1,
+                )
                 for m in members
             ],
         )

@@ -35,8 +35,12 @@ class RunStore:
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(
                 keys.run(run_id),
-                mapping={"id": run_id, "spec": spec.model_dump_json(), "state": "queued",
-                         "created_at": now},
+                mapping={
+                    "id": run_id,
+                    "spec": spec.model_dump_json(),
+                    "state": "queued",
+                    "created_at": now,
+                },
             )
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
@@ -79,8 +83,10 @@ class RunStore:
 
     async def finish(self, run_id: str, state: str, error: str = "") -> None:
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.run(run_id),
-                      mapping={"state": state, "finished_at": time.time(), "error": error})
+            pipe.hset(
+                keys.run(run_id),
+                mapping={"state": state, "finished_at": time.time(), "error": error},
+            )
             await pipe.execute()
         if await self.active() == run_id:
             await self.r.delete(keys.ACTIVE_RUN)

@@ -99,10 +99,12 @@ class HFEngine:
             for f in sorted(folder.glob("*.safetensors")):
                 state.update(load_file(f, device=self.device))
             missing, unexpected = self.model.load_state_dict(
-                {k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+                {k: v.to(torch.float32) for k, v in state.items()}, strict=False
+            )
             if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
-                raise ValueError(f"weights do not fit the model: missing {missing}, "
-                                 f"unexpected {unexpected}")
+                raise ValueError(
+                    f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+                )
         self._drop_cache()
 
     # ---- requests ----
@@ -163,15 +165,18 @@ class HFEngine:
         input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
         attn = torch.zeros((len(ids), width), dtype=torch.long)
         for i, c in enumerate(contexts):
-            input_ids[i, width - len(c):] = torch.tensor(c)
-            attn[i, width - len(c):] = 1
+            input_ids[i, width - len(c) :] = torch.tensor(c)
+            attn[i, width - len(c) :] = 1
         positions = (attn.cumsum(1) - 1).clamp(min=0)
         from transformers import DynamicCache
 
         cache = DynamicCache()
         out = self.model(
-            input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
-            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+            input_ids=input_ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
         )
         self._cache, self._cache_ids = out.past_key_values, ids
         self._attn, self._positions = attn, positions[:, -1]
@@ -187,9 +192,11 @@ class HFEngine:
         self._attn = torch.cat([self._attn, torch.ones((len(ids), 1), dtype=torch.long)], dim=1)
         self._positions = self._positions + 1
         out = self.model(
-            input_ids=last.to(self.device), attention_mask=self._attn.to(self.device),
+            input_ids=last.to(self.device),
+            attention_mask=self._attn.to(self.device),
             position_ids=self._positions.unsqueeze(1).to(self.device),
-            past_key_values=self._cache, use_cache=True,
+            past_key_values=self._cache,
+            use_cache=True,
         )
         self._cache = out.past_key_values
         return out.logits[:, -1]

@@ -30,8 +30,11 @@ from services.rollout.settings import RolloutSettings
 log = logging.getLogger(__name__)
 TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["pool"])
 ACTIVE = Gauge("spotrl_rollout_active_requests", "Requests generating")
-PULL_S = Histogram("spotrl_rollout_weight_pull_seconds", "Weight pull + load time",
-                   buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+PULL_S = Histogram(
+    "spotrl_rollout_weight_pull_seconds",
+    "Weight pull + load time",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
 FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
 
@@ -68,14 +71,22 @@ class RolloutWorker:
 
     # ---- registration and heartbeat ----
     async def register(self) -> None:
-        body = {"id": self.s.worker_id, "pool": self.s.pool, "engine": self.s.engine,
-                "slots": self.s.slots, "url": self.s.advertise_url}
+        body = {
+            "id": self.s.worker_id,
+            "pool": self.s.pool,
+            "engine": self.s.engine,
+            "slots": self.s.slots,
+            "url": self.s.advertise_url,
+        }
         delay = 0.2
         while True:
             try:
                 async with httpx.AsyncClient(timeout=10.0) as http:
-                    resp = await http.post(f"{self.s.coordinator_url}/v1/workers", json=body,
-                                           headers=auth_headers(self.s.api_token))
+                    resp = await http.post(
+                        f"{self.s.coordinator_url}/v1/workers",
+                        json=body,
+                        headers=auth_headers(self.s.api_token),
+                    )
                 if resp.status_code == 201:
                     log.info("registered %s (%s pool)", self.s.worker_id, self.s.pool)
                     return
@@ -88,13 +99,21 @@ class RolloutWorker:
     async def heartbeat_forever(self) -> None:
         while True:
             beat = Heartbeat(
-                worker_id=self.s.worker_id, pool=self.s.pool, run_id=self.run_id,
-                version=self.version, active=self.busy, slots=self.s.slots,
-                tokens_generated=self.tokens_generated, at=time.time(),
+                worker_id=self.s.worker_id,
+                pool=self.s.pool,
+                run_id=self.run_id,
+                version=self.version,
+                active=self.busy,
+                slots=self.s.slots,
+                tokens_generated=self.tokens_generated,
+                at=time.time(),
             )
             await with_reconnect(
-                lambda b=beat: self.r.set(keys.worker_heartbeat(self.s.worker_id), b.encode(),
-                                          px=int(self.s.heartbeat_ttl_s * 1000)),
+                lambda b=beat: self.r.set(
+                    keys.worker_heartbeat(self.s.worker_id),
+                    b.encode(),
+                    px=int(self.s.heartbeat_ttl_s * 1000),
+                ),
                 "heartbeat",
             )
             await asyncio.sleep(self.s.heartbeat_s)
@@ -126,7 +145,9 @@ class RolloutWorker:
             self.state = "serving"
             stream = keys.jobs_stream(run_id, self.version)
             entries = await with_reconnect(
-                lambda: read_group(self.r, stream, keys.WORKERS_GROUP, self.s.worker_id, free, 50),
+                lambda s=stream, n=free: read_group(
+                    self.r, s, keys.WORKERS_GROUP, self.s.worker_id, n, 50
+                ),
                 "read jobs",
             )
             parked: list[tuple[bytes, str]] = []
@@ -158,8 +179,13 @@ class RolloutWorker:
         await self.r.sadd(keys.worker_loads(run_id, self.s.worker_id), version)
         PULL_S.observe(time.monotonic() - started)
         PULL_BYTES.inc(result.bytes)
-        log.info("loaded %s v%d (%d bytes) in %.2fs", run_id, version, result.bytes,
-                 time.monotonic() - started)
+        log.info(
+            "loaded %s v%d (%d bytes) in %.2fs",
+            run_id,
+            version,
+            result.bytes,
+            time.monotonic() - started,
+        )
         if version > 0:
             old = self.s.cache_dir / self.s.worker_id / run_id / f"v{version - 1}"
             await asyncio.to_thread(_remove_tree, old)
@@ -208,10 +234,17 @@ class RolloutWorker:
         for rid, p in self.pending.items():
             if not p.tokens and p.finish_reason is None:
                 continue
-            items.append(DeltaItem(request_id=rid, lease=p.lease, offset=p.offset,
-                                   token_ids=p.tokens, logprobs=p.logprobs,
-                                   finished=p.finish_reason is not None,
-                                   finish_reason=p.finish_reason))
+            items.append(
+                DeltaItem(
+                    request_id=rid,
+                    lease=p.lease,
+                    offset=p.offset,
+                    token_ids=p.tokens,
+                    logprobs=p.logprobs,
+                    finished=p.finish_reason is not None,
+                    finish_reason=p.finish_reason,
+                )
+            )
             if p.finish_reason is not None:
                 done.append(rid)
             else:
@@ -221,8 +254,9 @@ class RolloutWorker:
             return
         batch = DeltaBatch(worker_id=self.s.worker_id, version=self.version or 0, items=items)
         run_id = self.run_id
-        await with_reconnect(lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields()),
-                             "flush deltas")
+        await with_reconnect(
+            lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields()), "flush deltas"
+        )
         FLUSHES.inc()
         if done:
             stream = keys.jobs_stream(run_id, self.version or 0)
@@ -233,9 +267,15 @@ class RolloutWorker:
                 await self.r.xack(stream, keys.WORKERS_GROUP, *entry_ids)
 
     def status(self) -> dict:
-        return {"worker_id": self.s.worker_id, "pool": self.s.pool, "state": self.state,
-                "run_id": self.run_id, "version": self.version, "active": self.engine.active,
-                "tokens_generated": self.tokens_generated}
+        return {
+            "worker_id": self.s.worker_id,
+            "pool": self.s.pool,
+            "state": self.state,
+            "run_id": self.run_id,
+            "version": self.version,
+            "active": self.engine.active,
+            "tokens_generated": self.tokens_generated,
+        }
 
 
 def _remove_tree(path) -> None:

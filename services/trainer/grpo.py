@@ -58,7 +58,9 @@ def grpo_loss(
     loss = per_sequence.sum() / sequences_per_step
     with torch.no_grad():
         n_tokens = int(mask.sum().item())
-        clip_frac = (((unclipped - clipped).abs() > 1e-9).to(mask.dtype) * mask).sum() / max(1, n_tokens)
+        clip_frac = (((unclipped - clipped).abs() > 1e-9).to(mask.dtype) * mask).sum() / max(
+            1, n_tokens
+        )
         policy = ((-torch.minimum(unclipped, clipped) * mask).sum(1) / lengths).mean()
         kl = ((kl_tokens * mask).sum(1) / lengths).mean()
     return LossParts(loss, float(policy), float(kl), float(clip_frac), n_tokens)

@@ -85,14 +85,16 @@ def pretrain(
 ) -> float:
     """Next-token training on `texts` (+EOS); returns the last loss."""
     rng = random.Random(spec.seed)
-    encoded = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
+    encoded = [[*tokenizer.encode(t), tokenizer.eos_token_id] for t in texts]
     opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
     warmup = max(1, spec.pretrain_steps // 20)
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, spec.pretrain_steps - warmup)))
+        return 0.5 * (
+            1 + math.cos(math.pi * (step - warmup) / max(1, spec.pretrain_steps - warmup))
+        )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()

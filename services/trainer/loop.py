@@ -98,9 +98,9 @@ class TrainerLoop:
         last_check = started
         while consumed < spec.prompts_per_step:
             t0 = time.monotonic()
+            want = spec.prompts_per_step - consumed
             entries = await with_reconnect(
-                lambda: read_group(self.r, stream, keys.TRAINER_GROUP, "trainer",
-                                   spec.prompts_per_step - consumed, 100),
+                lambda n=want: read_group(self.r, stream, keys.TRAINER_GROUP, "trainer", n, 100),
                 "read groups",
             )
             if not entries:
@@ -122,7 +122,9 @@ class TrainerLoop:
                 if len(group.responses) != spec.group_size:
                     incomplete += 1
                     GROUPS.labels("incomplete").inc()
-                    parked.append((entry[0], f"{len(group.responses)} responses, want n={spec.group_size}"))
+                    parked.append(
+                        (entry[0], f"{len(group.responses)} responses, want n={spec.group_size}")
+                    )
                     continue
                 good.append(group)
             await park(self.r, keys.parked_stream(run_id), "groups", parked)
@@ -140,11 +142,26 @@ class TrainerLoop:
         train_s = time.monotonic() - started
         STEP_S.observe(train_s)
         STEPS.inc()
-        await record_step(self.r, run_id, step, stats | {
-            "train_s": train_s, "train_wait_s": wait_s, "groups_incomplete": incomplete,
-        })
-        log.info("run %s step %d: trained %d groups in %.2fs (waited %.2fs), loss %.4f",
-                 run_id, step, consumed, train_s, wait_s, stats["policy_loss"])
+        await record_step(
+            self.r,
+            run_id,
+            step,
+            stats
+            | {
+                "train_s": train_s,
+                "train_wait_s": wait_s,
+                "groups_incomplete": incomplete,
+            },
+        )
+        log.info(
+            "run %s step %d: trained %d groups in %.2fs (waited %.2fs), loss %.4f",
+            run_id,
+            step,
+            consumed,
+            train_s,
+            wait_s,
+            stats["policy_loss"],
+        )
 
     async def _publish(self, run_id: str, policy, version: int, spec: RunSpec) -> None:
         t0 = time.monotonic()

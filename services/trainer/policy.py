@@ -108,8 +108,14 @@ class Policy:
                 ref_logits = self.ref(input_ids=ids, attention_mask=attn).logits
                 ref_logp = token_logprobs(ref_logits, ids, temperature)
         parts = grpo_loss(
-            logp, old.to(self.device), adv.to(self.device), mask.to(self.device),
-            self.spec.clip_range, sequences_per_step, ref_logp, self.spec.kl_coef,
+            logp,
+            old.to(self.device),
+            adv.to(self.device),
+            mask.to(self.device),
+            self.spec.clip_range,
+            sequences_per_step,
+            ref_logp,
+            self.spec.kl_coef,
         )
         parts.loss.backward()
         self.stats.add(parts, n)
@@ -128,8 +134,9 @@ class Policy:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         dtype = DTYPES[self.spec.weight_dtype]
-        tensors = {k: v.detach().to("cpu", dtype).contiguous()
-                   for k, v in self.model.state_dict().items()}
+        tensors = {
+            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.model.state_dict().items()
+        }
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         for name, t in tensors.items():

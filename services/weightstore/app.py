@@ -72,8 +72,13 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
             raise StorageError("version must be >= 0")
         committed = storage.commit(model, version, manifest)
         COMMITS.inc()
-        log.info("committed %s v%d (%d files, %d bytes)", model, version,
-                 len(committed.files), committed.total_bytes())
+        log.info(
+            "committed %s v%d (%d files, %d bytes)",
+            model,
+            version,
+            len(committed.files),
+            committed.total_bytes(),
+        )
         return committed
 
     @app.get("/v1/models")

@@ -115,7 +115,9 @@ class WeightStorage:
                 problems.append(f"{entry.name}: not uploaded")
                 continue
             if path.stat().st_size != entry.size:
-                problems.append(f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}")
+                problems.append(
+                    f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}"
+                )
             sha_file = staging / f".{entry.name}.sha256"
             if sha_file.is_file() and sha_file.read_text() != entry.sha256:
                 problems.append(f"{entry.name}: sha256 differs from the manifest")

@@ -1,0 +1,93 @@
+"""End to end with real processes: Redis, weight store, coordinator, trainer, two workers."""
+
+import httpx
+import pytest
+
+from services.common import keys
+from tests.integration.conftest import read_groups, small_spec, wait_final
+
+pytestmark = pytest.mark.slow
+
+
+def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, rdb, tiny_model):
+    spec = small_spec(tiny_model)
+    run_id = client.submit(spec)
+    run = wait_final(client, deployment, run_id)
+    assert run["state"] == "succeeded", run
+    assert run["step"] == spec["steps"] and run["weight_version"] == spec["steps"]
+    assert run["groups_incomplete"] == 0
+
+    groups = read_groups(rdb, run_id)
+    assert len(groups) == spec["steps"] * spec["prompts_per_step"]
+    assert len({(g.step, g.prompt_index) for g in groups}) == len(groups)  # none twice
+    for g in groups:
+        assert g.version == g.step
+        assert len(g.responses) == spec["group_size"]
+        for resp in g.responses:
+            assert 1 <= len(resp.token_ids) <= spec["max_new_tokens"]
+            assert len(resp.logprobs) == len(resp.token_ids)
+            assert resp.finish_reason in ("stop", "length")
+            assert resp.reward in (0.0, 1.0)
+
+    trainer = {k.decode(): int(v) for k, v in rdb.hgetall(keys.trainer_state(run_id)).items()}
+    assert trainer["steps_trained"] == spec["steps"]
+    assert trainer["groups_trained"] == len(groups)
+
+    rows = client.metrics(run_id)
+    assert [row["step"] for row in rows] == list(range(spec["steps"]))
+    for row in rows:  # one optimizer step per RL step, each with rollout and training fields
+        assert row["trained_sequences"] == spec["prompts_per_step"] * spec["group_size"]
+        assert 0.0 <= row["reward_mean"] <= 1.0 and row["tokens_per_s"] > 0
+
+    versions = httpx.get(f"{deployment.weightstore_url}/v1/models/{run_id}/versions").json()
+    assert versions["versions"][-spec["steps"] :] == list(range(1, spec["steps"] + 1))
+    for worker in ("rollout-reserved-1", "rollout-preemptible-2"):
+        loaded = {int(v) for v in rdb.smembers(keys.worker_loads(run_id, worker))}
+        assert loaded == set(range(spec["steps"] + 1)), worker
+
+
+def test_workers_are_listed_with_pool_and_liveness(client):
+    workers = {w["id"]: w for w in client.workers()}
+    assert workers["rollout-reserved-1"]["pool"] == "reserved"
+    assert workers["rollout-preemptible-2"]["pool"] == "preemptible"
+    assert all(w["alive"] for w in workers.values())
+
+
+def test_bad_input_is_refused_and_leaves_no_run(deployment, rdb, tiny_model, tmp_path):
+    before = (rdb.zcard(keys.RUN_INDEX), rdb.llen(keys.RUN_QUEUE))
+    url = f"{deployment.coordinator_url}/v1/runs"
+
+    resp = httpx.post(url, json=small_spec(tiny_model, group_size=0))
+    assert resp.status_code == 422
+    assert any(err["loc"][-1] == "group_size" for err in resp.json()["detail"])
+
+    resp = httpx.post(url, json=small_spec(tiny_model, bogus_field=1))
+    assert resp.status_code == 422 and "bogus_field" in resp.text
+
+    resp = httpx.post(url, json=small_spec(tmp_path / "no-such-model"))
+    assert resp.status_code == 400
+    assert "does not exist" in resp.json()["detail"]
+
+    resp = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+
+    assert (rdb.zcard(keys.RUN_INDEX), rdb.llen(keys.RUN_QUEUE)) == before
+    assert httpx.get(f"{url}/nope").status_code == 404
+    assert httpx.post(f"{url}/nope/cancel").status_code == 404
+
+
+def test_runs_wait_in_fifo_order_and_a_queued_run_can_be_cancelled(
+    deployment, client, rdb, tiny_model
+):
+    spec = small_spec(tiny_model, steps=1, prompts_per_step=2, group_size=2)
+    first, second, third = (client.submit(spec) for _ in range(3))
+    assert client.run(third)["state"] == "queued"
+    assert client.cancel(third)["state"] == "cancelled"
+    a = wait_final(client, deployment, first)
+    b = wait_final(client, deployment, second)
+    assert a["state"] == b["state"] == "succeeded"
+    assert b["started_at"] >= a["finished_at"]  # one active run at a time, in order
+    assert client.run(third)["state"] == "cancelled"
+    assert rdb.get(keys.run_version(third)) is None  # never started
+    resp = httpx.post(f"{deployment.coordinator_url}/v1/runs/{first}/cancel")
+    assert resp.status_code == 409

@@ -1,0 +1,110 @@
+"""The weight store over real HTTP in its own process: uploads, atomic commit, range reads,
+clear 4xx errors that change nothing, auth, and the client's verified parallel pull."""
+
+import asyncio
+import hashlib
+
+import httpx
+import pytest
+
+from services.cli import procs
+from services.common.weights import WeightClient
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ws")
+    port = procs.free_port()
+    env = {
+        "SPOTRL_PORT": str(port),
+        "SPOTRL_ROOT": str(root / "data"),
+        "SPOTRL_API_TOKEN": TOKEN,
+        "SPOTRL_KEEP_VERSIONS": "3",
+    }
+    proc = procs.start_service("weightstore", "services.weightstore.main", env, root, port)
+    procs.wait_healthy([proc], 60)
+    yield proc.url, root
+    proc.stop()
+
+
+def auth():
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def upload(url, model, version, name, data, headers=None):
+    return httpx.put(
+        f"{url}/v1/models/{model}/versions/{version}/files/{name}",
+        content=data,
+        headers=(headers if headers is not None else auth())
+        | {"x-sha256": hashlib.sha256(data).hexdigest()},
+    )
+
+
+def commit(url, model, version, files):
+    return httpx.post(
+        f"{url}/v1/models/{model}/versions/{version}/commit", json={"files": files}, headers=auth()
+    )
+
+
+def test_upload_commit_and_range_read(store):
+    url, _ = store
+    data = bytes(range(256)) * 100
+    entry = upload(url, "m1", 1, "w.safetensors", data).json()
+    assert httpx.get(f"{url}/v1/models/m1/versions").json()["versions"] == []
+    assert commit(url, "m1", 1, [entry]).status_code == 201
+    assert httpx.get(f"{url}/v1/models/m1/latest").json()["version"] == 1
+    part = httpx.get(
+        f"{url}/v1/models/m1/versions/1/files/w.safetensors", headers={"range": "bytes=10-19"}
+    )
+    assert part.status_code == 206 and part.content == data[10:20]
+
+
+def test_errors_are_clear_and_change_nothing(store):
+    url, _ = store
+    data = b"abc"
+    entry = upload(url, "m2", 1, "a.bin", data).json()
+    missing = entry | {"name": "b.bin"}
+    resp = commit(url, "m2", 1, [entry, missing])
+    assert resp.status_code == 400 and "b.bin: not uploaded" in resp.json()["detail"]
+    resp = commit(url, "m2", 1, [entry | {"sha256": "0" * 64}])
+    assert resp.status_code == 400 and "sha256" in resp.json()["detail"]
+    assert httpx.get(f"{url}/v1/models/m2/versions").json()["versions"] == []
+    assert commit(url, "m2", 1, [entry]).status_code == 201
+    resp = upload(url, "m2", 1, "a.bin", b"other")
+    assert resp.status_code == 409
+    assert httpx.get(f"{url}/v1/models/m2/versions/1/files/a.bin").content == data
+    assert httpx.get(f"{url}/v1/models/m2/versions/7/manifest").status_code == 404
+    assert httpx.get(f"{url}/v1/models/nope/latest").status_code == 404
+    bad = httpx.put(
+        f"{url}/v1/models/m2/versions/2/files/x.bin",
+        content=b"x",
+        headers=auth() | {"x-sha256": "f" * 64},
+    )
+    assert bad.status_code == 400
+
+
+def test_writes_need_the_token(store):
+    url, _ = store
+    assert upload(url, "m3", 1, "a.bin", b"x", headers={}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert upload(url, "m3", 1, "a.bin", b"x", headers=wrong).status_code == 401
+    assert httpx.get(f"{url}/v1/models/m3/versions").json()["versions"] == []
+
+
+def test_client_uploads_and_pulls_a_folder_verified(store, tmp_path):
+    url, _ = store
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 40000)  # ~10 MB: several ranges
+    client = WeightClient([url], TOKEN, parallel=4)
+    asyncio.run(client.upload_folder(src, "m4", 0))
+    result = asyncio.run(client.pull("m4", 0, tmp_path / "dst"))
+    assert (result.folder / "model.safetensors").read_bytes() == (
+        src / "model.safetensors"
+    ).read_bytes()
+    assert result.bytes == 10240000 + 2
+    assert not (tmp_path / "dst.partial").exists()

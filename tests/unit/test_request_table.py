@@ -1,0 +1,88 @@
+from services.common.messages import DeltaItem
+from services.coordinator.request_table import Applied, RequestTable
+
+
+def table(n=2, prompts=2, max_new=5):
+    return RequestTable(
+        "run",
+        step=0,
+        version=0,
+        prompts=[[1, 2]] * prompts,
+        group_size=n,
+        max_new_tokens=max_new,
+        temperature=1.0,
+        top_p=1.0,
+        seed=0,
+        stop_token_ids=[0],
+    )
+
+
+def delta(rid, offset, tokens, lease=0, finished=False, reason=None):
+    return DeltaItem(
+        request_id=rid,
+        lease=lease,
+        offset=offset,
+        token_ids=tokens,
+        logprobs=[-0.5] * len(tokens),
+        finished=finished,
+        finish_reason=reason,
+    )
+
+
+def test_jobs_cover_every_sample_of_every_prompt():
+    t = table(n=3, prompts=2)
+    assert sorted(j.request_id for j in t.initial_jobs()) == [
+        "0:0:0",
+        "0:0:1",
+        "0:0:2",
+        "0:1:0",
+        "0:1:1",
+        "0:1:2",
+    ]
+    assert len({j.seed for j in t.initial_jobs()}) == 6
+
+
+def test_tokens_append_in_order_and_once():
+    t = table()
+    assert t.apply(delta("0:0:0", 0, [5, 6])) is Applied.APPENDED
+    assert t.apply(delta("0:0:0", 0, [5, 6])) is Applied.DUPLICATE
+    assert t.apply(delta("0:0:0", 1, [6, 7])) is Applied.APPENDED  # overlap trimmed
+    assert t.requests["0:0:0"].token_ids == [5, 6, 7]
+    assert len(t.requests["0:0:0"].logprobs) == 3
+
+
+def test_gap_is_refused():
+    t = table()
+    assert t.apply(delta("0:0:0", 2, [5])) is Applied.GAP
+    assert t.requests["0:0:0"].token_ids == []
+
+
+def test_stale_lease_is_fenced_after_migration():
+    t = table()
+    t.apply(delta("0:0:0", 0, [5, 6]))
+    job = t.migrate("0:0:0")
+    assert job.lease == 1 and job.prefix_ids == [5, 6] and job.remaining_tokens == 3
+    assert t.apply(delta("0:0:0", 2, [9], lease=0)) is Applied.STALE_LEASE
+    assert t.apply(delta("0:0:0", 2, [7], lease=1)) is Applied.APPENDED
+    assert t.requests["0:0:0"].token_ids == [5, 6, 7]
+
+
+def test_finished_response_never_changes_and_groups_complete():
+    t = table(n=2, prompts=1)
+    assert t.apply(delta("0:0:0", 0, [5, 0], finished=True, reason="stop")) is Applied.FINISHED
+    assert t.apply(delta("0:0:0", 2, [7])) is Applied.ALREADY_DONE
+    assert not t.group_done(0)
+    assert t.migrate("0:0:0") is None
+    t.apply(delta("0:0:1", 0, [1, 2, 3, 4, 5]))
+    assert t.requests["0:0:1"].finish_reason == "length"  # budget reached
+    assert t.group_done(0)
+
+
+def test_tokens_beyond_the_budget_are_cut():
+    t = table(max_new=3)
+    assert t.apply(delta("0:0:0", 0, [1, 2, 3, 4, 5])) is Applied.FINISHED
+    assert t.requests["0:0:0"].token_ids == [1, 2, 3]
+
+
+def test_unknown_request():
+    assert table().apply(delta("9:9:9", 0, [1])) is Applied.UNKNOWN

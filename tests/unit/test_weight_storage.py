@@ -1,0 +1,76 @@
+import asyncio
+import hashlib
+
+import pytest
+
+from services.weightstore.storage import Conflict, Manifest, NotFound, StorageError, WeightStorage
+
+
+async def chunks(data: bytes):
+    for i in range(0, len(data), 3):
+        yield data[i : i + 3]
+
+
+def put(store, model, version, name, data, sha=None):
+    return asyncio.run(store.write_file(model, version, name, chunks(data), sha))
+
+
+def manifest(*entries):
+    return Manifest(files=[e.model_dump() for e in entries])
+
+
+def test_version_is_invisible_until_committed(tmp_path):
+    store = WeightStorage(tmp_path, keep=3)
+    entry = put(store, "m", 1, "a.safetensors", b"hello")
+    assert entry.sha256 == hashlib.sha256(b"hello").hexdigest() and entry.size == 5
+    assert store.versions("m") == []
+    with pytest.raises(NotFound):
+        store.latest("m")
+    store.commit("m", 1, manifest(entry))
+    assert store.versions("m") == [1]
+    assert store.file_path("m", 1, "a.safetensors").read_bytes() == b"hello"
+
+
+def test_commit_refuses_missing_or_mismatched_files_and_changes_nothing(tmp_path):
+    store = WeightStorage(tmp_path, keep=3)
+    entry = put(store, "m", 1, "a.bin", b"hello")
+    missing = entry.model_copy(update={"name": "b.bin"})
+    with pytest.raises(StorageError, match="b.bin: not uploaded"):
+        store.commit("m", 1, manifest(entry, missing))
+    wrong = entry.model_copy(update={"sha256": "0" * 64})
+    with pytest.raises(StorageError, match="sha256 differs"):
+        store.commit("m", 1, manifest(wrong))
+    assert store.versions("m") == []
+    store.commit("m", 1, manifest(entry))
+
+
+def test_committed_version_is_immutable(tmp_path):
+    store = WeightStorage(tmp_path, keep=3)
+    entry = put(store, "m", 1, "a.bin", b"x")
+    store.commit("m", 1, manifest(entry))
+    with pytest.raises(Conflict):
+        put(store, "m", 1, "a.bin", b"y")
+    with pytest.raises(Conflict):
+        store.commit("m", 1, manifest(entry))
+
+
+def test_upload_checksum_mismatch_is_refused(tmp_path):
+    store = WeightStorage(tmp_path, keep=3)
+    with pytest.raises(StorageError, match="sha256"):
+        put(store, "m", 1, "a.bin", b"x", sha="0" * 64)
+    assert not list((tmp_path / "m" / "staging" / "1").glob("a.bin"))
+
+
+def test_retention_keeps_newest_versions(tmp_path):
+    store = WeightStorage(tmp_path, keep=2)
+    for v in range(4):
+        store.commit("m", v, manifest(put(store, "m", v, "w.bin", bytes([v]))))
+    assert store.versions("m") == [2, 3]
+    assert store.latest("m").version == 3
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "manifest.json", ""])
+def test_bad_names_are_refused(tmp_path, name):
+    store = WeightStorage(tmp_path, keep=2)
+    with pytest.raises(StorageError):
+        put(store, "m", 1, name, b"x")
