@@ -1,5 +1,7 @@
 """Rollout worker service: the worker's tasks plus health, metrics and status over HTTP."""
 
+import asyncio
+import importlib
 from contextlib import asynccontextmanager
 
 import torch
@@ -20,6 +22,9 @@ def build_app(settings: RolloutSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Import the engine's libraries before reporting healthy, so that the first weight
+        # load after joining a run is quick.
+        await asyncio.to_thread(importlib.import_module, "transformers")
         tasks.start("jobs", worker.jobs_forever())
         tasks.start("generate", worker.generate_forever())
         tasks.start("heartbeat", worker.heartbeat_forever())

