@@ -3,7 +3,7 @@
 Each service extends `CommonSettings` with its own fields. Secrets have no default.
 """
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,6 +21,11 @@ class CommonSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Interface this service's HTTP server binds.")
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token_is_none(cls, value: str | None) -> str | None:
+        return value or None
 
     def weightstore_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.weightstore_url.split(",") if u.strip()]
