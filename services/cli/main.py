@@ -3,15 +3,26 @@
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 DEFAULT_HOME = Path(os.environ.get("SPOTRL_HOME", ".spotrl"))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.cli.up import up
 
+    if args.reserved < 0 or args.preemptible < 0 or args.reserved + args.preemptible < 1:
+        print(
+            "spotrl up needs at least one rollout worker (--reserved/--preemptible)",
+            file=sys.stderr,
+        )
+        return 2
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
     overrides = {
         "prompts_per_step": args.prompts_per_step,
@@ -23,6 +34,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     }
     if args.task_path:
         overrides["task_path"] = args.task_path
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
     try:
         summary = up(
             DEFAULT_HOME,

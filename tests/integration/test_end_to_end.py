@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, rdb, tiny_model):
     spec = small_spec(tiny_model)
     run_id = client.submit(spec)
+    rdb.xadd(keys.deltas_stream(run_id), {b"m": b"\xc1 not msgpack"})  # parked, not fatal
     run = wait_final(client, deployment, run_id)
     assert run["state"] == "succeeded", run
     assert run["step"] == spec["steps"] and run["weight_version"] == spec["steps"]
@@ -28,6 +29,9 @@ def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, 
             assert len(resp.logprobs) == len(resp.token_ids)
             assert resp.finish_reason in ("stop", "length")
             assert resp.reward in (0.0, 1.0)
+
+    parked = rdb.xrange(keys.parked_stream(run_id))
+    assert len(parked) == 1 and b"DeltaBatch" in parked[0][1][b"reason"]
 
     trainer = {k.decode(): int(v) for k, v in rdb.hgetall(keys.trainer_state(run_id)).items()}
     assert trainer["steps_trained"] == spec["steps"]
