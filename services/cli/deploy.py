@@ -2,7 +2,6 @@
 rollout workers. Used by `spotrl up` and by the integration tests; stops everything it started.
 """
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,4 +130,3 @@ class Deployment:
         )
         for p in order:
             p.stop()
-        time.sleep(0)

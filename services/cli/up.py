@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.plots import plot_run
 from services.common.runspec import FINAL_STATES, RunSpec
 
 console = Console(stderr=True)
@@ -104,6 +105,7 @@ def up(
         (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
         summary = summarize(run, rows, time.monotonic() - started)
         summary["metrics_file"] = str(run_dir / "metrics.json")
+        summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run_id}"))
         return summary
     finally:
         console.print("stopping services")

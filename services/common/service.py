@@ -7,10 +7,10 @@ import hmac
 import logging
 import signal
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -79,10 +79,6 @@ def token_guard(token: str | None) -> Callable[[Request], None]:
             )
 
     return check
-
-
-def auth_dependency(token: str | None) -> Any:
-    return Annotated[None, Depends(token_guard(token))]
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

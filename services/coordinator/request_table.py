@@ -8,6 +8,7 @@ Rules it enforces:
 - a response is finished once, and then never changes.
 """
 
+import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -79,10 +80,11 @@ class RequestTable:
                     s,
                     prompt_ids,
                     max_new_tokens,
-                    seed=hash((seed, step, p, s)) & 0x7FFFFFFF,
+                    seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(range(len(prompts)))
         self.stats = {a.value: 0 for a in Applied}
+        self.tokens_appended = 0
 
     def job(self, rid: str) -> Job:
         """The job that continues request `rid` from what has been collected, under its lease."""
@@ -135,6 +137,7 @@ class RequestTable:
             new_tokens, new_logprobs = new_tokens[: r.remaining], new_logprobs[: r.remaining]
         r.token_ids.extend(new_tokens)
         r.logprobs.extend(new_logprobs)
+        self.tokens_appended += len(new_tokens)
         if item.finished or r.remaining <= 0:
             r.finish_reason = item.finish_reason or "length"
             return Applied.FINISHED

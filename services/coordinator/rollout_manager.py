@@ -168,20 +168,14 @@ class RunManager:
             return
         parked: list[tuple[bytes, str]] = []
         finished_groups: set[int] = set()
+        tokens_before = table.tokens_appended
         for entry in entries:
             batch = decode_or_park(DeltaBatch, entry, parked)
             if batch is None:
                 continue
             for item in batch.items:
-                before = (
-                    len(table.requests[item.request_id].token_ids)
-                    if item.request_id in table.requests
-                    else 0
-                )
                 outcome = table.apply(item)
                 DELTA_ITEMS.labels(outcome.value).inc()
-                if outcome in (Applied.APPENDED, Applied.FINISHED):
-                    TOKENS.inc(len(table.requests[item.request_id].token_ids) - before)
                 if outcome is Applied.FINISHED:
                     state = table.requests[item.request_id]
                     text = self.tokenizer.decode(
@@ -190,6 +184,7 @@ class RunManager:
                     rewards[item.request_id] = self.task.reward(text, examples[state.prompt_index])
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
+        TOKENS.inc(table.tokens_appended - tokens_before)
         for p in sorted(finished_groups):
             if p in table.pending_groups:
                 await self._publish_group(table, p, rewards)

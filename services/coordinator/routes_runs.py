@@ -1,6 +1,6 @@
 """/v1/runs: submit, list, inspect, cancel runs and read their per-step metrics."""
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException
 
 from services.common import keys
 from services.common.runspec import ModelFolderError, RunSpec
@@ -56,7 +56,7 @@ def build_router(store: RunStore, write_guard) -> APIRouter:
         return await public(run_id)
 
     @router.get("/{run_id}/metrics")
-    async def metrics(run_id: str, request: Request) -> dict:
+    async def metrics(run_id: str) -> dict:
         await public(run_id)
         return {"run_id": run_id, "steps": await store.metrics(run_id)}
 

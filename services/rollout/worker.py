@@ -8,6 +8,7 @@ so adding jobs and stepping never race.
 
 import asyncio
 import logging
+import shutil
 import time
 
 import httpx
@@ -188,7 +189,7 @@ class RolloutWorker:
         )
         if version > 0:
             old = self.s.cache_dir / self.s.worker_id / run_id / f"v{version - 1}"
-            await asyncio.to_thread(_remove_tree, old)
+            await asyncio.to_thread(shutil.rmtree, old, True)
 
     # ---- generation ----
     async def generate_forever(self) -> None:
@@ -276,9 +277,3 @@ class RolloutWorker:
             "active": self.engine.active,
             "tokens_generated": self.tokens_generated,
         }
-
-
-def _remove_tree(path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -77,3 +77,14 @@ def read_groups(rdb, run_id):
     from services.common.messages import Group
 
     return [Group.from_fields(f) for _, f in rdb.xrange(keys.groups_stream(run_id))]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A private redis-server on a free port."""
+    from services.cli import procs
+
+    work = tmp_path_factory.mktemp("redis")
+    proc, url = procs.start_redis(work, work / "data")
+    yield url
+    proc.stop()

@@ -34,3 +34,12 @@ def test_up_options_exist():
         0,
         2,
     )
+
+
+def test_run_plot_is_a_png(tmp_path):
+    from services.cli.plots import plot_run
+
+    rows = [{"step": i, "reward_mean": 0.1 * i, "tokens_per_s": 100.0 + i} for i in range(5)]
+    rows.append({"step": 5, "policy_loss": 0.0})  # a row with training fields only
+    out = plot_run(rows, tmp_path / "m.png", "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
