@@ -71,6 +71,11 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def worker_control(worker_id: str) -> str:
+    """Stream of WorkerControl orders to one worker (read without a group)."""
+    return f"{PREFIX}:worker:{worker_id}:control"
+
+
 def worker_heartbeat(worker_id: str) -> str:
     """String (msgpack Heartbeat) with a short TTL: present while the worker is alive."""
     return f"{PREFIX}:worker:{worker_id}:hb"

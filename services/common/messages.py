@@ -71,12 +71,32 @@ class DeltaItem(Message):
     finish_reason: FinishReason | None = None
 
 
+class RequestLease(Message):
+    """One request under one lease: what a worker releases, or is told to drop."""
+
+    request_id: str
+    lease: int
+
+
 class DeltaBatch(Message):
-    """One flush of a worker: deltas of all its active requests."""
+    """One flush of a worker: deltas of all its active requests, then the requests it releases.
+
+    Releases travel in the same stream as the deltas, after them, so the coordinator has every
+    flushed token of a released request before it migrates it.
+    """
 
     worker_id: str
     version: int
     items: list[DeltaItem]
+    released: list[RequestLease] = []  # given back unfinished (preemption notice, balancer)
+
+
+class WorkerControl(Message):
+    """An order to one worker, on its control stream."""
+
+    action: Literal["abort"]  # drop these requests: their lease moved on (fencing)
+    run_id: str
+    requests: list[RequestLease]
 
 
 class Response(Message):

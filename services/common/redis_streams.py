@@ -92,6 +92,10 @@ async def with_reconnect(op: Callable[[], Awaitable[T]], what: str, max_delay_s:
         try:
             return await op()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # the client turned our cancellation into a connection error: stop, not retry
+                raise asyncio.CancelledError from exc
             log.warning("%s: redis unavailable (%s); retrying in %.1fs", what, exc, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)

@@ -38,6 +38,11 @@ class RunSpec(BaseModel):
     weight_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of published weights."
     )
+    migration: bool = Field(
+        True,
+        description="Continue a preempted response from its collected tokens (False: restart it).",
+    )
+    ignore_eos: bool = Field(False, description="Generate max_new_tokens, ignoring end-of-text.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompts and sampling.")
 
     @model_validator(mode="after")

@@ -40,10 +40,18 @@ class BackgroundTasks:
             # A service whose loop died must not look alive: stop it so a supervisor sees it.
             signal.raise_signal(signal.SIGTERM)
 
-    async def stop(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Cancel every task and wait for them, re-cancelling any that swallowed it."""
+        pending = {t for t in self.tasks.values() if not t.done()}
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while pending:
+            for task in pending:
+                task.cancel()
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                log.error("tasks would not stop: %s", [t.get_name() for t in pending])
+                return
+            _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
 
     @property
     def healthy(self) -> bool:
@@ -85,7 +93,14 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def serve(app: FastAPI, host: str, port: int) -> None:
+def serve(app: FastAPI, host: str, port: int, graceful_s: float | None = None) -> None:
     """Run an app under uvicorn until SIGINT/SIGTERM."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=graceful_s,
+    )
     uvicorn.Server(config).run()

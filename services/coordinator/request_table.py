@@ -5,7 +5,9 @@ Rules it enforces:
 - a delta is applied only for the request's current lease (fencing); older leases are dropped;
 - tokens are appended once: a delta's offset must continue the response; a delta that repeats
   tokens already held is trimmed to its new part; one that leaves a gap is refused;
-- a response is finished once, and then never changes.
+- a response is finished once, and then never changes;
+- migrating bumps the lease and continues from the collected tokens, or, with migration off,
+  discards them and starts over (the baseline that token-level collection improves on).
 """
 
 import zlib
@@ -84,7 +86,10 @@ class RequestTable:
                 )
         self.pending_groups = set(range(len(prompts)))
         self.stats = {a.value: 0 for a in Applied}
-        self.tokens_appended = 0
+        self.tokens_appended = 0  # tokens that are now part of a response
+        self.tokens_received = 0  # every token delivered in a delta, stale or repeated included
+        self.tokens_discarded = 0  # collected tokens thrown away by restarts (migration off)
+        self.migrations: dict[str, int] = {}  # by cause
 
     def job(self, rid: str) -> Job:
         """The job that continues request `rid` from what has been collected, under its lease."""
@@ -106,12 +111,23 @@ class RequestTable:
     def initial_jobs(self) -> list[Job]:
         return [self.job(rid) for rid in self.requests]
 
-    def migrate(self, rid: str) -> Job | None:
-        """Bump the lease of an unfinished request and return its continuation job."""
+    def migrate(
+        self, rid: str, cause: str, keep_tokens: bool = True, lease: int | None = None
+    ) -> Job | None:
+        """Bump the lease of an unfinished request and return the job that continues it.
+
+        With `lease` given, only a request still under that lease moves (a release or a reclaim
+        that comes after another migration is a no-op). With `keep_tokens` False the collected
+        tokens are discarded and the request starts over.
+        """
         r = self.requests.get(rid)
-        if r is None or r.done:
+        if r is None or r.done or (lease is not None and lease != r.lease):
             return None
         r.lease += 1
+        if not keep_tokens:
+            self.tokens_discarded += len(r.token_ids)
+            r.token_ids, r.logprobs = [], []
+        self.migrations[cause] = self.migrations.get(cause, 0) + 1
         return self.job(rid)
 
     def apply(self, item: DeltaItem) -> Applied:
@@ -120,6 +136,7 @@ class RequestTable:
         return result
 
     def _apply(self, item: DeltaItem) -> Applied:
+        self.tokens_received += len(item.token_ids)
         r = self.requests.get(item.request_id)
         if r is None:
             return Applied.UNKNOWN

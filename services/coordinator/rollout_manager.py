@@ -17,7 +17,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tokenizers import Tokenizer
 
 from services.common import keys
-from services.common.messages import DeltaBatch, Group, Response
+from services.common.messages import DeltaBatch, Group, Job, Response
 from services.common.redis_streams import (
     decode_or_park,
     ensure_group,
@@ -28,6 +28,7 @@ from services.common.redis_streams import (
 from services.common.runspec import RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
+from services.coordinator.migration import fence, publish_jobs, reclaim_dead_workers
 from services.coordinator.request_table import Applied, RequestTable
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of t
 POLL_S = 0.05
 DELTA_BATCH = 256
 JOBS_TTL_S = 600
+CHECK_S = 0.5  # period of the cancel and dead-worker checks
 
 
 class RunCancelled(Exception):
@@ -105,7 +107,7 @@ class RunManager:
             spec.temperature,
             spec.top_p,
             spec.seed,
-            self.stop_ids,
+            [] if spec.ignore_eos else self.stop_ids,
         )
         self.table = table
         jobs = keys.jobs_stream(self.run_id, step)
@@ -121,8 +123,9 @@ class RunManager:
         while not table.complete:
             await self._collect(table, examples, rewards)
             PENDING.set(len(table.unfinished()))
-            if time.monotonic() - last_check > 0.5:
+            if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
+                await reclaim_dead_workers(self.r, jobs, table, spec.migration)
                 last_check = time.monotonic()
         rollout_s = time.monotonic() - started
         ROLLOUT_S.observe(rollout_s)
@@ -140,6 +143,10 @@ class RunManager:
                 "rollout_s": rollout_s,
                 "tokens_per_s": tokens / max(rollout_s, 1e-9),
                 "stale_deltas": table.stats[Applied.STALE_LEASE.value],
+                "tokens_received": table.tokens_received,
+                "tokens_discarded": table.tokens_discarded,
+                "regenerated_tokens": table.tokens_received - tokens,
+                "migrations": dict(table.migrations),
             },
         )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
@@ -169,6 +176,8 @@ class RunManager:
         parked: list[tuple[bytes, str]] = []
         finished_groups: set[int] = set()
         tokens_before = table.tokens_appended
+        stale: dict[str, set[tuple[str, int]]] = {}
+        released: list[Job] = []
         for entry in entries:
             batch = decode_or_park(DeltaBatch, entry, parked)
             if batch is None:
@@ -176,6 +185,8 @@ class RunManager:
             for item in batch.items:
                 outcome = table.apply(item)
                 DELTA_ITEMS.labels(outcome.value).inc()
+                if outcome is Applied.STALE_LEASE:
+                    stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
                 if outcome is Applied.FINISHED:
                     state = table.requests[item.request_id]
                     text = self.tokenizer.decode(
@@ -184,6 +195,14 @@ class RunManager:
                     rewards[item.request_id] = self.task.reward(text, examples[state.prompt_index])
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
+            for rel in batch.released:
+                job = table.migrate(rel.request_id, "preemption", self.spec.migration, rel.lease)
+                if job is not None:
+                    released.append(job)
+        await publish_jobs(
+            self.r, keys.jobs_stream(self.run_id, table.version), released, "preemption"
+        )
+        await fence(self.r, self.run_id, stale)
         TOKENS.inc(table.tokens_appended - tokens_before)
         for p in sorted(finished_groups):
             if p in table.pending_groups:

@@ -2,6 +2,7 @@
 
 import asyncio
 import importlib
+import logging
 from contextlib import asynccontextmanager
 
 import torch
@@ -12,6 +13,8 @@ from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
 
 
 def build_app(settings: RolloutSettings) -> FastAPI:
@@ -29,8 +32,16 @@ def build_app(settings: RolloutSettings) -> FastAPI:
         tasks.start("generate", worker.generate_forever())
         tasks.start("heartbeat", worker.heartbeat_forever())
         yield
+        # SIGTERM is the preemption notice: stop taking jobs, release everything held, go.
         await tasks.stop()
-        await worker._flush()
+        try:
+            released = await asyncio.wait_for(worker.release_all(), settings.preempt_grace_s)
+            log.info("preemption notice: released %d requests", released)
+        except TimeoutError:
+            log.error(
+                "could not release within %.0fs; the coordinator will reclaim by heartbeat",
+                settings.preempt_grace_s,
+            )
         await r.delete(keys.worker_heartbeat(settings.worker_id))
         await r.aclose()
 

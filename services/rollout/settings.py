@@ -26,4 +26,10 @@ class RolloutSettings(CommonSettings):
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="Heartbeat period.")
     heartbeat_ttl_s: float = Field(5.0, gt=0, le=600, description="Declared dead after this.")
     cache_dir: Path = Field(Path(".spotrl/rollout"), description="Where pulled weights go.")
+    preempt_grace_s: float = Field(
+        25.0, gt=0, le=600, description="On SIGTERM, release and exit within this many seconds."
+    )
+    step_delay_ms: float = Field(
+        0.0, ge=0, le=10000, description="Sleep after each decode step: emulates a slower engine."
+    )
     advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")

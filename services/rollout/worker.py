@@ -16,7 +16,14 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import keys
-from services.common.messages import DeltaBatch, DeltaItem, Heartbeat, Job
+from services.common.messages import (
+    DeltaBatch,
+    DeltaItem,
+    Heartbeat,
+    Job,
+    RequestLease,
+    WorkerControl,
+)
 from services.common.redis_streams import (
     decode_or_park,
     park,
@@ -59,6 +66,8 @@ class RolloutWorker:
         self.run_id: str | None = None
         self.version: int | None = None
         self.inbox: asyncio.Queue[tuple[bytes, Job]] = asyncio.Queue()
+        self.aborts: asyncio.Queue[RequestLease] = asyncio.Queue()
+        self.control_last_id = b"0-0"
         self.entry_of: dict[str, bytes] = {}  # request id -> job entry id, acked when finished
         self.pending: dict[str, Pending] = {}
         self.tokens_generated = 0
@@ -122,7 +131,10 @@ class RolloutWorker:
     # ---- jobs ----
     async def jobs_forever(self) -> None:
         await self.register()
+        last = await self.r.xrevrange(keys.worker_control(self.s.worker_id), count=1)
+        self.control_last_id = last[0][0] if last else b"0-0"  # orders to earlier incarnations
         while True:
+            await self._read_control()
             raw = await with_reconnect(lambda: self.r.get(keys.ACTIVE_RUN), "active run")
             run_id = raw.decode() if raw else None
             if run_id != self.run_id:
@@ -160,6 +172,19 @@ class RolloutWorker:
             if parked:
                 await self.r.xack(stream, keys.WORKERS_GROUP, *[p[0] for p in parked])
 
+    async def _read_control(self) -> None:
+        stream = keys.worker_control(self.s.worker_id)
+        reply = await with_reconnect(
+            lambda: self.r.xread({stream: self.control_last_id}, count=100), "read control"
+        )
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self.control_last_id = entry_id
+                order = decode_or_park(WorkerControl, (entry_id, fields), [])
+                if order is not None and order.run_id == self.run_id:
+                    for req in order.requests:
+                        self.aborts.put_nowait(req)
+
     async def _switch_run(self, run_id: str | None) -> None:
         dropped = self.engine.abort_all()
         while not self.inbox.empty():
@@ -194,6 +219,8 @@ class RolloutWorker:
     # ---- generation ----
     async def generate_forever(self) -> None:
         while True:
+            while not self.aborts.empty():
+                self._abort(self.aborts.get_nowait())
             while not self.inbox.empty():
                 entry_id, job = self.inbox.get_nowait()
                 if job.run_id != self.run_id or job.version != self.version:
@@ -212,6 +239,33 @@ class RolloutWorker:
             due = (time.monotonic() - self.last_flush) * 1000 >= self.s.flush_ms
             if finished or due or self.steps_since_flush >= self.s.flush_tokens:
                 await self._flush()
+            if self.s.step_delay_ms:
+                await asyncio.sleep(self.s.step_delay_ms / 1000)
+
+    def _abort(self, req: RequestLease) -> None:
+        """Drop a request whose lease moved on (fencing); its job entry is no longer ours."""
+        p = self.pending.get(req.request_id)
+        if p is None or p.lease != req.lease:
+            return
+        self.engine.abort(req.request_id)
+        self.pending.pop(req.request_id)
+        self.entry_of.pop(req.request_id, None)
+        log.info("dropped %s (lease %d): it was migrated", req.request_id, req.lease)
+
+    async def release_all(self) -> int:
+        """Preemption notice: flush every partial response, give every held request back and
+        acknowledge its job, so the coordinator continues them elsewhere at once."""
+        held = [
+            RequestLease(request_id=rid, lease=p.lease)
+            for rid, p in self.pending.items()
+            if p.finish_reason is None
+        ]
+        while not self.inbox.empty():  # read from the stream but never started
+            entry_id, job = self.inbox.get_nowait()
+            held.append(RequestLease(request_id=job.request_id, lease=job.lease))
+            self.entry_of[job.request_id] = entry_id
+        await self._flush(released=held)
+        return len(held)
 
     def _record(self, events: list[TokenEvent]) -> bool:
         finished = False
@@ -228,7 +282,7 @@ class RolloutWorker:
         TOKENS.labels(self.s.pool).inc(len(events))
         return finished
 
-    async def _flush(self) -> None:
+    async def _flush(self, released: list[RequestLease] | None = None) -> None:
         self.steps_since_flush = 0
         self.last_flush = time.monotonic()
         items, done = [], []
@@ -251,9 +305,13 @@ class RolloutWorker:
             else:
                 p.offset += len(p.tokens)
                 p.tokens, p.logprobs = [], []
-        if not items or self.run_id is None:
+        released = released or []
+        if (not items and not released) or self.run_id is None:
             return
-        batch = DeltaBatch(worker_id=self.s.worker_id, version=self.version or 0, items=items)
+        batch = DeltaBatch(
+            worker_id=self.s.worker_id, version=self.version or 0, items=items, released=released
+        )
+        done += [r.request_id for r in released]
         run_id = self.run_id
         await with_reconnect(
             lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields()), "flush deltas"

@@ -60,7 +60,7 @@ def test_gap_is_refused():
 def test_stale_lease_is_fenced_after_migration():
     t = table()
     t.apply(delta("0:0:0", 0, [5, 6]))
-    job = t.migrate("0:0:0")
+    job = t.migrate("0:0:0", "preemption")
     assert job.lease == 1 and job.prefix_ids == [5, 6] and job.remaining_tokens == 3
     assert t.apply(delta("0:0:0", 2, [9], lease=0)) is Applied.STALE_LEASE
     assert t.apply(delta("0:0:0", 2, [7], lease=1)) is Applied.APPENDED
@@ -72,7 +72,7 @@ def test_finished_response_never_changes_and_groups_complete():
     assert t.apply(delta("0:0:0", 0, [5, 0], finished=True, reason="stop")) is Applied.FINISHED
     assert t.apply(delta("0:0:0", 2, [7])) is Applied.ALREADY_DONE
     assert not t.group_done(0)
-    assert t.migrate("0:0:0") is None
+    assert t.migrate("0:0:0", "preemption") is None
     t.apply(delta("0:0:1", 0, [1, 2, 3, 4, 5]))
     assert t.requests["0:0:1"].finish_reason == "length"  # budget reached
     assert t.group_done(0)
@@ -86,3 +86,22 @@ def test_tokens_beyond_the_budget_are_cut():
 
 def test_unknown_request():
     assert table().apply(delta("9:9:9", 0, [1])) is Applied.UNKNOWN
+
+
+def test_migration_with_a_lease_moves_only_the_current_holder():
+    t = table()
+    assert t.migrate("0:0:0", "death", lease=3) is None  # already moved on
+    assert t.migrate("0:0:0", "death", lease=0).lease == 1
+    assert t.migrate("0:0:0", "preemption", lease=0) is None  # a late release: no-op
+    assert t.migrations == {"death": 1}
+
+
+def test_restart_without_migration_discards_collected_tokens():
+    t = table(max_new=5)
+    t.apply(delta("0:0:0", 0, [5, 6, 7]))
+    job = t.migrate("0:0:0", "preemption", keep_tokens=False)
+    assert job.prefix_ids == [] and job.remaining_tokens == 5 and job.lease == 1
+    assert t.tokens_discarded == 3 and t.requests["0:0:0"].token_ids == []
+    t.apply(delta("0:0:0", 0, [8, 9], lease=1))
+    assert t.requests["0:0:0"].token_ids == [8, 9]
+    assert t.tokens_received == 5 and t.tokens_appended == 5

@@ -1,0 +1,81 @@
+"""Moving requests off workers that are gone, and fencing workers that come back.
+
+- A worker that dies without notice stops renewing its heartbeat key. Every job it still holds
+  is in its consumer's pending list (a worker acknowledges a job only when the request finished
+  or was released), whether or not it produced a token: the coordinator claims those entries,
+  migrates each request under the lease the job carried, and deletes the consumer.
+- A delta with an old lease comes from a worker that lost the request (declared dead, then back):
+  the worker is told to drop it.
+"""
+
+import logging
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+
+from services.common import keys
+from services.common.messages import Job, MalformedMessage, RequestLease, WorkerControl
+from services.coordinator.request_table import RequestTable
+
+log = logging.getLogger(__name__)
+MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
+DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose heartbeat expired")
+CLAIMER = "coordinator"
+
+
+async def publish_jobs(r: aioredis.Redis, stream: str, jobs: list[Job], cause: str) -> None:
+    if not jobs:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        for job in jobs:
+            pipe.xadd(stream, job.fields())
+        await pipe.execute()
+    MIGRATIONS.labels(cause).inc(len(jobs))
+
+
+async def reclaim_dead_workers(
+    r: aioredis.Redis, stream: str, table: RequestTable, keep_tokens: bool
+) -> list[str]:
+    """Migrate the requests held by readers of `stream` whose heartbeat expired; their names."""
+    dead = []
+    for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
+        name = consumer["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        if consumer["pending"] == 0 or await r.exists(keys.worker_heartbeat(name)):
+            continue
+        pending = await r.xpending_range(
+            stream, keys.WORKERS_GROUP, min="-", max="+", count=100_000, consumername=name
+        )
+        ids = [p["message_id"] for p in pending]
+        claimed = await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids) if ids else []
+        moved = []
+        for entry_id, fields in claimed:
+            if fields is None:
+                continue
+            try:
+                job = Job.from_fields(fields)
+            except MalformedMessage as exc:
+                log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
+                continue
+            new = table.migrate(job.request_id, "death", keep_tokens, lease=job.lease)
+            if new is not None:
+                moved.append(new)
+        await publish_jobs(r, stream, moved, "death")
+        if ids:
+            await r.xack(stream, keys.WORKERS_GROUP, *ids)
+        await r.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
+        DEAD.inc()
+        dead.append(name)
+        log.warning(
+            "worker %s missed its heartbeat: migrated %d of its %d jobs", name, len(moved), len(ids)
+        )
+    return dead
+
+
+async def fence(r: aioredis.Redis, run_id: str, stale: dict[str, set[tuple[str, int]]]) -> None:
+    """Tell each worker to drop the (request, old lease) pairs it sent stale deltas for."""
+    for worker_id, pairs in stale.items():
+        requests = [RequestLease(request_id=rid, lease=lease) for rid, lease in sorted(pairs)]
+        order = WorkerControl(action="abort", run_id=run_id, requests=requests)
+        await r.xadd(keys.worker_control(worker_id), order.fields(), maxlen=1000)
+        log.info("fenced %d requests on %s", len(requests), worker_id)
