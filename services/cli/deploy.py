@@ -45,6 +45,10 @@ class Deployment:
             env["SPOTRL_API_TOKEN"] = self.config.api_token
         return env
 
+    def attach(self, coordinator_url: str, weightstore_url: str) -> None:
+        """Use services that run elsewhere (the redis URL comes from the config)."""
+        self.coordinator_url, self.weightstore_url = coordinator_url, weightstore_url
+
     def start(self, timeout_s: float = 180.0) -> None:
         try:
             self._start(timeout_s)

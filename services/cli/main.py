@@ -35,6 +35,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.task_path:
         overrides["task_path"] = args.task_path
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
+    chaos = _chaos_options(args) if args.trace else None
     try:
         summary = up(
             DEFAULT_HOME,
@@ -45,13 +46,82 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.preemptible,
             overrides,
             args.pretrain_steps,
+            chaos,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
         return 130
     print(json.dumps(summary))
     ok = summary["state"] == "succeeded" and summary["groups_incomplete"] == 0
+    ok = ok and summary["lost"] == 0 and summary["duplicated"] == 0
     return 0 if ok else 1
+
+
+def _chaos_options(args: argparse.Namespace):
+    from services.cli.chaos import ChaosOptions
+
+    return ChaosOptions(
+        trace=Path(args.trace),
+        time_scale=args.time_scale,
+        max_workers=args.max_workers,
+        hours=args.hours,
+        start_s=args.start_hours * 3600,
+        sigterm_fraction=args.sigterm_fraction,
+        grace_s=args.grace_s,
+    )
+
+
+def _add_chaos_options(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--trace",
+        required=required,
+        help="spot availability CSV (seconds,available): preemptible workers follow it",
+    )
+    p.add_argument("--time-scale", type=float, default=600.0, help="trace seconds per wall second")
+    p.add_argument("--max-workers", type=int, help="workers for the trace's largest fleet")
+    p.add_argument("--hours", type=float, help="replay at most this many trace hours")
+    p.add_argument("--start-hours", type=float, default=0.0, help="skip the trace's first hours")
+    p.add_argument(
+        "--sigterm-fraction",
+        type=float,
+        default=0.5,
+        help="share of preemptions with notice (SIGTERM); the rest get SIGKILL",
+    )
+    p.add_argument("--grace-s", type=float, default=5.0, help="grace period after SIGTERM")
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    """Replay a trace against a running deployment, starting workers from this machine."""
+    import time
+
+    from services.cli.chaos import ChaosRunner
+    from services.cli.deploy import Deployment, DeploymentConfig
+    from services.common.settings import CommonSettings
+
+    settings = CommonSettings()
+    options = _chaos_options(args)
+    targets = options.targets(args.max_workers or 2)
+    config = DeploymentConfig(
+        DEFAULT_HOME / "chaos",
+        redis_url=settings.redis_url,
+        api_token=settings.api_token,
+        extra_env=options.worker_env(),
+    )
+    dep = Deployment(config)
+    dep.attach(settings.coordinator_url, settings.weightstore_url)
+    runner = ChaosRunner(dep, targets, options.sigterm_fraction)
+    signal.signal(signal.SIGTERM, _interrupt)
+    runner.start()
+    try:
+        runner.wait()
+        time.sleep(args.linger_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.stop()
+        dep.stop()
+    print(json.dumps(runner.counts))
+    return 0
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
@@ -121,7 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pretrain-steps", type=int, default=1000)
+    _add_chaos_options(p, required=False)
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("chaos", help="replay a spot trace: start and kill workers of a deployment")
+    _add_chaos_options(p, required=True)
+    p.add_argument(
+        "--linger-s",
+        type=float,
+        default=0.0,
+        help="keep the last workers this long after the trace ends",
+    )
+    p.set_defaults(func=_cmd_chaos)
 
     p = sub.add_parser("init-model", help="build and pre-train a small base model")
     p.add_argument("out")

@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from services.cli.audit import audit_run
+from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
 from services.cli.plots import plot_run
@@ -89,24 +91,46 @@ def up(
     preemptible: int,
     spec_overrides: dict,
     pretrain_steps: int,
+    chaos: ChaosOptions | None = None,
 ) -> dict:
     started = time.monotonic()
     ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
     spec = RunSpec(model=str(model.resolve()), task=task, steps=steps, **spec_overrides)
     run_dir = work_dir / time.strftime("up-%Y%m%d-%H%M%S")
-    deployment = Deployment(DeploymentConfig(run_dir, reserved=reserved, preemptible=preemptible))
+    targets = chaos.targets(preemptible) if chaos else []
+    if targets:
+        preemptible = targets[0][1]
+    config = DeploymentConfig(
+        run_dir,
+        reserved=reserved,
+        preemptible=preemptible,
+        extra_env=chaos.worker_env() if chaos else {},
+    )
+    deployment = Deployment(config)
     console.print(f"starting services (logs in {run_dir / 'logs'})")
     deployment.start()
+    runner = None
     try:
         client = CoordinatorClient(deployment.coordinator_url)
         run_id = client.submit(json.loads(spec.model_dump_json()))
+        if chaos:
+            runner = ChaosRunner(deployment, targets, chaos.sigterm_fraction, spec.seed)
+            runner.start()
         run = watch(client, run_id, deployment)
+        if runner:
+            runner.stop()
         rows = client.metrics(run_id)
         (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
         summary = summarize(run, rows, time.monotonic() - started)
         summary["metrics_file"] = str(run_dir / "metrics.json")
         summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run_id}"))
+        audit = audit_run(deployment.redis_url, run_id, spec, steps=run["step"])
+        summary |= {"lost": audit["lost"], "duplicated": audit["duplicated"]}
+        if runner:
+            summary["chaos"] = runner.counts
         return summary
     finally:
+        if runner:
+            runner.stop()
         console.print("stopping services")
         deployment.stop()
