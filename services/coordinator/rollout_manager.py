@@ -45,7 +45,7 @@ PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of t
 POLL_S = 0.05
 DELTA_BATCH = 256
 JOBS_TTL_S = 600
-CHECK_S = 0.5  # period of the cancel and dead-worker checks
+CHECK_S = 0.25  # period of the cancel and dead-worker checks
 
 
 class RunCancelled(Exception):
