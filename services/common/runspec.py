@@ -35,8 +35,8 @@ class RunSpec(BaseModel):
     kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="KL-to-initial-policy coefficient.")
     clip_range: float = Field(0.2, gt=0.0, le=10.0, description="PPO ratio clip epsilon.")
     micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per backward pass.")
-    weight_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of published weights."
+    weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of published weights; auto: bfloat16 on GPU, else float32."
     )
     migration: bool = Field(
         True,

@@ -21,6 +21,7 @@ from services.common.service import auth_headers
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 * 1024 * 1024
 UPLOAD_BLOCK = 1024 * 1024
+STREAM_BLOCK = 1024 * 1024
 
 
 class WeightTransferError(RuntimeError):
@@ -62,29 +63,48 @@ class WeightClient:
     async def upload_folder(
         self, folder: Path, model: str, version: int, metadata: dict | None = None
     ) -> dict:
+        """Upload and commit a version on every replica; fails only if no replica has it."""
         files = sorted(p for p in Path(folder).iterdir() if p.is_file())
-        entries = []
-        base = self.urls[0]
+        digests = {p.name: await asyncio.to_thread(sha256_file, p) for p in files}
+        committed, errors = None, []
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), headers=self.headers) as http:
-            for path in files:
-                sha = await asyncio.to_thread(sha256_file, path)
+            for base in self.urls:
+                try:
+                    manifest = await self._upload_to(
+                        http, base, files, digests, model, version, metadata or {}
+                    )
+                    committed = committed or manifest
+                except (httpx.HTTPError, WeightTransferError) as exc:
+                    log.warning("upload of %s v%d to %s failed: %s", model, version, base, exc)
+                    errors.append(f"{base}: {exc}")
+        if committed is None:
+            raise WeightTransferError(f"no replica took {model} v{version}: {'; '.join(errors)}")
+        return committed
 
-                async def body(p: Path = path):
-                    with open(p, "rb") as fh:
-                        while block := fh.read(UPLOAD_BLOCK):
-                            yield block
+    async def _upload_to(self, http, base, files, digests, model, version, metadata) -> dict:
+        prefix = f"{base}/v1/models/{model}/versions/{version}"
+        entries = []
+        for path in files:
 
-                url = f"{base}/v1/models/{model}/versions/{version}/files/{path.name}"
-                resp = await http.put(url, content=body(), headers={"x-sha256": sha})
-                if resp.status_code != 200:
-                    raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
-                entries.append(resp.json())
-            manifest = {"files": entries, "metadata": metadata or {}}
-            url = f"{base}/v1/models/{model}/versions/{version}/commit"
-            resp = await http.post(url, json=manifest)
-            if resp.status_code != 201:
-                raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
-            return resp.json()
+            async def body(p: Path = path):
+                with open(p, "rb") as fh:
+                    while block := fh.read(UPLOAD_BLOCK):
+                        yield block
+
+            resp = await http.put(
+                f"{prefix}/files/{path.name}",
+                content=body(),
+                headers={"x-sha256": digests[path.name]},
+            )
+            if resp.status_code == 409:  # committed by an earlier attempt
+                return (await http.get(f"{prefix}/manifest")).json()
+            if resp.status_code != 200:
+                raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
+            entries.append(resp.json())
+        resp = await http.post(f"{prefix}/commit", json={"files": entries, "metadata": metadata})
+        if resp.status_code != 201:
+            raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
+        return resp.json()
 
     # ---- pull ----
     async def latest_version(self, model: str) -> int | None:
@@ -148,15 +168,17 @@ class WeightClient:
 
     @staticmethod
     async def _fetch_range(http, gate, url: str, path: Path, start: int, end: int) -> None:
-        async with gate:
-            resp = await http.get(url, headers={"range": f"bytes={start}-{end}"})
+        """Stream bytes [start, end] of `url` into `path` at their offset (never all in memory)."""
+        async with gate, http.stream("GET", url, headers={"range": f"bytes={start}-{end}"}) as resp:
             if resp.status_code not in (200, 206):
                 raise WeightTransferError(f"{url}: {resp.status_code}")
-            data = resp.content
-            if len(data) != end - start + 1:
-                raise WeightTransferError(f"{url}: short read {len(data)} of {end - start + 1}")
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, start)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY)
+            offset = start
+            try:
+                async for block in resp.aiter_bytes(STREAM_BLOCK):
+                    os.pwrite(fd, block, offset)
+                    offset += len(block)
+            finally:
+                os.close(fd)
+        if offset != end + 1:
+            raise WeightTransferError(f"{url}: short read {offset - start} of {end - start + 1}")

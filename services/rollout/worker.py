@@ -31,7 +31,7 @@ from services.common.redis_streams import (
     with_reconnect,
 )
 from services.common.service import auth_headers
-from services.common.weights import WeightClient
+from services.common.weights import WeightClient, WeightTransferError
 from services.rollout.engine import HFEngine, TokenEvent
 from services.rollout.settings import RolloutSettings
 
@@ -199,7 +199,14 @@ class RolloutWorker:
         self.state = "loading"
         started = time.monotonic()
         dest = self.s.cache_dir / self.s.worker_id / run_id / f"v{version}"
-        result = await self.weights.pull(run_id, version, dest)
+        try:
+            result = await self.weights.pull(run_id, version, dest)
+        except WeightTransferError as exc:
+            # Nothing half-pulled is ever loaded: keep no version and try again.
+            log.warning("could not pull %s v%d yet: %s", run_id, version, exc)
+            self.version = None
+            await asyncio.sleep(1.0)
+            return
         await asyncio.to_thread(self.engine.load, result.folder)
         self.version = version
         await self.r.sadd(keys.worker_loads(run_id, self.s.worker_id), version)

@@ -133,7 +133,10 @@ class Policy:
         folder = Path(folder)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        dtype = DTYPES[self.spec.weight_dtype]
+        dtype_name = self.spec.weight_dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if self.device.startswith("cuda") else "float32"
+        dtype = DTYPES[dtype_name]
         tensors = {
             k: v.detach().to("cpu", dtype).contiguous() for k, v in self.model.state_dict().items()
         }
@@ -160,6 +163,6 @@ class Policy:
             if src.is_file() and not src.name.startswith("model") and src.suffix != ".safetensors":
                 shutil.copy2(src, folder / src.name)
         config = json.loads((folder / "config.json").read_text())
-        config["torch_dtype"] = config["dtype"] = self.spec.weight_dtype
+        config["torch_dtype"] = config["dtype"] = dtype_name
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         return folder

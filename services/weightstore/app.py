@@ -20,7 +20,7 @@ COMMITS = Counter("spotrl_weightstore_commits_total", "Versions committed")
 
 
 def build_app(settings: WeightStoreSettings) -> FastAPI:
-    storage = WeightStorage(settings.root, settings.keep_versions)
+    storage = WeightStorage(settings.root, settings.keep_versions, settings.replica_id)
     tasks = BackgroundTasks()
     write_auth = [Depends(token_guard(settings.api_token))]
 

@@ -1,11 +1,12 @@
 """Versioned model files on local disk with atomic commit.
 
 Layout under `root`:
-    {model}/staging/{version}/{file}     files being uploaded (never served)
+    {model}/staging/{replica}/{version}/{file}  files being uploaded (never served)
     {model}/v{version:08d}/{file}        committed versions, each with manifest.json
 
 A version becomes visible by one rename of its staging folder, after every file in the manifest
-was found with the right size and sha256. Retention keeps the newest `keep` versions.
+was found with the right size and sha256. Retention keeps the newest `keep` versions. Several replicas may share one folder (a shared volume): each stages
+its uploads under its own name, so a replica that starts discards only its own cut-off uploads.
 """
 
 import hashlib
@@ -57,9 +58,10 @@ def check_name(kind: str, name: str) -> str:
 
 
 class WeightStorage:
-    def __init__(self, root: str | Path, keep: int) -> None:
+    def __init__(self, root: str | Path, keep: int, replica: str = "local") -> None:
         self.root = Path(root)
         self.keep = keep
+        self.replica = check_name("replica", replica)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ---- paths ----
@@ -67,7 +69,7 @@ class WeightStorage:
         return self.root / check_name("model", model)
 
     def _staging(self, model: str, version: int) -> Path:
-        return self._model_dir(model) / "staging" / str(version)
+        return self._model_dir(model) / "staging" / self.replica / str(version)
 
     def committed_dir(self, model: str, version: int) -> Path:
         return self._model_dir(model) / f"v{version:08d}"
@@ -129,7 +131,10 @@ class WeightStorage:
             if extra.name not in listed:
                 extra.unlink()
         (staging / MANIFEST).write_text(final.model_dump_json(indent=1))
-        os.replace(staging, self.committed_dir(model, version))
+        try:
+            os.replace(staging, self.committed_dir(model, version))
+        except OSError as exc:  # another replica on the same volume committed it first
+            raise Conflict(f"{model} version {version} is already committed") from exc
         self._apply_retention(model)
         return final
 
@@ -138,7 +143,7 @@ class WeightStorage:
             shutil.rmtree(self.committed_dir(model, version), ignore_errors=True)
 
     def discard_staging(self, model: str) -> None:
-        shutil.rmtree(self._model_dir(model) / "staging", ignore_errors=True)
+        shutil.rmtree(self._model_dir(model) / "staging" / self.replica, ignore_errors=True)
 
     # ---- reads ----
     def models(self) -> list[str]:

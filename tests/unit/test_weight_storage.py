@@ -58,7 +58,7 @@ def test_upload_checksum_mismatch_is_refused(tmp_path):
     store = WeightStorage(tmp_path, keep=3)
     with pytest.raises(StorageError, match="sha256"):
         put(store, "m", 1, "a.bin", b"x", sha="0" * 64)
-    assert not list((tmp_path / "m" / "staging" / "1").glob("a.bin"))
+    assert not list((tmp_path / "m" / "staging" / "local" / "1").glob("a.bin"))
 
 
 def test_retention_keeps_newest_versions(tmp_path):
@@ -74,3 +74,15 @@ def test_bad_names_are_refused(tmp_path, name):
     store = WeightStorage(tmp_path, keep=2)
     with pytest.raises(StorageError):
         put(store, "m", 1, name, b"x")
+
+
+def test_replicas_on_one_volume_keep_their_own_staging(tmp_path):
+    a = WeightStorage(tmp_path, keep=3, replica="a")
+    b = WeightStorage(tmp_path, keep=3, replica="b")
+    entry = put(a, "m", 1, "w.bin", b"x")
+    put(b, "m", 2, "w.bin", b"y")
+    b.discard_staging("m")  # b restarted: a's upload in flight survives
+    a.commit("m", 1, manifest(entry))
+    assert b.versions("m") == [1]  # visible through every replica
+    with pytest.raises(Conflict):
+        b.commit("m", 1, manifest(entry))

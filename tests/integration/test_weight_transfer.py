@@ -1,0 +1,125 @@
+"""Weight transfer with real weight-store processes: a corrupted file is refused and fetched
+from another replica, a weight store killed in the middle of a pull is retried until the whole
+version is there, and a worker that joins in the middle of a step serves that step."""
+
+import asyncio
+import logging
+import os
+import time
+
+import pytest
+import redis
+
+from services.cli import procs
+from services.cli.client import CoordinatorClient
+from services.cli.deploy import Deployment, DeploymentConfig
+from services.common import keys
+from services.common.messages import DeltaBatch
+from services.common.weights import WeightClient, WeightTransferError
+from tests.integration.conftest import small_spec, wait_final
+
+pytestmark = pytest.mark.slow
+
+
+def start_store(root, port=None):
+    port = port or procs.free_port()
+    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data")}
+    proc = procs.start_service(f"ws-{port}", "services.weightstore.main", env, root, port)
+    procs.wait_healthy([proc], 60)
+    return proc
+
+
+def make_folder(path, size):
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(os.urandom(size))
+    return path
+
+
+def test_corrupt_file_is_refused_and_fetched_from_another_replica(tmp_path):
+    a, b = start_store(tmp_path / "a"), start_store(tmp_path / "b")
+    try:
+        src = make_folder(tmp_path / "src", 3_000_000)
+        asyncio.run(WeightClient([a.url, b.url]).upload_folder(src, "m", 0))
+        on_a = tmp_path / "a" / "data" / "m" / "v00000000" / "model.safetensors"
+        data = bytearray(on_a.read_bytes())
+        data[1000] ^= 0xFF
+        on_a.write_bytes(bytes(data))
+
+        with pytest.raises(WeightTransferError, match="sha256"):
+            asyncio.run(WeightClient([a.url]).pull("m", 0, tmp_path / "only-a", attempts=1))
+        assert not (tmp_path / "only-a").exists()  # nothing half-done is left to load
+
+        result = asyncio.run(WeightClient([a.url, b.url]).pull("m", 0, tmp_path / "dst"))
+        got = (result.folder / "model.safetensors").read_bytes()
+        assert got == (src / "model.safetensors").read_bytes()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_pull_survives_the_weight_store_dying_mid_transfer(tmp_path, caplog):
+    root = tmp_path / "ws"
+    store = start_store(root)
+    port = int(store.url.rsplit(":", 1)[1])
+    src = make_folder(tmp_path / "src", 300_000_000)
+    client = WeightClient([store.url], parallel=2)
+    asyncio.run(client.upload_folder(src, "m", 0))
+    started = time.monotonic()
+    asyncio.run(client.pull("m", 0, tmp_path / "warm"))
+    full_s = time.monotonic() - started
+
+    async def pull_while_killing(dest, delay_s):
+        task = asyncio.create_task(client.pull("m", 0, dest, attempts=30))
+        await asyncio.sleep(delay_s)
+        store.kill()
+        await asyncio.sleep(0.5)
+        restarted = await asyncio.to_thread(start_store, root, port)
+        return await task, restarted
+
+    caplog.set_level(logging.WARNING, logger="services.common.weights")
+    for attempt in range(3):  # the kill has to land while bytes are moving
+        dest = tmp_path / f"dst{attempt}"
+        result, store = asyncio.run(pull_while_killing(dest, full_s / 4 / (attempt + 1)))
+        if "failed" in caplog.text:
+            break
+    try:
+        assert "failed" in caplog.text, "the kill never landed during a transfer"
+        assert (result.folder / "model.safetensors").read_bytes() == (
+            src / "model.safetensors"
+        ).read_bytes()
+    finally:
+        store.stop()
+
+
+def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
+    env = {"SPOTRL_STEP_DELAY_MS": "40"}
+    dep = Deployment(
+        DeploymentConfig(
+            tmp_path, reserved=0, preemptible=1, worker_slots=4, flush_tokens=2, extra_env=env
+        )
+    )
+    dep.start()
+    try:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        spec = small_spec(
+            tiny_model,
+            steps=1,
+            prompts_per_step=4,
+            group_size=4,
+            max_new_tokens=32,
+            ignore_eos=True,
+        )
+        run_id = client.submit(spec)
+        while not r.exists(keys.jobs_stream(run_id, 0)):
+            time.sleep(0.01)
+        late = dep.add_worker("preemptible")  # joins while step 0 is generating
+        run = wait_final(client, dep, run_id)
+        assert run["state"] == "succeeded"
+        batches = [DeltaBatch.from_fields(f) for _, f in r.xrange(keys.deltas_stream(run_id))]
+        served = {i.request_id for b in batches if b.worker_id == late.name for i in b.items}
+        assert served and all(rid.startswith("0:") for rid in served)
+        assert r.sismember(keys.worker_loads(run_id, late.name), 0)
+    finally:
+        dep.stop()
