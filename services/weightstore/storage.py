@@ -5,8 +5,9 @@ Layout under `root`:
     {model}/v{version:08d}/{file}        committed versions, each with manifest.json
 
 A version becomes visible by one rename of its staging folder, after every file in the manifest
-was found with the right size and sha256. Retention keeps the newest `keep` versions. Several replicas may share one folder (a shared volume): each stages
-its uploads under its own name, so a replica that starts discards only its own cut-off uploads.
+was found with the right size and sha256. Retention keeps the newest `keep` versions.
+Several replicas may share one folder (a shared volume): each stages its uploads under its own
+name, so a replica that starts discards only its own cut-off uploads.
 """
 
 import hashlib
@@ -35,10 +36,17 @@ class Conflict(StorageError):
     status = 409
 
 
+BLOCK_BYTES = 32 * 1024 * 1024
+
+
 class FileEntry(BaseModel):
     name: str = Field(pattern=NAME_RE.pattern)
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # sha256 of each `block_size` block, computed by the store: a client pulling ranges of one
+    # block each verifies every range as it arrives instead of re-reading the whole file
+    block_size: int | None = None
+    block_sha256: list[str] = []
 
 
 class Manifest(BaseModel):
@@ -49,6 +57,29 @@ class Manifest(BaseModel):
 
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+class BlockHasher:
+    """sha256 of each consecutive `block` bytes of a stream."""
+
+    def __init__(self, block: int) -> None:
+        self.block, self.filled, self.current, self.done = block, 0, hashlib.sha256(), []
+
+    def update(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            take = min(len(view), self.block - self.filled)
+            self.current.update(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == self.block:
+                self.done.append(self.current.hexdigest())
+                self.current, self.filled = hashlib.sha256(), 0
+
+    def finish(self) -> list[str]:
+        if self.filled:
+            self.done.append(self.current.hexdigest())
+        return self.done
 
 
 def check_name(kind: str, name: str) -> str:
@@ -89,12 +120,14 @@ class WeightStorage:
         staging.mkdir(parents=True, exist_ok=True)
         part = staging / f".{name}.part"
         digest = hashlib.sha256()
+        blocks = BlockHasher(BLOCK_BYTES)
         size = 0
         try:
             with open(part, "wb") as fh:
                 async for chunk in chunks:
                     fh.write(chunk)
                     digest.update(chunk)
+                    blocks.update(chunk)
                     size += len(chunk)
             got = digest.hexdigest()
             if sha256 is not None and sha256.lower() != got:
@@ -103,7 +136,11 @@ class WeightStorage:
         finally:
             part.unlink(missing_ok=True)
         (staging / f".{name}.sha256").write_text(got)
-        return FileEntry(name=name, size=size, sha256=got)
+        block_hashes = blocks.finish()
+        (staging / f".{name}.blocks").write_text(json.dumps(block_hashes))
+        return FileEntry(
+            name=name, size=size, sha256=got, block_size=BLOCK_BYTES, block_sha256=block_hashes
+        )
 
     def commit(self, model: str, version: int, manifest: Manifest) -> Manifest:
         """Make a version visible, all or nothing."""
@@ -125,7 +162,16 @@ class WeightStorage:
                 problems.append(f"{entry.name}: sha256 differs from the manifest")
         if problems:
             raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
-        final = manifest.model_copy(update={"model": model, "version": version})
+        files = []
+        for entry in manifest.files:  # block hashes always come from what this store received
+            sidecar = staging / f".{entry.name}.blocks"
+            hashes = json.loads(sidecar.read_text()) if sidecar.is_file() else []
+            files.append(
+                entry.model_copy(
+                    update={"block_size": BLOCK_BYTES if hashes else None, "block_sha256": hashes}
+                )
+            )
+        final = manifest.model_copy(update={"model": model, "version": version, "files": files})
         listed = {e.name for e in manifest.files}
         for extra in staging.iterdir():
             if extra.name not in listed:

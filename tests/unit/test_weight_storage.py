@@ -86,3 +86,14 @@ def test_replicas_on_one_volume_keep_their_own_staging(tmp_path):
     assert b.versions("m") == [1]  # visible through every replica
     with pytest.raises(Conflict):
         b.commit("m", 1, manifest(entry))
+
+
+def test_block_hashes_cover_the_file(tmp_path):
+    from services.weightstore.storage import BlockHasher
+
+    data = bytes(range(256)) * 10
+    hasher = BlockHasher(1000)
+    for i in range(0, len(data), 77):
+        hasher.update(data[i : i + 77])
+    expected = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    assert hasher.finish() == expected
