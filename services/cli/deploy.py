@@ -15,6 +15,7 @@ class DeploymentConfig:
     preemptible: int = 1
     api_token: str | None = None
     redis_url: str | None = None  # use this Redis instead of starting one
+    weightstores: int = 1  # weight-store replicas, each with its own folder
     worker_slots: int = 64
     flush_tokens: int = 4
     trainer_threads: int = 1
@@ -45,6 +46,10 @@ class Deployment:
             env["SPOTRL_API_TOKEN"] = self.config.api_token
         return env
 
+    @property
+    def weightstore_urls(self) -> list[str]:
+        return self.weightstore_url.split(",")
+
     def attach(self, coordinator_url: str, weightstore_url: str) -> None:
         """Use services that run elsewhere (the redis URL comes from the config)."""
         self.coordinator_url, self.weightstore_url = coordinator_url, weightstore_url
@@ -60,18 +65,22 @@ class Deployment:
         if not self.redis_url:
             proc, self.redis_url = procs.start_redis(self.log_dir, self.work_dir / "redis")
             self.procs["redis"] = proc
-        ws_port, co_port, tr_port = procs.free_port(), procs.free_port(), procs.free_port()
-        self.weightstore_url = f"http://127.0.0.1:{ws_port}"
+        ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
+        co_port, tr_port = procs.free_port(), procs.free_port()
+        self.weightstore_url = ",".join(f"http://127.0.0.1:{p}" for p in ws_ports)
         self.coordinator_url = f"http://127.0.0.1:{co_port}"
         self.trainer_url = f"http://127.0.0.1:{tr_port}"
         env = self.base_env()
-        self.procs["weightstore"] = procs.start_service(
-            "weightstore",
-            "services.weightstore.main",
-            env | {"SPOTRL_PORT": str(ws_port), "SPOTRL_ROOT": str(self.work_dir / "weights")},
-            self.log_dir,
-            ws_port,
-        )
+        for i, port in enumerate(ws_ports):  # replicas with their own disks
+            name = "weightstore" if i == 0 else f"weightstore-{i + 1}"
+            root = self.work_dir / ("weights" if i == 0 else f"weights-{i + 1}")
+            self.procs[name] = procs.start_service(
+                name,
+                "services.weightstore.main",
+                env | {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root)},
+                self.log_dir,
+                port,
+            )
         self.procs["coordinator"] = procs.start_service(
             "coordinator",
             "services.coordinator.main",

@@ -17,6 +17,9 @@ def _interrupt(signum, frame) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.cli.up import up
 
+    if args.weightstores < 1:
+        print("spotrl up needs at least one weight store (--weightstores)", file=sys.stderr)
+        return 2
     if args.reserved < 0 or args.preemptible < 0 or args.reserved + args.preemptible < 1:
         print(
             "spotrl up needs at least one rollout worker (--reserved/--preemptible)",
@@ -47,6 +50,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             overrides,
             args.pretrain_steps,
             chaos,
+            args.weightstores,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
@@ -184,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-path", help="JSONL file for the math task")
     p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
     p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
+    p.add_argument("--weightstores", type=int, default=1, help="weight-store replicas")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=1e-4)

@@ -92,6 +92,7 @@ def up(
     spec_overrides: dict,
     pretrain_steps: int,
     chaos: ChaosOptions | None = None,
+    weightstores: int = 1,
 ) -> dict:
     started = time.monotonic()
     ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
@@ -104,6 +105,7 @@ def up(
         run_dir,
         reserved=reserved,
         preemptible=preemptible,
+        weightstores=weightstores,
         extra_env=chaos.worker_env() if chaos else {},
     )
     deployment = Deployment(config)

@@ -43,7 +43,7 @@ def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, 
         assert row["trained_sequences"] == spec["prompts_per_step"] * spec["group_size"]
         assert 0.0 <= row["reward_mean"] <= 1.0 and row["tokens_per_s"] > 0
 
-    versions = httpx.get(f"{deployment.weightstore_url}/v1/models/{run_id}/versions").json()
+    versions = httpx.get(f"{deployment.weightstore_urls[0]}/v1/models/{run_id}/versions").json()
     assert versions["versions"][-spec["steps"] :] == list(range(1, spec["steps"] + 1))
     for worker in ("rollout-reserved-1", "rollout-preemptible-2"):
         loaded = {int(v) for v in rdb.smembers(keys.worker_loads(run_id, worker))}

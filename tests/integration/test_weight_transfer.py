@@ -123,3 +123,26 @@ def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
         assert r.sismember(keys.worker_loads(run_id, late.name), 0)
     finally:
         dep.stop()
+
+
+def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_model):
+    dep = Deployment(
+        DeploymentConfig(tmp_path, reserved=0, preemptible=2, weightstores=2, worker_slots=8)
+    )
+    dep.start()
+    try:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        spec = small_spec(tiny_model, steps=5, prompts_per_step=4, group_size=3)
+        run_id = client.submit(spec)
+        while int(r.get(keys.run_version(run_id)) or 0) < 2:
+            time.sleep(0.05)
+        dep.procs.pop("weightstore-2").kill()  # the trainer and workers carry on with the other
+        run = wait_final(client, dep, run_id)
+        assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
+        for worker in ("rollout-preemptible-1", "rollout-preemptible-2"):
+            loaded = {int(v) for v in r.smembers(keys.worker_loads(run_id, worker))}
+            assert loaded >= set(range(spec["steps"])), worker
+    finally:
+        dep.procs.pop("weightstore-2", None)
+        dep.stop()
