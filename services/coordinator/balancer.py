@@ -1,0 +1,23 @@
+"""Continuous load balancing of executing requests: the paper's Algorithm 2, as a pure policy.
+
+Pending work is not bound to any worker (it waits in the jobs stream, and a worker reads only as
+many jobs as it has room for up to its plateau batch size), so only executing work needs moving:
+when some worker is idle, nothing is queued, and another worker executes more than its plateau
+batch size B_w, that worker is asked to release r = m_exec - B_w requests, which migrate.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    executing: int  # requests it holds now
+    plateau: int  # batch size past which its throughput stops growing
+
+
+def releases(loads: list[WorkerLoad], queued: int) -> dict[str, int]:
+    """How many requests each overloaded worker should release; {} when balanced."""
+    if queued > 0 or not any(w.executing == 0 for w in loads):
+        return {}
+    return {w.worker_id: w.executing - w.plateau for w in loads if w.executing > w.plateau}

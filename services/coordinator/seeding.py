@@ -1,0 +1,54 @@
+"""Adaptive rollout offload with seeding: the paper's Algorithm 1, as a pure policy.
+
+At the start of a step the reserved workers generate for a window T_seed, then step aside; their
+in-flight requests migrate to the preemptible pool as seeds. After each step:
+
+    T_seed <- max(min, T_seed + (t_train_wait - t_remote_wait) / eta)
+
+where t_train_wait is the trainer's idle time waiting for groups after the reserved pool stepped
+aside and t_remote_wait the preemptible pool's idle time at the end of the step. The value that
+worked is remembered per preemptible-pool size; when the size changes to one seen before, the
+controller jumps straight to it. With no preemptible worker the window is unbounded: the reserved
+pool does all of the rollout.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeedingController:
+    t_seed_s: float = 2.0
+    eta: float = 2.0
+    min_seed_s: float = 0.0
+    max_seed_s: float = 3600.0
+    memory: dict[int, float] = field(default_factory=dict)
+    count: int | None = None
+
+    def window_s(self, n_preemptible: int) -> float:
+        """T_seed for a step starting with `n_preemptible` preemptible workers."""
+        if n_preemptible != self.count and n_preemptible in self.memory:
+            self.t_seed_s = self.memory[n_preemptible]
+        self.count = n_preemptible
+        return math.inf if n_preemptible == 0 else self.t_seed_s
+
+    def update(self, n_preemptible: int, t_train_wait_s: float, t_remote_wait_s: float) -> float:
+        """Move T_seed toward equal idle times; remember it for this pool size."""
+        if n_preemptible == 0:
+            return self.t_seed_s
+        step = (t_train_wait_s - t_remote_wait_s) / self.eta
+        self.t_seed_s = min(self.max_seed_s, max(self.min_seed_s, self.t_seed_s + step))
+        self.memory[n_preemptible] = self.t_seed_s
+        self.count = n_preemptible
+        return self.t_seed_s
+
+
+def recommended_pool_size(
+    t_remote_s: float, n_preemptible: int, t_seed_s: float, n_reserved: int, t_train_s: float
+) -> float:
+    """N_prem = (t_remote * n_prem + T_seed * N_resv) / t_train: the preemptible pool size past
+    which more instances no longer shorten the step (the rollout work, in instance-seconds,
+    spread over the training time)."""
+    if t_train_s <= 0:
+        return math.inf
+    return (t_remote_s * n_preemptible + t_seed_s * n_reserved) / t_train_s

@@ -1,0 +1,79 @@
+"""The scheduling policies driven with synthetic timelines."""
+
+import math
+
+import pytest
+
+from services.common.plateau import PlateauEstimator
+from services.coordinator.balancer import WorkerLoad, releases
+from services.coordinator.seeding import SeedingController, recommended_pool_size
+
+
+def test_t_seed_moves_toward_equal_idle_times():
+    c = SeedingController(t_seed_s=4.0, eta=2.0)
+    assert c.window_s(2) == 4.0
+    # trainer idles 3 s, remote pool 1 s: reserved should seed longer
+    assert c.update(2, t_train_wait_s=3.0, t_remote_wait_s=1.0) == 5.0
+    # remote pool idles more: seed shorter
+    assert c.update(2, t_train_wait_s=0.0, t_remote_wait_s=4.0) == 3.0
+    # a system whose idle gap shrinks as T_seed grows converges to equal idle times
+    c = SeedingController(t_seed_s=0.0, eta=2.0)
+    for _ in range(50):
+        gap = 6.0 - 2 * c.t_seed_s  # train wait - remote wait, a made-up linear system
+        c.update(3, gap / 2 + 1, -gap / 2 + 1)
+    assert c.t_seed_s == pytest.approx(3.0, abs=1e-3)
+
+
+def test_t_seed_is_bounded_below():
+    c = SeedingController(t_seed_s=1.0, eta=1.0, min_seed_s=0.5)
+    assert c.update(1, 0.0, 10.0) == 0.5
+
+
+def test_memory_jumps_to_the_value_of_a_pool_size_seen_before():
+    c = SeedingController(t_seed_s=2.0, eta=1.0)
+    c.window_s(4)
+    c.update(4, 5.0, 0.0)  # 7.0 worked for 4 instances
+    c.window_s(2)
+    c.update(2, 0.0, 1.0)  # 6.0 for 2 instances
+    assert c.window_s(4) == 7.0
+    assert c.window_s(2) == 6.0
+    assert c.window_s(2) == 6.0  # same size: no jump, keeps the current value
+
+
+def test_no_preemptible_worker_means_no_seeding_window():
+    c = SeedingController(t_seed_s=2.0)
+    assert c.window_s(0) == math.inf
+    assert c.update(0, 5.0, 0.0) == 2.0
+
+
+def test_recommended_pool_size_follows_the_formula():
+    assert recommended_pool_size(30.0, 4, 10.0, 2, 20.0) == (30 * 4 + 10 * 2) / 20
+    assert recommended_pool_size(1.0, 1, 1.0, 1, 0.0) == math.inf
+
+
+def test_balancer_releases_exactly_the_surplus():
+    loads = [
+        WorkerLoad("a", 0, 8),
+        WorkerLoad("b", 13, 8),
+        WorkerLoad("c", 8, 8),
+        WorkerLoad("d", 9, 4),
+    ]
+    assert releases(loads, queued=0) == {"b": 5, "d": 5}
+
+
+def test_balancer_does_nothing_when_balanced_or_work_is_queued():
+    assert releases([WorkerLoad("a", 0, 8), WorkerLoad("b", 8, 8)], queued=0) == {}
+    assert releases([WorkerLoad("a", 0, 8), WorkerLoad("b", 20, 8)], queued=3) == {}
+    assert releases([WorkerLoad("a", 2, 8), WorkerLoad("b", 20, 8)], queued=0) == {}
+
+
+def test_plateau_is_where_throughput_stops_growing():
+    est = PlateauEstimator(max_batch=64)
+    assert est.plateau() == 64  # nothing known yet
+    for batch, tok_s in ((1, 100), (2, 200), (4, 390), (8, 700), (16, 760), (32, 770)):
+        for _ in range(3):
+            est.record(batch, tokens=batch, seconds=batch / tok_s)
+    assert est.plateau() == 64  # best is at the largest size tried: still growing
+    for _ in range(3):
+        est.record(64, tokens=64, seconds=64 / 760)
+    assert est.plateau() == 8  # 700 >= 0.9 * 770
