@@ -48,6 +48,14 @@ def _bar(title: str) -> Progress:
     )
 
 
+def migration_totals(rows: list[dict]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for row in rows:
+        for cause, n in (row.get("migrations") or {}).items():
+            totals[cause] = totals.get(cause, 0) + n
+    return totals
+
+
 def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
     rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
@@ -59,6 +67,9 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
         "reward_last": rewards[-1] if rewards else None,
         "groups_incomplete": run["groups_incomplete"],
         "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,
+        "migrations": migration_totals(rows),
+        "t_seed_s_last": next((r["t_seed_s"] for r in reversed(rows) if "t_seed_s" in r), None),
+        "n_prem_recommended": run.get("n_prem_recommended"),
         "wall_s": round(wall_s, 1),
     }
 

@@ -32,6 +32,11 @@ def run_steps_done(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:steps"
 
 
+def seed_done(run_id: str, step: int) -> str:
+    """String set when step's seeding window is over: the trainer may start consuming groups."""
+    return f"{PREFIX}:run:{run_id}:seed_done:{step}"
+
+
 def jobs_stream(run_id: str, version: int) -> str:
     """Stream of token-level jobs that only workers holding `version` read."""
     return f"{PREFIX}:run:{run_id}:jobs:v{version}"

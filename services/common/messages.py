@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
+ReleaseReason = Literal["preemption", "seed", "balance"]
 FIELD = b"m"
 
 
@@ -88,15 +89,23 @@ class DeltaBatch(Message):
     worker_id: str
     version: int
     items: list[DeltaItem]
-    released: list[RequestLease] = []  # given back unfinished (preemption notice, balancer)
+    released: list[RequestLease] = []  # given back unfinished
+    release_reason: ReleaseReason = "preemption"  # why `released` were given back
 
 
 class WorkerControl(Message):
-    """An order to one worker, on its control stream."""
+    """An order to one worker, on its control stream.
 
-    action: Literal["abort"]  # drop these requests: their lease moved on (fencing)
+    abort: drop `requests` (their lease moved on: fencing). release: give back `count` executing
+    requests (load balancing). pause: give back everything and read no job of `version` (a
+    reserved worker stepping aside after its seeding window; a newer version resumes it).
+    """
+
+    action: Literal["abort", "release", "pause"]
     run_id: str
-    requests: list[RequestLease]
+    requests: list[RequestLease] = []
+    count: int = 0
+    version: int | None = None
 
 
 class Response(Message):
@@ -127,3 +136,5 @@ class Heartbeat(Message):
     slots: int
     tokens_generated: int
     at: float  # unix time
+    plateau: int = 0  # measured plateau batch size (0: not known)
+    paused: bool = False  # stepped aside for the rest of this version

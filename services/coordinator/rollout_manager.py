@@ -9,7 +9,9 @@ version s, and the run ends when version `steps` is committed.
 import asyncio
 import json
 import logging
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -30,6 +32,8 @@ from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
 from services.coordinator.migration import fence, publish_jobs, reclaim_dead_workers
 from services.coordinator.request_table import Applied, RequestTable
+from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools
+from services.coordinator.seeding import SeedingController, recommended_pool_size
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
@@ -40,6 +44,7 @@ ROLLOUT_S = Histogram(
     "Rollout time of a step",
     buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
+N_PREM = Gauge("spotrl_coordinator_n_prem_recommended", "Preemptible pool size worth having")
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
 
 POLL_S = 0.05
@@ -50,6 +55,19 @@ CHECK_S = 0.25  # period of the cancel and dead-worker checks
 
 class RunCancelled(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """What the seeding controller needs to know about a finished rollout."""
+
+    step: int
+    n_preemptible: int
+    n_reserved: int
+    started: float
+    seed_end: float | None
+    rollout_end: float
+    window_s_used: float
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -69,6 +87,7 @@ class RunManager:
         self.task = load_task(spec.task, spec.task_path)
         self.consumer = "coordinator"
         self.table: RequestTable | None = None
+        self.seeding = SeedingController()
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
@@ -76,8 +95,46 @@ class RunManager:
         await ensure_group(self.r, deltas, keys.COORDINATOR_GROUP)
         step = await self._wait_version(0)
         while step < self.spec.steps:
-            await self._run_step(step)
+            done = await self._run_step(step)
             step = await self._wait_version(step + 1)
+            await self._adapt(done)
+
+    async def _adapt(self, done: "StepDone") -> None:
+        """After the trainer committed the next version: move T_seed (Algorithm 1) and work out
+        the preemptible pool size worth having."""
+        t_remote_wait = time.monotonic() - done.rollout_end
+        row = await self.r.hgetall(keys.run_step(self.run_id, done.step))
+        trained = {k.decode(): json.loads(v) for k, v in row.items()}
+        t_train_wait = float(trained.get("train_wait_s", 0.0))
+        t_train = max(
+            1e-3,
+            float(trained.get("train_s", 0.0))
+            - t_train_wait
+            - float(trained.get("seed_wait_s", 0.0)),
+        )
+        t_seed_next = self.seeding.update(done.n_preemptible, t_train_wait, t_remote_wait)
+        t_remote = done.rollout_end - (done.seed_end or done.started)
+        n_prem = recommended_pool_size(
+            t_remote if done.n_preemptible else 0.0,
+            done.n_preemptible,
+            done.window_s_used,
+            done.n_reserved,
+            t_train,
+        )
+        fields = {
+            "t_remote_wait_s": t_remote_wait,
+            "t_seed_next_s": t_seed_next,
+            "n_prem_recommended": None if math.isinf(n_prem) else n_prem,
+        }
+        await record_step(self.r, self.run_id, done.step, fields)
+        await self.r.hset(
+            keys.run(self.run_id),
+            mapping={
+                "t_seed_s": t_seed_next,
+                "n_prem_recommended": json.dumps(fields["n_prem_recommended"]),
+            },
+        )
+        N_PREM.set(fields["n_prem_recommended"] or 0)
 
     async def _check_running(self) -> None:
         state = await self.r.hget(keys.run(self.run_id), "state")
@@ -93,7 +150,7 @@ class RunManager:
                 return int(raw)
             await asyncio.sleep(POLL_S * 2)
 
-    async def _run_step(self, step: int) -> None:
+    async def _run_step(self, step: int) -> "StepDone":
         spec = self.spec
         examples = self.task.examples(spec.seed, step, spec.prompts_per_step)
         prompts = [self.tokenizer.encode(e.prompt).ids for e in examples]
@@ -117,7 +174,19 @@ class RunManager:
                 pipe.xadd(jobs, job.fields())
             await pipe.execute()
         started = time.monotonic()
-        log.info("step %d: queued %d jobs on %s", step, len(table.requests), jobs)
+        workers = await alive_workers(self.r, self.run_id)
+        pools = count_pools(workers)
+        window = self.seeding.window_s(pools["preemptible"])
+        sched = StepScheduler(self.r, self.run_id, step, jobs, window, started)
+        await sched.start(workers)
+        log.info(
+            "step %d: queued %d jobs on %s (pools %s, T_seed %.2fs)",
+            step,
+            len(table.requests),
+            jobs,
+            pools,
+            window,
+        )
         rewards: dict[str, float] = {}
         last_check = started
         while not table.complete:
@@ -126,8 +195,11 @@ class RunManager:
             if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
                 await reclaim_dead_workers(self.r, jobs, table, spec.migration)
+                await sched.tick(table)
                 last_check = time.monotonic()
-        rollout_s = time.monotonic() - started
+        await sched.finish()
+        rollout_end = time.monotonic()
+        rollout_s = rollout_end - started
         ROLLOUT_S.observe(rollout_s)
         tokens = sum(len(r.token_ids) for r in table.requests.values())
         mean_reward = sum(rewards.values()) / max(1, len(rewards))
@@ -147,6 +219,10 @@ class RunManager:
                 "tokens_discarded": table.tokens_discarded,
                 "regenerated_tokens": table.tokens_received - tokens,
                 "migrations": dict(table.migrations),
+                "t_seed_s": None if math.isinf(window) else window,
+                "seed_s": (sched.seed_end or rollout_end) - started,
+                "workers_reserved": pools["reserved"],
+                "workers_preemptible": pools["preemptible"],
             },
         )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
@@ -156,6 +232,15 @@ class RunManager:
             rollout_s,
             tokens,
             mean_reward,
+        )
+        return StepDone(
+            step,
+            pools["preemptible"],
+            pools["reserved"],
+            started,
+            sched.seed_end,
+            rollout_end,
+            0.0 if math.isinf(window) else window,
         )
 
     async def _collect(self, table: RequestTable, examples: list[Example], rewards: dict) -> None:
@@ -177,7 +262,7 @@ class RunManager:
         finished_groups: set[int] = set()
         tokens_before = table.tokens_appended
         stale: dict[str, set[tuple[str, int]]] = {}
-        released: list[Job] = []
+        released: dict[str, list[Job]] = {}
         for entry in entries:
             batch = decode_or_park(DeltaBatch, entry, parked)
             if batch is None:
@@ -196,12 +281,16 @@ class RunManager:
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
             for rel in batch.released:
-                job = table.migrate(rel.request_id, "preemption", self.spec.migration, rel.lease)
+                job = table.migrate(
+                    rel.request_id,
+                    batch.release_reason,
+                    self.spec.migration or batch.release_reason != "preemption",
+                    rel.lease,
+                )
                 if job is not None:
-                    released.append(job)
-        await publish_jobs(
-            self.r, keys.jobs_stream(self.run_id, table.version), released, "preemption"
-        )
+                    released.setdefault(batch.release_reason, []).append(job)
+        for reason, jobs in released.items():
+            await publish_jobs(self.r, keys.jobs_stream(self.run_id, table.version), jobs, reason)
         await fence(self.r, self.run_id, stale)
         TOKENS.inc(table.tokens_appended - tokens_before)
         for p in sorted(finished_groups):

@@ -1,5 +1,7 @@
 """/v1/runs: submit, list, inspect, cancel runs and read their per-step metrics."""
 
+import json
+
 from fastapi import APIRouter, Depends, HTTPException
 
 from services.common import keys
@@ -32,6 +34,8 @@ def build_router(store: RunStore, write_guard) -> APIRouter:
             reward_mean=last.get("reward_mean"),
             tokens_per_s=last.get("tokens_per_s"),
             groups_incomplete=int(incomplete or 0),
+            t_seed_s=float(run["t_seed_s"]) if "t_seed_s" in run else None,
+            n_prem_recommended=json.loads(run.get("n_prem_recommended", "null")),
             created_at=float(run["created_at"]),
             started_at=float(run["started_at"]) if "started_at" in run else None,
             finished_at=float(run["finished_at"]) if "finished_at" in run else None,

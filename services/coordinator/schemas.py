@@ -21,6 +21,10 @@ class RunPublic(BaseModel):
     reward_mean: float | None = Field(description="Mean reward of the newest rollout step.")
     tokens_per_s: float | None = Field(description="Rollout tokens/s of the newest step.")
     groups_incomplete: int = Field(description="Groups the trainer got with != n responses.")
+    t_seed_s: float | None = Field(None, description="Seeding window of the next step.")
+    n_prem_recommended: float | None = Field(
+        None, description="Preemptible pool size past which the step gets no shorter."
+    )
     created_at: float
     started_at: float | None
     finished_at: float | None

@@ -24,6 +24,7 @@ from services.common.messages import (
     RequestLease,
     WorkerControl,
 )
+from services.common.plateau import PlateauEstimator
 from services.common.redis_streams import (
     decode_or_park,
     park,
@@ -66,7 +67,9 @@ class RolloutWorker:
         self.run_id: str | None = None
         self.version: int | None = None
         self.inbox: asyncio.Queue[tuple[bytes, Job]] = asyncio.Queue()
-        self.aborts: asyncio.Queue[RequestLease] = asyncio.Queue()
+        self.orders: asyncio.Queue[WorkerControl] = asyncio.Queue()
+        self.plateau = PlateauEstimator(settings.slots)
+        self.paused_version: int | None = None
         self.control_last_id = b"0-0"
         self.entry_of: dict[str, bytes] = {}  # request id -> job entry id, acked when finished
         self.pending: dict[str, Pending] = {}
@@ -116,6 +119,8 @@ class RolloutWorker:
                 active=self.busy,
                 slots=self.s.slots,
                 tokens_generated=self.tokens_generated,
+                plateau=self.plateau.plateau(),
+                paused=self.paused_version is not None and self.paused_version == self.version,
                 at=time.time(),
             )
             await with_reconnect(
@@ -151,7 +156,11 @@ class RolloutWorker:
             if latest != self.version:
                 await self._load_version(run_id, latest)
                 continue
-            free = self.s.slots - self.busy
+            if self.paused_version == self.version:  # stepped aside until the next version
+                self.state = "paused"
+                await asyncio.sleep(0.05)
+                continue
+            free = min(self.s.slots, self.plateau.plateau()) - self.busy
             if free <= 0:
                 await asyncio.sleep(0.01)
                 continue
@@ -182,8 +191,7 @@ class RolloutWorker:
                 self.control_last_id = entry_id
                 order = decode_or_park(WorkerControl, (entry_id, fields), [])
                 if order is not None and order.run_id == self.run_id:
-                    for req in order.requests:
-                        self.aborts.put_nowait(req)
+                    self.orders.put_nowait(order)
 
     async def _switch_run(self, run_id: str | None) -> None:
         dropped = self.engine.abort_all()
@@ -193,7 +201,7 @@ class RolloutWorker:
         self.pending.clear()
         if dropped:
             log.info("run changed: dropped %d requests", len(dropped))
-        self.run_id, self.version = run_id, None
+        self.run_id, self.version, self.paused_version = run_id, None, None
 
     async def _load_version(self, run_id: str, version: int) -> None:
         self.state = "loading"
@@ -226,8 +234,8 @@ class RolloutWorker:
     # ---- generation ----
     async def generate_forever(self) -> None:
         while True:
-            while not self.aborts.empty():
-                self._abort(self.aborts.get_nowait())
+            while not self.orders.empty():
+                await self._obey(self.orders.get_nowait())
             while not self.inbox.empty():
                 entry_id, job = self.inbox.get_nowait()
                 if job.run_id != self.run_id or job.version != self.version:
@@ -240,7 +248,9 @@ class RolloutWorker:
                 await self._flush()
                 await asyncio.sleep(0.005)
                 continue
+            batch, started = self.engine.active, time.perf_counter()
             events = await asyncio.to_thread(self.engine.step)
+            self.plateau.record(batch, len(events), time.perf_counter() - started)
             finished = self._record(events)
             self.steps_since_flush += 1
             due = (time.monotonic() - self.last_flush) * 1000 >= self.s.flush_ms
@@ -259,20 +269,46 @@ class RolloutWorker:
         self.entry_of.pop(req.request_id, None)
         log.info("dropped %s (lease %d): it was migrated", req.request_id, req.lease)
 
-    async def release_all(self) -> int:
-        """Preemption notice: flush every partial response, give every held request back and
-        acknowledge its job, so the coordinator continues them elsewhere at once."""
-        held = [
-            RequestLease(request_id=rid, lease=p.lease)
-            for rid, p in self.pending.items()
-            if p.finish_reason is None
-        ]
+    async def _obey(self, order: WorkerControl) -> None:
+        if order.action == "abort":
+            for req in order.requests:
+                self._abort(req)
+        elif order.action == "release":
+            await self._release(self._held()[: order.count], "balance")
+        elif order.action == "pause" and order.version == self.version:
+            self.paused_version = order.version
+            await self._release(self._held(), "seed")
+
+    def _held(self) -> list[RequestLease]:
+        """Every request this worker holds, those never started first, then by tokens left."""
+        held = []
         while not self.inbox.empty():  # read from the stream but never started
             entry_id, job = self.inbox.get_nowait()
             held.append(RequestLease(request_id=job.request_id, lease=job.lease))
             self.entry_of[job.request_id] = entry_id
-        await self._flush(released=held)
-        return len(held)
+
+        def left(rid: str) -> int:
+            seq = self.engine.seqs.get(rid)
+            return seq.job.remaining_tokens - len(seq.generated) if seq else 0
+
+        running = [rid for rid, p in self.pending.items() if p.finish_reason is None]
+        for rid in sorted(running, key=left, reverse=True):
+            held.append(RequestLease(request_id=rid, lease=self.pending[rid].lease))
+        return held
+
+    async def _release(self, leases: list[RequestLease], reason: str) -> int:
+        """Flush, then give `leases` back to the coordinator, which migrates them."""
+        for req in leases:
+            self.engine.abort(req.request_id)
+        await self._flush(released=leases, reason=reason)
+        if leases:
+            log.info("released %d requests (%s)", len(leases), reason)
+        return len(leases)
+
+    async def release_all(self) -> int:
+        """Preemption notice: flush every partial response, give every held request back and
+        acknowledge its job, so the coordinator continues them elsewhere at once."""
+        return await self._release(self._held(), "preemption")
 
     def _record(self, events: list[TokenEvent]) -> bool:
         finished = False
@@ -289,7 +325,9 @@ class RolloutWorker:
         TOKENS.labels(self.s.pool).inc(len(events))
         return finished
 
-    async def _flush(self, released: list[RequestLease] | None = None) -> None:
+    async def _flush(
+        self, released: list[RequestLease] | None = None, reason: str = "preemption"
+    ) -> None:
         self.steps_since_flush = 0
         self.last_flush = time.monotonic()
         items, done = [], []
@@ -316,7 +354,11 @@ class RolloutWorker:
         if (not items and not released) or self.run_id is None:
             return
         batch = DeltaBatch(
-            worker_id=self.s.worker_id, version=self.version or 0, items=items, released=released
+            worker_id=self.s.worker_id,
+            version=self.version or 0,
+            items=items,
+            released=released,
+            release_reason=reason,
         )
         done += [r.request_id for r in released]
         run_id = self.run_id

@@ -7,6 +7,7 @@ Groups are acknowledged on the stream only after the version they trained is com
 
 import asyncio
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ class TrainerLoop:
         await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
         version = await self.r.get(keys.run_version(run_id))
         if version is None:
-            await self._publish(run_id, policy, 0, spec)
+            await self._commit(run_id, policy, 0)
+            await self._announce(run_id, 0)
             version = 0
         step = int(version)
         while step < spec.steps:
@@ -95,7 +97,8 @@ class TrainerLoop:
         consumed = 0
         incomplete = 0
         entry_ids: list[bytes] = []
-        last_check = started
+        seed_wait_s = await self._wait_seeding(run_id, step)
+        last_check = time.monotonic()
         while consumed < spec.prompts_per_step:
             t0 = time.monotonic()
             want = spec.prompts_per_step - consumed
@@ -134,14 +137,15 @@ class TrainerLoop:
                 await asyncio.to_thread(policy.accumulate, good)
         WAIT_S.inc(wait_s)
         stats = await asyncio.to_thread(policy.optimizer_step)
-        await self._publish(run_id, policy, step + 1, spec)
+        train_s = time.monotonic() - started
+        publish_s = await self._commit(run_id, policy, step + 1)
         await self.r.xack(stream, keys.TRAINER_GROUP, *entry_ids)
         await self.r.hincrby(keys.trainer_state(run_id), "groups_incomplete", incomplete)
         await self.r.hincrby(keys.trainer_state(run_id), "groups_trained", consumed)
         await self.r.hset(keys.trainer_state(run_id), "steps_trained", step + 1)
-        train_s = time.monotonic() - started
         STEP_S.observe(train_s)
         STEPS.inc()
+        # the row is complete before the version is announced: the coordinator reads it then
         await record_step(
             self.r,
             run_id,
@@ -150,24 +154,42 @@ class TrainerLoop:
             | {
                 "train_s": train_s,
                 "train_wait_s": wait_s,
+                "seed_wait_s": seed_wait_s,
+                "publish_s": publish_s,
                 "groups_incomplete": incomplete,
             },
         )
+        await self._announce(run_id, step + 1)
         log.info(
-            "run %s step %d: trained %d groups in %.2fs (waited %.2fs), loss %.4f",
+            "run %s step %d: trained %d groups in %.2fs (waited %.2fs after %.2fs of "
+            "seeding), loss %.4f",
             run_id,
             step,
             consumed,
             train_s,
             wait_s,
+            seed_wait_s,
             stats["policy_loss"],
         )
 
-    async def _publish(self, run_id: str, policy, version: int, spec: RunSpec) -> None:
+    async def _wait_seeding(self, run_id: str, step: int) -> float:
+        """The reserved pool generates first (it shares this hardware): wait for it to step
+        aside before consuming groups."""
+        started = time.monotonic()
+        while not await self.r.exists(keys.seed_done(run_id, step)):
+            await self._check_running(run_id)
+            await asyncio.sleep(0.02)
+        return time.monotonic() - started
+
+    async def _commit(self, run_id: str, policy, version: int) -> float:
         t0 = time.monotonic()
         folder = self.settings.work_dir / run_id / f"v{version}"
         await asyncio.to_thread(policy.export, folder)
         await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+        return time.monotonic() - t0
+
+    async def _announce(self, run_id: str, version: int) -> None:
         await self.r.set(keys.run_version(run_id), version)
         VERSION.set(version)
-        log.info("run %s: version %d committed in %.2fs", run_id, version, time.monotonic() - t0)
+        log.info("run %s: version %d committed and announced", run_id, version)

@@ -1,0 +1,141 @@
+"""The asyncio shell around the seeding controller and the balancer for one step: who is in
+which pool, when the reserved pool steps aside, and which worker releases how many requests.
+All decisions come from `seeding.py` and `balancer.py`; this module only reads Redis and sends
+orders.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from prometheus_client import Gauge
+
+from services.common import keys
+from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
+from services.coordinator.balancer import WorkerLoad, releases
+from services.coordinator.request_table import RequestTable
+
+log = logging.getLogger(__name__)
+WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])
+T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
+RELEASE_COOLDOWN_S = 1.0
+
+
+async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
+    """Workers whose heartbeat is fresh and that serve `run_id`."""
+    ids = sorted(x.decode() for x in await r.smembers(keys.WORKER_INDEX))
+    beats = await r.mget([keys.worker_heartbeat(w) for w in ids]) if ids else []
+    out = {}
+    for worker_id, raw in zip(ids, beats, strict=True):
+        if raw is None:
+            continue
+        try:
+            beat = Heartbeat.decode(raw)
+        except MalformedMessage:
+            continue
+        if beat.run_id == run_id:
+            out[worker_id] = beat
+    return out
+
+
+def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:
+    counts = {"reserved": 0, "preemptible": 0}
+    for beat in workers.values():
+        counts[beat.pool] += 1
+    for pool, n in counts.items():
+        WORKERS.labels(pool).set(n)
+    return counts
+
+
+async def order(r: aioredis.Redis, worker_id: str, control: WorkerControl) -> None:
+    await r.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
+
+
+@dataclass
+class StepScheduler:
+    """Seeding window and load balancing of one step."""
+
+    r: aioredis.Redis
+    run_id: str
+    step: int
+    jobs_stream: str
+    window_s: float
+    started: float
+    seed_start: float | None = None  # when a reserved worker first held the step's weights
+    seeded_out: bool = False
+    seed_end: float | None = None
+    last_release: dict[str, float] | None = None
+
+    async def start(self, workers: dict[str, Heartbeat]) -> None:
+        T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
+        if not any(b.pool == "reserved" for b in workers.values()):
+            await self._end_seeding({})  # nothing to seed with: the trainer may start
+
+    async def tick(self, table: RequestTable) -> None:
+        workers = await alive_workers(self.r, self.run_id)
+        count_pools(workers)
+        reserved = [b for b in workers.values() if b.pool == "reserved"]
+        if self.seed_start is None and any(b.version == self.step for b in reserved):
+            self.seed_start = time.monotonic()  # the window runs from when seeding can start
+        if not self.seeded_out:
+            if not reserved:
+                await self._end_seeding(workers)  # the reserved pool is gone
+            elif self.seed_start is not None and (
+                time.monotonic() - self.seed_start >= self.window_s
+            ):
+                await self._end_seeding(workers)
+        await self._balance(table, workers)
+
+    async def finish(self) -> None:
+        """Rollout is over; with no preemptible pool the reserved one did it all."""
+        if not self.seeded_out:
+            await self._end_seeding({})
+
+    async def _end_seeding(self, workers: dict[str, Heartbeat]) -> None:
+        reserved = [
+            w for w, b in workers.items() if b.pool == "reserved" and b.version == self.step
+        ]
+        for worker_id in reserved:
+            await order(
+                self.r,
+                worker_id,
+                WorkerControl(action="pause", run_id=self.run_id, version=self.step),
+            )
+        self.seeded_out, self.seed_end = True, time.monotonic()
+        await self.r.set(keys.seed_done(self.run_id, self.step), self.seed_end, ex=3600)
+        if reserved:
+            log.info(
+                "step %d: seeding window over after %.2fs; %d reserved workers step aside",
+                self.step,
+                self.seed_end - self.started,
+                len(reserved),
+            )
+
+    async def _balance(self, table: RequestTable, workers: dict[str, Heartbeat]) -> None:
+        summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
+        executing = {
+            (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]): int(c["pending"])
+            for c in summary.get("consumers") or []
+        }
+        queued = len(table.unfinished()) - int(summary.get("pending") or 0)
+        loads = [
+            WorkerLoad(w, executing.get(w, 0), b.plateau or b.slots)
+            for w, b in workers.items()
+            if b.version == self.step and not b.paused
+        ]
+        now = time.monotonic()
+        self.last_release = self.last_release or {}
+        for worker_id, count in releases(loads, queued).items():
+            if now - self.last_release.get(worker_id, 0.0) < RELEASE_COOLDOWN_S:
+                continue
+            self.last_release[worker_id] = now
+            await order(
+                self.r, worker_id, WorkerControl(action="release", run_id=self.run_id, count=count)
+            )
+            log.info(
+                "step %d: %s holds %d over its plateau: release ordered",
+                self.step,
+                worker_id,
+                count,
+            )

@@ -1,0 +1,70 @@
+"""Adaptive offload with real processes: with no preemptible worker the reserved pool does all
+of the rollout; with one reserved and two preemptible workers the reserved one seeds for T_seed,
+steps aside, and its requests continue on the preemptible pool as seeds."""
+
+import pytest
+import redis
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.deploy import Deployment, DeploymentConfig
+from services.common.runspec import RunSpec
+from tests.integration.conftest import read_groups, small_spec, wait_final
+
+pytestmark = pytest.mark.slow
+
+
+def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
+    dep = Deployment(
+        DeploymentConfig(
+            tmp_path,
+            reserved=reserved,
+            preemptible=preemptible,
+            worker_slots=8,
+            flush_tokens=2,
+            extra_env=env or {},
+        )
+    )
+    dep.start()
+    try:
+        client = CoordinatorClient(dep.coordinator_url)
+        run_id = client.submit(spec)
+        run = wait_final(client, dep, run_id, timeout_s=300)
+        rows = client.metrics(run_id)
+        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+        r = redis.Redis.from_url(dep.redis_url)
+        groups = read_groups(r, run_id)
+        r.close()
+        return run, rows, audit, groups
+    finally:
+        dep.stop()
+
+
+def test_reserved_pool_alone_completes_the_run(tmp_path, tiny_model):
+    spec = small_spec(tiny_model, steps=3)
+    run, rows, audit, _ = run_on(tmp_path, tiny_model, reserved=1, preemptible=0, spec=spec)
+    assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0
+    for row in rows:
+        assert row["workers_preemptible"] == 0 and row["t_seed_s"] is None
+        assert not row["migrations"]
+
+
+def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
+    spec = small_spec(
+        tiny_model, steps=3, prompts_per_step=4, group_size=4, max_new_tokens=96, ignore_eos=True
+    )
+    env = {"SPOTRL_STEP_DELAY_MS": "40"}  # a response takes ~4 s: longer than the first 2 s window
+    run, rows, audit, groups = run_on(
+        tmp_path, tiny_model, reserved=1, preemptible=2, spec=spec, env=env
+    )
+    assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0
+    assert all(len(g.responses) == spec["group_size"] for g in groups)
+    seeds = sum(row["migrations"].get("seed", 0) for row in rows)
+    assert seeds > 0
+    first = rows[0]
+    assert first["workers_reserved"] == 1 and first["workers_preemptible"] == 2
+    assert first["t_seed_s"] == pytest.approx(2.0)
+    assert first["seed_wait_s"] >= 1.9  # the trainer waited for the reserved pool to step aside
+    assert "t_remote_wait_s" in first and first["n_prem_recommended"] > 0
+    assert rows[1]["t_seed_s"] == pytest.approx(first["t_seed_next_s"])
+    assert run["t_seed_s"] is not None and run["n_prem_recommended"] > 0
