@@ -91,6 +91,7 @@ class StepScheduler:
         """Rollout is over; with no preemptible pool the reserved one did it all."""
         if not self.seeded_out:
             await self._end_seeding({})
+            self.seed_end = None  # the window never closed during the step
 
     async def _end_seeding(self, workers: dict[str, Heartbeat]) -> None:
         reserved = [
