@@ -86,7 +86,6 @@ class RunManager:
         self.stop_ids = stop_token_ids(model_dir)
         self.task = load_task(spec.task, spec.task_path)
         self.consumer = "coordinator"
-        self.table: RequestTable | None = None
         self.seeding = SeedingController()
 
     async def run(self) -> None:
@@ -166,7 +165,6 @@ class RunManager:
             spec.seed,
             [] if spec.ignore_eos else self.stop_ids,
         )
-        self.table = table
         jobs = keys.jobs_stream(self.run_id, step)
         await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
         async with self.r.pipeline(transaction=False) as pipe:

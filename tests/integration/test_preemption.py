@@ -10,7 +10,6 @@ import time
 import pytest
 import redis
 
-from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from tests.integration.conftest import read_groups, small_spec, wait_final
@@ -20,7 +19,9 @@ HEARTBEAT_TTL_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
+def deployment(tmp_path_factory):
+    """Three preemptible workers with a short heartbeat (overrides conftest's deployment, so its
+    `client` and `rdb` fixtures talk to this one)."""
     env = {
         "SPOTRL_HEARTBEAT_S": "0.3",
         "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
@@ -40,20 +41,6 @@ def dep(tmp_path_factory):
     d.start()
     yield d
     d.stop()
-
-
-@pytest.fixture(scope="module")
-def api(dep):
-    c = CoordinatorClient(dep.coordinator_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def rdb(dep):
-    r = redis.Redis.from_url(dep.redis_url)
-    yield r
-    r.close()
 
 
 def spec(model):
@@ -83,9 +70,9 @@ def check_groups(rdb, run_id, s):
 
 
 @pytest.fixture(scope="module")
-def reference(dep, api, rdb, tiny_model):
-    run_id = api.submit(spec(tiny_model))
-    assert wait_final(api, dep, run_id)["state"] == "succeeded"
+def reference(deployment, client, rdb, tiny_model):
+    run_id = client.submit(spec(tiny_model))
+    assert wait_final(client, deployment, run_id)["state"] == "succeeded"
     return responses_of_step(rdb, run_id, 0)
 
 
@@ -117,18 +104,20 @@ def wait_mid_generation(rdb, run_id, min_deltas=6, timeout_s=60):
     raise TimeoutError("generation did not start")
 
 
-def test_kill_and_notice_mid_generation_lose_nothing(dep, api, rdb, tiny_model, reference):
+def test_kill_and_notice_mid_generation_lose_nothing(
+    deployment, client, rdb, tiny_model, reference
+):
     s = spec(tiny_model)
-    run_id = api.submit(s)
+    run_id = client.submit(s)
     busy = wait_mid_generation(rdb, run_id)
-    dep.procs[busy[0]].kill()  # SIGKILL: no notice, found by its missed heartbeat
-    dep.procs[busy[1]].popen.send_signal(signal.SIGTERM)  # notice: flush, release, exit
-    run = wait_final(api, dep, run_id, timeout_s=120)
+    deployment.procs[busy[0]].kill()  # SIGKILL: no notice, found by its missed heartbeat
+    deployment.procs[busy[1]].popen.send_signal(signal.SIGTERM)  # notice: flush, release, exit
+    run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
-    assert dep.procs[busy[1]].popen.wait(10) is not None  # left within its grace period
+    assert deployment.procs[busy[1]].popen.wait(10) is not None  # left within its grace period
     check_groups(rdb, run_id, s)
     assert responses_of_step(rdb, run_id, 0) == reference
-    row = api.metrics(run_id)[0]
+    row = client.metrics(run_id)[0]
     assert row["migrations"].get("death", 0) >= 1 and row["migrations"].get("preemption", 0) >= 1
     assert row["regenerated_tokens"] == 0  # nothing flushed was generated again
     migrated = [
@@ -136,24 +125,24 @@ def test_kill_and_notice_mid_generation_lose_nothing(dep, api, rdb, tiny_model, 
     ]
     assert migrated
     for name in busy[:2]:
-        del dep.procs[name]
-    dep.add_worker("preemptible")
-    dep.add_worker("preemptible")
+        del deployment.procs[name]
+    deployment.add_worker("preemptible")
+    deployment.add_worker("preemptible")
 
 
-def test_frozen_worker_that_comes_back_is_fenced(dep, api, rdb, tiny_model, reference):
+def test_frozen_worker_that_comes_back_is_fenced(deployment, client, rdb, tiny_model, reference):
     s = spec(tiny_model)
-    run_id = api.submit(s)
+    run_id = client.submit(s)
     busy = wait_mid_generation(rdb, run_id)
-    frozen = dep.procs[busy[0]]
+    frozen = deployment.procs[busy[0]]
     frozen.popen.send_signal(signal.SIGSTOP)
     time.sleep(HEARTBEAT_TTL_S + 1.5)  # declared dead, its requests migrated
     frozen.popen.send_signal(signal.SIGCONT)  # back, still holding stale leases
-    run = wait_final(api, dep, run_id, timeout_s=120)
+    run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded"
     check_groups(rdb, run_id, s)
     assert responses_of_step(rdb, run_id, 0) == reference
-    row = api.metrics(run_id)[0]
+    row = client.metrics(run_id)[0]
     assert row["migrations"].get("death", 0) >= 1
     assert frozen.alive()
     log = frozen.log_path.read_text()
