@@ -37,6 +37,8 @@ class PlateauEstimator:
         if not seen:
             return self.max_batch
         best = max(seen.values())
-        if best == seen[max(seen)]:  # still growing at the largest size tried: keep room
-            return self.max_batch
+        largest = max(seen)
+        if best == seen[largest] and largest < self.bucket(self.max_batch):
+            return self.max_batch  # still growing at the largest size tried: keep room to try
+
         return min(self.max_batch, min(b for b, v in seen.items() if v >= self.share * best))

@@ -2,6 +2,12 @@
 of the rollout; with one reserved and two preemptible workers the reserved one seeds for T_seed,
 steps aside, and its requests continue on the preemptible pool as seeds."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import redis
 
@@ -40,13 +46,33 @@ def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
         dep.stop()
 
 
-def test_reserved_pool_alone_completes_the_run(tmp_path, tiny_model):
-    spec = small_spec(tiny_model, steps=3)
-    run, rows, audit, _ = run_on(tmp_path, tiny_model, reserved=1, preemptible=0, spec=spec)
-    assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0
-    for row in rows:
-        assert row["workers_preemptible"] == 0 and row["t_seed_s"] is None
-        assert not row["migrations"]
+def test_spotrl_up_with_no_preemptible_worker_completes(tmp_path, tiny_model):
+    """The reserved pool does all of the rollout (a co-located framework)."""
+    env = {**os.environ, "SPOTRL_HOME": str(tmp_path)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "up",
+        "--steps",
+        "2",
+        "--preemptible",
+        "0",
+        "--model",
+        str(tiny_model),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["state"] == "succeeded" and summary["steps"] == 2
+    assert summary["groups_incomplete"] == 0 and summary["lost"] == 0
+    assert summary["duplicated"] == 0 and summary["migrations"] == {}
+    rows = json.loads(Path(summary["metrics_file"]).read_text())
+    assert all(r["workers_preemptible"] == 0 and r["t_seed_s"] is None for r in rows)
 
 
 def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):

@@ -73,7 +73,16 @@ def test_plateau_is_where_throughput_stops_growing():
     for batch, tok_s in ((1, 100), (2, 200), (4, 390), (8, 700), (16, 760), (32, 770)):
         for _ in range(3):
             est.record(batch, tokens=batch, seconds=batch / tok_s)
-    assert est.plateau() == 64  # best is at the largest size tried: still growing
+    assert est.plateau() == 64  # best is at the largest size tried (32 < 64): still growing
     for _ in range(3):
         est.record(64, tokens=64, seconds=64 / 760)
     assert est.plateau() == 8  # 700 >= 0.9 * 770
+
+
+def test_plateau_found_when_the_curve_saturates_at_the_largest_batch():
+    est = PlateauEstimator(max_batch=16)
+    for batch in (2, 4, 8, 16):
+        tok_s = 1000 * batch / (10 + 10 * batch)  # step cost grows with the batch
+        for _ in range(3):
+            est.record(batch, tokens=batch, seconds=batch / tok_s)
+    assert est.plateau() == 8  # 88.9 tok/s >= 0.9 * 94.1
