@@ -32,4 +32,11 @@ class RolloutSettings(CommonSettings):
     step_delay_ms: float = Field(
         0.0, ge=0, le=10000, description="Sleep after each decode step: emulates a slower engine."
     )
+    step_delay_per_request_ms: float = Field(
+        0.0,
+        ge=0,
+        le=10000,
+        description="Extra sleep per running request per decode step: a step cost that grows "
+        "with the batch, as a real engine's does past its plateau (tests, benchmarks).",
+    )
     advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")

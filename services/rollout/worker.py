@@ -250,14 +250,15 @@ class RolloutWorker:
                 continue
             batch, started = self.engine.active, time.perf_counter()
             events = await asyncio.to_thread(self.engine.step)
+            delay_ms = self.s.step_delay_ms + self.s.step_delay_per_request_ms * batch
+            if delay_ms:
+                await asyncio.sleep(delay_ms / 1000)
             self.plateau.record(batch, len(events), time.perf_counter() - started)
             finished = self._record(events)
             self.steps_since_flush += 1
             due = (time.monotonic() - self.last_flush) * 1000 >= self.s.flush_ms
             if finished or due or self.steps_since_flush >= self.s.flush_tokens:
                 await self._flush()
-            if self.s.step_delay_ms:
-                await asyncio.sleep(self.s.step_delay_ms / 1000)
 
     def _abort(self, req: RequestLease) -> None:
         """Drop a request whose lease moved on (fencing); its job entry is no longer ours."""

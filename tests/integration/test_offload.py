@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import redis
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
+from services.common import keys
 from services.common.runspec import RunSpec
 from tests.integration.conftest import read_groups, small_spec, wait_final
 
@@ -79,7 +81,7 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
     spec = small_spec(
         tiny_model, steps=3, prompts_per_step=4, group_size=4, max_new_tokens=96, ignore_eos=True
     )
-    env = {"SPOTRL_STEP_DELAY_MS": "40"}  # a response takes ~4 s: longer than the first 2 s window
+    env = {"SPOTRL_STEP_DELAY_MS": "40"}  # a response takes ~4 s, longer than the 2 s window
     run, rows, audit, groups = run_on(
         tmp_path, tiny_model, reserved=1, preemptible=2, spec=spec, env=env
     )
@@ -94,3 +96,42 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
     assert "t_remote_wait_s" in first and first["n_prem_recommended"] > 0
     assert rows[1]["t_seed_s"] == pytest.approx(first["t_seed_next_s"])
     assert run["t_seed_s"] is not None and run["n_prem_recommended"] > 0
+
+
+def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_model):
+    """One worker takes every job before it knows its plateau; once measured (the emulated step
+    cost grows with the batch, so throughput saturates near 8) it holds more than its plateau
+    while the other worker idles with nothing queued: the surplus migrates (Algorithm 2)."""
+    spec = small_spec(
+        tiny_model, steps=2, prompts_per_step=6, group_size=4, max_new_tokens=96, temperature=2.0
+    )  # long-tailed lengths: the batch shrinks as requests end
+    env = {
+        "SPOTRL_STEP_DELAY_MS": "20",
+        "SPOTRL_STEP_DELAY_PER_REQUEST_MS": "20",
+        "SPOTRL_HEARTBEAT_S": "0.2",
+        "SPOTRL_SLOTS": "24",
+    }
+    dep = Deployment(
+        DeploymentConfig(
+            tmp_path, reserved=0, preemptible=1, worker_slots=24, flush_tokens=2, extra_env=env
+        )
+    )
+    dep.start()
+    try:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        run_id = client.submit(spec)
+        while r.get(keys.run_version(run_id)) is None:
+            time.sleep(0.02)
+        while not r.exists(keys.jobs_stream(run_id, 0)):
+            time.sleep(0.02)
+        time.sleep(0.5)  # the first worker has read every job of step 0
+        dep.add_worker("preemptible", SLOTS="24")
+        run = wait_final(client, dep, run_id, timeout_s=300)
+        assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
+        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+        assert audit["lost"] == 0 and audit["duplicated"] == 0
+        rows = client.metrics(run_id)
+        assert sum(row["migrations"].get("balance", 0) for row in rows) > 0, rows
+    finally:
+        dep.stop()
