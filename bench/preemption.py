@@ -113,13 +113,11 @@ def main() -> None:
         "SPOTRL_PREEMPT_GRACE_S": "10",
     }
     work = Path(tempfile.mkdtemp(prefix="spotrl-bench-preemption-"))
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(
             work, reserved=0, preemptible=3, worker_slots=11, flush_tokens=4, extra_env=env
         )
-    )
-    dep.start()
-    try:
+    ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         base = RunSpec(
@@ -140,8 +138,6 @@ def main() -> None:
         recompute = one_run(
             dep, client, r, base.model_copy(update={"migration": False}), args.kill_at, kills
         )
-    finally:
-        dep.stop()
     over_mig = migration["rollout_s"] - calm["rollout_s"]
     over_rec = recompute["rollout_s"] - calm["rollout_s"]
     for name, res in (("undisturbed", calm), ("migration", migration), ("recompute", recompute)):

@@ -136,6 +136,13 @@ class Deployment:
             if not p.name.startswith("rollout-") and not p.alive():
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
 
+    def __enter__(self) -> "Deployment":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """Stop workers first, then the services, then Redis."""
         order = sorted(

@@ -6,7 +6,7 @@ orders.
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
@@ -65,7 +65,7 @@ class StepScheduler:
     seed_start: float | None = None  # when a reserved worker first held the step's weights
     seeded_out: bool = False
     seed_end: float | None = None
-    last_release: dict[str, float] | None = None
+    last_release: dict[str, float] = field(default_factory=dict)  # worker -> when ordered
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
         T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
@@ -126,7 +126,6 @@ class StepScheduler:
             if b.version == self.step and not b.paused
         ]
         now = time.monotonic()
-        self.last_release = self.last_release or {}
         for worker_id, count in releases(loads, queued).items():
             if now - self.last_release.get(worker_id, 0.0) < RELEASE_COOLDOWN_S:
                 continue

@@ -14,19 +14,21 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    dep = Deployment(
-        DeploymentConfig(
-            tmp_path_factory.mktemp("deploy"),
-            reserved=1,
-            preemptible=1,
-            worker_slots=16,
-            flush_tokens=2,
-        )
+def deployment_config(tmp_path_factory) -> DeploymentConfig:
+    """One reserved and one preemptible worker; a test module overrides this for its own."""
+    return DeploymentConfig(
+        tmp_path_factory.mktemp("deploy"),
+        reserved=1,
+        preemptible=1,
+        worker_slots=16,
+        flush_tokens=2,
     )
-    dep.start()
-    yield dep
-    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def deployment(deployment_config):
+    with Deployment(deployment_config) as dep:
+        yield dep
     for proc in dep.procs.values():
         assert not proc.alive(), f"{proc.name} survived stop()"
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(
             tmp_path,
             reserved=reserved,
@@ -32,9 +32,7 @@ def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
             flush_tokens=2,
             extra_env=env or {},
         )
-    )
-    dep.start()
-    try:
+    ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         run_id = client.submit(spec)
         run = wait_final(client, dep, run_id, timeout_s=300)
@@ -44,8 +42,6 @@ def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
         groups = read_groups(r, run_id)
         r.close()
         return run, rows, audit, groups
-    finally:
-        dep.stop()
 
 
 def test_spotrl_up_with_no_preemptible_worker_completes(tmp_path, tiny_model):
@@ -111,13 +107,11 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         "SPOTRL_HEARTBEAT_S": "0.2",
         "SPOTRL_SLOTS": "24",
     }
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(
             tmp_path, reserved=0, preemptible=1, worker_slots=24, flush_tokens=2, extra_env=env
         )
-    )
-    dep.start()
-    try:
+    ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         run_id = client.submit(spec)
@@ -133,5 +127,3 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         assert audit["lost"] == 0 and audit["duplicated"] == 0
         rows = client.metrics(run_id)
         assert sum(row["migrations"].get("balance", 0) for row in rows) > 0, rows
-    finally:
-        dep.stop()

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from tests.integration.conftest import read_groups, small_spec, wait_final
 
@@ -19,28 +19,22 @@ HEARTBEAT_TTL_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    """Three preemptible workers with a short heartbeat (overrides conftest's deployment, so its
-    `client` and `rdb` fixtures talk to this one)."""
+def deployment_config(tmp_path_factory):
+    """Three preemptible workers with a short heartbeat, for conftest's `deployment`."""
     env = {
         "SPOTRL_HEARTBEAT_S": "0.3",
         "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
         "SPOTRL_STEP_DELAY_MS": "40",
         "SPOTRL_PREEMPT_GRACE_S": "5",
     }
-    d = Deployment(
-        DeploymentConfig(
-            tmp_path_factory.mktemp("preempt"),
-            reserved=0,
-            preemptible=3,
-            worker_slots=4,
-            flush_tokens=2,
-            extra_env=env,
-        )
+    return DeploymentConfig(
+        tmp_path_factory.mktemp("preempt"),
+        reserved=0,
+        preemptible=3,
+        worker_slots=4,
+        flush_tokens=2,
+        extra_env=env,
     )
-    d.start()
-    yield d
-    d.stop()
 
 
 def spec(model):

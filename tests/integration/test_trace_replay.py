@@ -32,7 +32,7 @@ def test_trace_replay_completes_with_nothing_lost(tmp_path, tiny_model):
     targets = chaos.targets(2)
     assert len(targets) > 4  # the trace churns
     env = chaos.worker_env() | {"SPOTRL_STEP_DELAY_MS": "40"}
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(
             tmp_path,
             reserved=1,
@@ -41,31 +41,29 @@ def test_trace_replay_completes_with_nothing_lost(tmp_path, tiny_model):
             flush_tokens=2,
             extra_env=env,
         )
-    )
-    dep.start()
-    runner = ChaosRunner(dep, targets, chaos.sigterm_fraction, seed=3)
-    try:
-        client = CoordinatorClient(dep.coordinator_url)
-        spec = small_spec(
-            tiny_model,
-            steps=8,
-            prompts_per_step=4,
-            group_size=3,
-            max_new_tokens=32,
-            ignore_eos=True,
-        )
-        run_id = client.submit(spec)
-        runner.start()
-        run = wait_final(client, dep, run_id, timeout_s=300)
-        runner.stop()
-        assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
-        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
-        assert audit["lost"] == 0 and audit["duplicated"] == 0
-        assert runner.counts["sigterm"] + runner.counts["sigkill"] > 0
-        assert runner.counts["started"] > 0
-        rows = client.metrics(run_id)
-        moved = sum(sum(row["migrations"].values()) for row in rows)
-        print(f"chaos {runner.counts}, migrations {moved}")
-    finally:
-        runner.stop()
-        dep.stop()
+    ) as dep:
+        runner = ChaosRunner(dep, targets, chaos.sigterm_fraction, seed=3)
+        try:
+            client = CoordinatorClient(dep.coordinator_url)
+            spec = small_spec(
+                tiny_model,
+                steps=8,
+                prompts_per_step=4,
+                group_size=3,
+                max_new_tokens=32,
+                ignore_eos=True,
+            )
+            run_id = client.submit(spec)
+            runner.start()
+            run = wait_final(client, dep, run_id, timeout_s=300)
+            runner.stop()
+            assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
+            audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+            assert audit["lost"] == 0 and audit["duplicated"] == 0
+            assert runner.counts["sigterm"] + runner.counts["sigkill"] > 0
+            assert runner.counts["started"] > 0
+            rows = client.metrics(run_id)
+            moved = sum(sum(row["migrations"].values()) for row in rows)
+            print(f"chaos {runner.counts}, migrations {moved}")
+        finally:
+            runner.stop()

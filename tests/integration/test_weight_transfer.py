@@ -94,13 +94,11 @@ def test_pull_survives_the_weight_store_dying_mid_transfer(tmp_path, caplog):
 
 def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
     env = {"SPOTRL_STEP_DELAY_MS": "40"}
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(
             tmp_path, reserved=0, preemptible=1, worker_slots=4, flush_tokens=2, extra_env=env
         )
-    )
-    dep.start()
-    try:
+    ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         spec = small_spec(
@@ -121,16 +119,12 @@ def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
         served = {i.request_id for b in batches if b.worker_id == late.name for i in b.items}
         assert served and all(rid.startswith("0:") for rid in served)
         assert r.sismember(keys.worker_loads(run_id, late.name), 0)
-    finally:
-        dep.stop()
 
 
 def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_model):
-    dep = Deployment(
+    with Deployment(
         DeploymentConfig(tmp_path, reserved=0, preemptible=2, weightstores=2, worker_slots=8)
-    )
-    dep.start()
-    try:
+    ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         spec = small_spec(tiny_model, steps=5, prompts_per_step=4, group_size=3)
@@ -143,6 +137,3 @@ def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_m
         for worker in ("rollout-preemptible-1", "rollout-preemptible-2"):
             loaded = {int(v) for v in r.smembers(keys.worker_loads(run_id, worker))}
             assert loaded >= set(range(spec["steps"])), worker
-    finally:
-        dep.procs.pop("weightstore-2", None)
-        dep.stop()
