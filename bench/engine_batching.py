@@ -23,11 +23,11 @@ def main() -> None:
     import torch
 
     from services.common.messages import Job
-    from services.rollout.engine import HFEngine
+    from services.rollout.hf_engine import HFEngine
 
     torch.set_num_threads(args.threads)
     engine = HFEngine()
-    engine.load(Path(args.model))
+    engine.load_weights(Path(args.model))
     prompt = [5, 6, 7, 8, 9, 10]
     results = {}
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -48,7 +48,7 @@ def main() -> None:
         started = time.perf_counter()
         tokens = 0
         while engine.active:
-            tokens += len(engine.step())
+            tokens += len(engine.decode())
         results[batch] = round(tokens / (time.perf_counter() - started), 1)
         print(f"batch {batch:4d}: {results[batch]:9.1f} tok/s", flush=True)
     best = max(results.values())

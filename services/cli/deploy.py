@@ -17,6 +17,7 @@ class DeploymentConfig:
     redis_url: str | None = None  # use this Redis instead of starting one
     weightstores: int = 1  # weight-store replicas, each with its own folder
     worker_slots: int = 64
+    engine: str = "hf"  # rollout backend: hf or vllm
     flush_tokens: int = 4
     trainer_threads: int = 1
     worker_threads: int = 1
@@ -115,6 +116,7 @@ class Deployment:
                 "SPOTRL_POOL": pool,
                 "SPOTRL_WORKER_ID": name,
                 "SPOTRL_SLOTS": str(self.config.worker_slots),
+                "SPOTRL_ENGINE": self.config.engine,
                 "SPOTRL_FLUSH_TOKENS": str(self.config.flush_tokens),
                 "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
                 "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",

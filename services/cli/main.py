@@ -26,6 +26,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.engine == "vllm":
+        from services.rollout.vllm_engine import VLLMUnavailable, import_vllm
+
+        try:
+            import_vllm()  # fail now, with the install command, rather than in every worker
+        except VLLMUnavailable as exc:
+            print(f"spotrl up --engine vllm: {exc}", file=sys.stderr)
+            return 2
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
     overrides = {
         "prompts_per_step": args.prompts_per_step,
@@ -51,6 +59,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.pretrain_steps,
             chaos,
             args.weightstores,
+            args.engine,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
@@ -189,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
     p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
     p.add_argument("--weightstores", type=int, default=1, help="weight-store replicas")
+    p.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="rollout backend (vllm: `make setup-vllm` first)",
+    )
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=1e-4)

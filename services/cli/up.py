@@ -104,6 +104,7 @@ def up(
     pretrain_steps: int,
     chaos: ChaosOptions | None = None,
     weightstores: int = 1,
+    engine: str = "hf",
 ) -> dict:
     started = time.monotonic()
     ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
@@ -117,6 +118,7 @@ def up(
         reserved=reserved,
         preemptible=preemptible,
         weightstores=weightstores,
+        engine=engine,
         extra_env=chaos.worker_env() if chaos else {},
     )
     deployment = Deployment(config)
@@ -135,6 +137,7 @@ def up(
         rows = client.metrics(run_id)
         (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
         summary = summarize(run, rows, time.monotonic() - started)
+        summary["engine"] = engine
         summary["metrics_file"] = str(run_dir / "metrics.json")
         summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run_id}"))
         audit = audit_run(deployment.redis_url, run_id, spec, steps=run["step"])

@@ -28,6 +28,10 @@ def build_app(settings: RolloutSettings) -> FastAPI:
         # Import the engine's libraries before reporting healthy, so that the first weight
         # load after joining a run is quick.
         await asyncio.to_thread(importlib.import_module, "transformers")
+        if settings.engine == "vllm":
+            from services.rollout.vllm_engine import import_vllm
+
+            await asyncio.to_thread(import_vllm)  # a clear error now if it is not installed
         tasks.start("jobs", worker.jobs_forever())
         tasks.start("generate", worker.generate_forever())
         tasks.start("heartbeat", worker.heartbeat_forever())
@@ -44,6 +48,7 @@ def build_app(settings: RolloutSettings) -> FastAPI:
             )
         await r.delete(keys.worker_heartbeat(settings.worker_id))
         await r.aclose()
+        await worker.engine.close()
 
     app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
     add_health_and_metrics(app, "rollout", tasks, extra=worker.status)

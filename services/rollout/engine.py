@@ -1,22 +1,22 @@
-"""The engine interface of a rollout worker, and a plain transformers/torch engine.
+"""The engine interface of a rollout worker, shared by every generation backend.
 
-`HFEngine` batches continuously: requests join and leave between decode steps. It keeps one
-batched KV cache for the running set; when requests leave, their rows are dropped from the
-cache; when requests join, the whole batch is prefilled again (left-padded). That is simple and
-exact, fine for small models and tests; vLLM is the engine for production sizes.
+A worker drives its engine from one asyncio task: it adds token-level jobs (prompt + already
+collected prefix + remaining budget + sampling parameters), awaits `step()` for the tokens
+generated since the last call, aborts requests whose lease moved on, loads each new weight
+version from the folder it pulled, and pauses the engine (freeing its memory where the platform
+can) when a reserved worker steps aside for training.
 
-Sampling is reproducible: the token at response position k of a request is drawn with a
-generator seeded by (request seed, k), so a continuation on another worker (prompt + collected
-prefix) draws what an uninterrupted generation would have drawn for the same logits.
+Backends: `hf_engine.HFEngine` (transformers, exact and simple) and `vllm_engine.VLLMEngine`.
 """
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from services.common.messages import FinishReason, Job
+
+if TYPE_CHECKING:
+    from services.rollout.settings import RolloutSettings
 
 
 @dataclass
@@ -25,7 +25,7 @@ class TokenEvent:
     lease: int
     offset: int  # position of this token in the response
     token_id: int
-    logprob: float
+    logprob: float  # under the sampling distribution (after temperature)
     finish_reason: FinishReason | None  # set on the request's last token
 
 
@@ -42,161 +42,46 @@ class Sequence:
     def offset(self) -> int:
         return len(self.job.prefix_ids) + len(self.generated)
 
+    @property
+    def tokens_left(self) -> int:
+        return self.job.remaining_tokens - len(self.generated)
+
 
 class Engine(Protocol):
     name: str
+    capacity: int  # most requests generated at once
 
-    def load(self, folder: Path) -> None: ...
-    def add(self, job: Job) -> None: ...
-    def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[TokenEvent]: ...
     @property
     def active(self) -> int: ...
 
+    async def load(self, folder: Path) -> None:
+        """Serve the weights in `folder` (a Hugging Face folder). The first call builds the
+        engine; later calls replace the weights in place. Requests still running are aborted:
+        every token of a request must come from its job's version."""
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, seed: int, position: int
-) -> tuple[int, float]:
-    """Draw one token from a row of logits; returns (token, logprob under the tempered dist)."""
-    if temperature == 0:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        token = int(torch.argmax(logp))
-        return token, float(logp[token])
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF)
-    token = int(torch.multinomial(probs, 1, generator=gen))
-    return token, float(logp[token])
-
-
-class HFEngine:
-    name = "hf"
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = device
-        self.model = None
-        self.seqs: dict[str, Sequence] = {}
-        self._cache = None
-        self._cache_ids: list[str] = []  # row order of the cache
-        self._attn: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-
-    # ---- weights ----
-    def load(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
-        folder = Path(folder)
-        if self.model is None:
-            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            self.model.to(self.device).eval()
-        else:
-            state = {}
-            for f in sorted(folder.glob("*.safetensors")):
-                state.update(load_file(f, device=self.device))
-            missing, unexpected = self.model.load_state_dict(
-                {k: v.to(torch.float32) for k, v in state.items()}, strict=False
-            )
-            if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
-                raise ValueError(
-                    f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
-                )
-        self._drop_cache()
-
-    # ---- requests ----
-    @property
-    def active(self) -> int:
-        return len(self.seqs)
-
-    def add(self, job: Job) -> None:
-        if self.model is None:
-            raise RuntimeError("no weights loaded")
-        self.seqs[job.request_id] = Sequence(job)
-        self._drop_cache()
+    def add(self, job: Job) -> None: ...
 
     def abort(self, request_id: str) -> bool:
-        return self.seqs.pop(request_id, None) is not None
+        """Stop a request and free its slot; no event of it follows. False if unknown."""
 
-    def abort_all(self) -> list[Sequence]:
-        out = list(self.seqs.values())
-        self.seqs.clear()
-        self._drop_cache()
-        return out
+    def abort_all(self) -> list[str]: ...
 
-    def _drop_cache(self) -> None:
-        self._cache, self._cache_ids = None, []
+    async def step(self) -> list[TokenEvent]:
+        """The tokens generated since the last call (waits for some while requests run)."""
 
-    # ---- decoding ----
-    @torch.inference_mode()
-    def step(self) -> list[TokenEvent]:
-        """One decode step for every active request."""
-        if not self.seqs:
-            return []
-        ids = list(self.seqs)
-        if self._cache is not None and set(ids) <= set(self._cache_ids):
-            logits = self._decode(ids)
-        else:
-            logits = self._prefill(ids)
-        events = []
-        for row, rid in enumerate(ids):
-            seq = self.seqs[rid]
-            job = seq.job
-            offset = seq.offset
-            token, logprob = sample_token(logits[row], job.temperature, job.top_p, job.seed, offset)
-            seq.generated.append(token)
-            reason: FinishReason | None = None
-            if token in job.stop_token_ids:
-                reason = "stop"
-            elif len(seq.generated) >= job.remaining_tokens:
-                reason = "length"
-            events.append(TokenEvent(rid, job.lease, offset, token, logprob, reason))
-            if reason is not None:
-                del self.seqs[rid]
-        return events
+    def tokens_left(self, request_id: str) -> int: ...
 
-    def _prefill(self, ids: list[str]) -> torch.Tensor:
-        contexts = [self.seqs[rid].context for rid in ids]
-        width = max(len(c) for c in contexts)
-        pad = self.model.config.pad_token_id or 0
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            input_ids[i, width - len(c) :] = torch.tensor(c)
-            attn[i, width - len(c) :] = 1
-        positions = (attn.cumsum(1) - 1).clamp(min=0)
-        from transformers import DynamicCache
+    async def pause(self) -> None:
+        """Nothing runs until the next `load`: free what memory the platform allows."""
 
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attn.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        self._cache, self._cache_ids = out.past_key_values, ids
-        self._attn, self._positions = attn, positions[:, -1]
-        return out.logits[:, -1]
+    async def close(self) -> None: ...
 
-    def _decode(self, ids: list[str]) -> torch.Tensor:
-        if ids != self._cache_ids:  # some requests left: keep only the rows still running
-            rows = torch.tensor([self._cache_ids.index(rid) for rid in ids])
-            self._cache.batch_select_indices(rows.to(self.device))
-            self._attn, self._positions = self._attn[rows], self._positions[rows]
-            self._cache_ids = ids
-        last = torch.tensor([[self.seqs[rid].generated[-1]] for rid in ids])
-        self._attn = torch.cat([self._attn, torch.ones((len(ids), 1), dtype=torch.long)], dim=1)
-        self._positions = self._positions + 1
-        out = self.model(
-            input_ids=last.to(self.device),
-            attention_mask=self._attn.to(self.device),
-            position_ids=self._positions.unsqueeze(1).to(self.device),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._cache = out.past_key_values
-        return out.logits[:, -1]
+
+def make_engine(settings: "RolloutSettings") -> Engine:
+    if settings.engine == "vllm":
+        from services.rollout.vllm_engine import VLLMEngine, VLLMOptions
+
+        return VLLMEngine(VLLMOptions.from_settings(settings))
+    from services.rollout.hf_engine import HFEngine
+
+    return HFEngine(settings.device, settings.slots)

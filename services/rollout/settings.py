@@ -18,8 +18,23 @@ class RolloutSettings(CommonSettings):
     port: int = Field(8400, ge=0, le=65535, description="HTTP port (health, metrics, status).")
     worker_id: str = Field(default_factory=default_worker_id, description="Unique worker name.")
     pool: Pool = Field("preemptible", description="reserved (training hardware) or preemptible.")
-    engine: Literal["hf"] = Field("hf", description="Generation backend.")
-    device: str = Field("cpu", description="torch device of the engine.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation backend: hf (transformers) or vllm (`make setup-vllm`)."
+    )
+    device: str = Field("cpu", description="torch device of the hf engine (vLLM picks its own).")
+    vllm_dtype: str = Field(
+        "auto", description="vLLM dtype (auto: the dtype in the folder's config.json)."
+    )
+    vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM context length.")
+    vllm_kv_cache_gib: float | None = Field(
+        None, gt=0, description="vLLM KV cache size (default: 1 GiB on CPU, else by utilization)."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="Share of GPU memory vLLM may take."
+    )
+    vllm_enforce_eager: bool | None = Field(
+        None, description="No CUDA graphs / compilation (default: on CPU only)."
+    )
     slots: int = Field(64, ge=1, le=4096, description="Most requests generated at once.")
     flush_tokens: int = Field(4, ge=1, le=4096, description="Flush deltas every N decode steps.")
     flush_ms: int = Field(100, ge=1, le=60000, description="...or after this many milliseconds.")

@@ -2,8 +2,8 @@
 active run's newest version, reads token-level jobs of exactly that version, generates, and
 flushes token deltas every few tokens. One asyncio task talks to Redis; one drives the engine.
 
-The engine is touched only by the generation task (in a worker thread during a decode step),
-so adding jobs and stepping never race.
+The engine is driven by the generation task; the jobs task touches it only to load a new
+version or drop a run, under `engine_lock`, so a load never lands in the middle of a step.
 """
 
 import asyncio
@@ -33,7 +33,7 @@ from services.common.redis_streams import (
 )
 from services.common.service import auth_headers
 from services.common.weights import WeightClient, WeightTransferError
-from services.rollout.engine import HFEngine, TokenEvent
+from services.rollout.engine import TokenEvent, make_engine
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class RolloutWorker:
     def __init__(self, settings: RolloutSettings, r: aioredis.Redis) -> None:
         self.s = settings
         self.r = r
-        self.engine = HFEngine(settings.device)
+        self.engine = make_engine(settings)
+        self.engine_lock = asyncio.Lock()
         self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
         self.run_id: str | None = None
         self.version: int | None = None
@@ -194,14 +195,20 @@ class RolloutWorker:
                     self.orders.put_nowait(order)
 
     async def _switch_run(self, run_id: str | None) -> None:
-        dropped = self.engine.abort_all()
+        async with self.engine_lock:
+            dropped = self._drop_held()
+        if dropped:
+            log.info("run changed: dropped %d requests", dropped)
+        self.run_id, self.version, self.paused_version = run_id, None, None
+
+    def _drop_held(self) -> int:
+        """Forget every request held (a new version or run: they are no longer ours to finish)."""
+        dropped = len(self.engine.abort_all())
         while not self.inbox.empty():
             self.inbox.get_nowait()
         self.entry_of.clear()
         self.pending.clear()
-        if dropped:
-            log.info("run changed: dropped %d requests", len(dropped))
-        self.run_id, self.version, self.paused_version = run_id, None, None
+        return dropped
 
     async def _load_version(self, run_id: str, version: int) -> None:
         self.state = "loading"
@@ -215,8 +222,12 @@ class RolloutWorker:
             self.version = None
             await asyncio.sleep(1.0)
             return
-        await asyncio.to_thread(self.engine.load, result.folder)
-        self.version = version
+        async with self.engine_lock:
+            # A version is published once the step before it is complete: what is still held
+            # was migrated away (or is about to be), never to be finished here.
+            self._drop_held()
+            await self.engine.load(result.folder)
+            self.version = version
         await self.r.sadd(keys.worker_loads(run_id, self.s.worker_id), version)
         PULL_S.observe(time.monotonic() - started)
         PULL_BYTES.inc(result.bytes)
@@ -249,7 +260,8 @@ class RolloutWorker:
                 await asyncio.sleep(0.005)
                 continue
             batch, started = self.engine.active, time.perf_counter()
-            events = await asyncio.to_thread(self.engine.step)
+            async with self.engine_lock:
+                events = await self.engine.step()
             delay_ms = self.s.step_delay_ms + self.s.step_delay_per_request_ms * batch
             if delay_ms:
                 await asyncio.sleep(delay_ms / 1000)
@@ -279,6 +291,8 @@ class RolloutWorker:
         elif order.action == "pause" and order.version == self.version:
             self.paused_version = order.version
             await self._release(self._held(), "seed")
+            async with self.engine_lock:
+                await self.engine.pause()  # free the accelerator for training
 
     def _held(self) -> list[RequestLease]:
         """Every request this worker holds, those never started first, then by tokens left."""
@@ -288,12 +302,8 @@ class RolloutWorker:
             held.append(RequestLease(request_id=job.request_id, lease=job.lease))
             self.entry_of[job.request_id] = entry_id
 
-        def left(rid: str) -> int:
-            seq = self.engine.seqs.get(rid)
-            return seq.job.remaining_tokens - len(seq.generated) if seq else 0
-
         running = [rid for rid, p in self.pending.items() if p.finish_reason is None]
-        for rid in sorted(running, key=left, reverse=True):
+        for rid in sorted(running, key=self.engine.tokens_left, reverse=True):
             held.append(RequestLease(request_id=rid, lease=self.pending[rid].lease))
         return held
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.common.messages import Job
-from services.rollout.engine import HFEngine, sample_token
+from services.rollout.hf_engine import HFEngine, sample_token
 
 
 def job(rid, prompt, n, prefix=(), temperature=0.0, seed=1):
@@ -29,7 +29,7 @@ def run_to_end(engine, out=None, joins=None):
     while engine.active or (joins and any(k >= step for k in joins)):
         for j in (joins or {}).pop(step, []):
             engine.add(j)
-        for ev in engine.step():
+        for ev in engine.decode():
             out.setdefault(ev.request_id, []).append(ev.token_id)
         step += 1
     return out
@@ -40,7 +40,7 @@ def engine_and_model(tiny_model):
     from transformers import AutoModelForCausalLM
 
     engine = HFEngine()
-    engine.load(tiny_model)
+    engine.load_weights(tiny_model)
     return engine, AutoModelForCausalLM.from_pretrained(tiny_model).eval()
 
 
@@ -88,10 +88,10 @@ def test_abort_frees_the_slot(engine_and_model):
     engine, _ = engine_and_model
     engine.add(job("a", PROMPTS["a"], 10))
     engine.add(job("b", PROMPTS["b"], 10))
-    engine.step()
+    engine.decode()
     assert engine.abort("a") and engine.active == 1
     assert not engine.abort("a")
-    events = engine.step()
+    events = engine.decode()
     assert [e.request_id for e in events] == ["b"]
     engine.abort_all()
     assert engine.active == 0
@@ -102,10 +102,10 @@ def test_stop_token_and_length_finish_reasons(engine_and_model):
     first = reference(model, PROMPTS["a"], 1)[0]
     j = job("s", PROMPTS["a"], 5).model_copy(update={"stop_token_ids": [first]})
     engine.add(j)
-    (ev,) = engine.step()
+    (ev,) = engine.decode()
     assert ev.finish_reason == "stop" and engine.active == 0
     engine.add(job("l", PROMPTS["a"], 1))
-    (ev,) = engine.step()
+    (ev,) = engine.decode()
     assert ev.finish_reason == "length"
 
 

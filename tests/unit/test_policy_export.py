@@ -27,12 +27,12 @@ def test_export_writes_the_requested_dtype(tiny_model, tmp_path):
 
 
 def test_bf16_weights_load_into_the_engine(tiny_model, tmp_path):
-    from services.rollout.engine import HFEngine
+    from services.rollout.hf_engine import HFEngine
 
     folder = Policy(tiny_model, RunSpec(model=str(tiny_model), weight_dtype="bfloat16")).export(
         tmp_path / "w"
     )
     engine = HFEngine()
-    engine.load(tiny_model)
-    engine.load(folder)  # a reload from bf16 files into the fp32 engine
+    engine.load_weights(tiny_model)
+    engine.load_weights(folder)  # a reload from bf16 files into the fp32 engine
     assert next(engine.model.parameters()).dtype == torch.float32

