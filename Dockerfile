@@ -5,6 +5,8 @@ FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0"
 ARG PIP_EXTRA_ARGS=""
+# "cuda" or "cpu" adds vLLM for the rollout workers' vllm engine (SPOTRL_ENGINE=vllm).
+ARG VLLM=""
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     SPOTRL_HOST=0.0.0.0 \
@@ -15,7 +17,9 @@ WORKDIR /app
 RUN pip install $PIP_EXTRA_ARGS "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY services ./services
+COPY tools ./tools
 RUN pip install -e .
+RUN if [ -n "$VLLM" ]; then bash tools/install-vllm.sh python "$VLLM"; fi
 
 # Every service answers /healthz on $SPOTRL_PORT.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=10 \

