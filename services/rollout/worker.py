@@ -7,6 +7,7 @@ version or drop a run, under `engine_lock`, so a load never lands in the middle 
 """
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -45,6 +46,7 @@ PULL_S = Histogram(
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
+FULL_WAIT_S = 0.05
 FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
 
 
@@ -64,6 +66,7 @@ class RolloutWorker:
         self.r = r
         self.engine = make_engine(settings)
         self.engine_lock = asyncio.Lock()
+        self.slot_freed = asyncio.Event()
         self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
         self.run_id: str | None = None
         self.version: int | None = None
@@ -163,7 +166,11 @@ class RolloutWorker:
                 continue
             free = min(self.s.slots, self.plateau.plateau()) - self.busy
             if free <= 0:
-                await asyncio.sleep(0.01)
+                # Full: wait for a request to end (or a while, to notice a new version), not
+                # poll Redis in a tight loop beside the engine.
+                self.slot_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.slot_freed.wait(), FULL_WAIT_S)
                 continue
             self.state = "serving"
             stream = keys.jobs_stream(run_id, self.version)
@@ -279,6 +286,7 @@ class RolloutWorker:
             return
         self.engine.abort(req.request_id)
         self.pending.pop(req.request_id)
+        self.slot_freed.set()
         self.entry_of.pop(req.request_id, None)
         log.info("dropped %s (lease %d): it was migrated", req.request_id, req.lease)
 
@@ -311,6 +319,7 @@ class RolloutWorker:
         """Flush, then give `leases` back to the coordinator, which migrates them."""
         for req in leases:
             self.engine.abort(req.request_id)
+        self.slot_freed.set()
         await self._flush(released=leases, reason=reason)
         if leases:
             log.info("released %d requests (%s)", len(leases), reason)
@@ -332,6 +341,7 @@ class RolloutWorker:
             if ev.finish_reason is not None:
                 p.finish_reason = ev.finish_reason
                 finished = True
+                self.slot_freed.set()
         self.tokens_generated += len(events)
         TOKENS.labels(self.s.pool).inc(len(events))
         return finished
