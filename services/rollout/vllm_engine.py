@@ -103,7 +103,7 @@ class VLLMEngine:
         self.abort_all()
         await self._settle()
         if self.llm is None:
-            self.llm = await asyncio.to_thread(self._build, Path(folder))
+            await asyncio.to_thread(self._build, Path(folder))
             await self._warm_up()
             return
         if self.sleeping:
@@ -114,7 +114,10 @@ class VLLMEngine:
             self.sleeping = False
         await self.llm.reset_prefix_cache()
 
-    def _build(self, folder: Path):
+    def _build(self, folder: Path) -> None:
+        """Start vLLM (seconds: processes, weights, KV cache), off the event loop. It sets
+        `self.llm` rather than returning it: a result would stay referenced by the executor's
+        idle thread and outlive `close()`."""
         import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -142,7 +145,7 @@ class VLLMEngine:
             disable_log_stats=True,
         )
         log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
-        return AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args)
 
     async def _warm_up(self) -> None:
         """One tiny request, so the first real step does not pay for kernel set-up."""

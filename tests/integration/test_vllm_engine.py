@@ -75,6 +75,7 @@ def hf_run(folder, jobs):
 def loop():
     loop = asyncio.new_event_loop()
     yield loop
+    loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()
 
 
