@@ -3,6 +3,7 @@
 Validation lives here, so the API and the CLI reject the same things with the same field names.
 """
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -61,3 +62,13 @@ class RunSpec(BaseModel):
                 raise ModelFolderError(f"model folder {self.model} has no {required}")
         if not any(folder.glob("*.safetensors")):
             raise ModelFolderError(f"model folder {self.model} has no .safetensors weights")
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except ValueError as exc:
+            raise ModelFolderError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+        context = config.get("max_position_embeddings")
+        if isinstance(context, int) and self.max_new_tokens >= context:
+            raise ModelFolderError(
+                f"max_new_tokens {self.max_new_tokens} leaves no room for a prompt in the "
+                f"model's context of {context} tokens (max_position_embeddings)"
+            )

@@ -88,6 +88,15 @@ def test_run_spec_checks_model_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelFolderError, match="tokenizer.json"):
         RunSpec(model=str(tmp_path)).check_model_folder()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+    RunSpec(model=str(tmp_path), max_new_tokens=32).check_model_folder()
+    with pytest.raises(ModelFolderError, match="context of 64 tokens"):
+        RunSpec(model=str(tmp_path), max_new_tokens=64).check_model_folder()
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match="not valid JSON"):
+        RunSpec(model=str(tmp_path)).check_model_folder()
 
 
 def test_run_spec_rejects_task_path_for_arithmetic():
