@@ -29,3 +29,22 @@ def require_vllm():
         if os.environ.get("CI"):
             pytest.fail(f"CI must test the vllm engine, but vllm does not import: {exc}")
         pytest.skip(f"vllm not installed (make setup-vllm): {exc}")
+
+
+def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
+    """A token-level job for engine tests: continue `prompt + prefix` for `n` tokens."""
+    from services.common.messages import Job
+
+    return Job(
+        run_id="r",
+        request_id=rid,
+        lease=lease,
+        version=0,
+        prompt_ids=list(prompt),
+        prefix_ids=list(prefix),
+        remaining_tokens=n,
+        temperature=temperature,
+        top_p=1.0,
+        seed=seed,
+        stop_token_ids=list(stop),
+    )

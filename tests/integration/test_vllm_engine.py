@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.messages import Job
 from services.rollout.hf_engine import HFEngine
+from tests.conftest import make_job as job
 from tests.conftest import require_vllm
 
 pytestmark = pytest.mark.slow
@@ -19,22 +19,6 @@ PROMPTS = {
     "c": [5, 12, 13, 14, 15, 16],
     "d": [20, 21, 22, 23, 24, 25, 26, 27, 28],
 }
-
-
-def job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
-    return Job(
-        run_id="r",
-        request_id=rid,
-        lease=lease,
-        version=0,
-        prompt_ids=list(prompt),
-        prefix_ids=list(prefix),
-        remaining_tokens=n,
-        temperature=temperature,
-        top_p=1.0,
-        seed=seed,
-        stop_token_ids=list(stop),
-    )
 
 
 async def run_to_end(engine, jobs, joins=None):

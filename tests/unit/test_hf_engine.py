@@ -3,24 +3,8 @@
 import pytest
 import torch
 
-from services.common.messages import Job
 from services.rollout.hf_engine import HFEngine, sample_token
-
-
-def job(rid, prompt, n, prefix=(), temperature=0.0, seed=1):
-    return Job(
-        run_id="r",
-        request_id=rid,
-        lease=0,
-        version=0,
-        prompt_ids=list(prompt),
-        prefix_ids=list(prefix),
-        remaining_tokens=n,
-        temperature=temperature,
-        top_p=1.0,
-        seed=seed,
-        stop_token_ids=[],
-    )
+from tests.conftest import make_job as job
 
 
 def run_to_end(engine, out=None, joins=None):
