@@ -35,8 +35,10 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
     from services.trainer.init_model import InitModelSpec, init_model
 
     torch.set_num_threads(1)
-    spec = InitModelSpec(hidden_size=hidden, layers=layers, heads=max(1, hidden // 64))
-    return init_model(out, spec.model_copy(update={"pretrain_steps": 20}))
+    spec = InitModelSpec(
+        hidden_size=hidden, layers=layers, heads=max(1, hidden // 64), pretrain_steps=20
+    )
+    return init_model(out, spec)
 
 
 def step_prompts(model: Path, seed: int, step: int, count: int) -> list[list[int]]:

@@ -228,9 +228,7 @@ class VLLMEngine:
                     logprob = c.logprobs[i][token].logprob
                     ev = TokenEvent(job.request_id, job.lease, offset, token, logprob, reason)
                     self._queue.put_nowait((seq, ev))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # (cancellation is not an Exception: it propagates)
             self._queue.put_nowait((seq, exc))
 
     async def step(self) -> list[TokenEvent]:

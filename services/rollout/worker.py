@@ -38,6 +38,7 @@ from services.rollout.engine import TokenEvent, make_engine
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
+FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version this often
 TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["pool"])
 ACTIVE = Gauge("spotrl_rollout_active_requests", "Requests generating")
 PULL_S = Histogram(
@@ -46,7 +47,6 @@ PULL_S = Histogram(
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
-FULL_WAIT_S = 0.05
 FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
@@ -99,8 +100,6 @@ def test_killed_vllm_worker_leaves_no_engine_process_and_the_run_completes(tmp_p
         run = wait_final(client, dep, run_id, timeout_s=300)
         assert not gone(engine_procs, 30), "vLLM engine processes outlived their worker"
         audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
-        import redis
-
         r = redis.Redis.from_url(dep.redis_url)
         groups = read_groups(r, run_id)
         r.close()
