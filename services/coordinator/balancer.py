@@ -21,3 +21,11 @@ def releases(loads: list[WorkerLoad], queued: int) -> dict[str, int]:
     if queued > 0 or not any(w.executing == 0 for w in loads):
         return {}
     return {w.worker_id: w.executing - w.plateau for w in loads if w.executing > w.plateau}
+
+
+def fair_share(queued: int, workers: int) -> int:
+    """The most jobs one of `workers` ready workers should read while `queued` wait: an equal
+    split. Reading up to the plateau instead lets the first workers to poll take a whole step
+    while later ones idle, and `releases` never moves requests below the plateau, so the long
+    tail then stays on crowded engines."""
+    return -(-queued // workers) if workers > 0 else 0

@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from services.cli.chaos import TraceError, TracePoint, load_trace, plan, worker_targets
+from services.cli.chaos import plan
+from services.common.traces import TraceError, TracePoint, load_trace, worker_targets
 
 TRACES = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "traces"
 

@@ -86,3 +86,11 @@ def test_plateau_found_when_the_curve_saturates_at_the_largest_batch():
         for _ in range(3):
             est.record(batch, tokens=batch, seconds=batch / tok_s)
     assert est.plateau() == 8  # 88.9 tok/s >= 0.9 * 94.1
+
+
+def test_fair_share_splits_the_queue_evenly():
+    from services.coordinator.balancer import fair_share
+
+    assert fair_share(1024, 8) == 128
+    assert fair_share(10, 4) == 3
+    assert fair_share(5, 0) == 0

@@ -1,0 +1,118 @@
+"""Run every system on the same scenario, trace and seed, and summarise: effective throughput
+(response tokens trained per second), cost efficiency (tokens per dollar), step time, idle
+fractions, and the token accounting that must balance.
+
+Every figure is taken at the commit of the last complete step, so no system is charged for, or
+credited with, a step it had not finished when the trace window closed.
+"""
+
+import math
+from dataclasses import dataclass
+
+from services.sim.scenario import Scenario
+from services.sim.simulation import Simulation
+from services.sim.state import finite_or_none
+from services.sim.systems import DISAGG_BAL, SYSTEMS, SystemSpec
+
+CALIBRATION_STEPS = 3
+MAX_FIXED_POOL = 16
+BALANCE_SHARE = 0.95
+
+
+def summarize(sim: Simulation) -> dict:
+    records = sim.records
+    end_s = records[-1].end_s if records else 0.0
+    totals = sim.totals
+    reserved_cost = sim.sc.cloud.reserved_node_per_h * sim.system.reserved_nodes * end_s / 3600
+    pool = [i for i in sim.instances.values() if i.pool == "preemptible"]
+    pool_s = sum(i.alive_s(end_s) for i in pool)
+    pool_busy_s = sum(min(i.engine.busy_s, i.alive_s(end_s)) for i in pool)
+    pool_cost = sum(i.alive_s(end_s) * i.price_per_h / 3600 for i in pool)
+    reserved_busy = totals.reserved_rollout_s + totals.reserved_train_s + totals.reserved_switch_s
+    cost = reserved_cost + pool_cost
+    seeded = [r.t_seed_s for r in records if not math.isinf(r.t_seed_s)]
+    n_prem = [r.n_prem_recommended for r in records if r.spot_instances and r.n_prem_recommended]
+    return {
+        "steps": len(records),
+        "hours": end_s / 3600,
+        "throughput_tok_s": totals.trained / end_s if end_s else 0.0,
+        "tokens_per_dollar": totals.trained / cost if cost else 0.0,
+        "mean_step_s": end_s / len(records) if records else None,
+        "mean_rollout_s": sum(r.rollout_s for r in records) / len(records) if records else None,
+        "cost_per_h": cost / (end_s / 3600) if end_s else 0.0,
+        "mean_pool_instances": pool_s / end_s if end_s else 0.0,
+        "reserved_idle_frac": max(0.0, 1 - reserved_busy / end_s) if end_s else 0.0,
+        "pool_idle_frac": 1 - pool_busy_s / pool_s if pool_s else None,
+        "mean_t_seed_s": sum(seeded) / len(seeded) if seeded else None,
+        "mean_n_prem_recommended": sum(n_prem) / len(n_prem) if n_prem else None,
+        "tokens_trained": totals.trained,
+        "tokens_generated": totals.generated,
+        "tokens_lost": totals.lost,
+        "preemptions": totals.preemptions,
+        "migrations": dict(sorted(totals.migrations.items())),
+        "stall_s": totals.stall_s,
+    }
+
+
+@dataclass
+class Comparison:
+    scenario: Scenario
+    sims: dict[str, Simulation]
+    summaries: dict[str, dict]
+    disagg_instances: int
+
+    def ratio(self, a: str, b: str, key: str) -> float | None:
+        x, y = self.summaries.get(a, {}).get(key), self.summaries.get(b, {}).get(key)
+        return finite_or_none(x / y) if x and y else None
+
+    def result(self) -> dict:
+        return {
+            "scenario": self.scenario.name,
+            "disagg_bal_instances": self.disagg_instances,
+            "systems": self.summaries,
+            "hybrid_vs_reserved_throughput": self.ratio(
+                "hybrid", "reserved-only", "throughput_tok_s"
+            ),
+            "hybrid_vs_reserved_cost_efficiency": self.ratio(
+                "hybrid", "reserved-only", "tokens_per_dollar"
+            ),
+            "seeding_gain": self.ratio("hybrid", "hybrid-no-seeding", "throughput_tok_s"),
+            "migration_gain": self.ratio("hybrid", "hybrid-no-migration", "throughput_tok_s"),
+            "fair_reads_gain": self.ratio("hybrid-fair", "hybrid", "throughput_tok_s"),
+            "hybrid_fair_vs_reserved_throughput": self.ratio(
+                "hybrid-fair", "reserved-only", "throughput_tok_s"
+            ),
+            "hybrid_fair_vs_reserved_cost_efficiency": self.ratio(
+                "hybrid-fair", "reserved-only", "tokens_per_dollar"
+            ),
+        }
+
+
+def balanced_pool_size(scenario: Scenario, seed: int) -> int:
+    """Disagg.BAL's pool: the fewest on-demand instances that come within `BALANCE_SHARE` of
+    the best throughput any pool up to `MAX_FIXED_POOL` reaches over a few steps. Past that
+    point the step is bound by training and by the long tail of the slowest responses, which
+    more instances do not shorten, so more would only add cost."""
+    rates = {}
+    for n in range(1, MAX_FIXED_POOL + 1):
+        sim = Simulation(scenario, DISAGG_BAL.sized(n), [], seed, max_steps=CALIBRATION_STEPS)
+        sim.run()
+        rates[n] = sim.totals.trained / sim.records[-1].end_s
+    best = max(rates.values())
+    return min(n for n, rate in rates.items() if rate >= BALANCE_SHARE * best)
+
+
+def compare(
+    scenario: Scenario,
+    targets: list[tuple[float, int]],
+    horizon_s: float,
+    seed: int = 0,
+    systems: tuple[SystemSpec, ...] = SYSTEMS,
+) -> Comparison:
+    disagg = balanced_pool_size(scenario, seed) if DISAGG_BAL in systems else 0
+    sims = {}
+    for system in systems:
+        spec = system.sized(disagg) if system == DISAGG_BAL else system
+        sims[system.name] = Simulation(scenario, spec, targets, seed, horizon_s).run()
+    summaries = {name: summarize(sim) for name, sim in sims.items()}
+    return Comparison(scenario, sims, summaries, disagg)

@@ -1,0 +1,292 @@
+"""Discrete-event simulation of one system on one availability trace, driving the coordinator's
+own policy code: `SeedingController` (Algorithm 1) sets T_seed, `balancer.releases`
+(Algorithm 2) orders releases, `RequestTable` keeps every response (leases, offsets, migration),
+`PlateauEstimator` sizes each worker's batch, `recommended_pool_size` gives N_prem.
+
+One clock in simulated seconds. Engines advance continuously between events (engine.py); the
+events are trace changes, boots, weight pulls, preemptions and their detection, the seeding
+window, the trainer's micro-batches and version commits. The step protocol is the services':
+jobs wait in one queue that instances holding the step's version read up to their plateau batch
+size; finished groups go to the trainer in completion order; the trainer commits version v+1,
+and every instance pulls it.
+"""
+
+import heapq
+import itertools
+import math
+import random
+
+from services.common.messages import DeltaItem
+from services.coordinator.balancer import WorkerLoad, fair_share, releases
+from services.coordinator.scheduling import RELEASE_COOLDOWN_S
+from services.coordinator.seeding import SeedingController
+from services.sim.engine import SimEngine
+from services.sim.scenario import Scenario
+from services.sim.state import Instance, StepState, Totals
+from services.sim.steps import StepProtocol
+from services.sim.systems import SystemSpec
+
+QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
+
+
+class Simulation(StepProtocol):
+    def __init__(
+        self,
+        scenario: Scenario,
+        system: SystemSpec,
+        targets: list[tuple[float, int]],
+        seed: int = 0,
+        horizon_s: float = math.inf,
+        max_steps: int | None = None,
+    ) -> None:
+        self.sc, self.system, self.seed = scenario, system, seed
+        self.horizon_s, self.max_steps = horizon_s, max_steps
+        self.now = 0.0
+        self.rng = random.Random(f"{seed}:victims")
+        self.totals = Totals()
+        self.instances: dict[str, Instance] = {}
+        self.version = 0  # latest committed weights
+        self.cur: StepState | None = None
+        self.records = []
+        self.spot_timeline: list[tuple[float, int]] = []
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._names = itertools.count()
+        t_seed = {"adaptive": scenario.initial_t_seed_s, "off": 0.0, "colocated": math.inf}
+        self.seeding = SeedingController(
+            t_seed_s=t_seed[system.seeding], eta=scenario.seeding_eta, max_seed_s=1e9
+        )
+        for i in range(scenario.reserved_engines * system.reserved_nodes):
+            engine = SimEngine(scenario.reserved_engine)
+            self.instances[f"reserved-{i}"] = Instance(
+                f"reserved-{i}", "reserved", engine, 0.0, 0.0, state="up", paused=True
+            )
+        if system.pool == "trace":
+            for at, count in targets:
+                self.at(at, "target", count)
+        elif system.pool == "fixed":
+            self.at(0.0, "target", system.fixed_instances)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> "Simulation":
+        self.start_step(0)
+        while self.now < self.horizon_s and not self.finished():
+            busy = [i for i in self.instances.values() if i.engine.running]
+            t = min(
+                self._events[0][0] if self._events else math.inf,
+                min((self.now + i.engine.next_stop_s(self.now) for i in busy), default=math.inf),
+                self.now + QUANTUM_S if busy else math.inf,
+                self.horizon_s,
+            )
+            if math.isinf(t):
+                break  # nothing can happen any more (the trace ended with no instance)
+            self._account(t, busy)
+            for inst in busy:
+                inst.engine.advance(self.now, t)
+            self.now = t
+            for inst in busy:
+                for rid in inst.engine.stopped():
+                    self.finish_request(inst, rid)
+            while self._events and self._events[0][0] <= self.now:
+                _, _, kind, payload = heapq.heappop(self._events)
+                getattr(self, f"on_{kind}")(payload)
+            self.dispatch()
+            self.balance()
+        return self
+
+    def finished(self) -> bool:
+        return self.max_steps is not None and len(self.records) >= self.max_steps
+
+    def _account(self, t: float, busy: list[Instance]) -> None:
+        dt = t - self.now
+        if any(i.pool == "reserved" for i in busy):
+            self.totals.reserved_rollout_s += dt
+        if self.stalled():
+            self.totals.stall_s += dt
+
+    def stalled(self) -> bool:
+        """Jobs wait, the reserved pool stepped aside, and no preemptible worker is alive: the
+        step waits for the trace to bring an instance back (the coordinator does not call the
+        reserved pool back)."""
+        st = self.cur
+        return bool(
+            st
+            and st.queue
+            and st.seeded_out
+            and not any(i.has_heartbeat for i in self.pool_instances())
+        )
+
+    # -- instances --------------------------------------------------------------------------
+
+    def on_target(self, count: int) -> None:
+        live = [i for i in self.pool_instances() if i.state != "noticed"]
+        for _ in range(count - len(live)):
+            name = f"spot-{next(self._names)}"
+            price = self.sc.cloud.spot_instance_per_h
+            if self.system.pool == "fixed":
+                price = self.sc.cloud.ondemand_instance_per_h
+            self.instances[name] = Instance(
+                name, "preemptible", SimEngine(self.sc.spot_engine), price, self.now
+            )
+            self.at(self.now + self.sc.cloud.startup_s, "booted", name)
+        for victim in self.rng.sample(live, max(0, len(live) - count)):
+            self.preempt(victim)
+        self.spot_timeline.append((self.now, count))
+
+    def pool_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.pool == "preemptible" and i.state != "gone"]
+
+    def on_booted(self, name: str) -> None:
+        inst = self.instances[name]
+        if inst.state == "booting":
+            self.pull(inst)
+
+    def pull(self, inst: Instance) -> None:
+        inst.state = "pulling"
+        pulling = sum(1 for i in self.instances.values() if i.state == "pulling")
+        self.at(self.now + self.sc.transfer.pull_s(pulling), "pulled", (inst.name, self.version))
+
+    def on_pulled(self, payload: tuple[str, int]) -> None:
+        name, version = payload
+        inst = self.instances[name]
+        if inst.state != "pulling":
+            return  # preempted while pulling
+        inst.version = version
+        if version < self.version:
+            self.pull(inst)  # a newer version was committed meanwhile
+        else:
+            inst.state = "up"
+
+    def preempt(self, inst: Instance) -> None:
+        self.totals.preemptions += 1
+        notice = self.sc.cloud.notice_s
+        if notice > 0 and inst.state != "booting":
+            self.release(inst, len(inst.engine.running), "preemption")  # flush, release, exit
+            inst.state = "noticed"
+            self.at(self.now + notice, "gone", inst.name)
+            return
+        held = []
+        for rid in list(inst.engine.running):
+            run, tokens = inst.engine.remove(rid)
+            self.totals.generated += tokens
+            flushed = tokens - tokens % self.sc.flush_tokens
+            self.totals.lost_unflushed += tokens - flushed
+            self.deliver(rid, run.lease, run.offset, flushed, finished=False)
+            held.append((rid, run.lease))
+        self.on_gone(inst.name)
+        if held:
+            self.at(self.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
+
+    def on_gone(self, name: str) -> None:
+        inst = self.instances[name]
+        inst.state, inst.gone_s = "gone", self.now
+
+    def on_detected(self, held: list[tuple[str, int]]) -> None:
+        """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
+        for rid, lease in held:
+            self.migrate(rid, "death", lease, keep_tokens=self.system.migration)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def takers(self) -> list[Instance]:
+        step = self.cur.step if self.cur else -1
+        return [
+            i
+            for i in self.instances.values()
+            if i.state == "up" and i.version == step and not i.paused
+        ]
+
+    def dispatch(self) -> None:
+        """Ready instances read jobs up to their plateau batch size, as each polls the stream
+        (least loaded first); with `fair_reads`, at most an equal share of the queue each."""
+        st = self.cur
+        if st is None or not st.queue:
+            return
+        takers = sorted(self.takers(), key=lambda i: (i.engine.batch, i.name))
+        share = fair_share(len(st.queue), len(takers))
+        for inst in takers:
+            room = inst.slots() - inst.engine.batch
+            if self.system.fair_reads:
+                room = min(room, share)
+            for _ in range(max(0, room)):
+                if not st.queue:
+                    return
+                self.start_job(inst, st.queue.popleft())
+
+    def start_job(self, inst: Instance, job) -> None:
+        tokens = self.cur.lengths[job.request_id] - len(job.prefix_ids)
+        context = len(job.prompt_ids) + len(job.prefix_ids)
+        inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
+
+    def balance(self) -> None:
+        st = self.cur
+        if st is None or not self.system.balancing or st.rollout_end_s is not None:
+            return
+        takers = {i.name: i for i in self.takers()}
+        cap = {n: i.slots() for n, i in takers.items()}
+        if self.system.fair_reads and takers:
+            executing = sum(i.engine.batch for i in takers.values())
+            share = fair_share(executing, len(takers))
+            cap = {n: min(c, share) for n, c in cap.items()}
+        loads = [WorkerLoad(n, i.engine.batch, cap[n]) for n, i in takers.items()]
+        for name, count in releases(loads, len(st.queue)).items():
+            last = st.last_release_s.get(name, -math.inf)
+            if self.now - last < RELEASE_COOLDOWN_S:
+                self.at(last + RELEASE_COOLDOWN_S, "wake")
+                continue
+            st.last_release_s[name] = self.now
+            self.release(takers[name], count, "balance")
+        self.dispatch()
+
+    def on_wake(self, _: object) -> None:
+        """Nothing to do: the loop balances after every event."""
+
+    def release(self, inst: Instance, count: int, cause: str) -> None:
+        """The worker flushes and gives back `count` requests (oldest first, as the worker)."""
+        for rid in list(inst.engine.running)[:count]:
+            run, tokens = inst.engine.remove(rid)
+            self.totals.generated += tokens
+            self.deliver(rid, run.lease, run.offset, tokens, finished=False)
+            keep = self.system.migration or cause == "seed"
+            self.migrate(rid, cause, run.lease, keep_tokens=keep)
+
+    def migrate(self, rid: str, cause: str, lease: int, keep_tokens: bool) -> None:
+        st = self.cur
+        before = st.table.tokens_discarded
+        job = st.table.migrate(rid, cause, keep_tokens, lease=lease)
+        self.totals.discarded += st.table.tokens_discarded - before
+        if job is not None:
+            st.queue.append(job)
+            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + 1
+
+    def deliver(self, rid: str, lease: int, offset: int, tokens: int, finished: bool) -> None:
+        """The deltas a worker flushed for one request, as the coordinator applies them."""
+        reason = None
+        if finished:
+            full = self.cur.lengths[rid] >= self.sc.workload.max_response_tokens
+            reason = "length" if full else "stop"
+        item = DeltaItem.model_construct(
+            request_id=rid,
+            lease=lease,
+            offset=offset,
+            token_ids=[0] * tokens,
+            logprobs=[0.0] * tokens,
+            finished=finished,
+            finish_reason=reason,
+        )
+        self.cur.table.apply(item)
+
+    def finish_request(self, inst: Instance, rid: str) -> None:
+        run, _ = inst.engine.remove(rid)
+        tokens = round(run.stop_level - run.join_level)
+        self.totals.generated += tokens
+        self.deliver(rid, run.lease, run.offset, tokens, finished=True)
+        st = self.cur
+        prompt = st.table.requests[rid].prompt_index
+        if prompt in st.table.pending_groups and st.table.group_done(prompt):
+            st.table.pending_groups.discard(prompt)
+            self.group_done(prompt)

@@ -1,0 +1,105 @@
+"""The state a simulation keeps: instances, the current step, and what it reports."""
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.common.messages import Job
+from services.coordinator.request_table import RequestTable
+from services.sim.engine import SimEngine
+
+InstanceState = Literal["booting", "pulling", "up", "noticed", "gone"]
+
+
+@dataclass
+class Instance:
+    """One engine instance: a spot or on-demand rollout instance, or one of the reserved node's
+    engines (whose node is billed once, not per engine)."""
+
+    name: str
+    pool: Literal["reserved", "preemptible"]
+    engine: SimEngine
+    price_per_h: float
+    born_s: float
+    state: InstanceState = "booting"
+    version: int | None = None  # weights held
+    paused: bool = False  # a reserved engine that stepped aside for the current step
+    gone_s: float | None = None
+
+    @property
+    def has_heartbeat(self) -> bool:
+        """Registered with the coordinator (a booting instance has not yet)."""
+        return self.state in ("pulling", "up")
+
+    def slots(self) -> int:
+        return min(self.engine.profile.max_seqs, self.engine.plateau.plateau())
+
+    def alive_s(self, until: float) -> float:
+        end = until if self.gone_s is None else min(self.gone_s, until)
+        return max(0.0, end - self.born_s)
+
+
+@dataclass
+class StepState:
+    """One RL step in flight."""
+
+    step: int
+    table: RequestTable
+    lengths: dict[str, int]  # request -> length at which it stops (physics, never scheduling)
+    prompt_tokens: list[int]
+    queue: deque[Job]
+    started_s: float
+    window_s: float
+    n_preemptible: int  # at the start of the step, as the coordinator counts it
+    seed_start_s: float | None = None
+    seeded_out: bool = False
+    seed_end_s: float | None = None
+    rollout_end_s: float | None = None
+    ready_groups: deque[int] = field(default_factory=deque)
+    trainer_ready_s: float | None = None
+    training: bool = False
+    trained_groups: int = 0
+    trained_tokens: int = 0
+    train_wait_s: float = 0.0
+    idle_since_s: float | None = None
+    last_release_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    start_s: float
+    end_s: float
+    rollout_s: float
+    tokens: int  # response tokens trained
+    train_s: float  # training compute of the step (micro-batches, without waits)
+    t_seed_s: float  # window used (inf: the reserved node did all of the rollout)
+    spot_instances: int
+    train_wait_s: float
+    remote_wait_s: float
+    n_prem_recommended: float
+
+
+@dataclass
+class Totals:
+    """Token accounting over the run: generated = trained + lost + in flight."""
+
+    generated: int = 0  # decode tokens engines produced
+    trained: int = 0  # response tokens of groups the trainer consumed
+    lost_unflushed: int = 0  # generated after a killed instance's last flush
+    discarded: int = 0  # collected, then thrown away by a restart (migration off)
+    preemptions: int = 0
+    migrations: dict[str, int] = field(default_factory=dict)
+    stall_s: float = 0.0  # jobs wait and nobody can take them (see Simulation.stalled)
+    reserved_rollout_s: float = 0.0  # some reserved engine running requests
+    reserved_train_s: float = 0.0
+    reserved_switch_s: float = 0.0
+
+    @property
+    def lost(self) -> int:
+        return self.lost_unflushed + self.discarded
+
+
+def finite_or_none(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else x

@@ -1,0 +1,179 @@
+"""The step-level half of the simulation: starting a step, the reserved node's seeding window,
+the trainer consuming groups as they arrive, the version commit and the T_seed update.
+
+Mirrors the services: `RunManager._run_step` / `_adapt` (coordinator), `StepScheduler` (the
+window counts from when the reserved engines hold the step's weights; at its end they release
+every request and step aside), and the trainer loop (micro-batches as groups arrive, one
+optimizer step, publish).
+"""
+
+import math
+from collections import deque
+
+from services.coordinator.request_table import RequestTable, request_id
+from services.coordinator.seeding import recommended_pool_size
+from services.sim.state import StepRecord, StepState
+
+
+class StepProtocol:
+    """Mixed into `Simulation`, whose state and request methods it uses."""
+
+    def start_step(self, step: int) -> None:
+        sc = self.sc
+        work = sc.workload.step(self.seed, step)
+        table = RequestTable(
+            run_id="sim",
+            step=step,
+            version=step,
+            prompts=[[0] * n for n in work.prompt_tokens],
+            group_size=sc.workload.group_size,
+            max_new_tokens=sc.workload.max_response_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            seed=self.seed,
+            stop_token_ids=[],
+        )
+        lengths = {
+            request_id(step, p, s): n
+            for p, group in enumerate(work.response_tokens)
+            for s, n in enumerate(group)
+        }
+        n_pre = sum(1 for i in self.pool_instances() if i.has_heartbeat)
+        window = math.inf if self.system.seeding == "colocated" else self.seeding.window_s(n_pre)
+        self.cur = StepState(
+            step,
+            table,
+            lengths,
+            work.prompt_tokens,
+            deque(table.initial_jobs()),
+            self.now,
+            window,
+            n_pre,
+        )
+        for inst in self.pool_instances():
+            if inst.state == "up":
+                self.pull(inst)
+        if window > 0:
+            self.totals.reserved_switch_s += sc.resume_s
+            self.at(self.now + sc.resume_s, "reserved_ready", step)
+        else:
+            self.cur.seeded_out, self.cur.seed_end_s = True, self.now
+            self.at(self.now, "trainer_ready", step)
+
+    def reserved(self):
+        return [i for i in self.instances.values() if i.pool == "reserved"]
+
+    def on_reserved_ready(self, step: int) -> None:
+        st = self.cur
+        for inst in self.reserved():
+            inst.version, inst.paused = step, False
+        st.seed_start_s = self.now
+        if not math.isinf(st.window_s):
+            self.at(self.now + st.window_s, "seed_end", step)
+
+    def on_seed_end(self, step: int) -> None:
+        st = self.cur
+        if st.step != step or st.seeded_out:
+            return
+        for inst in self.reserved():
+            self.release(inst, len(inst.engine.running), "seed")
+        self.step_aside()
+
+    def step_aside(self) -> None:
+        """The reserved engines stop generating; the node switches to training."""
+        st = self.cur
+        for inst in self.reserved():
+            inst.paused = True
+        st.seeded_out, st.seed_end_s = True, self.now
+        self.totals.reserved_switch_s += self.sc.switch_s
+        self.at(self.now + self.sc.switch_s, "trainer_ready", st.step)
+
+    def group_done(self, prompt: int) -> None:
+        st = self.cur
+        st.ready_groups.append(prompt)
+        if st.table.complete:
+            st.rollout_end_s = self.now
+            if not st.seeded_out:
+                self.step_aside()  # the reserved node generated to the end (co-located)
+        self.train_next()
+
+    # -- the trainer ------------------------------------------------------------------------
+
+    def on_trainer_ready(self, step: int) -> None:
+        self.cur.trainer_ready_s = self.now
+        self.train_next()
+
+    def train_next(self) -> None:
+        st = self.cur
+        if st.trainer_ready_s is None or st.training:
+            return
+        if not st.ready_groups:
+            if st.idle_since_s is None:
+                st.idle_since_s = self.now
+            return
+        if st.idle_since_s is not None:
+            st.train_wait_s += self.now - st.idle_since_s
+            st.idle_since_s = None
+        prompt = st.ready_groups.popleft()
+        group = st.table.group(prompt)
+        tokens = sum(len(r.token_ids) for r in group)
+        st.trained_tokens += tokens
+        seconds = (tokens + len(group) * st.prompt_tokens[prompt]) / self.trainer_tokens_per_s()
+        st.training = True
+        self.totals.reserved_train_s += seconds
+        self.at(self.now + seconds, "trained", st.step)
+
+    def trainer_tokens_per_s(self) -> float:
+        nodes = self.system.reserved_nodes
+        speedup = (2 * self.sc.reserved_scaling) ** math.log2(nodes) if nodes > 1 else 1.0
+        return self.sc.trainer.tokens_per_s * speedup
+
+    def on_trained(self, step: int) -> None:
+        st = self.cur
+        st.training = False
+        st.trained_groups += 1
+        if st.trained_groups == len(st.prompt_tokens):
+            last = self.sc.trainer.optimizer_s + self.sc.trainer.publish_s
+            self.totals.reserved_train_s += last
+            self.at(self.now + last, "committed", step)
+        else:
+            self.train_next()
+
+    def on_committed(self, step: int) -> None:
+        """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next."""
+        st = self.cur
+        self.version = step + 1
+        self.totals.trained += st.trained_tokens
+        remote_wait = self.now - st.rollout_end_s
+        seed_s = (st.seed_end_s or st.started_s) - st.started_s
+        train_s = self.totals_train_s_of_step(st)
+        n_prem = recommended_pool_size(
+            st.rollout_end_s - (st.seed_end_s or st.started_s) if st.n_preemptible else 0.0,
+            st.n_preemptible,
+            seed_s,
+            len(self.reserved()),
+            train_s,
+        )
+        self.records.append(
+            StepRecord(
+                step,
+                st.started_s,
+                self.now,
+                st.rollout_end_s - st.started_s,
+                st.trained_tokens,
+                train_s,
+                st.window_s,
+                st.n_preemptible,
+                st.train_wait_s,
+                remote_wait,
+                n_prem,
+            )
+        )
+        if self.system.seeding == "adaptive":
+            self.seeding.update(st.n_preemptible, st.train_wait_s, remote_wait)
+        if not self.finished():
+            self.start_step(step + 1)
+
+    def totals_train_s_of_step(self, st: StepState) -> float:
+        tokens = st.trained_tokens + self.sc.workload.group_size * sum(st.prompt_tokens)
+        return tokens / self.trainer_tokens_per_s()
