@@ -12,7 +12,6 @@ and hybrid-fair with a fixed pool of k workers, beside the artifact's figures.
 import argparse
 import json
 
-from services.sim.compare import summarize
 from services.sim.scenario import artifact_8b
 from services.sim.simulation import Simulation
 from services.sim.systems import HYBRID, HYBRID_FAIR, RESERVED_ONLY
@@ -23,9 +22,8 @@ ARTIFACT = {0: 10_000, 1: 12_000, 2: 14_000, 3: 16_000, 4: 18_000}
 def all_tokens_per_s(system, workers: int, steps: int) -> float:
     """Prompt + response tokens trained per second, as veRL's perf/throughput counts them."""
     sim = Simulation(artifact_8b(), system, [(0.0, workers)], 0, max_steps=steps).run()
-    prompts = sum(sim.sc.workload.group_size * sum(sim.sc.workload.step(0, r.step).prompt_tokens)
-                  for r in sim.records)  # fmt: skip
-    return (summarize(sim)["tokens_trained"] + prompts) / sim.records[-1].end_s
+    tokens = sum(r.tokens + r.prompt_tokens for r in sim.records)
+    return tokens / sim.records[-1].end_s
 
 
 def main() -> None:

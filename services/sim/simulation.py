@@ -22,7 +22,7 @@ from services.coordinator.scheduling import RELEASE_COOLDOWN_S
 from services.coordinator.seeding import SeedingController
 from services.sim.engine import SimEngine
 from services.sim.scenario import Scenario
-from services.sim.state import Instance, StepState, Totals
+from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.steps import StepProtocol
 from services.sim.systems import SystemSpec
 
@@ -47,7 +47,7 @@ class Simulation(StepProtocol):
         self.instances: dict[str, Instance] = {}
         self.version = 0  # latest committed weights
         self.cur: StepState | None = None
-        self.records = []
+        self.records: list[StepRecord] = []
         self.spot_timeline: list[tuple[float, int]] = []
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()

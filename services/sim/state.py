@@ -60,10 +60,12 @@ class StepState:
     trainer_ready_s: float | None = None
     training: bool = False
     trained_groups: int = 0
-    trained_tokens: int = 0
+    trained_tokens: int = 0  # response tokens of the groups trained
+    trained_prompt_tokens: int = 0  # their prompts, once per response
+    train_s: float = 0.0  # training compute so far (micro-batches, without waits)
     train_wait_s: float = 0.0
     idle_since_s: float | None = None
-    last_release_s: dict[str, float] = field(default_factory=dict)
+    last_release_s: dict[str, float] = field(default_factory=dict)  # worker -> last order
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class StepRecord:
     end_s: float
     rollout_s: float
     tokens: int  # response tokens trained
+    prompt_tokens: int  # prompt tokens trained (once per response)
     train_s: float  # training compute of the step (micro-batches, without waits)
     t_seed_s: float  # window used (inf: the reserved node did all of the rollout)
     spot_instances: int

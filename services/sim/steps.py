@@ -117,8 +117,11 @@ class StepProtocol:
         prompt = st.ready_groups.popleft()
         group = st.table.group(prompt)
         tokens = sum(len(r.token_ids) for r in group)
+        prompts = len(group) * st.prompt_tokens[prompt]
+        seconds = (tokens + prompts) / self.trainer_tokens_per_s()
         st.trained_tokens += tokens
-        seconds = (tokens + len(group) * st.prompt_tokens[prompt]) / self.trainer_tokens_per_s()
+        st.trained_prompt_tokens += prompts
+        st.train_s += seconds
         st.training = True
         self.totals.reserved_train_s += seconds
         self.at(self.now + seconds, "trained", st.step)
@@ -146,34 +149,30 @@ class StepProtocol:
         self.totals.trained += st.trained_tokens
         remote_wait = self.now - st.rollout_end_s
         seed_s = (st.seed_end_s or st.started_s) - st.started_s
-        train_s = self.totals_train_s_of_step(st)
         n_prem = recommended_pool_size(
             st.rollout_end_s - (st.seed_end_s or st.started_s) if st.n_preemptible else 0.0,
             st.n_preemptible,
             seed_s,
             len(self.reserved()),
-            train_s,
+            st.train_s,
         )
         self.records.append(
             StepRecord(
-                step,
-                st.started_s,
-                self.now,
-                st.rollout_end_s - st.started_s,
-                st.trained_tokens,
-                train_s,
-                st.window_s,
-                st.n_preemptible,
-                st.train_wait_s,
-                remote_wait,
-                n_prem,
+                step=step,
+                start_s=st.started_s,
+                end_s=self.now,
+                rollout_s=st.rollout_end_s - st.started_s,
+                tokens=st.trained_tokens,
+                prompt_tokens=st.trained_prompt_tokens,
+                train_s=st.train_s,
+                t_seed_s=st.window_s,
+                spot_instances=st.n_preemptible,
+                train_wait_s=st.train_wait_s,
+                remote_wait_s=remote_wait,
+                n_prem_recommended=n_prem,
             )
         )
         if self.system.seeding == "adaptive":
             self.seeding.update(st.n_preemptible, st.train_wait_s, remote_wait)
         if not self.finished():
             self.start_step(step + 1)
-
-    def totals_train_s_of_step(self, st: StepState) -> float:
-        tokens = st.trained_tokens + self.sc.workload.group_size * sum(st.prompt_tokens)
-        return tokens / self.trainer_tokens_per_s()
