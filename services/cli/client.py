@@ -37,8 +37,18 @@ class CoordinatorClient:
     def cancel(self, run_id: str) -> dict:
         return self._json(self.http.post(f"/v1/runs/{run_id}/cancel"))
 
+    def timeline(self, run_id: str, after_event: str | None = None) -> dict:
+        params = {"after_event": after_event} if after_event else {}
+        return self._json(self.http.get(f"/v1/runs/{run_id}/timeline", params=params))
+
     def workers(self) -> list[dict]:
         return self._json(self.http.get("/v1/workers"))
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         self.http.close()

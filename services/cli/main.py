@@ -153,37 +153,130 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace):
+    from services.cli.client import CoordinatorClient
+
+    return CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
+
+
+def _api_call(fn) -> int:
+    """Run one API interaction; an API error or an unreachable coordinator is exit 1."""
+    import httpx
+
+    from services.cli.client import CoordinatorError
+
+    try:
+        return fn()
+    except CoordinatorError as exc:
+        print(exc, file=sys.stderr)
+    except httpx.HTTPError as exc:
+        print(f"coordinator not reachable: {exc!r}", file=sys.stderr)
+    return 1
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     import tomllib
 
     from pydantic import ValidationError
 
-    from services.cli.client import CoordinatorClient, CoordinatorError
     from services.common.runspec import RunSpec
 
-    with open(args.spec, "rb") as fh:
-        raw = tomllib.load(fh)
+    try:
+        with open(args.spec, "rb") as fh:
+            raw = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        print(f"cannot read run spec {args.spec}: {exc}", file=sys.stderr)
+        return 2
     try:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
         print(f"invalid run spec {args.spec}:\n{exc}", file=sys.stderr)
         return 2
-    client = CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
-    try:
-        print(client.submit(json.loads(spec.model_dump_json())))
-    except CoordinatorError as exc:
-        print(exc, file=sys.stderr)
+
+    def submit() -> int:
+        with _client(args) as client:
+            run_id = client.submit(json.loads(spec.model_dump_json()))
+            print(run_id)
+            if args.follow:
+                return _final_code(_follow(client, run_id))
+        return 0
+
+    return _api_call(submit)
+
+
+def _follow(client, run_id: str) -> dict:
+    from services.cli.follow import follow_run
+
+    return follow_run(client, run_id)
+
+
+def _final_code(run: dict) -> int:
+    if run["state"] != "succeeded":
+        print(f"run {run['id']} {run['state']}: {run['error']}", file=sys.stderr)
         return 1
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from services.cli.client import CoordinatorClient
+    from services.cli.follow import out, runs_table
 
-    client = CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
-    out = client.run(args.run) if args.run else client.runs()
-    print(json.dumps(out, indent=1))
-    return 0
+    def status() -> int:
+        with _client(args) as client:
+            if args.run is None:
+                runs = client.runs()
+                if args.json:
+                    print(json.dumps(runs))
+                else:
+                    out.print(runs_table(runs))
+                return 0
+            run = client.run(args.run) if args.json else _follow(client, args.run)
+            print(json.dumps(run) if args.json else json.dumps(_brief(run)))
+            return 0 if run["state"] != "failed" else 1
+
+    return _api_call(status)
+
+
+def _brief(run: dict) -> dict:
+    keep = ("id", "state", "step", "steps", "reward_mean", "tokens_per_s", "t_seed_s", "error")
+    return {k: run[k] for k in keep}
+
+
+def _cmd_workers(args: argparse.Namespace) -> int:
+    from services.cli.follow import out, workers_table
+
+    def workers() -> int:
+        with _client(args) as client:
+            listed = client.workers()
+        if args.alive:
+            listed = [w for w in listed if w["alive"]]
+        if args.json:
+            print(json.dumps(listed))
+        else:
+            out.print(workers_table(listed))
+        return 0
+
+    return _api_call(workers)
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    def cancel() -> int:
+        with _client(args) as client:
+            run = client.cancel(args.run)
+        print(json.dumps(_brief(run)))
+        return 0
+
+    return _api_call(cancel)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from services.cli.follow import print_events
+
+    def logs() -> int:
+        with _client(args) as client:
+            print_events(client, args.run, args.follow, out=lambda line: print(line, flush=True))
+        return 0
+
+    return _api_call(logs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,15 +326,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_init_model)
 
     url = os.environ.get("SPOTRL_COORDINATOR_URL", "http://127.0.0.1:8100")
-    p = sub.add_parser("submit", help="submit a run spec (TOML) to a coordinator")
-    p.add_argument("spec")
-    p.add_argument("--url", default=url)
-    p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("status", help="show one run, or all runs")
+    def client_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=f"{help_text}. Writes send $SPOTRL_API_TOKEN as a bearer token.",
+        )
+        p.add_argument("--url", default=url, help="coordinator URL ($SPOTRL_COORDINATOR_URL)")
+        p.set_defaults(func=func)
+        return p
+
+    p = client_command("submit", "submit a run spec (TOML) to a coordinator", _cmd_submit)
+    p.add_argument("spec")
+    p.add_argument("--follow", "-f", action="store_true", help="then show its progress to the end")
+
+    p = client_command("status", "list the runs, or follow one with a progress bar", _cmd_status)
     p.add_argument("run", nargs="?")
-    p.add_argument("--url", default=url)
-    p.set_defaults(func=_cmd_status)
+    p.add_argument("--json", action="store_true", help="print JSON once, no progress bar")
+
+    p = client_command("workers", "list the rollout workers", _cmd_workers)
+    p.add_argument("--alive", action="store_true", help="only the alive ones")
+    p.add_argument("--json", action="store_true")
+
+    p = client_command("cancel", "cancel a queued or running run", _cmd_cancel)
+    p.add_argument("run")
+
+    p = client_command("logs", "print a run's events (workers, migrations, steps)", _cmd_logs)
+    p.add_argument("run")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
     return parser
 
 

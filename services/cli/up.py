@@ -7,17 +7,13 @@ import json
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.follow import console, follow_run, progress_bar
 from services.cli.plots import plot_run
-from services.common.runspec import FINAL_STATES, RunSpec
-
-console = Console(stderr=True)
+from services.common.runspec import RunSpec
 
 
 def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: int) -> Path:
@@ -26,7 +22,7 @@ def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: 
     from services.trainer.init_model import InitModelSpec, init_model
 
     spec = InitModelSpec(task=task, task_path=task_path, pretrain_steps=pretrain_steps)
-    with _bar("pre-training base model") as bar:
+    with progress_bar("pre-training base model") as bar:
         task_id = bar.add_task("init-model", total=spec.pretrain_steps, info="")
         init_model(
             model,
@@ -34,18 +30,6 @@ def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: 
             lambda s, n, loss: bar.update(task_id, completed=s, info=f"loss {loss:.3f}"),
         )
     return model
-
-
-def _bar(title: str) -> Progress:
-    console.print(f"[bold]{title}[/bold]")
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
 
 
 def migration_totals(rows: list[dict]) -> dict[str, int]:
@@ -72,25 +56,6 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
         "n_prem_recommended": run.get("n_prem_recommended"),
         "wall_s": round(wall_s, 1),
     }
-
-
-def watch(client: CoordinatorClient, run_id: str, deployment: Deployment) -> dict:
-    with _bar(f"run {run_id}") as bar:
-        run = client.run(run_id)
-        task_id = bar.add_task("RL steps", total=run["steps"], info="waiting for workers")
-        while run["state"] not in FINAL_STATES:
-            deployment.check_alive()
-            time.sleep(0.5)
-            run = client.run(run_id)
-            alive = [w for w in client.workers() if w["alive"]]
-            reward = "-" if run["reward_mean"] is None else f"{run['reward_mean']:.3f}"
-            tps = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:.0f}"
-            bar.update(
-                task_id,
-                completed=run["step"],
-                info=f"reward {reward}  tok/s {tps}  workers {len(alive)}",
-            )
-    return run
 
 
 def up(
@@ -131,7 +96,7 @@ def up(
         if chaos:
             runner = ChaosRunner(deployment, targets, chaos.sigterm_fraction, spec.seed)
             runner.start()
-        run = watch(client, run_id, deployment)
+        run = follow_run(client, run_id, deployment.check_alive)
         if runner:
             runner.stop()
         rows = client.metrics(run_id)

@@ -62,6 +62,18 @@ def trainer_state(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:trainer"
 
 
+def run_events(run_id: str) -> str:
+    """Stream of things that happened to a run (workers joining and leaving, migrations, steps,
+    state changes), for `spotrl logs` and the dashboard. Capped."""
+    return f"{PREFIX}:run:{run_id}:events"
+
+
+def run_pool(run_id: str) -> str:
+    """Stream of periodic samples of the worker pool and its tokens/s, written by the coordinator's
+    observer. Capped."""
+    return f"{PREFIX}:run:{run_id}:pool"
+
+
 def parked_stream(run_id: str) -> str:
     """Stream where malformed messages are parked for a person to look at."""
     return f"{PREFIX}:run:{run_id}:parked"
@@ -84,6 +96,12 @@ def worker_control(worker_id: str) -> str:
 def worker_heartbeat(worker_id: str) -> str:
     """String (msgpack Heartbeat) with a short TTL: present while the worker is alive."""
     return f"{PREFIX}:worker:{worker_id}:hb"
+
+
+def worker_leaving(worker_id: str) -> str:
+    """String set (with a TTL) by a worker that got its preemption notice and released its work:
+    the coordinator tells a notice from a sudden death by it."""
+    return f"{PREFIX}:worker:{worker_id}:leaving"
 
 
 # ---- consumer groups ----

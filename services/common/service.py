@@ -7,12 +7,18 @@ import hmac
 import logging
 import signal
 from collections.abc import Callable, Coroutine
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from services.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +64,58 @@ class BackgroundTasks:
         return not self.failures
 
 
+class ErrorBody(BaseModel):
+    """What every error response carries (FastAPI's shape; a list for validation errors)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for the error codes a route can answer."""
+    return {code: {"model": ErrorBody, "description": ERROR_TEXT[code]} for code in codes}
+
+
+ERROR_TEXT = {
+    400: "Rejected: the request is well-formed but cannot be carried out.",
+    401: "Missing or wrong bearer token.",
+    404: "No such resource.",
+    409: "Conflicts with the resource's state.",
+    413: "Too large.",
+    416: "Range not satisfiable.",
+}
+
+
+@dataclass(frozen=True)
+class Auth:
+    """The route dependencies of one service: `write` guards every change; `read` is empty
+    unless reads are protected too. Each route declares the 401 it can answer."""
+
+    write: list[Any]
+    read: list[Any]
+    write_errors: dict[int | str, dict[str, Any]]
+    read_errors: dict[int | str, dict[str, Any]]
+
+
+def auth_for(settings: "CommonSettings") -> Auth:
+    """Open when no token is set (the embedded default on one machine); else every write, and
+    every read when `protect_reads`, needs the token."""
+    if settings.api_token is None:
+        return Auth([], [], {}, {})
+    guard, guarded = [Depends(token_guard(settings.api_token))], errors(401)
+    if settings.protect_reads:
+        return Auth(guard, guard, guarded, guarded)
+    return Auth(guard, [], guarded, {})
+
+
 def add_health_and_metrics(
-    app: FastAPI, service: str, tasks: BackgroundTasks, extra: Callable[[], dict] | None = None
+    app: FastAPI,
+    service: str,
+    tasks: BackgroundTasks,
+    extra: Callable[[], dict] | None = None,
+    auth: Auth | None = None,
 ) -> None:
+    """/healthz stays open (probes carry no token); /metrics is a read."""
+
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> JSONResponse:
         body = {"service": service, "ok": tasks.healthy, "failures": tasks.failures}
@@ -68,20 +123,31 @@ def add_health_and_metrics(
             body.update(extra())
         return JSONResponse(body, status_code=200 if tasks.healthy else 503)
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        dependencies=auth.read if auth else [],
+        responses=auth.read_errors if auth else {},
+        response_class=PlainTextResponse,
+    )
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-def token_guard(token: str | None) -> Callable[[Request], None]:
-    """A dependency that requires `Authorization: Bearer <token>` when a token is configured."""
+BEARER = HTTPBearer(auto_error=False, description="The deployment's API token (SPOTRL_API_TOKEN).")
 
-    def check(request: Request) -> None:
+
+def token_guard(token: str | None) -> Callable[..., None]:
+    """A dependency that requires `Authorization: Bearer <token>` when a token is configured.
+    It is declared as the bearer security scheme, so the OpenAPI spec says which routes need it."""
+
+    def check(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+    ) -> None:
         if token is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        given = credentials.credentials if credentials else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
             raise HTTPException(
                 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
             )

@@ -14,6 +14,10 @@ class CommonSettings(BaseSettings):
     api_token: str | None = Field(
         None, description="Bearer token required on every write when set; open when unset."
     )
+    protect_reads: bool = Field(
+        False,
+        description="Also require the bearer token on reads (/healthz stays open for probes).",
+    )
     coordinator_url: str = Field("http://127.0.0.1:8100", description="Coordinator base URL.")
     weightstore_url: str = Field(
         "http://127.0.0.1:8200", description="Weight store base URL (comma-separated replicas)."

@@ -11,8 +11,9 @@ from prometheus_client import Gauge
 
 from services.common import keys
 from services.common.redis_streams import connect, with_reconnect
-from services.common.service import BackgroundTasks, add_health_and_metrics, token_guard
-from services.coordinator import routes_runs, routes_workers
+from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.coordinator import dashboard, routes_runs, routes_workers
+from services.coordinator.observer import Observer
 from services.coordinator.rollout_manager import RunCancelled, RunManager
 from services.coordinator.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
@@ -52,17 +53,25 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
     tasks = BackgroundTasks()
     r = connect(settings.redis_url)
     store = RunStore(r)
-    guard = token_guard(settings.api_token)
+    auth = auth_for(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks.start("scheduler", schedule_runs(store, settings))
+        tasks.start("observer", Observer(r, settings.observe_s).forever())
         yield
         await tasks.stop()
         await r.aclose()
 
-    app = FastAPI(title="spotrl coordinator", version="1", lifespan=lifespan)
-    add_health_and_metrics(app, "coordinator", tasks)
-    app.include_router(routes_runs.build_router(store, guard))
-    app.include_router(routes_workers.build_router(r, guard))
+    app = FastAPI(
+        title="spotrl coordinator",
+        version="1",
+        lifespan=lifespan,
+        description="Runs (submit, follow, cancel), rollout workers, and the dashboard at `/`. "
+        "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set.",
+    )
+    add_health_and_metrics(app, "coordinator", tasks, auth=auth)
+    app.include_router(routes_runs.build_router(store, auth))
+    app.include_router(routes_workers.build_router(r, auth))
+    dashboard.add_dashboard(app)
     return app

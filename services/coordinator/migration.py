@@ -9,21 +9,33 @@
 """
 
 import logging
+from typing import get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
-from services.common import keys
-from services.common.messages import Job, MalformedMessage, RequestLease, WorkerControl
+from services.common import keys, timeline
+from services.common.messages import (
+    Job,
+    MalformedMessage,
+    ReleaseReason,
+    RequestLease,
+    WorkerControl,
+)
 from services.coordinator.request_table import RequestTable
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
 DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose heartbeat expired")
 CLAIMER = "coordinator"
+for _cause in (*get_args(ReleaseReason), "death"):
+    MIGRATIONS.labels(_cause)  # every cause is exported from the start, at 0
 
 
-async def publish_jobs(r: aioredis.Redis, stream: str, jobs: list[Job], cause: str) -> None:
+async def publish_jobs(
+    r: aioredis.Redis, table: RequestTable, stream: str, jobs: list[Job], cause: str
+) -> None:
+    """Queue continuation jobs of migrated requests, and count and log the migration."""
     if not jobs:
         return
     async with r.pipeline(transaction=False) as pipe:
@@ -31,6 +43,7 @@ async def publish_jobs(r: aioredis.Redis, stream: str, jobs: list[Job], cause: s
             pipe.xadd(stream, job.fields())
         await pipe.execute()
     MIGRATIONS.labels(cause).inc(len(jobs))
+    await timeline.emit(r, table.run_id, "migrated", cause=cause, count=len(jobs), step=table.step)
 
 
 async def reclaim_dead_workers(
@@ -60,12 +73,15 @@ async def reclaim_dead_workers(
             new = table.migrate(job.request_id, "death", keep_tokens, lease=job.lease)
             if new is not None:
                 moved.append(new)
-        await publish_jobs(r, stream, moved, "death")
+        await publish_jobs(r, table, stream, moved, "death")
         if ids:
             await r.xack(stream, keys.WORKERS_GROUP, *ids)
         await r.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
         DEAD.inc()
         dead.append(name)
+        await timeline.emit(
+            r, table.run_id, "worker_reclaimed", worker=name, jobs=len(ids), step=table.step
+        )
         log.warning(
             "worker %s missed its heartbeat: migrated %d of its %d jobs", name, len(moved), len(ids)
         )
@@ -78,4 +94,5 @@ async def fence(r: aioredis.Redis, run_id: str, stale: dict[str, set[tuple[str, 
         requests = [RequestLease(request_id=rid, lease=lease) for rid, lease in sorted(pairs)]
         order = WorkerControl(action="abort", run_id=run_id, requests=requests)
         await r.xadd(keys.worker_control(worker_id), order.fields(), maxlen=1000)
+        await timeline.emit(r, run_id, "fenced", worker=worker_id, count=len(requests))
         log.info("fenced %d requests on %s", len(requests), worker_id)

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 from tokenizers import Tokenizer
 
-from services.common import keys
+from services.common import keys, timeline
 from services.common.messages import DeltaBatch, Group, Job, Response
 from services.common.redis_streams import (
     decode_or_park,
@@ -46,6 +46,10 @@ ROLLOUT_S = Histogram(
 )
 N_PREM = Gauge("spotrl_coordinator_n_prem_recommended", "Preemptible pool size worth having")
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
+REWARD = Gauge("spotrl_coordinator_reward_mean", "Mean reward of the newest rollout step")
+STEP_TOK_S = Gauge(
+    "spotrl_coordinator_step_tokens_per_second", "Rollout tokens/s of the newest step (all pools)"
+)
 
 POLL_S = 0.05
 DELTA_BATCH = 256
@@ -224,6 +228,17 @@ class RunManager:
             },
         )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
+        REWARD.set(mean_reward)
+        STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))
+        await timeline.emit(
+            self.r,
+            self.run_id,
+            "rollout_done",
+            step=step,
+            reward_mean=mean_reward,
+            tokens=tokens,
+            rollout_s=rollout_s,
+        )
         log.info(
             "step %d: rollout done in %.2fs, %d tokens, reward %.3f",
             step,
@@ -288,7 +303,8 @@ class RunManager:
                 if job is not None:
                     released.setdefault(batch.release_reason, []).append(job)
         for reason, jobs in released.items():
-            await publish_jobs(self.r, keys.jobs_stream(self.run_id, table.version), jobs, reason)
+            stream = keys.jobs_stream(self.run_id, table.version)
+            await publish_jobs(self.r, table, stream, jobs, reason)
         await fence(self.r, self.run_id, stale)
         TOKENS.inc(table.tokens_appended - tokens_before)
         for p in sorted(finished_groups):

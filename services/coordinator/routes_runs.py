@@ -1,18 +1,23 @@
-"""/v1/runs: submit, list, inspect, cancel runs and read their per-step metrics."""
+"""/v1/runs: submit, list, inspect, cancel runs; read their per-step metrics and timeline."""
 
 import json
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, HTTPException, Query
 
-from services.common import keys
+from services.common import keys, timeline
 from services.common.runspec import ModelFolderError, RunSpec
+from services.common.service import Auth, errors
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
-from services.coordinator.schemas import RunCreated, RunPublic
+from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
+
+ENTRY_ID = r"^[0-9]{1,20}-[0-9]{1,20}$"
 
 
-def build_router(store: RunStore, write_guard) -> APIRouter:
+def build_router(store: RunStore, auth: Auth) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
-    write = [Depends(write_guard)]
+    write, read = auth.write, auth.read
+    read_one = {**auth.read_errors, **errors(404)}
 
     async def public(run_id: str) -> RunPublic:
         try:
@@ -42,7 +47,13 @@ def build_router(store: RunStore, write_guard) -> APIRouter:
             error=run.get("error", ""),
         )
 
-    @router.post("", status_code=201, response_model=RunCreated, dependencies=write)
+    @router.post(
+        "",
+        status_code=201,
+        response_model=RunCreated,
+        dependencies=write,
+        responses={**auth.write_errors, **errors(400)},
+    )
     async def submit(spec: RunSpec) -> RunCreated:
         try:
             spec.check_model_folder()
@@ -51,20 +62,45 @@ def build_router(store: RunStore, write_guard) -> APIRouter:
         run_id = await store.submit(spec)
         return RunCreated(id=run_id, state="queued")
 
-    @router.get("", response_model=list[RunPublic])
-    async def list_runs(limit: int = 100) -> list[RunPublic]:
-        return [await public(run_id) for run_id in await store.list_ids(max(1, min(limit, 1000)))]
+    @router.get("", response_model=list[RunPublic], dependencies=read, responses=auth.read_errors)
+    async def list_runs(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunPublic]:
+        return [await public(run_id) for run_id in await store.list_ids(limit)]
 
-    @router.get("/{run_id}", response_model=RunPublic)
+    @router.get("/{run_id}", response_model=RunPublic, dependencies=read, responses=read_one)
     async def get_run(run_id: str) -> RunPublic:
         return await public(run_id)
 
-    @router.get("/{run_id}/metrics")
-    async def metrics(run_id: str) -> dict:
+    @router.get(
+        "/{run_id}/metrics", response_model=RunMetrics, dependencies=read, responses=read_one
+    )
+    async def metrics(run_id: str) -> RunMetrics:
         await public(run_id)
-        return {"run_id": run_id, "steps": await store.metrics(run_id)}
+        return RunMetrics(run_id=run_id, steps=await store.metrics(run_id))
 
-    @router.post("/{run_id}/cancel", response_model=RunPublic, dependencies=write)
+    @router.get(
+        "/{run_id}/timeline", response_model=RunTimeline, dependencies=read, responses=read_one
+    )
+    async def run_timeline(
+        run_id: str,
+        after_event: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
+        after_sample: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
+        count: Annotated[int, Query(ge=1, le=timeline.READ_MAX)] = timeline.READ_MAX,
+    ) -> RunTimeline:
+        """Events and pool samples after the given entry ids (all of them when omitted):
+        a client polls with the last ids it has."""
+        await public(run_id)
+        return RunTimeline(
+            run_id=run_id,
+            events=await timeline.read_events(store.r, run_id, after_event, count),
+            pool=await timeline.read_pool(store.r, run_id, after_sample, count),
+        )
+
+    @router.post(
+        "/{run_id}/cancel",
+        response_model=RunPublic,
+        dependencies=write,
+        responses={**auth.write_errors, **errors(404, 409)},
+    )
     async def cancel(run_id: str) -> RunPublic:
         try:
             await store.cancel(run_id)

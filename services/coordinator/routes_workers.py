@@ -1,20 +1,41 @@
-"""/v1/workers: rollout workers register here; everyone can list them with their liveness."""
+"""/v1/workers: rollout workers register here; operators list them with their liveness, order
+one to give work back, and forget workers that are gone."""
 
 import time
+from typing import Annotated
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, HTTPException, Path, Response
 
 from services.common import keys
-from services.common.messages import Heartbeat, MalformedMessage
-from services.coordinator.schemas import WorkerCreate, WorkerPublic
+from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
+from services.common.service import Auth, errors
+from services.coordinator.scheduling import order
+from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
+
+WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
 
 
-def build_router(r: aioredis.Redis, write_guard) -> APIRouter:
+async def _heartbeat(r: aioredis.Redis, worker_id: str) -> Heartbeat | None:
+    raw = await r.get(keys.worker_heartbeat(worker_id))
+    if raw is None:
+        return None
+    try:
+        return Heartbeat.decode(raw)
+    except MalformedMessage:
+        return None
+
+
+def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
     router = APIRouter(prefix="/v1/workers", tags=["workers"])
+    change = {**auth.write_errors, **errors(400, 404, 409)}
 
     @router.post(
-        "", status_code=201, response_model=WorkerPublic, dependencies=[Depends(write_guard)]
+        "",
+        status_code=201,
+        response_model=WorkerPublic,
+        dependencies=auth.write,
+        responses={**auth.write_errors, **errors(400)},
     )
     async def register(worker: WorkerCreate) -> WorkerPublic:
         async with r.pipeline(transaction=True) as pipe:
@@ -23,10 +44,13 @@ def build_router(r: aioredis.Redis, write_guard) -> APIRouter:
                 mapping={**worker.model_dump(), "registered_at": time.time()},
             )
             pipe.sadd(keys.WORKER_INDEX, worker.id)
+            pipe.delete(keys.worker_leaving(worker.id))  # a new incarnation
             await pipe.execute()
         return WorkerPublic(**worker.model_dump(), alive=False)
 
-    @router.get("", response_model=list[WorkerPublic])
+    @router.get(
+        "", response_model=list[WorkerPublic], dependencies=auth.read, responses=auth.read_errors
+    )
     async def list_workers(alive: bool | None = None) -> list[WorkerPublic]:
         out = []
         for raw_id in sorted(await r.smembers(keys.WORKER_INDEX)):
@@ -36,13 +60,7 @@ def build_router(r: aioredis.Redis, write_guard) -> APIRouter:
             }
             if not info:
                 continue
-            beat_raw = await r.get(keys.worker_heartbeat(worker_id))
-            beat = None
-            if beat_raw is not None:
-                try:
-                    beat = Heartbeat.decode(beat_raw)
-                except MalformedMessage:
-                    beat = None
+            beat = await _heartbeat(r, worker_id)
             item = WorkerPublic(
                 id=worker_id,
                 pool=info["pool"],
@@ -58,5 +76,39 @@ def build_router(r: aioredis.Redis, write_guard) -> APIRouter:
             if alive is None or item.alive == alive:
                 out.append(item)
         return out
+
+    @router.post(
+        "/{worker_id}/release",
+        status_code=202,
+        response_model=WorkerOrdered,
+        dependencies=auth.write,
+        responses=change,
+    )
+    async def release(worker_id: WorkerId, body: WorkerRelease) -> WorkerOrdered:
+        """Order an alive worker to give `count` executing requests back; they continue on other
+        workers from the tokens already generated (a migration with cause "release")."""
+        if not await r.exists(keys.worker(worker_id)):
+            raise HTTPException(404, f"worker {worker_id} is not registered")
+        beat = await _heartbeat(r, worker_id)
+        if beat is None or beat.run_id is None:
+            raise HTTPException(409, f"worker {worker_id} is not alive on a run")
+        control = WorkerControl(action="release", run_id=beat.run_id, count=body.count)
+        await order(r, worker_id, control)
+        return WorkerOrdered(
+            worker_id=worker_id, run_id=beat.run_id, action="release", count=body.count
+        )
+
+    @router.delete("/{worker_id}", status_code=204, dependencies=auth.write, responses=change)
+    async def forget(worker_id: WorkerId) -> Response:
+        """Remove a worker that is gone from the list (an alive one: 409)."""
+        if not await r.exists(keys.worker(worker_id)):
+            raise HTTPException(404, f"worker {worker_id} is not registered")
+        if await r.exists(keys.worker_heartbeat(worker_id)):
+            raise HTTPException(409, f"worker {worker_id} is alive")
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.worker(worker_id), keys.worker_control(worker_id))
+            pipe.srem(keys.WORKER_INDEX, worker_id)
+            await pipe.execute()
+        return Response(status_code=204)
 
     return router

@@ -8,7 +8,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from services.common import keys
+from services.common import keys, timeline
 from services.common.runspec import FINAL_STATES, RunSpec
 from services.common.step_metrics import read_steps
 
@@ -79,6 +79,7 @@ class RunStore:
             pipe.hset(keys.run(run_id), mapping={"state": "running", "started_at": time.time()})
             pipe.set(keys.ACTIVE_RUN, run_id)
             await pipe.execute()
+        await timeline.emit(self.r, run_id, "state", state="running")
         return run_id
 
     async def finish(self, run_id: str, state: str, error: str = "") -> None:
@@ -88,6 +89,7 @@ class RunStore:
                 mapping={"state": state, "finished_at": time.time(), "error": error},
             )
             await pipe.execute()
+        await timeline.emit(self.r, run_id, "state", state=state, error=error)
         if await self.active() == run_id:
             await self.r.delete(keys.ACTIVE_RUN)
 

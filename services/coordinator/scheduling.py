@@ -22,8 +22,8 @@ T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the curre
 RELEASE_COOLDOWN_S = 1.0
 
 
-async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
-    """Workers whose heartbeat is fresh and that serve `run_id`."""
+async def heartbeats(r: aioredis.Redis) -> dict[str, Heartbeat]:
+    """Every registered worker whose heartbeat is fresh, whatever it serves."""
     ids = sorted(x.decode() for x in await r.smembers(keys.WORKER_INDEX))
     beats = await r.mget([keys.worker_heartbeat(w) for w in ids]) if ids else []
     out = {}
@@ -31,12 +31,15 @@ async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
         if raw is None:
             continue
         try:
-            beat = Heartbeat.decode(raw)
+            out[worker_id] = Heartbeat.decode(raw)
         except MalformedMessage:
             continue
-        if beat.run_id == run_id:
-            out[worker_id] = beat
     return out
+
+
+async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
+    """Workers whose heartbeat is fresh and that serve `run_id`."""
+    return {w: b for w, b in (await heartbeats(r)).items() if b.run_id == run_id}
 
 
 def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:

@@ -1,5 +1,7 @@
 """Request and response bodies of the coordinator's REST API (one schema per use)."""
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from services.common.messages import Pool
@@ -45,3 +47,31 @@ class WorkerPublic(WorkerCreate):
     version: int | None = None
     active: int = 0
     tokens_generated: int = 0
+
+
+class RunMetrics(BaseModel):
+    run_id: str
+    steps: list[dict[str, Any]] = Field(
+        description="One row per RL step: rollout fields (coordinator) and training fields."
+    )
+
+
+class RunTimeline(BaseModel):
+    run_id: str
+    events: list[dict[str, Any]] = Field(
+        description="What happened, oldest first: each has id, at (unix s), kind and details."
+    )
+    pool: list[dict[str, Any]] = Field(
+        description="Pool samples, oldest first: id, at, step, workers and tokens_per_s by pool."
+    )
+
+
+class WorkerRelease(BaseModel):
+    count: int = Field(ge=1, le=100000, description="Executing requests to give back.")
+
+
+class WorkerOrdered(BaseModel):
+    worker_id: str
+    run_id: str
+    action: str
+    count: int

@@ -3,6 +3,7 @@
 import asyncio
 import importlib
 import logging
+import time
 from contextlib import asynccontextmanager
 
 import torch
@@ -10,11 +11,12 @@ from fastapi import FastAPI
 
 from services.common import keys
 from services.common.redis_streams import connect
-from services.common.service import BackgroundTasks, add_health_and_metrics
+from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
+LEAVING_TTL_S = 600
 
 
 def build_app(settings: RolloutSettings) -> FastAPI:
@@ -46,14 +48,17 @@ def build_app(settings: RolloutSettings) -> FastAPI:
                 "could not release within %.0fs; the coordinator will reclaim by heartbeat",
                 settings.preempt_grace_s,
             )
+        # Say "left with notice" before the heartbeat goes, so nobody counts it as a loss.
+        await r.set(keys.worker_leaving(settings.worker_id), time.time(), ex=LEAVING_TTL_S)
         await r.delete(keys.worker_heartbeat(settings.worker_id))
         await r.aclose()
         await worker.engine.close()
 
     app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
-    add_health_and_metrics(app, "rollout", tasks, extra=worker.status)
+    auth = auth_for(settings)
+    add_health_and_metrics(app, "rollout", tasks, extra=worker.status, auth=auth)
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
     async def status() -> dict:
         return worker.status()
 

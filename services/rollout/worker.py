@@ -39,7 +39,7 @@ from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version this often
-TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["pool"])
+TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["worker", "pool"])
 ACTIVE = Gauge("spotrl_rollout_active_requests", "Requests generating")
 PULL_S = Histogram(
     "spotrl_rollout_weight_pull_seconds",
@@ -343,7 +343,7 @@ class RolloutWorker:
                 finished = True
                 self.slot_freed.set()
         self.tokens_generated += len(events)
-        TOKENS.labels(self.s.pool).inc(len(events))
+        TOKENS.labels(self.s.worker_id, self.s.pool).inc(len(events))
         return finished
 
     async def _flush(

@@ -6,7 +6,7 @@ import torch
 from fastapi import FastAPI
 
 from services.common.redis_streams import connect
-from services.common.service import BackgroundTasks, add_health_and_metrics
+from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 
@@ -25,9 +25,10 @@ def build_app(settings: TrainerSettings) -> FastAPI:
         await r.aclose()
 
     app = FastAPI(title="spotrl trainer", version="1", lifespan=lifespan)
-    add_health_and_metrics(app, "trainer", tasks, extra=lambda: {"status": loop.status})
+    auth = auth_for(settings)
+    add_health_and_metrics(app, "trainer", tasks, extra=lambda: {"status": loop.status}, auth=auth)
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
     async def status() -> dict:
         return loop.status
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common import keys
+from services.common import keys, timeline
 from services.common.messages import Group
 from services.common.redis_streams import (
     decode_or_park,
@@ -34,6 +34,8 @@ GROUPS = Counter("spotrl_trainer_groups_total", "Groups consumed", ["outcome"])
 STEP_S = Histogram("spotrl_trainer_step_seconds", "Wall time of an RL step in the trainer")
 WAIT_S = Counter("spotrl_trainer_wait_seconds_total", "Seconds idle waiting for groups")
 VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")
+LAST_WAIT_S = Gauge("spotrl_trainer_last_wait_seconds", "Seconds idle for groups, newest step")
+LOSS = Gauge("spotrl_trainer_policy_loss", "Policy loss of the newest step")
 
 
 class RunStopped(Exception):
@@ -160,6 +162,17 @@ class TrainerLoop:
             },
         )
         await self._announce(run_id, step + 1)
+        LAST_WAIT_S.set(wait_s)
+        LOSS.set(stats["policy_loss"])
+        await timeline.emit(
+            self.r,
+            run_id,
+            "trained",
+            step=step,
+            train_s=train_s,
+            wait_s=wait_s,
+            policy_loss=stats["policy_loss"],
+        )
         log.info(
             "run %s step %d: trained %d groups in %.2fs (waited %.2fs after %.2fs of "
             "seeding), loss %.4f",

@@ -6,15 +6,25 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
+from pydantic import BaseModel
 
-from services.common.service import BackgroundTasks, add_health_and_metrics, token_guard
+from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
 from services.weightstore.settings import WeightStoreSettings
 from services.weightstore.storage import FileEntry, Manifest, StorageError, WeightStorage
 
 log = logging.getLogger(__name__)
+
+
+class ModelList(BaseModel):
+    models: list[str]
+
+
+class VersionList(BaseModel):
+    model: str
+    versions: list[int]
 
 
 class ShardResponse(FileResponse):
@@ -30,7 +40,7 @@ COMMITS = Counter("spotrl_weightstore_commits_total", "Versions committed")
 def build_app(settings: WeightStoreSettings) -> FastAPI:
     storage = WeightStorage(settings.root, settings.keep_versions, settings.replica_id)
     tasks = BackgroundTasks()
-    write_auth = [Depends(token_guard(settings.api_token))]
+    auth = auth_for(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -42,16 +52,17 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
 
     app = FastAPI(title="spotrl weight store", version="1", lifespan=lifespan)
     app.state.storage = storage
-    add_health_and_metrics(app, "weightstore", tasks)
+    add_health_and_metrics(app, "weightstore", tasks, auth=auth)
 
     @app.exception_handler(StorageError)
     async def storage_error(request: Request, exc: StorageError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
+    write = {"dependencies": auth.write, "responses": {**auth.write_errors, **errors(400, 409)}}
+    read = {"dependencies": auth.read, "responses": {**auth.read_errors, **errors(400, 404)}}
+
     @app.put(
-        "/v1/models/{model}/versions/{version}/files/{name}",
-        dependencies=write_auth,
-        response_model=FileEntry,
+        "/v1/models/{model}/versions/{version}/files/{name}", response_model=FileEntry, **write
     )
     async def upload_file(
         model: str,
@@ -71,9 +82,9 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
 
     @app.post(
         "/v1/models/{model}/versions/{version}/commit",
-        dependencies=write_auth,
         response_model=Manifest,
         status_code=201,
+        **write,
     )
     async def commit(model: str, version: int, manifest: Manifest) -> Manifest:
         if version < 0:
@@ -89,23 +100,33 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
         )
         return committed
 
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        return {"models": storage.models()}
+    @app.get("/v1/models", response_model=ModelList, **read)
+    async def list_models() -> ModelList:
+        return ModelList(models=storage.models())
 
-    @app.get("/v1/models/{model}/versions")
-    async def list_versions(model: str) -> dict:
-        return {"model": model, "versions": storage.versions(model)}
+    @app.get("/v1/models/{model}/versions", response_model=VersionList, **read)
+    async def list_versions(model: str) -> VersionList:
+        return VersionList(model=model, versions=storage.versions(model))
 
-    @app.get("/v1/models/{model}/latest", response_model=Manifest)
+    @app.get("/v1/models/{model}/latest", response_model=Manifest, **read)
     async def latest(model: str) -> Manifest:
         return storage.latest(model)
 
-    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest)
+    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest, **read)
     async def manifest(model: str, version: int) -> Manifest:
         return storage.manifest(model, version)
 
-    @app.get("/v1/models/{model}/versions/{version}/files/{name}")
+    @app.get(
+        "/v1/models/{model}/versions/{version}/files/{name}",
+        response_class=ShardResponse,
+        dependencies=auth.read,
+        responses={
+            **auth.read_errors,
+            **errors(400, 404, 416),
+            200: {"content": {"application/octet-stream": {}}, "description": "File bytes."},
+            206: {"content": {"application/octet-stream": {}}, "description": "A byte range."},
+        },
+    )
     async def read_file(model: str, version: int, name: str) -> FileResponse:
         return ShardResponse(storage.file_path(model, version, name))
 

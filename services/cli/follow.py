@@ -1,0 +1,121 @@
+"""Following a run from a terminal: a live progress bar, tables of runs and workers, and the
+run's event log. Used by `spotrl status/workers/logs` and by `spotrl up`."""
+
+import sys
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from services.cli.client import CoordinatorClient
+from services.common.runspec import FINAL_STATES
+
+console = Console(stderr=True)  # progress goes to stderr; results to stdout
+# tables on stdout, not cut to 80 columns when piped
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def progress_info(run: dict, alive_workers: int) -> str:
+    return (
+        f"{run['state']}  reward {_num(run['reward_mean'], 3)}  "
+        f"tok/s {_num(run['tokens_per_s'], 0)}  workers {alive_workers}"
+    )
+
+
+def progress_bar(title: str) -> Progress:
+    """A bar with a description, done/total, a free `info` field and the elapsed time."""
+    console.print(f"[bold]{title}[/bold]")
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def follow_run(
+    client: CoordinatorClient,
+    run_id: str,
+    check: Callable[[], None] | None = None,
+    poll_s: float = 0.5,
+) -> dict:
+    """Show a progress bar of the run's steps until it reaches a final state; return the run."""
+    with progress_bar(f"run {run_id}") as bar:
+        run = client.run(run_id)
+        task_id = bar.add_task("RL steps", total=run["steps"], info=run["state"])
+        while True:
+            alive = sum(w["alive"] for w in client.workers())
+            bar.update(task_id, completed=run["step"], info=progress_info(run, alive))
+            if run["state"] in FINAL_STATES:
+                return run
+            if check is not None:
+                check()
+            time.sleep(poll_s)
+            run = client.run(run_id)
+
+
+def runs_table(runs: list[dict]) -> Table:
+    table = Table("run", "state", "step", "reward", "tok/s", "T_seed (s)", "error")
+    for run in runs:
+        table.add_row(
+            run["id"],
+            run["state"],
+            f"{run['step']}/{run['steps']}",
+            _num(run["reward_mean"], 3),
+            _num(run["tokens_per_s"], 0),
+            _num(run["t_seed_s"], 2),
+            run["error"][:60],
+        )
+    return table
+
+
+def workers_table(workers: list[dict]) -> Table:
+    table = Table("worker", "pool", "engine", "alive", "run", "version", "active/slots", "tokens")
+    for w in workers:
+        table.add_row(
+            w["id"],
+            w["pool"],
+            w["engine"],
+            "yes" if w["alive"] else "no",
+            w["run_id"] or "-",
+            "-" if w["version"] is None else str(w["version"]),
+            f"{w['active']}/{w['slots']}",
+            str(w["tokens_generated"]),
+        )
+    return table
+
+
+def event_line(event: dict) -> str:
+    """One line of `spotrl logs`: local time, kind, then the details as key=value."""
+    when = time.strftime("%H:%M:%S", time.localtime(event["at"]))
+    details = []
+    for key, value in event.items():
+        if key in ("id", "at", "kind"):
+            continue
+        details.append(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}")
+    return f"{when}  {event['kind']:<16} {' '.join(details)}".rstrip()
+
+
+def print_events(
+    client: CoordinatorClient, run_id: str, follow: bool, poll_s: float = 1.0, out=print
+) -> dict:
+    """Print the run's events; with `follow`, keep printing new ones until the run is final."""
+    after = None
+    while True:
+        run = client.run(run_id)  # before reading: a final run's last events are then in
+        events = client.timeline(run_id, after_event=after)["events"]
+        for event in events:
+            out(event_line(event))
+        if events:
+            after = events[-1]["id"]
+        if not follow or run["state"] in FINAL_STATES:
+            return run
+        time.sleep(poll_s)

@@ -1,0 +1,276 @@
+// The spotrl dashboard: reads the coordinator's API and draws the chosen run with uPlot.
+// State lives in `window.spotrlDashboard` so that a person (or the browser test) can inspect it.
+"use strict";
+
+const params = new URLSearchParams(location.search);
+const REFRESH_MS = Number(params.get("refresh_ms")) || 2000;
+const COLORS = { reserved: "#3b6fd8", preemptible: "#e07b22", third: "#2f8f4e", fourth: "#8e44ad" };
+const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+const state = {
+  runId: params.get("run"),
+  token: localStorage.getItem("spotrlToken") || "",
+  charts: {},
+  points: {},
+  refreshes: 0,
+  timeline: { runId: null, events: [], pool: [], afterEvent: null, afterSample: null },
+};
+window.spotrlDashboard = state;
+
+const $ = (id) => document.getElementById(id);
+const fmt = (x, digits = 2) => (x === null || x === undefined ? "–" : Number(x).toFixed(digits));
+
+async function api(path) {
+  const headers = state.token ? { Authorization: "Bearer " + state.token } : {};
+  const resp = await fetch(path, { headers });
+  if (resp.status === 401) {
+    $("auth").hidden = false;
+    throw new Error("the API wants a token");
+  }
+  if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
+  return resp.json();
+}
+
+// ---- data shaping (pure) ----
+function perStep(rows, ...fields) {
+  const done = rows.filter((r) => r.reward_mean !== undefined);
+  return [done.map((r) => r.step), ...fields.map((f) => done.map((r) => r[f] ?? null))];
+}
+
+function migrationCauses(rows) {
+  const causes = new Set();
+  rows.forEach((r) => Object.keys(r.migrations || {}).forEach((c) => causes.add(c)));
+  return [...causes].sort();
+}
+
+function churnData(rows, events) {
+  const done = rows.filter((r) => r.reward_mean !== undefined);
+  const steps = done.map((r) => r.step);
+  const preempted = new Map();
+  events
+    .filter((e) => e.kind === "worker_left" && e.step !== null && e.step !== undefined)
+    .forEach((e) => preempted.set(e.step, (preempted.get(e.step) || 0) + 1));
+  const causes = migrationCauses(done);
+  const series = causes.map((c) => done.map((r) => (r.migrations || {})[c] || 0));
+  return { causes, data: [steps, steps.map((s) => preempted.get(s) || 0), ...series] };
+}
+
+function poolData(samples, events) {
+  const left = events.filter((e) => e.kind === "worker_left").map((e) => e.at);
+  const xs = samples.map((s) => s.at);
+  const gone = xs.map((t) => left.filter((a) => a <= t).length);
+  const reserved = samples.map((s) => s.workers.reserved);
+  const preemptible = samples.map((s) => s.workers.preemptible);
+  const tps = samples.map((s) => s.tokens_per_s.reserved + s.tokens_per_s.preemptible);
+  return [xs, reserved, preemptible, gone, tps];
+}
+
+function countPoints(data) {
+  return data.slice(1).reduce((n, ys) => n + ys.filter((y) => y !== null).length, 0);
+}
+
+// ---- charts ----
+function line(label, stroke, extra = {}) {
+  return { label, stroke, width: 2, points: { show: true, size: 5 }, ...extra };
+}
+
+function draw(name, series, data, { time = false, axes = null, scales = {} } = {}) {
+  const el = $("chart-" + name);
+  const n = countPoints(data);
+  state.points[name] = n;
+  el.dataset.points = String(n);
+  if (n === 0) {
+    if (state.charts[name]) state.charts[name].destroy();
+    delete state.charts[name];
+    el.innerHTML = '<div class="empty">no data yet</div>';
+    return;
+  }
+  const chart = state.charts[name];
+  if (chart && chart.series.length === series.length + 1) {
+    chart.setData(data);
+    return;
+  }
+  if (chart) chart.destroy();
+  el.innerHTML = "";
+  const opts = {
+    width: Math.max(300, el.clientWidth || 560),
+    height: 240,
+    scales: { x: { time }, ...scales },
+    series: [{ label: time ? "time" : "step" }, ...series],
+    axes: axes || [{}, {}],
+    legend: { live: false },
+  };
+  state.charts[name] = new uPlot(opts, data, el);
+}
+
+function render(run, rows, tl) {
+  const stepped = uPlot.paths.stepped({ align: 1 });
+  draw("reward", [line("reward (mean)", COLORS.reserved)], perStep(rows, "reward_mean"));
+  draw("throughput", [line("tokens/s", COLORS.preemptible)], perStep(rows, "tokens_per_s"));
+  draw(
+    "pool",
+    [
+      line("reserved", COLORS.reserved, { paths: stepped, points: { show: false } }),
+      line("preemptible", COLORS.preemptible, { paths: stepped, points: { show: false } }),
+      line("workers left (cumulative)", "#b43b3b", { paths: stepped, points: { show: false }, dash: [4, 4] }),
+      line("tokens/s", "#98a2b3", { scale: "tps", points: { show: false }, width: 1 }),
+    ],
+    poolData(tl.pool, tl.events),
+    {
+      time: true,
+      scales: { tps: {} },
+      axes: [{}, { label: "workers" }, { scale: "tps", side: 1, label: "tokens/s", grid: { show: false } }],
+    },
+  );
+  const churn = churnData(rows, tl.events);
+  const palette = [COLORS.preemptible, COLORS.reserved, COLORS.third, COLORS.fourth];
+  draw(
+    "churn",
+    [
+      line("workers left", "#b43b3b"),
+      ...churn.causes.map((c, i) => line(`migrated: ${c}`, palette[i % palette.length])),
+    ],
+    churn.data,
+  );
+  draw(
+    "tseed",
+    [line("T_seed (window)", COLORS.reserved), line("seeding took", COLORS.third)],
+    perStep(rows, "t_seed_s", "seed_s"),
+  );
+  draw(
+    "trainer",
+    [line("train (incl. waits)", COLORS.reserved), line("waiting for groups", COLORS.preemptible)],
+    perStep(rows, "train_s", "train_wait_s"),
+  );
+  renderSummary(run, rows, tl);
+  renderEvents(tl.events);
+}
+
+function renderSummary(run, rows, tl) {
+  $("s-state").textContent = run.state;
+  $("s-step").textContent = `${run.step} / ${run.steps}`;
+  $("s-progress").style.width = `${Math.min(100, (100 * run.step) / Math.max(1, run.steps))}%`;
+  $("s-reward").textContent = fmt(run.reward_mean, 3);
+  $("s-tps").textContent = fmt(run.tokens_per_s, 0);
+  const last = tl.pool[tl.pool.length - 1];
+  $("s-workers").textContent = last ? `${last.workers.reserved} / ${last.workers.preemptible}` : "–";
+  const left = tl.events.filter((e) => e.kind === "worker_left");
+  const lost = left.filter((e) => e.cause === "lost").length;
+  $("s-preempt").textContent = `${left.length} (${lost} lost)`;
+  const migrated = rows.reduce(
+    (n, r) => n + Object.values(r.migrations || {}).reduce((a, b) => a + b, 0),
+    0,
+  );
+  $("s-migr").textContent = String(migrated);
+  $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
+}
+
+function renderEvents(events) {
+  const body = $("events").querySelector("tbody");
+  body.innerHTML = "";
+  events.slice(-40).reverse().forEach((e) => {
+    const tr = document.createElement("tr");
+    const details = Object.entries(e)
+      .filter(([k]) => !["id", "at", "kind"].includes(k))
+      .map(([k, v]) => `${k}=${typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : v}`)
+      .join("  ");
+    [new Date(e.at * 1000).toLocaleTimeString(), e.kind, details].forEach((text) => {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.appendChild(td);
+    });
+    body.appendChild(tr);
+  });
+}
+
+// ---- polling ----
+async function fetchTimeline(runId) {
+  const tl = state.timeline;
+  if (tl.runId !== runId) Object.assign(tl, { runId, events: [], pool: [], afterEvent: null, afterSample: null });
+  const q = new URLSearchParams();
+  if (tl.afterEvent) q.set("after_event", tl.afterEvent);
+  if (tl.afterSample) q.set("after_sample", tl.afterSample);
+  const fresh = await api(`/v1/runs/${encodeURIComponent(runId)}/timeline?${q}`);
+  tl.events.push(...fresh.events);
+  tl.pool.push(...fresh.pool);
+  if (fresh.events.length) tl.afterEvent = fresh.events[fresh.events.length - 1].id;
+  if (fresh.pool.length) tl.afterSample = fresh.pool[fresh.pool.length - 1].id;
+  return tl;
+}
+
+function chooseRun(runs) {
+  if (state.runId && runs.some((r) => r.id === state.runId)) return state.runId;
+  const running = runs.find((r) => r.state === "running");
+  return running ? running.id : runs.length ? runs[0].id : null;
+}
+
+function fillSelect(runs) {
+  const select = $("run-select");
+  const wanted = runs.map((r) => `${r.id}|${r.state}|${r.step}`).join(",");
+  if (select.dataset.key === wanted) return;
+  select.dataset.key = wanted;
+  select.innerHTML = "";
+  runs.forEach((r) => {
+    const opt = document.createElement("option");
+    opt.value = r.id;
+    opt.textContent = `${r.id} — ${r.state} (${r.step}/${r.steps})`;
+    opt.selected = r.id === state.runId;
+    select.appendChild(opt);
+  });
+}
+
+async function refresh() {
+  let finalRun = false;
+  try {
+    const health = await fetch("/healthz").then((r) => r.json()).catch(() => ({ ok: false }));
+    $("health").textContent = health.ok ? "healthy" : "unhealthy";
+    $("health").className = "pill " + (health.ok ? "ok" : "bad");
+    const runs = await api("/v1/runs?limit=50");
+    state.runId = chooseRun(runs);
+    fillSelect(runs);
+    const run = runs.find((r) => r.id === state.runId);
+    if (run) {
+      const [metrics, tl] = await Promise.all([
+        api(`/v1/runs/${encodeURIComponent(run.id)}/metrics`),
+        fetchTimeline(run.id),
+      ]);
+      render(run, metrics.steps, tl);
+      finalRun = FINAL.has(run.state);
+    }
+    state.refreshes += 1;
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+    $("error").hidden = true;
+  } catch (err) {
+    $("error").textContent = String(err);
+    $("error").hidden = false;
+  }
+  // a finished run changes no more: look for new runs, slowly
+  schedule(finalRun ? 5 * REFRESH_MS : REFRESH_MS);
+}
+
+let timer = null;
+function schedule(ms) {
+  clearTimeout(timer);
+  timer = setTimeout(refresh, ms);
+}
+
+$("run-select").addEventListener("change", (e) => {
+  state.runId = e.target.value;
+  const url = new URL(location.href);
+  url.searchParams.set("run", state.runId);
+  history.replaceState(null, "", url);
+  schedule(0);
+});
+$("token-save").addEventListener("click", () => {
+  state.token = $("token").value.trim();
+  localStorage.setItem("spotrlToken", state.token);
+  $("auth").hidden = true;
+  schedule(0);
+});
+window.addEventListener("resize", () => {
+  Object.values(state.charts).forEach((c) => {
+    const el = c.root.parentElement;
+    c.setSize({ width: Math.max(300, el.clientWidth), height: 240 });
+  });
+});
+schedule(0);
