@@ -53,7 +53,7 @@ def main() -> None:
                 time.sleep(0.5)
             wait_for(driver, lambda s: s["charts"]["reward"]["points"] >= step - 1)
             time.sleep(2)
-            print(screenshot(driver, Path(args.out)))
+            print(screenshot(driver, Path(args.out), max_height=1700))
         finally:
             driver.quit()
             client.cancel(run_id)

@@ -95,11 +95,11 @@ def wait_for(driver, predicate, timeout_s: float = 60.0, poll_s: float = 0.5) ->
     raise TimeoutError(f"dashboard never reached the expected state; last: {state}")
 
 
-def screenshot(driver, out: Path) -> Path:
-    """The whole page, as tall as its content."""
-    height = driver.execute_script("return document.body.scrollHeight")
+def screenshot(driver, out: Path, max_height: int | None = None) -> Path:
+    """The page, as tall as its content (or `max_height` pixels of it)."""
+    height = driver.execute_script("return document.body.scrollHeight") + 120
     width = driver.execute_script("return document.body.scrollWidth")
-    driver.set_window_size(max(width, 1200), height + 120)
+    driver.set_window_size(max(width, 1200), min(height, max_height or height))
     out.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))
     return out
