@@ -30,6 +30,7 @@ class Deployment:
         self.work_dir = Path(config.work_dir).resolve()
         self.log_dir = self.work_dir / "logs"
         self.procs: dict[str, procs.Proc] = {}
+        self.launch: dict[str, tuple[str, dict[str, str], int]] = {}  # name -> module, env, port
         self.redis_url = config.redis_url or ""
         self.coordinator_url = ""
         self.weightstore_url = ""
@@ -62,6 +63,23 @@ class Deployment:
             self.stop()
             raise
 
+    def _service(self, name: str, module: str, env: dict[str, str], port: int) -> procs.Proc:
+        self.launch[name] = (module, env, port)
+        self.procs[name] = procs.start_service(name, module, env, self.log_dir, port)
+        return self.procs[name]
+
+    def restart(self, name: str, kill: bool = True, timeout_s: float = 120.0) -> procs.Proc:
+        """Stop a service (SIGKILL, or SIGTERM with kill=False) and start it again on the same
+        port with the same settings; returns once it is healthy."""
+        module, env, port = self.launch[name]
+        if kill:
+            self.procs[name].kill()
+        else:
+            self.procs[name].stop()
+        proc = self._service(name, module, env, port)
+        procs.wait_healthy([proc], timeout_s)
+        return proc
+
     def _start(self, timeout_s: float) -> None:
         if not self.redis_url:
             proc, self.redis_url = procs.start_redis(self.log_dir, self.work_dir / "redis")
@@ -75,27 +93,21 @@ class Deployment:
         for i, port in enumerate(ws_ports):  # replicas with their own disks
             name = "weightstore" if i == 0 else f"weightstore-{i + 1}"
             root = self.work_dir / ("weights" if i == 0 else f"weights-{i + 1}")
-            self.procs[name] = procs.start_service(
+            self._service(
                 name,
                 "services.weightstore.main",
                 env | {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root)},
-                self.log_dir,
                 port,
             )
-        self.procs["coordinator"] = procs.start_service(
-            "coordinator",
-            "services.coordinator.main",
-            env | {"SPOTRL_PORT": str(co_port)},
-            self.log_dir,
-            co_port,
+        self._service(
+            "coordinator", "services.coordinator.main", env | {"SPOTRL_PORT": str(co_port)}, co_port
         )
-        self.procs["trainer"] = procs.start_service(
+        self._service(
             "trainer",
             "services.trainer.main",
             env
             | procs.thread_env(self.config.trainer_threads)
             | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")},
-            self.log_dir,
             tr_port,
         )
         for _ in range(self.config.reserved):
@@ -123,8 +135,7 @@ class Deployment:
             }
             | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
         )
-        proc = procs.start_service(name, "services.rollout.main", env, self.log_dir, port)
-        self.procs[name] = proc
+        proc = self._service(name, "services.rollout.main", env, port)
         if wait:
             procs.wait_healthy([proc])
         return proc

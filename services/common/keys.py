@@ -32,6 +32,31 @@ def run_steps_done(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:steps"
 
 
+def step_meta(run_id: str, step: int) -> str:
+    """Hash: queued (jobs of the step are on their stream), started_at (unix s)."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:meta"
+
+
+def step_requests(run_id: str, step: int) -> str:
+    """Hash: request id -> "lease|finish_reason" (the coordinator's durable request table)."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:requests"
+
+
+def request_tokens(run_id: str, step: int, request_id: str) -> str:
+    """String: a request's collected token ids, packed int32, appended as they arrive."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:tokens:{request_id}"
+
+
+def request_logprobs(run_id: str, step: int, request_id: str) -> str:
+    """String: the logprobs of those tokens, packed float64."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:logprobs:{request_id}"
+
+
+def step_published(run_id: str, step: int) -> str:
+    """Set of prompt indices whose group was handed to the trainer."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:published"
+
+
 def seed_done(run_id: str, step: int) -> str:
     """String set when step's seeding window is over: the trainer may start consuming groups."""
     return f"{PREFIX}:run:{run_id}:seed_done:{step}"

@@ -42,11 +42,13 @@ async def read_group(
     consumer: str,
     count: int,
     block_ms: int,
+    start: str = ">",
 ) -> list[Entry]:
-    """Read up to `count` new entries for `consumer`; [] on timeout or while the stream or its
-    group does not exist yet (or no longer exists)."""
+    """Read up to `count` new entries for `consumer` (with `start="0"`: the entries it was given
+    before and has not acknowledged); [] on timeout or while the stream or its group does not
+    exist yet (or no longer exists)."""
     try:
-        reply = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        reply = await r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
     except ResponseError as exc:
         if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
             raise

@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import Gauge
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
 from services.common.redis_streams import connect, with_reconnect
@@ -28,7 +30,7 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
         run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
             store.activate_next, "activate run"
         )
-        QUEUED.set(await store.r.llen(keys.RUN_QUEUE))
+        QUEUED.set(await with_reconnect(lambda: store.r.llen(keys.RUN_QUEUE), "run queue"))
         if run_id is None:
             await asyncio.sleep(settings.scheduler_poll_s)
             continue
@@ -40,6 +42,11 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
             log.info("run %s stopped: %s", run_id, exc)
             if await store.active() == run_id:
                 await store.r.delete(keys.ACTIVE_RUN)
+            continue
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            # Redis went away mid-step: everything that landed is in Redis; resume from it
+            log.warning("run %s: redis unavailable (%s); resuming once it is back", run_id, exc)
+            await asyncio.sleep(settings.scheduler_poll_s)
             continue
         except Exception as exc:
             log.exception("run %s failed", run_id)

@@ -23,6 +23,7 @@ from services.common.messages import (
     WorkerControl,
 )
 from services.coordinator.request_table import RequestTable
+from services.coordinator.step_store import StepStore
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
@@ -32,24 +33,21 @@ for _cause in (*get_args(ReleaseReason), "death"):
     MIGRATIONS.labels(_cause)  # every cause is exported from the start, at 0
 
 
-async def publish_jobs(
-    r: aioredis.Redis, table: RequestTable, stream: str, jobs: list[Job], cause: str
-) -> None:
-    """Queue continuation jobs of migrated requests, and count and log the migration."""
-    if not jobs:
-        return
-    async with r.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.xadd(stream, job.fields())
-        await pipe.execute()
-    MIGRATIONS.labels(cause).inc(len(jobs))
-    await timeline.emit(r, table.run_id, "migrated", cause=cause, count=len(jobs), step=table.step)
+async def count_migrations(r: aioredis.Redis, table: RequestTable, cause: str, n: int) -> None:
+    if n:
+        MIGRATIONS.labels(cause).inc(n)
+        await timeline.emit(r, table.run_id, "migrated", cause=cause, count=n, step=table.step)
 
 
 async def reclaim_dead_workers(
-    r: aioredis.Redis, stream: str, table: RequestTable, keep_tokens: bool
+    r: aioredis.Redis, stream: str, table: RequestTable, store: StepStore, keep_tokens: bool
 ) -> list[str]:
-    """Migrate the requests held by readers of `stream` whose heartbeat expired; their names."""
+    """Migrate the requests held by readers of `stream` whose heartbeat expired; their names.
+
+    The claim moves the dead reader's entries to the coordinator's own consumer; the new leases,
+    the continuation jobs and the acknowledgement of the claimed entries then land in one MULTI.
+    Entries claimed by a coordinator that died before that MULTI are pending under its consumer,
+    which has no heartbeat: the next pass reclaims them the same way."""
     dead = []
     for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
         name = consumer["name"]
@@ -73,10 +71,19 @@ async def reclaim_dead_workers(
             new = table.migrate(job.request_id, "death", keep_tokens, lease=job.lease)
             if new is not None:
                 moved.append(new)
-        await publish_jobs(r, table, stream, moved, "death")
-        if ids:
-            await r.xack(stream, keys.WORKERS_GROUP, *ids)
-        await r.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
+        async with r.pipeline(transaction=True) as pipe:
+            store.stage_requests(pipe, table, {job.request_id for job in moved})
+            for job in moved:
+                pipe.xadd(stream, job.fields())
+            if ids:
+                pipe.xack(stream, keys.WORKERS_GROUP, *ids)
+            if name != CLAIMER:
+                pipe.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
+            await pipe.execute()
+        await count_migrations(r, table, "death", len(moved))
+        if name == CLAIMER:
+            log.warning("re-queued %d jobs claimed before a coordinator restart", len(moved))
+            continue
         DEAD.inc()
         dead.append(name)
         await timeline.emit(

@@ -30,10 +30,11 @@ from services.common.redis_streams import (
 from services.common.runspec import RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
-from services.coordinator.migration import fence, publish_jobs, reclaim_dead_workers
+from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
 from services.coordinator.request_table import Applied, RequestTable
 from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools
 from services.coordinator.seeding import SeedingController, recommended_pool_size
+from services.coordinator.step_store import StepStore
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
@@ -91,6 +92,7 @@ class RunManager:
         self.task = load_task(spec.task, spec.task_path)
         self.consumer = "coordinator"
         self.seeding = SeedingController()
+        self.replaying = False  # reading the deltas given to us before a restart
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
@@ -171,11 +173,25 @@ class RunManager:
         )
         jobs = keys.jobs_stream(self.run_id, step)
         await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
-        async with self.r.pipeline(transaction=False) as pipe:
-            for job in table.initial_jobs():
-                pipe.xadd(jobs, job.fields())
-            await pipe.execute()
-        started = time.monotonic()
+        store = StepStore(self.r, self.run_id, step)
+        began = await store.restore(table)
+        if began is None:
+            began = time.time()
+            async with self.r.pipeline(transaction=True) as pipe:
+                for job in table.initial_jobs():
+                    pipe.xadd(jobs, job.fields())
+                store.stage_queued(pipe, began)
+                await pipe.execute()
+        else:
+            log.info(
+                "step %d resumed: %d of %d groups already published, %d requests finished",
+                step,
+                len(table.prompts) - len(table.pending_groups),
+                len(table.prompts),
+                len(table.requests) - len(table.unfinished()),
+            )
+        # time of the step so far, on this process's monotonic clock
+        started = time.monotonic() - max(0.0, time.time() - began)
         workers = await alive_workers(self.r, self.run_id)
         pools = count_pools(workers)
         window = self.seeding.window_s(pools["preemptible"])
@@ -189,14 +205,19 @@ class RunManager:
             pools,
             window,
         )
-        rewards: dict[str, float] = {}
-        last_check = started
+        rewards = {
+            rid: self._reward(table, rid, examples)
+            for rid, req in table.requests.items()
+            if req.done
+        }
+        last_check = time.monotonic()
+        self.replaying = True  # first the deltas read before a restart and never acknowledged
         while not table.complete:
-            await self._collect(table, examples, rewards)
+            await self._collect(table, store, examples, rewards)
             PENDING.set(len(table.unfinished()))
             if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
-                await reclaim_dead_workers(self.r, jobs, table, spec.migration)
+                await reclaim_dead_workers(self.r, jobs, table, store, spec.migration)
                 await sched.tick(table)
                 last_check = time.monotonic()
         await sched.finish()
@@ -228,6 +249,7 @@ class RunManager:
             },
         )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
+        await store.expire_soon(JOBS_TTL_S)
         REWARD.set(mean_reward)
         STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))
         await timeline.emit(
@@ -256,8 +278,18 @@ class RunManager:
             0.0 if math.isinf(window) else window,
         )
 
-    async def _collect(self, table: RequestTable, examples: list[Example], rewards: dict) -> None:
+    def _reward(self, table: RequestTable, rid: str, examples: list[Example]) -> float:
+        state = table.requests[rid]
+        text = self.tokenizer.decode([t for t in state.token_ids if t not in self.stop_ids])
+        return self.task.reward(text, examples[state.prompt_index])
+
+    async def _collect(
+        self, table: RequestTable, store: StepStore, examples: list[Example], rewards: dict
+    ) -> None:
+        """Apply one batch of deltas; then, in one MULTI: the requests that changed, the jobs of
+        the requests released, the groups completed, and the acknowledgement of the batch."""
         deltas = keys.deltas_stream(self.run_id)
+        start = "0" if self.replaying else ">"
         entries = await with_reconnect(
             lambda: read_group(
                 self.r,
@@ -266,17 +298,22 @@ class RunManager:
                 self.consumer,
                 DELTA_BATCH,
                 int(POLL_S * 1000),
+                start,
             ),
             "read deltas",
         )
         if not entries:
+            self.replaying = False
             return
         parked: list[tuple[bytes, str]] = []
         finished_groups: set[int] = set()
+        changed: set[str] = set()
         tokens_before = table.tokens_appended
         stale: dict[str, set[tuple[str, int]]] = {}
         released: dict[str, list[Job]] = {}
         for entry in entries:
+            if entry[1] is None:
+                continue  # trimmed away while pending: nothing to apply, only to acknowledge
             batch = decode_or_park(DeltaBatch, entry, parked)
             if batch is None:
                 continue
@@ -285,12 +322,11 @@ class RunManager:
                 DELTA_ITEMS.labels(outcome.value).inc()
                 if outcome is Applied.STALE_LEASE:
                     stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
+                if outcome in (Applied.APPENDED, Applied.FINISHED):
+                    changed.add(item.request_id)
                 if outcome is Applied.FINISHED:
                     state = table.requests[item.request_id]
-                    text = self.tokenizer.decode(
-                        [t for t in state.token_ids if t not in self.stop_ids]
-                    )
-                    rewards[item.request_id] = self.task.reward(text, examples[state.prompt_index])
+                    rewards[item.request_id] = self._reward(table, item.request_id, examples)
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
             for rel in batch.released:
@@ -301,22 +337,31 @@ class RunManager:
                     rel.lease,
                 )
                 if job is not None:
+                    changed.add(rel.request_id)
                     released.setdefault(batch.release_reason, []).append(job)
+        groups = [p for p in sorted(finished_groups) if p in table.pending_groups]
+        stream = keys.jobs_stream(self.run_id, table.version)
+        async with self.r.pipeline(transaction=True) as pipe:
+            store.stage_requests(pipe, table, changed)
+            for jobs in released.values():
+                for job in jobs:
+                    pipe.xadd(stream, job.fields())
+            for p in groups:
+                pipe.xadd(keys.groups_stream(self.run_id), self._group(table, p, rewards).fields())
+                store.stage_published(pipe, p)
+            pipe.xack(deltas, keys.COORDINATOR_GROUP, *[e[0] for e in entries])
+            await pipe.execute()
         for reason, jobs in released.items():
-            stream = keys.jobs_stream(self.run_id, table.version)
-            await publish_jobs(self.r, table, stream, jobs, reason)
-        await fence(self.r, self.run_id, stale)
+            await count_migrations(self.r, table, reason, len(jobs))
+        table.pending_groups.difference_update(groups)
+        GROUPS.inc(len(groups))
         TOKENS.inc(table.tokens_appended - tokens_before)
-        for p in sorted(finished_groups):
-            if p in table.pending_groups:
-                await self._publish_group(table, p, rewards)
-                table.pending_groups.discard(p)
+        await fence(self.r, self.run_id, stale)
         await park(self.r, keys.parked_stream(self.run_id), "deltas", parked)
-        await self.r.xack(deltas, keys.COORDINATOR_GROUP, *[e[0] for e in entries])
 
-    async def _publish_group(self, table: RequestTable, p: int, rewards: dict) -> None:
+    def _group(self, table: RequestTable, p: int, rewards: dict) -> Group:
         members = table.group(p)
-        group = Group(
+        return Group(
             run_id=self.run_id,
             step=table.step,
             version=table.version,
@@ -333,5 +378,3 @@ class RunManager:
                 for m in members
             ],
         )
-        await self.r.xadd(keys.groups_stream(self.run_id), group.fields())
-        GROUPS.inc()

@@ -72,6 +72,9 @@ class StepScheduler:
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
         T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
+        if await self.r.exists(keys.seed_done(self.run_id, self.step)):
+            self.seeded_out, self.seed_end = True, self.started  # a resumed step: already over
+            return
         if not any(b.pool == "reserved" for b in workers.values()):
             await self._end_seeding({})  # nothing to seed with: the trainer may start
 

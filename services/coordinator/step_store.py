@@ -1,0 +1,101 @@
+"""The durable copy of one step's request table, so that a coordinator killed mid-step (or cut
+off by a Redis restart) picks the step up where it was.
+
+What is kept, per step: whether its jobs were queued (and when), each request's lease and finish
+reason, its tokens and logprobs (appended as packed arrays: a flush costs the new tokens only),
+and the groups already handed to the trainer. The coordinator stages these writes in the same
+MULTI as the jobs it queues, the groups it publishes and the deltas it acknowledges, so each batch
+lands whole or not at all; a batch that did not land is read again from the coordinator's pending
+deltas, and applying it again changes nothing that landed (offsets make deltas idempotent).
+"""
+
+from array import array
+
+import redis.asyncio as aioredis
+
+from services.common import keys
+from services.coordinator.request_table import RequestTable
+
+TTL_S = 24 * 3600
+
+
+def _tokens(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+def _logprobs(values: list[float]) -> bytes:
+    return array("d", values).tobytes()
+
+
+class StepStore:
+    def __init__(self, r: aioredis.Redis, run_id: str, step: int) -> None:
+        self.r = r
+        self.meta = keys.step_meta(run_id, step)
+        self.state = keys.step_requests(run_id, step)
+        self.published = keys.step_published(run_id, step)
+        self.run_id, self.step = run_id, step
+        self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
+
+    def _token_key(self, rid: str) -> str:
+        return keys.request_tokens(self.run_id, self.step, rid)
+
+    def _logprob_key(self, rid: str) -> str:
+        return keys.request_logprobs(self.run_id, self.step, rid)
+
+    async def restore(self, table: RequestTable) -> float | None:
+        """Load a step begun earlier into `table`; its start time, or None for a new step."""
+        meta = await self.r.hgetall(self.meta)
+        if not meta:
+            return None
+        states = await self.r.hgetall(self.state)
+        for raw_rid, raw in states.items():
+            rid = raw_rid.decode()
+            req = table.requests.get(rid)
+            if req is None:
+                continue
+            lease, _, finish = raw.decode().partition("|")
+            req.lease = int(lease)
+            req.finish_reason = finish or None  # type: ignore[assignment]
+            tokens = await self.r.get(self._token_key(rid)) or b""
+            logprobs = await self.r.get(self._logprob_key(rid)) or b""
+            req.token_ids = array("i", tokens).tolist()
+            req.logprobs = array("d", logprobs).tolist()
+            self.saved_len[rid] = len(req.token_ids)
+        done = {int(p) for p in await self.r.smembers(self.published)}
+        table.pending_groups -= done
+        return float(meta[b"started_at"])
+
+    def stage_queued(self, pipe, started_at: float) -> None:
+        pipe.hset(self.meta, mapping={"queued": 1, "started_at": started_at})
+        pipe.expire(self.meta, TTL_S)
+
+    def stage_requests(self, pipe, table: RequestTable, rids: set[str]) -> None:
+        """Write what changed in these requests since they were last staged."""
+        for rid in sorted(rids):
+            req = table.requests[rid]
+            saved = self.saved_len.get(rid, 0)
+            pipe.hset(self.state, rid, f"{req.lease}|{req.finish_reason or ''}")
+            if len(req.token_ids) < saved:  # restarted from zero (migration off)
+                saved = 0
+                pipe.delete(self._token_key(rid), self._logprob_key(rid))
+            if len(req.token_ids) > saved:
+                pipe.append(self._token_key(rid), _tokens(req.token_ids[saved:]))
+                pipe.append(self._logprob_key(rid), _logprobs(req.logprobs[saved:]))
+                pipe.expire(self._token_key(rid), TTL_S)
+                pipe.expire(self._logprob_key(rid), TTL_S)
+            self.saved_len[rid] = len(req.token_ids)
+        pipe.expire(self.state, TTL_S)
+
+    def stage_published(self, pipe, prompt_index: int) -> None:
+        pipe.sadd(self.published, prompt_index)
+        pipe.expire(self.published, TTL_S)
+
+    async def expire_soon(self, ttl_s: int = 600) -> None:
+        """The step is over: its copy is kept a while for audits, then goes."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in (self.meta, self.state, self.published):
+                pipe.expire(key, ttl_s)
+            for rid in self.saved_len:
+                pipe.expire(self._token_key(rid), ttl_s)
+                pipe.expire(self._logprob_key(rid), ttl_s)
+            await pipe.execute()

@@ -1,0 +1,63 @@
+"""Our own services die too: a coordinator killed with SIGKILL in the middle of a step and
+restarted picks the step up where it was. Real processes; the run must end with every group of
+exactly n responses, none twice, and the trainer's step count equal to the run's steps."""
+
+import time
+
+import pytest
+
+from services.cli.audit import audit_run
+from services.cli.deploy import DeploymentConfig
+from services.common import keys
+from services.common.runspec import RunSpec
+
+from .conftest import small_spec, wait_final
+
+STEPS = 5
+PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def deployment_config(tmp_path_factory) -> DeploymentConfig:
+    return DeploymentConfig(
+        tmp_path_factory.mktemp("crash"),
+        reserved=1,
+        preemptible=2,
+        worker_slots=16,
+        flush_tokens=1,
+        extra_env={"SPOTRL_STEP_DELAY_MS": "120", "SPOTRL_OBSERVE_S": "0.5"},
+    )
+
+
+def wait_mid_step(rdb, run_id: str, timeout_s: float = 120.0) -> int:
+    """The step under way once some, not all, of its groups went to the trainer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = rdb.get(keys.run_version(run_id))
+        if raw is not None:
+            step = int(raw)
+            published = rdb.scard(keys.step_published(run_id, step))
+            if 0 < published < PROMPTS:
+                return step
+        time.sleep(0.02)
+    raise TimeoutError("never caught the run mid-step")
+
+
+def test_coordinator_killed_mid_step_resumes_the_step(deployment, client, rdb, tiny_model):
+    body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
+    run_id = client.submit(body)
+    killed_at = []
+    for _ in range(2):
+        step = wait_mid_step(rdb, run_id)
+        deployment.restart("coordinator", kill=True)
+        killed_at.append(step)
+        while int(rdb.get(keys.run_version(run_id)) or 0) <= step:  # the next kill: a later step
+            time.sleep(0.05)
+    run = wait_final(client, deployment, run_id)
+    assert run["state"] == "succeeded", run["error"]
+    audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
+    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert int(rdb.hget(keys.trainer_state(run_id), "steps_trained")) == STEPS
+    assert run["groups_incomplete"] == 0
+    log = (deployment.log_dir / "coordinator.log").read_text()
+    assert log.count("resumed:") >= 2, killed_at
