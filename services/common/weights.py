@@ -109,17 +109,21 @@ class WeightClient:
         return resp.json()
 
     # ---- pull ----
-    async def latest_version(self, model: str) -> int | None:
+    async def versions(self, model: str) -> list[int]:
+        """Committed versions of `model`, from the first replica that answers."""
         for base in self._replicas():
             try:
-                async with httpx.AsyncClient(timeout=10.0) as http:
+                async with httpx.AsyncClient(timeout=10.0, headers=self.headers) as http:
                     resp = await http.get(f"{base}/v1/models/{model}/versions")
                 if resp.status_code == 200:
-                    versions = resp.json()["versions"]
-                    return versions[-1] if versions else None
+                    return list(resp.json()["versions"])
             except httpx.HTTPError as exc:
                 log.warning("weight store %s unreachable: %s", base, exc)
         raise WeightTransferError(f"no weight store replica answered for {model}")
+
+    async def latest_version(self, model: str) -> int | None:
+        versions = await self.versions(model)
+        return versions[-1] if versions else None
 
     async def pull(self, model: str, version: int, dest: Path, attempts: int = 6) -> PullResult:
         """Download and verify a version into `dest`, retrying over replicas with backoff."""

@@ -26,6 +26,7 @@ from services.common.redis_streams import (
 from services.common.runspec import RunSpec
 from services.common.step_metrics import record_step
 from services.common.weights import WeightClient
+from services.trainer.checkpoint import Checkpoints
 from services.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class TrainerLoop:
         self.r = r
         self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
         self.status: dict = {"run_id": None, "step": None, "state": "idle"}
+        self.weights_of = 0
+        self.replaying = False
 
     async def forever(self) -> None:
         while True:
@@ -78,21 +81,74 @@ class TrainerLoop:
         policy = await asyncio.to_thread(Policy, Path(spec.model), spec, self.settings.device)
         groups_stream = keys.groups_stream(run_id)
         await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
+        ckpts = Checkpoints(
+            self.settings.work_dir / run_id / "checkpoints", self.settings.keep_checkpoints
+        )
         version = await self.r.get(keys.run_version(run_id))
         if version is None:
             await self._commit(run_id, policy, 0)
             await self._announce(run_id, 0)
-            version = 0
-        step = int(version)
-        while step < spec.steps:
-            await self._check_running(run_id)
-            self.status = {"run_id": run_id, "step": step, "state": "training"}
-            await self._train_step(run_id, spec, policy, step)
-            step += 1
+            step = 0
+        else:
+            step = await self._resume(run_id, policy, ckpts, int(version))
+        self.weights_of = step  # the version the policy's weights are
+        self.replaying = True  # first the groups read before a restart and not acknowledged
+        try:
+            while step < spec.steps:
+                await self._check_running(run_id)
+                self.status = {"run_id": run_id, "step": step, "state": "training"}
+                await self._train_step(run_id, spec, policy, step, ckpts)
+                step += 1
+        finally:
+            # at exit too (SIGTERM cancels this task): the state of the newest version
+            latest = ckpts.latest()
+            if latest is None or latest.step < self.weights_of:
+                ckpts.save(self.weights_of, policy.state(), {"run_id": run_id, "at_exit": True})
         self.status = {"run_id": run_id, "step": step, "state": "done"}
         log.info("run %s: trained %d steps", run_id, step)
 
-    async def _train_step(self, run_id: str, spec: RunSpec, policy, step: int) -> None:
+    async def _resume(self, run_id: str, policy, ckpts: Checkpoints, version: int) -> int:
+        """A run already under way: continue from the newest checkpoint and the announced
+        version; the step to train next."""
+        ckpt = ckpts.latest()
+        if ckpt is not None:
+            policy.load_state(await asyncio.to_thread(ckpt.load))
+        if ckpt is not None and ckpt.step == version + 1:
+            # step `version` was trained and checkpointed; its version was never announced
+            await self._commit(run_id, policy, version + 1)
+            await self._ack_pending(run_id)
+            await record_step(self.r, run_id, version, {"trainer_resumed": True})
+            await self.r.hset(keys.trainer_state(run_id), "steps_trained", version + 1)
+            await self._announce(run_id, version + 1)
+            log.info("run %s: resumed after step %d from its checkpoint", run_id, version)
+            return version + 1
+        if ckpt is None or ckpt.step < version:
+            # behind the announced version: take that version's weights, what workers hold
+            folder = self.settings.work_dir / run_id / f"resume-v{version}"
+            await self.weights.pull(run_id, version, folder)
+            await asyncio.to_thread(policy.load_weights, folder)
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            log.warning(
+                "run %s: resumed at version %d from the weight store (checkpoint: %s)",
+                run_id,
+                version,
+                "none" if ckpt is None else f"step {ckpt.step}, optimizer state from then",
+            )
+        else:
+            log.info("run %s: resumed at step %d from its checkpoint", run_id, version)
+        return version
+
+    async def _ack_pending(self, run_id: str) -> None:
+        stream = keys.groups_stream(run_id)
+        pending = await self.r.xpending_range(
+            stream, keys.TRAINER_GROUP, min="-", max="+", count=100_000, consumername="trainer"
+        )
+        if pending:
+            await self.r.xack(stream, keys.TRAINER_GROUP, *[p["message_id"] for p in pending])
+
+    async def _train_step(
+        self, run_id: str, spec: RunSpec, policy, step: int, ckpts: Checkpoints
+    ) -> None:
         stream = keys.groups_stream(run_id)
         started = time.monotonic()
         wait_s = 0.0
@@ -104,10 +160,16 @@ class TrainerLoop:
         while consumed < spec.prompts_per_step:
             t0 = time.monotonic()
             want = spec.prompts_per_step - consumed
+            start = "0" if self.replaying else ">"
             entries = await with_reconnect(
-                lambda n=want: read_group(self.r, stream, keys.TRAINER_GROUP, "trainer", n, 100),
+                lambda n=want, s=start: read_group(
+                    self.r, stream, keys.TRAINER_GROUP, "trainer", n, 100, s
+                ),
                 "read groups",
             )
+            if not entries and self.replaying:
+                self.replaying = False
+                continue
             if not entries:
                 wait_s += time.monotonic() - t0
                 if time.monotonic() - last_check > 0.5:
@@ -139,6 +201,10 @@ class TrainerLoop:
                 await asyncio.to_thread(policy.accumulate, good)
         WAIT_S.inc(wait_s)
         stats = await asyncio.to_thread(policy.optimizer_step)
+        self.weights_of = step + 1
+        if (step + 1) % self.settings.checkpoint_every == 0:
+            meta = {"run_id": run_id, "last_group": entry_ids[-1].decode() if entry_ids else None}
+            await asyncio.to_thread(ckpts.save, step + 1, policy.state(), meta)
         train_s = time.monotonic() - started
         publish_s = await self._commit(run_id, policy, step + 1)
         await self.r.xack(stream, keys.TRAINER_GROUP, *entry_ids)
@@ -197,6 +263,14 @@ class TrainerLoop:
     async def _commit(self, run_id: str, policy, version: int) -> float:
         t0 = time.monotonic()
         folder = self.settings.work_dir / run_id / f"v{version}"
+        if version in await self.weights.versions(run_id):
+            # committed before a restart and never announced; versions are immutable, so train
+            # on from exactly what the workers will pull
+            await self.weights.pull(run_id, version, folder)
+            await asyncio.to_thread(policy.load_weights, folder)
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            log.warning("run %s: version %d was already committed; took it", run_id, version)
+            return time.monotonic() - t0
         await asyncio.to_thread(policy.export, folder)
         await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
         await asyncio.to_thread(shutil.rmtree, folder, True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from services.common.messages import Group
 from services.common.runspec import RunSpec
@@ -127,6 +127,35 @@ class Policy:
         out = self.stats.summary() | {"grad_norm": float(grad_norm)}
         self.stats = StepStats()
         return out
+
+    def state(self) -> dict:
+        """Everything a resumed trainer needs besides the data position: weights (fp32),
+        optimizer moments and the RNG."""
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def load_weights(self, folder: Path) -> None:
+        """Take the weights of a committed version (a folder `export` wrote)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            tensors.update(load_file(path))
+        own = self.model.state_dict()
+        self.model.load_state_dict(
+            {k: v.to(own[k].device, own[k].dtype) for k, v in tensors.items()}, strict=True
+        )
 
     def export(self, folder: Path) -> Path:
         """Write the current weights as a Hugging Face folder (safetensors shards + config)."""

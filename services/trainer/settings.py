@@ -10,3 +10,7 @@ class TrainerSettings(CommonSettings):
     work_dir: Path = Field(Path(".spotrl/trainer"), description="Scratch folder for exports.")
     device: str = Field("cpu", description="torch device for training, e.g. cpu or cuda.")
     poll_s: float = Field(0.1, gt=0, le=60, description="Idle poll of the active run.")
+    checkpoint_every: int = Field(
+        1, ge=1, le=100000, description="Checkpoint the trainer every K steps (and at exit)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, le=100, description="Newest checkpoints kept.")

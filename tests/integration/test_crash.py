@@ -61,3 +61,29 @@ def test_coordinator_killed_mid_step_resumes_the_step(deployment, client, rdb, t
     assert run["groups_incomplete"] == 0
     log = (deployment.log_dir / "coordinator.log").read_text()
     assert log.count("resumed:") >= 2, killed_at
+
+
+def check_run(deployment, client, rdb, run_id: str, body: dict) -> None:
+    run = wait_final(client, deployment, run_id)
+    assert run["state"] == "succeeded", run["error"]
+    audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
+    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert int(rdb.hget(keys.trainer_state(run_id), "steps_trained")) == body["steps"]
+    assert run["groups_incomplete"] == 0
+
+
+def test_trainer_killed_mid_step_resumes_from_its_checkpoint(deployment, client, rdb, tiny_model):
+    body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
+    run_id = client.submit(body)
+    for _ in range(2):
+        step = wait_mid_step(rdb, run_id)  # groups of the step are reaching the trainer
+        deployment.restart("trainer", kill=True)
+        while int(rdb.get(keys.run_version(run_id)) or 0) <= step:
+            time.sleep(0.05)
+    check_run(deployment, client, rdb, run_id, body)
+    log = (deployment.log_dir / "trainer.log").read_text()
+    assert log.count("resumed at") + log.count("resumed after") >= 2  # once from a checkpoint
+    assert "from its checkpoint" in log
+    # the reserved worker generated every step with that step's version, none skipped
+    loaded = {int(v) for v in rdb.smembers(keys.worker_loads(run_id, "rollout-reserved-1"))}
+    assert set(range(STEPS)) <= loaded <= set(range(STEPS + 1))
