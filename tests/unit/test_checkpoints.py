@@ -36,6 +36,7 @@ def test_policy_state_round_trips(tmp_path, tiny_model):
     b = Policy(tiny_model, spec)
     b.load_state(state)
     assert torch.equal(torch.rand(2), expected_next)  # the RNG goes on where it was
-    for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+    pairs = zip(a.model.named_parameters(), b.model.named_parameters(), strict=True)
+    for (na, pa), (nb, pb) in pairs:
         assert na == nb and torch.equal(pa, pb)
     assert b.optimizer.state_dict()["state"][0]["step"] == 1
