@@ -22,6 +22,7 @@ class DeploymentConfig:
     trainer_threads: int = 1
     worker_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
+    redis_appendonly: bool = False  # the append-only file, as compose runs it
 
 
 class Deployment:
@@ -80,9 +81,25 @@ class Deployment:
         procs.wait_healthy([proc], timeout_s)
         return proc
 
+    def restart_redis(self, kill: bool = False) -> procs.Proc:
+        """Stop the Redis this deployment started (SIGTERM: it writes its append-only file out;
+        SIGKILL with kill=True) and start it again on the same port and data folder."""
+        if kill:
+            self.procs["redis"].kill()
+        else:
+            self.procs["redis"].stop()
+        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+        proc, _ = procs.start_redis(
+            self.log_dir, self.work_dir / "redis", port, appendonly=self.config.redis_appendonly
+        )
+        self.procs["redis"] = proc
+        return proc
+
     def _start(self, timeout_s: float) -> None:
         if not self.redis_url:
-            proc, self.redis_url = procs.start_redis(self.log_dir, self.work_dir / "redis")
+            proc, self.redis_url = procs.start_redis(
+                self.log_dir, self.work_dir / "redis", appendonly=self.config.redis_appendonly
+            )
             self.procs["redis"] = proc
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
         co_port, tr_port = procs.free_port(), procs.free_port()

@@ -5,6 +5,7 @@ supervised background tasks that fail loudly.
 import asyncio
 import hmac
 import logging
+import random
 import signal
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 if TYPE_CHECKING:
     from services.common.settings import CommonSettings
@@ -30,11 +33,27 @@ class BackgroundTasks:
         self.tasks: dict[str, asyncio.Task] = {}
         self.failures: dict[str, str] = {}
 
-    def start(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
+    def start(self, name: str, loop: Callable[[], Coroutine[Any, Any, Any]]) -> asyncio.Task:
+        """Run `loop()` as a task; while Redis is unreachable (a restart), start it again after
+        a backoff instead of dying: everything a loop must not lose is in Redis."""
+        task = asyncio.create_task(self._resilient(name, loop), name=name)
         self.tasks[name] = task
         task.add_done_callback(self._on_done)
         return task
+
+    @staticmethod
+    async def _resilient(name: str, loop: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        delay = 0.2
+        while True:
+            try:
+                return await loop()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc
+                log.warning("%s: redis unavailable (%s); again in %.1fs", name, exc, delay)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
 
     def _on_done(self, task: asyncio.Task) -> None:
         if task.cancelled():

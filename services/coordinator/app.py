@@ -64,8 +64,8 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks.start("scheduler", schedule_runs(store, settings))
-        tasks.start("observer", Observer(r, settings.observe_s).forever())
+        tasks.start("scheduler", lambda: schedule_runs(store, settings))
+        tasks.start("observer", Observer(r, settings.observe_s).forever)
         yield
         await tasks.stop()
         await r.aclose()

@@ -34,9 +34,9 @@ def build_app(settings: RolloutSettings) -> FastAPI:
             from services.rollout.vllm_engine import import_vllm
 
             await asyncio.to_thread(import_vllm)  # a clear error now if it is not installed
-        tasks.start("jobs", worker.jobs_forever())
-        tasks.start("generate", worker.generate_forever())
-        tasks.start("heartbeat", worker.heartbeat_forever())
+        tasks.start("jobs", worker.jobs_forever)
+        tasks.start("generate", worker.generate_forever)
+        tasks.start("heartbeat", worker.heartbeat_forever)
         yield
         # SIGTERM is the preemption notice: stop taking jobs, release everything held, go.
         await tasks.stop()

@@ -393,7 +393,9 @@ class RolloutWorker:
             for rid in done:
                 self.pending.pop(rid, None)
             if entry_ids:
-                await self.r.xack(stream, keys.WORKERS_GROUP, *entry_ids)
+                await with_reconnect(
+                    lambda: self.r.xack(stream, keys.WORKERS_GROUP, *entry_ids), "ack jobs"
+                )
 
     def status(self) -> dict:
         return {

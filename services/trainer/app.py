@@ -19,7 +19,7 @@ def build_app(settings: TrainerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks.start("trainer", loop.forever())
+        tasks.start("trainer", loop.forever)
         yield
         await tasks.stop()
         await r.aclose()

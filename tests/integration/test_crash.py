@@ -26,6 +26,7 @@ def deployment_config(tmp_path_factory) -> DeploymentConfig:
         worker_slots=16,
         flush_tokens=1,
         extra_env={"SPOTRL_STEP_DELAY_MS": "120", "SPOTRL_OBSERVE_S": "0.5"},
+        redis_appendonly=True,
     )
 
 
@@ -87,3 +88,16 @@ def test_trainer_killed_mid_step_resumes_from_its_checkpoint(deployment, client,
     # the reserved worker generated every step with that step's version, none skipped
     loaded = {int(v) for v in rdb.smembers(keys.worker_loads(run_id, "rollout-reserved-1"))}
     assert set(range(STEPS)) <= loaded <= set(range(STEPS + 1))
+
+
+def test_redis_restarted_mid_run_with_its_append_only_file(deployment, client, rdb, tiny_model):
+    body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
+    run_id = client.submit(body)
+    step = wait_mid_step(rdb, run_id)
+    deployment.restart_redis()
+    time.sleep(1.0)  # every service sees it gone and backs off; then it is back
+    rdb.connection_pool.disconnect()
+    check_run(deployment, client, rdb, run_id, body)
+    assert int(rdb.get(keys.run_version(run_id))) == STEPS > step
+    for name, proc in deployment.procs.items():
+        assert proc.alive(), f"{name} did not survive the Redis restart:\n{proc.log_tail()}"
