@@ -6,6 +6,7 @@ Groups are acknowledged on the stream only after the version they trained is com
 """
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -25,7 +26,7 @@ from services.common.redis_streams import (
 )
 from services.common.runspec import RunSpec
 from services.common.step_metrics import record_step
-from services.common.weights import WeightClient
+from services.common.weights import WeightClient, WeightTransferError
 from services.trainer.checkpoint import Checkpoints
 from services.trainer.settings import TrainerSettings
 
@@ -263,7 +264,7 @@ class TrainerLoop:
     async def _commit(self, run_id: str, policy, version: int) -> float:
         t0 = time.monotonic()
         folder = self.settings.work_dir / run_id / f"v{version}"
-        if version in await self.weights.versions(run_id):
+        if version in await self._committed(run_id):
             # committed before a restart and never announced; versions are immutable, so train
             # on from exactly what the workers will pull
             await self.weights.pull(run_id, version, folder)
@@ -272,9 +273,30 @@ class TrainerLoop:
             log.warning("run %s: version %d was already committed; took it", run_id, version)
             return time.monotonic() - t0
         await asyncio.to_thread(policy.export, folder)
-        await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
+        delay = 0.5
+        while True:  # until a replica has it: a weight store may be restarting
+            try:
+                await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
+                break
+            except WeightTransferError as exc:
+                log.warning("run %s: commit of v%d failed (%s); retrying", run_id, version, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                with contextlib.suppress(WeightTransferError):
+                    if version in await self._committed(run_id):
+                        break  # the commit landed before the connection broke
         await asyncio.to_thread(shutil.rmtree, folder, True)
         return time.monotonic() - t0
+
+    async def _committed(self, run_id: str) -> list[int]:
+        delay = 0.5
+        while True:
+            try:
+                return await self.weights.versions(run_id)
+            except WeightTransferError as exc:
+                log.warning("run %s: weight store unreachable (%s); retrying", run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     async def _announce(self, run_id: str, version: int) -> None:
         await self.r.set(keys.run_version(run_id), version)

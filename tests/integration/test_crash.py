@@ -1,9 +1,13 @@
-"""Our own services die too: a coordinator killed with SIGKILL in the middle of a step and
-restarted picks the step up where it was. Real processes; the run must end with every group of
-exactly n responses, none twice, and the trainer's step count equal to the run's steps."""
+"""Our own services die too: the coordinator and the trainer killed with SIGKILL mid-step, the
+weight store killed mid-upload, Redis restarted (with its append-only file) mid-run; each comes
+back and the run goes on. Real processes; each run must end with every group of exactly n
+responses, none twice, and the trainer's step count equal to the run's steps."""
 
+import contextlib
+import threading
 import time
 
+import httpx
 import pytest
 
 from services.cli.audit import audit_run
@@ -101,3 +105,42 @@ def test_redis_restarted_mid_run_with_its_append_only_file(deployment, client, r
     assert int(rdb.get(keys.run_version(run_id))) == STEPS > step
     for name, proc in deployment.procs.items():
         assert proc.alive(), f"{name} did not survive the Redis restart:\n{proc.log_tail()}"
+
+
+def test_weight_store_killed_mid_upload(deployment, client, rdb, tiny_model):
+    """A weight store killed while a version is being uploaded comes back with every committed
+    version, without the cut-off upload, and the run (its trainer retrying) completes."""
+    body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
+    run_id = client.submit(body)
+    step = wait_mid_step(rdb, run_id)
+    store = deployment.weightstore_url
+    before = httpx.get(f"{store}/v1/models/{run_id}/versions").json()["versions"]
+    assert before, "version 0 at least is committed"
+    uploading = threading.Event()
+
+    def slow_body():
+        uploading.set()
+        for _ in range(200):
+            yield b"x" * 4096
+            time.sleep(0.05)
+
+    def upload() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.put(f"{store}/v1/models/{run_id}/versions/999/files/cut.bin", content=slow_body())
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    uploading.wait(10)
+    time.sleep(0.5)  # some of the bytes are in staging
+    staging = deployment.work_dir / "weights" / run_id / "staging"
+    assert any(p.name.endswith(".part") for p in staging.rglob("*")), "caught mid-upload"
+    deployment.restart("weightstore", kill=True)
+    uploader.join(30)
+    after = httpx.get(f"{store}/v1/models/{run_id}/versions").json()["versions"]
+    assert max(before) in after and 999 not in after  # (older ones may be pruned meanwhile)
+    assert httpx.get(f"{store}/v1/models/{run_id}/versions/999/files/cut.bin").status_code == 404
+    assert not any(staging.rglob("*.part")), "the cut-off upload was discarded"
+    check_run(deployment, client, rdb, run_id, body)
+    assert int(rdb.get(keys.run_version(run_id))) == STEPS > step
+    versions = httpx.get(f"{store}/v1/models/{run_id}/versions").json()["versions"]
+    assert versions[-1] == STEPS
