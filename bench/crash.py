@@ -1,0 +1,127 @@
+"""Crash safety under fire: one multi-step run of the embedded default while every service is
+killed and restarted in turn, each time in the middle of a step (some, not all, of the step's
+groups already handed to the trainer):
+
+    coordinator (SIGKILL) -> trainer (SIGKILL) -> weight store (SIGKILL) -> Redis (restart with
+    its append-only file) -> a preemptible worker (SIGKILL; a new one joins) -> coordinator ...
+
+Then audits what reached the trainer: every (step, prompt) group once, each with n responses.
+Prints progress to stderr and, as its LAST line, one JSON object with lost, duplicated,
+restarts (by service), steps_trained, wall_s.
+
+    .venv/bin/python bench/crash.py [--steps 15] [--prompts-per-step 16]
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.up import ensure_model
+from services.common import keys
+from services.common.runspec import FINAL_STATES, RunSpec
+
+ORDER = ("coordinator", "trainer", "weightstore", "redis", "worker")
+
+
+def mid_step(r: redis.Redis, run_id: str, prompts: int, after: int, timeout_s: float) -> int:
+    """A step past `after` once some, not all, of its groups went to the trainer; -1 if the run
+    ended first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            raw = r.get(keys.run_version(run_id))
+            state = r.hget(keys.run(run_id), "state")
+            if state is not None and state.decode() in FINAL_STATES:
+                return -1
+            if raw is not None and int(raw) > after:
+                published = r.scard(keys.step_published(run_id, int(raw)))
+                if 0 < published < prompts:
+                    return int(raw)
+        except redis.ConnectionError:
+            pass  # Redis is the one restarting
+        time.sleep(0.01)
+    raise TimeoutError("never caught the run mid-step")
+
+
+def crash(dep: Deployment, target: str) -> None:
+    if target == "redis":
+        dep.restart_redis()
+    elif target == "worker":
+        victim = next(p for n, p in dep.procs.items() if n.startswith("rollout-pre") and p.alive())
+        victim.kill()
+        dep.add_worker("preemptible", wait=False)
+    else:
+        dep.restart(target, kill=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--model", default=".spotrl/models/arithmetic-base")
+    parser.add_argument("--step-delay-ms", type=float, default=40.0)
+    args = parser.parse_args()
+    model = ensure_model(Path(args.model), "arithmetic", None, 1000)
+    spec = RunSpec(
+        model=str(model.resolve()),
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+    )
+    restarts = dict.fromkeys(ORDER, 0)
+    with tempfile.TemporaryDirectory(prefix="spotrl-crash-") as work:
+        config = DeploymentConfig(
+            Path(work),
+            reserved=1,
+            preemptible=2,
+            redis_appendonly=True,
+            extra_env={"SPOTRL_STEP_DELAY_MS": str(args.step_delay_ms)},
+        )
+        with Deployment(config) as dep, CoordinatorClient(dep.coordinator_url) as client:
+            started = time.monotonic()
+            run_id = client.submit(spec.model_dump(mode="json"))
+            r = redis.Redis.from_url(dep.redis_url)
+            step, turn = -1, 0
+            while True:
+                step = mid_step(r, run_id, spec.prompts_per_step, step, 600)
+                if step < 0:
+                    break
+                target = ORDER[turn % len(ORDER)]
+                print(f"step {step}: {target} down", file=sys.stderr, flush=True)
+                crash(dep, target)
+                r.connection_pool.disconnect()
+                restarts[target] += 1
+                turn += 1
+            run = client.run(run_id)
+            wall_s = time.monotonic() - started
+            trained = int(r.hget(keys.trainer_state(run_id), "steps_trained") or 0)
+            r.close()
+            audit = audit_run(dep.redis_url, run_id, spec)
+    print(
+        json.dumps(
+            {
+                "state": run["state"],
+                "steps": spec.steps,
+                "steps_trained": trained,
+                "lost": audit["lost"],
+                "duplicated": audit["duplicated"],
+                "expected_responses": audit["expected_responses"],
+                "restarts": restarts,
+                "restarts_total": sum(restarts.values()),
+                "wall_s": round(wall_s, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
