@@ -69,10 +69,17 @@ class Deployment:
         self.procs[name] = procs.start_service(name, module, env, self.log_dir, port)
         return self.procs[name]
 
-    def restart(self, name: str, kill: bool = True, timeout_s: float = 120.0) -> procs.Proc:
+    def restart(
+        self,
+        name: str,
+        kill: bool = True,
+        timeout_s: float = 120.0,
+        settings: dict[str, str] | None = None,
+    ) -> procs.Proc:
         """Stop a service (SIGKILL, or SIGTERM with kill=False) and start it again on the same
-        port with the same settings; returns once it is healthy."""
+        port with the same settings (and `settings` on top); returns once it is healthy."""
         module, env, port = self.launch[name]
+        env = env | (settings or {})
         if kill:
             self.procs[name].kill()
         else:

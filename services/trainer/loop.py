@@ -105,6 +105,7 @@ class TrainerLoop:
             latest = ckpts.latest()
             if latest is None or latest.step < self.weights_of:
                 ckpts.save(self.weights_of, policy.state(), {"run_id": run_id, "at_exit": True})
+                log.info("run %s: checkpointed version %d at exit", run_id, self.weights_of)
         self.status = {"run_id": run_id, "step": step, "state": "done"}
         log.info("run %s: trained %d steps", run_id, step)
 

@@ -58,12 +58,7 @@ def test_coordinator_killed_mid_step_resumes_the_step(deployment, client, rdb, t
         killed_at.append(step)
         while int(rdb.get(keys.run_version(run_id)) or 0) <= step:  # the next kill: a later step
             time.sleep(0.05)
-    run = wait_final(client, deployment, run_id)
-    assert run["state"] == "succeeded", run["error"]
-    audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
-    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
-    assert int(rdb.hget(keys.trainer_state(run_id), "steps_trained")) == STEPS
-    assert run["groups_incomplete"] == 0
+    check_run(deployment, client, rdb, run_id, body)
     log = (deployment.log_dir / "coordinator.log").read_text()
     assert log.count("resumed:") >= 2, killed_at
 
@@ -80,13 +75,21 @@ def check_run(deployment, client, rdb, run_id: str, body: dict) -> None:
 def test_trainer_killed_mid_step_resumes_from_its_checkpoint(deployment, client, rdb, tiny_model):
     body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
     run_id = client.submit(body)
-    for _ in range(2):
+    # (SIGKILL?, checkpoint every K steps in the process started after it)
+    plan = [
+        (True, "1000"),  # checkpoints every step so far: resumes from the announced version's
+        (False, "1000"),  # none since: SIGTERM writes one at exit, and the next resumes from it
+        (True, "1000"),  # behind: the announced version's weights from the store, Adam from then
+    ]
+    for kill, every in plan:
         step = wait_mid_step(rdb, run_id)  # groups of the step are reaching the trainer
-        deployment.restart("trainer", kill=True)
+        deployment.restart("trainer", kill=kill, settings={"SPOTRL_CHECKPOINT_EVERY": every})
         while int(rdb.get(keys.run_version(run_id)) or 0) <= step:
             time.sleep(0.05)
     check_run(deployment, client, rdb, run_id, body)
     log = (deployment.log_dir / "trainer.log").read_text()
+    assert log.count("at exit") >= 2  # the SIGTERM, and the end of the run
+    assert "from the weight store (checkpoint: step" in log
     assert log.count("resumed at") + log.count("resumed after") >= 2  # once from a checkpoint
     assert "from its checkpoint" in log
     # the reserved worker generated every step with that step's version, none skipped

@@ -71,6 +71,14 @@ def test_weight_store_data_is_on_a_volume(compose):
     assert any(v.endswith(ws["environment"]["SPOTRL_ROOT"]) for v in ws["volumes"])
 
 
+def test_trainer_checkpoints_are_on_a_named_volume(compose):
+    trainer = compose["services"]["trainer"]
+    work = trainer["environment"]["SPOTRL_WORK_DIR"]
+    mounts = [v.split(":") for v in trainer["volumes"]]
+    assert any(dst == work and src in compose["volumes"] for src, dst in mounts)
+    assert "/models" in [dst for _, dst in mounts]  # the base model is still read from there
+
+
 def test_dockerfile_copies_what_exists():
     text = (ROOT / "Dockerfile").read_text()
     for src in re.findall(r"^COPY (.+) \S+$", text, flags=re.M):
