@@ -9,7 +9,7 @@ Then audits what reached the trainer: every (step, prompt) group once, each with
 Prints progress to stderr and, as its LAST line, one JSON object with lost, duplicated,
 restarts (by service), steps_trained, wall_s.
 
-    .venv/bin/python bench/crash.py [--steps 15] [--prompts-per-step 16]
+    .venv/bin/python bench/crash.py [--steps 15] [--prompts-per-step 16] [--no-crash]
 """
 
 import argparse
@@ -51,6 +51,14 @@ def mid_step(r: redis.Redis, run_id: str, prompts: int, after: int, timeout_s: f
     raise TimeoutError("never caught the run mid-step")
 
 
+def wait_final(client: CoordinatorClient, run_id: str, timeout_s: float = 1800) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.run(run_id)["state"] not in FINAL_STATES:
+        if time.monotonic() > deadline:
+            raise TimeoutError(run_id)
+        time.sleep(0.2)
+
+
 def crash(dep: Deployment, target: str) -> None:
     if target == "redis":
         dep.restart_redis()
@@ -69,6 +77,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--model", default=".spotrl/models/arithmetic-base")
     parser.add_argument("--step-delay-ms", type=float, default=40.0)
+    parser.add_argument(
+        "--no-crash", action="store_true", help="the same run undisturbed, for the baseline"
+    )
     args = parser.parse_args()
     model = ensure_model(Path(args.model), "arithmetic", None, 1000)
     spec = RunSpec(
@@ -92,6 +103,9 @@ def main() -> None:
             r = redis.Redis.from_url(dep.redis_url)
             step, turn = -1, 0
             while True:
+                if args.no_crash:
+                    wait_final(client, run_id)
+                    break
                 step = mid_step(r, run_id, spec.prompts_per_step, step, 600)
                 if step < 0:
                     break
