@@ -1,8 +1,12 @@
 """A small synchronous client of the coordinator API, for the CLI and the tests."""
 
+import time
+
 import httpx
 
 from services.common.service import auth_headers
+
+RETRIES_503 = 5
 
 
 class CoordinatorError(RuntimeError):
@@ -15,6 +19,16 @@ class CoordinatorClient:
             base_url=url.rstrip("/"), headers=auth_headers(token), timeout=timeout_s
         )
 
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One request; a read answered 503 (Redis restarting) is tried again after its
+        Retry-After, a few times. Writes are not: the caller decides."""
+        for _ in range(RETRIES_503):
+            resp = self.http.request(method, path, **kwargs)
+            if resp.status_code != 503 or method != "GET":
+                return resp
+            time.sleep(min(float(resp.headers.get("retry-after", "1")), 5.0))
+        return resp
+
     def _json(self, resp: httpx.Response, ok: tuple[int, ...] = (200,)):
         if resp.status_code not in ok:
             raise CoordinatorError(
@@ -23,26 +37,26 @@ class CoordinatorClient:
         return resp.json()
 
     def submit(self, spec: dict) -> str:
-        return self._json(self.http.post("/v1/runs", json=spec), (201,))["id"]
+        return self._json(self._send("POST", "/v1/runs", json=spec), (201,))["id"]
 
     def run(self, run_id: str) -> dict:
-        return self._json(self.http.get(f"/v1/runs/{run_id}"))
+        return self._json(self._send("GET", f"/v1/runs/{run_id}"))
 
     def runs(self) -> list[dict]:
-        return self._json(self.http.get("/v1/runs"))
+        return self._json(self._send("GET", "/v1/runs"))
 
     def metrics(self, run_id: str) -> list[dict]:
-        return self._json(self.http.get(f"/v1/runs/{run_id}/metrics"))["steps"]
+        return self._json(self._send("GET", f"/v1/runs/{run_id}/metrics"))["steps"]
 
     def cancel(self, run_id: str) -> dict:
-        return self._json(self.http.post(f"/v1/runs/{run_id}/cancel"))
+        return self._json(self._send("POST", f"/v1/runs/{run_id}/cancel"))
 
     def timeline(self, run_id: str, after_event: str | None = None) -> dict:
         params = {"after_event": after_event} if after_event else {}
-        return self._json(self.http.get(f"/v1/runs/{run_id}/timeline", params=params))
+        return self._json(self._send("GET", f"/v1/runs/{run_id}/timeline", params=params))
 
     def workers(self) -> list[dict]:
-        return self._json(self.http.get("/v1/workers"))
+        return self._json(self._send("GET", "/v1/workers"))
 
     def __enter__(self) -> "CoordinatorClient":
         return self

@@ -88,13 +88,16 @@ class Deployment:
         procs.wait_healthy([proc], timeout_s)
         return proc
 
-    def restart_redis(self, kill: bool = False) -> procs.Proc:
+    def restart_redis(self, kill: bool = False, while_down=None) -> procs.Proc:
         """Stop the Redis this deployment started (SIGTERM: it writes its append-only file out;
-        SIGKILL with kill=True) and start it again on the same port and data folder."""
+        SIGKILL with kill=True), call `while_down()` if given, and start it again on the same
+        port and data folder."""
         if kill:
             self.procs["redis"].kill()
         else:
             self.procs["redis"].stop()
+        if while_down is not None:
+            while_down()
         port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         proc, _ = procs.start_redis(
             self.log_dir, self.work_dir / "redis", port, appendonly=self.config.redis_appendonly

@@ -6,7 +6,8 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import Gauge
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -78,6 +79,15 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set.",
     )
     add_health_and_metrics(app, "coordinator", tasks, auth=auth)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        # nothing was changed; the client may try again once Redis is back
+        return JSONResponse(
+            {"detail": f"redis unavailable: {exc}"}, status_code=503, headers={"Retry-After": "2"}
+        )
+
     app.include_router(routes_runs.build_router(store, auth))
     app.include_router(routes_workers.build_router(r, auth))
     dashboard.add_dashboard(app)

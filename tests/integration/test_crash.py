@@ -101,8 +101,14 @@ def test_redis_restarted_mid_run_with_its_append_only_file(deployment, client, r
     body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
     run_id = client.submit(body)
     step = wait_mid_step(rdb, run_id)
-    deployment.restart_redis()
-    time.sleep(1.0)  # every service sees it gone and backs off; then it is back
+    answers = []
+
+    def while_down() -> None:
+        time.sleep(1.0)  # every service sees it gone and backs off
+        answers.append(httpx.get(f"{deployment.coordinator_url}/v1/runs/{run_id}", timeout=10))
+
+    deployment.restart_redis(while_down=while_down)
+    assert answers[0].status_code == 503 and answers[0].headers["retry-after"] == "2"
     rdb.connection_pool.disconnect()
     check_run(deployment, client, rdb, run_id, body)
     assert int(rdb.get(keys.run_version(run_id))) == STEPS > step
