@@ -2,13 +2,11 @@
 
 from pathlib import Path
 
+from services.common import figures
+
 
 def plot_run(rows: list[dict], out: Path, title: str = "") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     steps = [row["step"] for row in rows if "reward_mean" in row]
     rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
     tps = [row.get("tokens_per_s", 0.0) for row in rows if "reward_mean" in row]
@@ -21,9 +19,4 @@ def plot_run(rows: list[dict], out: Path, title: str = "") -> Path:
     bottom.set_ylabel("rollout tokens/s")
     bottom.set_xlabel("RL step")
     bottom.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return figures.save(fig, out, title)

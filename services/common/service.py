@@ -156,15 +156,13 @@ def add_health_and_metrics(
 BEARER = HTTPBearer(auto_error=False, description="The deployment's API token (SPOTRL_API_TOKEN).")
 
 
-def token_guard(token: str | None) -> Callable[..., None]:
-    """A dependency that requires `Authorization: Bearer <token>` when a token is configured.
-    It is declared as the bearer security scheme, so the OpenAPI spec says which routes need it."""
+def token_guard(token: str) -> Callable[..., None]:
+    """A dependency that requires `Authorization: Bearer <token>`. It is declared as the bearer
+    security scheme, so the OpenAPI spec says which routes need it."""
 
     def check(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
     ) -> None:
-        if token is None:
-            return
         given = credentials.credentials if credentials else ""
         if not hmac.compare_digest(given.encode(), token.encode()):
             raise HTTPException(

@@ -77,10 +77,18 @@ class RateTracker:
 
 
 def pool_rates(changes: Changes, beats: dict[str, Heartbeat]) -> dict[str, float]:
+    """Tokens/s of the workers in `beats`, by pool."""
     totals = dict.fromkeys(POOLS, 0.0)
-    for worker_id, rate in changes.rates.items():
-        totals[beats[worker_id].pool] += rate
+    for worker_id, beat in beats.items():
+        totals[beat.pool] += changes.rates[worker_id]
     return totals
+
+
+def pool_sizes(beats: dict[str, Heartbeat]) -> dict[str, int]:
+    sizes = dict.fromkeys(POOLS, 0)
+    for beat in beats.values():
+        sizes[beat.pool] += 1
+    return sizes
 
 
 async def _group_backlog(r: aioredis.Redis, stream: str, group: str) -> tuple[int, int]:
@@ -96,11 +104,12 @@ async def _group_backlog(r: aioredis.Redis, stream: str, group: str) -> tuple[in
     return 0, 0
 
 
-async def queue_depths(r: aioredis.Redis, run_id: str | None) -> dict[str, int]:
+async def queue_depths(
+    r: aioredis.Redis, run_id: str | None, version: int | None
+) -> dict[str, int]:
     depths = {"runs": await r.llen(keys.RUN_QUEUE)}
-    version = await r.get(keys.run_version(run_id)) if run_id else None
     if run_id is not None and version is not None:
-        jobs = keys.jobs_stream(run_id, int(version))
+        jobs = keys.jobs_stream(run_id, version)
         waiting, in_flight = await _group_backlog(r, jobs, keys.WORKERS_GROUP)
         deltas = await _group_backlog(r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP)
         groups = await _group_backlog(r, keys.groups_stream(run_id), keys.TRAINER_GROUP)
@@ -128,37 +137,29 @@ class Observer:
     async def once(self) -> None:
         raw = await self.r.get(keys.ACTIVE_RUN)
         active = raw.decode() if raw else None
+        raw_version = await self.r.get(keys.run_version(active)) if active else None
+        version = int(raw_version) if raw_version is not None else None
         beats = await heartbeats(self.r)
         changes = self.tracker.update(beats)
         await self._joins_and_leaves(changes, beats, active)
-        totals = pool_rates(changes, beats)
         for worker_id, rate in changes.rates.items():
             WORKER_TOK_S.labels(worker_id, beats[worker_id].pool).set(rate)
-        sizes = dict.fromkeys(POOLS, 0)
-        for beat in beats.values():
-            sizes[beat.pool] += 1
+        rates, sizes = pool_rates(changes, beats), pool_sizes(beats)
         for pool in POOLS:
-            POOL_TOK_S.labels(pool).set(totals[pool])
+            POOL_TOK_S.labels(pool).set(rates[pool])
             POOL_SIZE.labels(pool).set(sizes[pool])
-        depths = await queue_depths(self.r, active)
+        depths = await queue_depths(self.r, active, version)
         for queue, depth in depths.items():
             QUEUE_DEPTH.labels(queue).set(depth)
         if active is not None:
             serving = {w: b for w, b in beats.items() if b.run_id == active}
-            version = await self.r.get(keys.run_version(active))
-            await timeline.sample_pool(
-                self.r,
-                active,
-                {
-                    "step": int(version) if version is not None else None,
-                    "workers": {p: sum(b.pool == p for b in serving.values()) for p in POOLS},
-                    "tokens_per_s": {
-                        p: sum(changes.rates[w] for w, b in serving.items() if b.pool == p)
-                        for p in POOLS
-                    },
-                    "queues": depths,
-                },
-            )
+            sample = {
+                "step": version,
+                "workers": pool_sizes(serving),
+                "tokens_per_s": pool_rates(changes, serving),
+                "queues": depths,
+            }
+            await timeline.sample_pool(self.r, active, sample)
 
     async def _joins_and_leaves(
         self, changes: Changes, beats: dict[str, Heartbeat], active: str | None

@@ -8,22 +8,12 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Path, Response
 
 from services.common import keys
-from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
+from services.common.messages import WorkerControl
 from services.common.service import Auth, errors
-from services.coordinator.scheduling import order
+from services.coordinator.scheduling import heartbeats, order
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
-
-
-async def _heartbeat(r: aioredis.Redis, worker_id: str) -> Heartbeat | None:
-    raw = await r.get(keys.worker_heartbeat(worker_id))
-    if raw is None:
-        return None
-    try:
-        return Heartbeat.decode(raw)
-    except MalformedMessage:
-        return None
 
 
 def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
@@ -53,6 +43,7 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
     )
     async def list_workers(alive: bool | None = None) -> list[WorkerPublic]:
         out = []
+        beats = await heartbeats(r)
         for raw_id in sorted(await r.smembers(keys.WORKER_INDEX)):
             worker_id = raw_id.decode()
             info = {
@@ -60,7 +51,7 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
             }
             if not info:
                 continue
-            beat = await _heartbeat(r, worker_id)
+            beat = beats.get(worker_id)
             item = WorkerPublic(
                 id=worker_id,
                 pool=info["pool"],
@@ -89,7 +80,7 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
         workers from the tokens already generated (a migration with cause "release")."""
         if not await r.exists(keys.worker(worker_id)):
             raise HTTPException(404, f"worker {worker_id} is not registered")
-        beat = await _heartbeat(r, worker_id)
+        beat = (await heartbeats(r)).get(worker_id)
         if beat is None or beat.run_id is None:
             raise HTTPException(409, f"worker {worker_id} is not alive on a run")
         control = WorkerControl(action="release", run_id=beat.run_id, count=body.count)

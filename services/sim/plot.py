@@ -3,17 +3,14 @@ second in a sliding window of steps), with the spot instances the trace offered 
 
 from pathlib import Path
 
+from services.common import figures
 from services.sim.compare import Comparison
 
 WINDOW_STEPS = 5
 
 
 def plot_throughput(comparison: Comparison, out: Path, title: str = "") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
@@ -40,9 +37,4 @@ def plot_throughput(comparison: Comparison, out: Path, title: str = "") -> Path:
     bottom.set_ylabel("spot instances")
     bottom.set_xlabel("hours")
     bottom.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return figures.save(fig, out, title)

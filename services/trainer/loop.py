@@ -6,7 +6,6 @@ Groups are acknowledged on the stream only after the version they trained is com
 """
 
 import asyncio
-import contextlib
 import logging
 import shutil
 import time
@@ -52,6 +51,7 @@ class TrainerLoop:
         self.status: dict = {"run_id": None, "step": None, "state": "idle"}
         self.weights_of = 0
         self.replaying = False
+        self.after_restart = False
 
     async def forever(self) -> None:
         while True:
@@ -93,6 +93,7 @@ class TrainerLoop:
         else:
             step = await self._resume(run_id, policy, ckpts, int(version))
         self.weights_of = step  # the version the policy's weights are
+        self.after_restart = version is not None  # a crash may have come mid-commit
         self.replaying = True  # first the groups read before a restart and not acknowledged
         try:
             while step < spec.steps:
@@ -116,8 +117,10 @@ class TrainerLoop:
         if ckpt is not None:
             policy.load_state(await asyncio.to_thread(ckpt.load))
         if ckpt is not None and ckpt.step == version + 1:
-            # step `version` was trained and checkpointed; its version was never announced
-            await self._commit(run_id, policy, version + 1)
+            # step `version` was trained and checkpointed; its version was never announced (the
+            # checkpoint holds exactly the weights a commit before the crash exported)
+            if version + 1 not in await self._committed(run_id):
+                await self._commit(run_id, policy, version + 1)
             await self._ack_pending(run_id)
             await record_step(self.r, run_id, version, {"trainer_resumed": True})
             await self.r.hset(keys.trainer_state(run_id), "steps_trained", version + 1)
@@ -126,10 +129,7 @@ class TrainerLoop:
             return version + 1
         if ckpt is None or ckpt.step < version:
             # behind the announced version: take that version's weights, what workers hold
-            folder = self.settings.work_dir / run_id / f"resume-v{version}"
-            await self.weights.pull(run_id, version, folder)
-            await asyncio.to_thread(policy.load_weights, folder)
-            await asyncio.to_thread(shutil.rmtree, folder, True)
+            await self._take_version(run_id, policy, version)
             log.warning(
                 "run %s: resumed at version %d from the weight store (checkpoint: %s)",
                 run_id,
@@ -262,17 +262,25 @@ class TrainerLoop:
             await asyncio.sleep(0.02)
         return time.monotonic() - started
 
+    async def _take_version(self, run_id: str, policy, version: int) -> None:
+        """Load a committed version's weights from the store into the policy."""
+        folder = self.settings.work_dir / run_id / f"take-v{version}"
+        await self.weights.pull(run_id, version, folder)
+        await asyncio.to_thread(policy.load_weights, folder)
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+
     async def _commit(self, run_id: str, policy, version: int) -> float:
         t0 = time.monotonic()
+        if self.after_restart:
+            # only the first commit after a restart can find its version there already
+            self.after_restart = False
+            if version in await self._committed(run_id):
+                # committed before the restart and never announced; versions are immutable, so
+                # train on from exactly what the workers will pull
+                await self._take_version(run_id, policy, version)
+                log.warning("run %s: version %d was already committed; took it", run_id, version)
+                return time.monotonic() - t0
         folder = self.settings.work_dir / run_id / f"v{version}"
-        if version in await self._committed(run_id):
-            # committed before a restart and never announced; versions are immutable, so train
-            # on from exactly what the workers will pull
-            await self.weights.pull(run_id, version, folder)
-            await asyncio.to_thread(policy.load_weights, folder)
-            await asyncio.to_thread(shutil.rmtree, folder, True)
-            log.warning("run %s: version %d was already committed; took it", run_id, version)
-            return time.monotonic() - t0
         await asyncio.to_thread(policy.export, folder)
         delay = 0.5
         while True:  # until a replica has it: a weight store may be restarting
@@ -283,9 +291,8 @@ class TrainerLoop:
                 log.warning("run %s: commit of v%d failed (%s); retrying", run_id, version, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-                with contextlib.suppress(WeightTransferError):
-                    if version in await self._committed(run_id):
-                        break  # the commit landed before the connection broke
+                if version in await self._committed(run_id):
+                    break  # the commit landed before the connection broke
         await asyncio.to_thread(shutil.rmtree, folder, True)
         return time.monotonic() - t0
 
