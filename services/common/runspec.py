@@ -9,8 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+RunState = Literal["queued", "running", "stalled", "succeeded", "failed", "cancelled"]
 FINAL_STATES = ("succeeded", "failed", "cancelled")
+# A stalled run is still live: it goes back to running as soon as it can progress again.
+LIVE_STATES = ("running", "stalled")
 
 
 class ModelFolderError(ValueError):
@@ -45,6 +47,21 @@ class RunSpec(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Generate max_new_tokens, ignoring end-of-text.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompts and sampling.")
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=30 * 86400,
+        description="Fail the run once it has been stalled this long (None: stay stalled, "
+        "waiting for workers, for as long as it takes).",
+    )
+    max_request_crashes: int = Field(
+        3, ge=1, le=100, description="A request that crashed this many workers is quarantined."
+    )
+    on_poison: Literal["drop_group", "fail_run"] = Field(
+        "drop_group",
+        description="What a quarantined request does: drop its group from the step (counted "
+        "in groups_quarantined) or fail the run.",
+    )
 
     @model_validator(mode="after")
     def _check_task_path(self) -> "RunSpec":

@@ -31,6 +31,13 @@ class RunPublic(BaseModel):
     started_at: float | None
     finished_at: float | None
     error: str = ""
+    stall_reason: str = Field(
+        "", description="Why the run cannot progress (state stalled); empty otherwise."
+    )
+    stalled_since: float | None = Field(None, description="When the run last became stalled.")
+    groups_quarantined: int = Field(
+        0, description="Groups dropped because one of their requests crashed too many workers."
+    )
 
 
 class WorkerCreate(BaseModel):
@@ -47,6 +54,9 @@ class WorkerPublic(WorkerCreate):
     version: int | None = None
     active: int = 0
     tokens_generated: int = 0
+    last_error: str = Field(
+        "", description="The last error that stopped this worker (its crash report), if any."
+    )
 
 
 class RunMetrics(BaseModel):

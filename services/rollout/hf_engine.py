@@ -36,8 +36,10 @@ def sample_token(
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    # The generator lives on the CPU, so the draw is drawn there too: the same token on every
+    # device (a continuation on another worker, CPU or CUDA, reproduces the draw exactly).
     gen = torch.Generator().manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF)
-    token = int(torch.multinomial(probs, 1, generator=gen))
+    token = int(torch.multinomial(probs.cpu(), 1, generator=gen))
     return token, float(logp[token])
 
 
