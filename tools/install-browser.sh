@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Debian's chromium and its chromedriver, for the dashboard's browser test and screenshot.
-# Nothing is downloaded outside the distribution's packages.
+# System packages (`make setup-browser`): Debian's chromium, its chromedriver and a font, for
+# the dashboard's browser test and screenshot. Installs with apt-get as root (or through sudo)
+# and says so; nothing is downloaded outside the distribution's packages.
 set -euo pipefail
+PACKAGES=(chromium chromium-driver fonts-dejavu-core)
 if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+  echo "install-browser: chromium and chromedriver already installed"
   exit 0
 fi
 SUDO=""
@@ -12,7 +15,8 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
   fi
 fi
+echo "install-browser: apt-get install ${PACKAGES[*]}${SUDO:+ (through sudo)}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null
+$SUDO apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
 chromium --version

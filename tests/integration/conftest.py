@@ -1,6 +1,11 @@
-"""Integration fixtures: real redis-server and real service processes, torn down by pid."""
+"""Integration fixtures: real redis-server and real service processes, torn down by pid.
 
+Tests wait on conditions (`wait_until`), never for a fixed time: a loaded machine only makes
+them slower, not wrong."""
+
+import json
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -73,6 +78,29 @@ def wait_final(client, deployment, run_id, timeout_s=240.0) -> dict:
         time.sleep(0.3)
     logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in deployment.procs.values())
     raise TimeoutError(f"run {run_id} not finished after {timeout_s}s:\n{logs}")
+
+
+def wait_until(
+    condition, what: str | Callable[[], str], timeout_s: float = 60.0, poll_s: float = 0.02
+):
+    """Poll `condition()` until it returns something truthy, and return that; after `timeout_s`
+    raise TimeoutError saying what never happened (`what` may be a callable, for details read
+    at that moment)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            detail = what() if callable(what) else what
+            raise TimeoutError(f"after {timeout_s:.0f}s: {detail}")
+        time.sleep(poll_s)
+
+
+def run_events(rdb, run_id: str, kind: str | None = None) -> list[dict]:
+    """The run's timeline events (keys.run_events), oldest first, of one kind if given."""
+    events = [json.loads(f[b"e"]) for _, f in rdb.xrange(keys.run_events(run_id))]
+    return [e for e in events if kind is None or e["kind"] == kind]
 
 
 def read_groups(rdb, run_id):

