@@ -117,6 +117,7 @@ class WeightStorage:
         if self.is_committed(model, version):
             raise Conflict(f"{model} version {version} is committed; its files cannot change")
         staging = self._staging(model, version)
+        made = self._first_missing(staging)
         staging.mkdir(parents=True, exist_ok=True)
         part = staging / f".{name}.part"
         digest = hashlib.sha256()
@@ -133,6 +134,10 @@ class WeightStorage:
             if sha256 is not None and sha256.lower() != got:
                 raise StorageError(f"{name}: sha256 of the bytes received is {got}, not {sha256}")
             os.replace(part, staging / name)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            self._prune_empty(staging, made)  # a refused upload leaves no new folder behind
+            raise
         finally:
             part.unlink(missing_ok=True)
         (staging / f".{name}.sha256").write_text(got)
@@ -157,8 +162,10 @@ class WeightStorage:
                 problems.append(
                     f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}"
                 )
+            # every sha256 a committed manifest lists is that of the bytes this store received:
+            # a version's content digest is computed from them
             sha_file = staging / f".{entry.name}.sha256"
-            if sha_file.is_file() and sha_file.read_text() != entry.sha256:
+            if not sha_file.is_file() or sha_file.read_text() != entry.sha256:
                 problems.append(f"{entry.name}: sha256 differs from the manifest")
         if problems:
             raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
@@ -183,6 +190,26 @@ class WeightStorage:
             raise Conflict(f"{model} version {version} is already committed") from exc
         self._apply_retention(model)
         return final
+
+    @staticmethod
+    def _first_missing(folder: Path) -> Path | None:
+        """The outermost of `folder` and its parents that does not exist yet."""
+        missing = None
+        while not folder.exists():
+            missing, folder = folder, folder.parent
+        return missing
+
+    @staticmethod
+    def _prune_empty(folder: Path, top: Path | None) -> None:
+        """Remove `folder` and its parents up to `top` while they are empty."""
+        if top is None:
+            return
+        while folder.is_relative_to(top):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: another upload of the version is using it
+                return
+            folder = folder.parent
 
     def _apply_retention(self, model: str) -> None:
         for version in self.versions(model)[: -self.keep]:

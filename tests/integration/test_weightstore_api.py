@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.cli import procs
-from services.common.weights import WeightClient
+from services.common.weights import WeightClient, WeightTransferError
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret"
@@ -108,3 +108,31 @@ def test_client_uploads_and_pulls_a_folder_verified(store, tmp_path):
     ).read_bytes()
     assert result.bytes == 10240000 + 2
     assert not (tmp_path / "dst.partial").exists()
+
+
+def test_a_store_with_protected_reads_serves_its_files_to_the_token_only(tmp_path):
+    """With SPOTRL_PROTECT_READS the file ranges need the token too: a pull with it works, one
+    without it fails and leaves nothing behind."""
+    port = procs.free_port()
+    env = {
+        "SPOTRL_PORT": str(port),
+        "SPOTRL_ROOT": str(tmp_path / "data"),
+        "SPOTRL_API_TOKEN": TOKEN,
+        "SPOTRL_PROTECT_READS": "true",
+    }
+    proc = procs.start_service("weightstore", "services.weightstore.main", env, tmp_path, port)
+    try:
+        procs.wait_healthy([proc], 60)
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "model.safetensors").write_bytes(bytes(range(256)) * 4000)
+        asyncio.run(WeightClient([proc.url], TOKEN).upload_folder(src, "p", 0))
+        got = asyncio.run(WeightClient([proc.url], TOKEN).pull("p", 0, tmp_path / "dst"))
+        assert (got.folder / "model.safetensors").read_bytes() == (
+            src / "model.safetensors"
+        ).read_bytes()
+        with pytest.raises(WeightTransferError):
+            asyncio.run(WeightClient([proc.url]).pull("p", 0, tmp_path / "other", attempts=1))
+        assert not (tmp_path / "other").exists()
+    finally:
+        proc.stop()
