@@ -3,11 +3,13 @@
 Validation lives here, so the API and the CLI reject the same things with the same field names.
 """
 
+import codecs
 import json
+import stat
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RunState = Literal["queued", "running", "stalled", "succeeded", "failed", "cancelled"]
 FINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -15,17 +17,79 @@ FINAL_STATES = ("succeeded", "failed", "cancelled")
 LIVE_STATES = ("running", "stalled")
 
 
+MAX_PATH_CHARS = 4096
+CONFIG_MAX_BYTES = 16 * 1024 * 1024  # a model's config.json
+READ_BLOCK_BYTES = 1024 * 1024
+
+
 class ModelFolderError(ValueError):
     """The model folder named by a spec is missing or is not a Hugging Face model folder."""
 
 
+class TaskFileError(ValueError):
+    """The task file named by a spec is missing, unreadable, too large or not UTF-8 text."""
+
+
+def shorten_path(path: str | Path) -> str:
+    """A path as error messages name it: cut short when long, never with file content."""
+    text = str(path)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
+def check_text_file(path: str, max_bytes: int) -> None:
+    """Raise TaskFileError unless `path` is a regular, readable file of at most `max_bytes`
+    bytes of UTF-8 text (all of it is read, in blocks)."""
+    name = f"task file {shorten_path(path)}"
+    try:
+        info = Path(path).stat()
+    except FileNotFoundError:
+        raise TaskFileError(f"{name} does not exist") from None
+    except OSError as exc:
+        raise TaskFileError(f"{name} cannot be read: {exc.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise TaskFileError(f"{name} is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise TaskFileError(f"{name} is not a regular file")
+    if info.st_size > max_bytes:
+        raise TaskFileError(
+            f"{name} is {info.st_size} bytes, over the limit of {max_bytes} bytes "
+            "(SPOTRL_MAX_TASK_FILE_BYTES)"
+        )
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(min(READ_BLOCK_BYTES, max_bytes + 1 - offset)):
+                decoder.decode(block)
+                offset += len(block)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        where = offset + exc.start
+        raise TaskFileError(f"{name} is not UTF-8 text (invalid byte at offset {where})") from None
+    except OSError as exc:
+        raise TaskFileError(f"{name} cannot be read: {exc.strerror}") from None
+    if offset > max_bytes:
+        raise TaskFileError(f"{name} grew past the limit of {max_bytes} bytes")
+
+
 class RunSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON has no NaN or Infinity: a spec with them is refused, never stored
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field("", max_length=200, description="Free text shown in listings.")
-    model: str = Field(min_length=1, description="Local Hugging Face model folder to train.")
+    model: str = Field(
+        min_length=1,
+        max_length=MAX_PATH_CHARS,
+        description="Local Hugging Face model folder to train.",
+    )
     task: Literal["arithmetic", "math"] = Field("arithmetic", description="Built-in task.")
-    task_path: str | None = Field(None, description="JSONL file for the math task.")
+    task_path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PATH_CHARS,
+        description="JSONL file for the math task (UTF-8, at most the coordinator's "
+        "max_task_file_bytes).",
+    )
     group_size: int = Field(8, ge=1, le=256, description="Responses per prompt (n).")
     prompts_per_step: int = Field(16, ge=1, le=8192, description="Prompts per RL step (B).")
     steps: int = Field(20, ge=1, le=1_000_000, description="RL steps (optimizer steps).")
@@ -63,26 +127,56 @@ class RunSpec(BaseModel):
         "in groups_quarantined) or fail the run.",
     )
 
+    @field_validator("model", "task_path")
+    @classmethod
+    def _no_nul_in_paths(cls, value: str | None) -> str | None:
+        if value is not None and "\x00" in value:
+            raise ValueError("a path cannot contain a NUL character")
+        return value
+
     @model_validator(mode="after")
     def _check_task_path(self) -> "RunSpec":
         if self.task_path is not None and self.task != "math":
             raise ValueError("task_path is only used by the math task")
         return self
 
+    def check_task_file(self, max_bytes: int) -> None:
+        """Raise TaskFileError unless `task_path` (when given) is a readable UTF-8 file of at
+        most `max_bytes` bytes."""
+        if self.task_path is not None:
+            check_text_file(self.task_path, max_bytes)
+
     def check_model_folder(self) -> None:
         """Raise ModelFolderError unless `model` is a readable model folder."""
-        folder = Path(self.model)
+        try:
+            self._check_model_folder()
+        except OSError as exc:  # a name too long, a folder that cannot be listed
+            raise ModelFolderError(
+                f"model folder {shorten_path(self.model)} cannot be read: {exc.strerror}"
+            ) from None
+
+    def _check_model_folder(self) -> None:
+        folder, name = Path(self.model), shorten_path(self.model)
         if not folder.is_dir():
-            raise ModelFolderError(f"model folder {self.model} does not exist")
+            raise ModelFolderError(f"model folder {name} does not exist")
         for required in ("config.json", "tokenizer.json"):
             if not (folder / required).is_file():
-                raise ModelFolderError(f"model folder {self.model} has no {required}")
+                raise ModelFolderError(f"model folder {name} has no {required}")
         if not any(folder.glob("*.safetensors")):
-            raise ModelFolderError(f"model folder {self.model} has no .safetensors weights")
+            raise ModelFolderError(f"model folder {name} has no .safetensors weights")
+        config_path = folder / "config.json"
+        if config_path.stat().st_size > CONFIG_MAX_BYTES:
+            raise ModelFolderError(f"{shorten_path(config_path)} is over {CONFIG_MAX_BYTES} bytes")
         try:
-            config = json.loads((folder / "config.json").read_text())
-        except ValueError as exc:
-            raise ModelFolderError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+            config = json.loads(config_path.read_bytes().decode())
+        except UnicodeDecodeError:
+            raise ModelFolderError(f"{shorten_path(config_path)} is not UTF-8 text") from None
+        except (ValueError, RecursionError) as exc:
+            raise ModelFolderError(
+                f"{shorten_path(config_path)} is not valid JSON: {exc}"
+            ) from None
+        if not isinstance(config, dict):
+            raise ModelFolderError(f"{shorten_path(config_path)} is not a JSON object")
         context = config.get("max_position_embeddings")
         if isinstance(context, int) and self.max_new_tokens >= context:
             raise ModelFolderError(

@@ -1,5 +1,8 @@
 """What every spotrl HTTP service shares: /healthz, /metrics, bearer-token auth on writes, and
 supervised background tasks that fail loudly.
+
+The `token_guard` dependencies declare the bearer scheme in the OpenAPI spec; the same check
+runs earlier, before any body byte is read, in `http_limits.InputGuard`.
 """
 
 import asyncio

@@ -1,14 +1,31 @@
 """Settings shared by every service, read from the environment (prefix SPOTRL_).
 
 Each service extends `CommonSettings` with its own fields. Secrets have no default.
+A service bound to an address off loopback refuses to start without a token.
 """
 
-from pydantic import Field, field_validator
+import ipaddress
+
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost; anything else (0.0.0.0, ::, a name) is reachable."""
+    host = host.strip().strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class CommonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPOTRL_", extra="ignore")
+    # errors never print the input: it holds the token and URLs with passwords
+    model_config = SettingsConfigDict(
+        env_prefix="SPOTRL_", extra="ignore", hide_input_in_errors=True
+    )
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding all run state.")
     api_token: str | None = Field(
@@ -25,11 +42,27 @@ class CommonSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Interface this service's HTTP server binds.")
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
+    max_body_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest request body of a JSON route (a run spec, a worker); 413 past it.",
+    )
 
     @field_validator("api_token")
     @classmethod
     def _empty_token_is_none(cls, value: str | None) -> str | None:
         return value or None
+
+    @model_validator(mode="after")
+    def _no_open_writes_off_loopback(self) -> "CommonSettings":
+        if self.api_token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host} is not a loopback address and no API token is set: anyone "
+                "who reaches it could submit runs and upload weights. Set SPOTRL_API_TOKEN "
+                "(clients send it as a bearer token), or bind to 127.0.0.1 (SPOTRL_HOST)."
+            )
+        return self
 
     def weightstore_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.weightstore_url.split(",") if u.strip()]

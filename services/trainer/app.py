@@ -5,6 +5,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
+from services.common.http_limits import guard_input
 from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.trainer.loop import TrainerLoop
@@ -27,6 +28,7 @@ def build_app(settings: TrainerSettings) -> FastAPI:
     app = FastAPI(title="spotrl trainer", version="1", lifespan=lifespan)
     auth = auth_for(settings)
     add_health_and_metrics(app, "trainer", tasks, extra=lambda: {"status": loop.status}, auth=auth)
+    guard_input(app, settings.api_token, settings.max_body_bytes)
 
     @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
     async def status() -> dict:

@@ -6,16 +6,30 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Path, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.http_limits import guard_input
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
 from services.weightstore.settings import WeightStoreSettings
 from services.weightstore.storage import FileEntry, Manifest, StorageError, WeightStorage
 
 log = logging.getLogger(__name__)
+
+# Path parameters: a version is a non-negative 31-bit number; names are checked by the storage
+Version = Annotated[int, Path(ge=0, le=2**31 - 1)]
+Name = Annotated[str, Path(min_length=1, max_length=200)]
+UPLOAD = "/v1/models/{model}/versions/{version}/files/{name}"
+COMMIT = "/v1/models/{model}/versions/{version}/commit"
+
+
+class ManifestCommit(Manifest):
+    """The manifest a client commits: finite numbers only (JSON has no NaN or Infinity)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+    version: int = Field(0, ge=0, le=2**31 - 1)
 
 
 class ModelList(BaseModel):
@@ -53,42 +67,40 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     app = FastAPI(title="spotrl weight store", version="1", lifespan=lifespan)
     app.state.storage = storage
     add_health_and_metrics(app, "weightstore", tasks, auth=auth)
+    guard_input(
+        app,
+        settings.api_token,
+        settings.max_body_bytes,
+        {UPLOAD: settings.max_file_bytes, COMMIT: settings.max_manifest_bytes},
+    )
 
     @app.exception_handler(StorageError)
     async def storage_error(request: Request, exc: StorageError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
-    write = {"dependencies": auth.write, "responses": {**auth.write_errors, **errors(400, 409)}}
+    write = {
+        "dependencies": auth.write,
+        "responses": {**auth.write_errors, **errors(400, 409, 413)},
+    }
     read = {"dependencies": auth.read, "responses": {**auth.read_errors, **errors(400, 404)}}
 
-    @app.put(
-        "/v1/models/{model}/versions/{version}/files/{name}", response_model=FileEntry, **write
-    )
+    @app.put(UPLOAD, response_model=FileEntry, **write)
     async def upload_file(
-        model: str,
-        version: int,
-        name: str,
+        model: Name,
+        version: Version,
+        name: Name,
         request: Request,
-        x_sha256: Annotated[str | None, Header()] = None,
+        x_sha256: Annotated[str | None, Header(max_length=64)] = None,
     ) -> FileEntry:
         async def chunks():
             async for chunk in request.stream():
                 BYTES_IN.inc(len(chunk))
                 yield chunk
 
-        if version < 0:
-            raise StorageError("version must be >= 0")
         return await storage.write_file(model, version, name, chunks(), x_sha256)
 
-    @app.post(
-        "/v1/models/{model}/versions/{version}/commit",
-        response_model=Manifest,
-        status_code=201,
-        **write,
-    )
-    async def commit(model: str, version: int, manifest: Manifest) -> Manifest:
-        if version < 0:
-            raise StorageError("version must be >= 0")
+    @app.post(COMMIT, response_model=Manifest, status_code=201, **write)
+    async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
         committed = storage.commit(model, version, manifest)
         COMMITS.inc()
         log.info(
@@ -105,15 +117,15 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
         return ModelList(models=storage.models())
 
     @app.get("/v1/models/{model}/versions", response_model=VersionList, **read)
-    async def list_versions(model: str) -> VersionList:
+    async def list_versions(model: Name) -> VersionList:
         return VersionList(model=model, versions=storage.versions(model))
 
     @app.get("/v1/models/{model}/latest", response_model=Manifest, **read)
-    async def latest(model: str) -> Manifest:
+    async def latest(model: Name) -> Manifest:
         return storage.latest(model)
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest, **read)
-    async def manifest(model: str, version: int) -> Manifest:
+    async def manifest(model: Name, version: Version) -> Manifest:
         return storage.manifest(model, version)
 
     @app.get(
@@ -127,7 +139,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
             206: {"content": {"application/octet-stream": {}}, "description": "A byte range."},
         },
     )
-    async def read_file(model: str, version: int, name: str) -> FileResponse:
+    async def read_file(model: Name, version: Version, name: Name) -> FileResponse:
         return ShardResponse(storage.file_path(model, version, name))
 
     return app

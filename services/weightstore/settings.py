@@ -13,3 +13,15 @@ class WeightStoreSettings(CommonSettings):
         default_factory=socket.gethostname, description="Name of this replica's staging area."
     )
     keep_versions: int = Field(4, ge=1, le=10000, description="Committed versions kept per model.")
+    max_file_bytes: int = Field(
+        64 * 1024**3,
+        ge=1024,
+        le=2**50,
+        description="Largest file one upload may carry (a weight shard); 413 past it.",
+    )
+    max_manifest_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest manifest a commit may carry; 413 past it.",
+    )

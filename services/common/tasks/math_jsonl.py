@@ -9,6 +9,7 @@ import json
 import random
 from pathlib import Path
 
+from services.common.runspec import shorten_path
 from services.common.tasks.base import Example, TaskError
 
 PROMPT_SUFFIX = "\nAnswer:"
@@ -23,20 +24,36 @@ class MathJsonlTask:
     name = "math"
 
     def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise TaskError(f"math task file {path} does not exist")
+        # Error texts name the file and the line, never what is in it.
+        name = shorten_path(path)
+        try:
+            text = Path(path).read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise TaskError(f"math task file {name} does not exist") from None
+        except UnicodeDecodeError as exc:
+            raise TaskError(
+                f"math task file {name} is not UTF-8 text (invalid byte at offset {exc.start})"
+            ) from None
+        except OSError as exc:
+            raise TaskError(f"math task file {name} cannot be read: {exc.strerror}") from None
         rows: list[Example] = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                rows.append(Example(row["question"].strip() + PROMPT_SUFFIX, str(row["answer"])))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                raise TaskError(f"{path}:{number}: not a question/answer row ({exc})") from exc
+            except json.JSONDecodeError as exc:
+                where = f"{exc.msg} at column {exc.colno}"
+                raise TaskError(f"{name}:{number}: not JSON ({where})") from None
+            except (ValueError, RecursionError):
+                raise TaskError(f"{name}:{number}: not JSON (too large or too deep)") from None
+            question = row.get("question") if isinstance(row, dict) else None
+            if not isinstance(question, str) or "answer" not in row:
+                raise TaskError(f"{name}:{number}: not a row with a string question and an answer")
+            answer = row["answer"]
+            rows.append(Example(question.strip() + PROMPT_SUFFIX, str(answer)))
         if not rows:
-            raise TaskError(f"math task file {path} has no rows")
+            raise TaskError(f"math task file {name} has no rows")
         self.rows = rows
 
     def examples(self, seed: int, step: int, count: int) -> list[Example]:
