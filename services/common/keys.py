@@ -13,13 +13,21 @@ ACTIVE_RUN = f"{PREFIX}:runs:active"  # string: id of the one running run, absen
 
 
 def run(run_id: str) -> str:
-    """Hash: spec (json), state, created_at, started_at, finished_at, error."""
+    """Hash: spec (json), state, created_at, started_at, finished_at, error; stall_reason and
+    stalled_since while stalled; groups_quarantined."""
     return f"{PREFIX}:run:{run_id}"
 
 
 def run_version(run_id: str) -> str:
     """String: the newest weight version committed for the run (written by the trainer)."""
     return f"{PREFIX}:run:{run_id}:version"
+
+
+def run_digests(run_id: str) -> str:
+    """Hash: weight version -> content digest (services.common.weights.content_digest) of the
+    files the trainer commits as that version, written before the version is committed and
+    announced; a version is loaded only with this digest. Kept for the newest two versions."""
+    return f"{PREFIX}:run:{run_id}:digests"
 
 
 def run_step(run_id: str, step: int) -> str:
@@ -55,6 +63,11 @@ def request_logprobs(run_id: str, step: int, request_id: str) -> str:
 def step_published(run_id: str, step: int) -> str:
     """Set of prompt indices whose group was handed to the trainer."""
     return f"{PREFIX}:run:{run_id}:step:{step}:published"
+
+
+def step_quarantined(run_id: str, step: int) -> str:
+    """Set of prompt indices whose group was dropped: a request of it crashed too many workers."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:quarantined"
 
 
 def seed_done(run_id: str, step: int) -> str:
@@ -121,6 +134,12 @@ def worker_control(worker_id: str) -> str:
 def worker_heartbeat(worker_id: str) -> str:
     """String (msgpack Heartbeat) with a short TTL: present while the worker is alive."""
     return f"{PREFIX}:worker:{worker_id}:hb"
+
+
+def worker_crash(worker_id: str) -> str:
+    """String (JSON: at, error, run_id, version, requests) with a TTL, written by a worker whose
+    task died of an error, before it exits: why it died and the requests it was running."""
+    return f"{PREFIX}:worker:{worker_id}:crash"
 
 
 def worker_leaving(worker_id: str) -> str:

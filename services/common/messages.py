@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
-ReleaseReason = Literal["preemption", "seed", "balance"]
+# crash: the worker's engine died of an error while running the request (counted toward poison)
+ReleaseReason = Literal["preemption", "seed", "balance", "crash"]
 FIELD = b"m"
 
 
@@ -58,6 +59,9 @@ class Job(Message):
     top_p: float = Field(gt=0.0, le=1.0)
     seed: int  # per-request sampling seed
     stop_token_ids: list[int] = []
+    # run with nothing beside it: the request was running when a worker crashed, so a crash it
+    # causes again is its own (poison requests are told from bystanders this way)
+    isolate: bool = False
 
 
 class DeltaItem(Message):
@@ -117,7 +121,9 @@ class Response(Message):
 
 
 class Group(Message):
-    """All n responses to one prompt, ready for the trainer."""
+    """All n responses to one prompt, ready for the trainer; or, with `quarantined`, a group
+    dropped from the step (a request of it crashed too many workers): no responses, counted
+    toward the step's B and never trained on."""
 
     run_id: str
     step: int
@@ -125,6 +131,7 @@ class Group(Message):
     prompt_index: int
     prompt_ids: list[int]
     responses: list[Response]
+    quarantined: bool = False
 
 
 class Heartbeat(Message):
@@ -138,3 +145,4 @@ class Heartbeat(Message):
     at: float  # unix time
     plateau: int = 0  # measured plateau batch size (0: not known)
     paused: bool = False  # stepped aside for the rest of this version
+    error: str = ""  # the error a task of the worker died of: it is shutting down, serves nothing

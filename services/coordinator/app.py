@@ -13,16 +13,38 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
+from services.common.http_limits import clip, guard_input
 from services.common.redis_streams import connect, with_reconnect
+from services.common.runspec import FINAL_STATES
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
-from services.coordinator import dashboard, routes_runs, routes_workers
+from services.coordinator import cleanup, dashboard, routes_runs, routes_workers
 from services.coordinator.observer import Observer
 from services.coordinator.rollout_manager import RunCancelled, RunManager
-from services.coordinator.runs import RunStore
+from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
+MAX_ERROR_CHARS = 1000
+
+
+def failure_text(exc: Exception) -> str:
+    """A failed run's error as users read it: the exception's type and message, cut short;
+    never its repr (the repr of a decoding error holds the bytes it could not decode)."""
+    return clip(f"{type(exc).__name__}: {exc}", MAX_ERROR_CHARS)
+
+
+async def ended_as(store: RunStore, run_id: str) -> str | None:
+    """The final state of a run (cancelled under its manager, say), or None while it is live."""
+    state = await store.r.hget(keys.run(run_id), "state")
+    return state.decode() if state is not None and state.decode() in FINAL_STATES else None
+
+
+async def settle(store: RunStore, run_id: str, state: str) -> None:
+    """The manager of a run that ended under it has stopped: drop what it wrote meanwhile."""
+    await cleanup.release_run(store.r, run_id, state, store.audit_ttl_s)
+    if await store.active() == run_id:
+        await store.r.delete(keys.ACTIVE_RUN)
 
 
 async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
@@ -37,12 +59,16 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
             continue
         log.info("run %s active", run_id)
         try:
-            manager = RunManager(store.r, run_id, await store.spec(run_id))
+            spec = await store.spec(run_id)
+            manager = RunManager(store.r, run_id, spec, settings.stall_after_s)
             await manager.run()
         except RunCancelled as exc:
             log.info("run %s stopped: %s", run_id, exc)
-            if await store.active() == run_id:
-                await store.r.delete(keys.ACTIVE_RUN)
+            await settle(store, run_id, await ended_as(store, run_id) or "cancelled")
+            continue
+        except RunFailed as exc:  # it cannot go on: its reason is the error
+            log.error("run %s failed: %s", run_id, exc)
+            await store.finish(run_id, "failed", str(exc))
             continue
         except (RedisConnectionError, RedisTimeoutError) as exc:
             # Redis went away mid-step: everything that landed is in Redis; resume from it
@@ -50,8 +76,13 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
             await asyncio.sleep(settings.scheduler_poll_s)
             continue
         except Exception as exc:
+            ended = await ended_as(store, run_id)
+            if ended is not None:  # its keys went while the manager still read them
+                log.info("run %s stopped (%s) under its manager: %s", run_id, ended, exc)
+                await settle(store, run_id, ended)
+                continue
             log.exception("run %s failed", run_id)
-            await store.finish(run_id, "failed", repr(exc))
+            await store.finish(run_id, "failed", failure_text(exc))
             continue
         await store.finish(run_id, "succeeded")
         log.info("run %s succeeded", run_id)
@@ -60,7 +91,7 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
 def build_app(settings: CoordinatorSettings) -> FastAPI:
     tasks = BackgroundTasks()
     r = connect(settings.redis_url)
-    store = RunStore(r)
+    store = RunStore(r, settings.audit_ttl_s)
     auth = auth_for(settings)
 
     @asynccontextmanager
@@ -79,6 +110,7 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set.",
     )
     add_health_and_metrics(app, "coordinator", tasks, auth=auth)
+    guard_input(app, settings.api_token, settings.max_body_bytes)
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
@@ -88,7 +120,7 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
             {"detail": f"redis unavailable: {exc}"}, status_code=503, headers={"Retry-After": "2"}
         )
 
-    app.include_router(routes_runs.build_router(store, auth))
+    app.include_router(routes_runs.build_router(store, auth, settings))
     app.include_router(routes_workers.build_router(r, auth))
     dashboard.add_dashboard(app)
     return app

@@ -7,7 +7,10 @@ Rules it enforces:
   tokens already held is trimmed to its new part; one that leaves a gap is refused;
 - a response is finished once, and then never changes;
 - migrating bumps the lease and continues from the collected tokens, or, with migration off,
-  discards them and starts over (the baseline that token-level collection improves on).
+  discards them and starts over (the baseline that token-level collection improves on);
+- a request that was running when a worker crashed is a suspect: its jobs run isolated (alone on
+  a worker) from then on; a group that was quarantined (dropped from the step) is complete and
+  none of its requests moves again.
 """
 
 import zlib
@@ -39,6 +42,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    crashed_on: list[str] = field(default_factory=list)  # workers that crashed running it
 
     @property
     def done(self) -> bool:
@@ -85,6 +89,7 @@ class RequestTable:
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(range(len(prompts)))
+        self.quarantined: set[int] = set()  # groups dropped from the step (poison requests)
         self.stats = {a.value: 0 for a in Applied}
         self.tokens_appended = 0  # tokens that are now part of a response
         self.tokens_received = 0  # every token delivered in a delta, stale or repeated included
@@ -106,6 +111,7 @@ class RequestTable:
             top_p=self.top_p,
             seed=r.seed,
             stop_token_ids=self.stop_token_ids,
+            isolate=bool(r.crashed_on),
         )
 
     def initial_jobs(self) -> list[Job]:
@@ -123,12 +129,30 @@ class RequestTable:
         r = self.requests.get(rid)
         if r is None or r.done or (lease is not None and lease != r.lease):
             return None
+        if r.prompt_index in self.quarantined:
+            return None
         r.lease += 1
         if not keep_tokens:
             self.tokens_discarded += len(r.token_ids)
             r.token_ids, r.logprobs = [], []
         self.migrations[cause] = self.migrations.get(cause, 0) + 1
         return self.job(rid)
+
+    def note_crash(self, rid: str, lease: int, worker_id: str) -> bool:
+        """`worker_id` crashed while running `rid` under `lease`; True if that counts: the
+        request is unfinished, still under that lease, its group not dropped, and the worker
+        is one it had not crashed before (a worker restarted under its name counts once)."""
+        r = self.requests.get(rid)
+        if r is None or r.done or lease != r.lease or r.prompt_index in self.quarantined:
+            return False
+        if worker_id not in r.crashed_on:
+            r.crashed_on.append(worker_id)
+        return True
+
+    def quarantine(self, prompt_index: int) -> None:
+        """Drop a group from the step: it no longer holds the step up."""
+        self.quarantined.add(prompt_index)
+        self.pending_groups.discard(prompt_index)
 
     def apply(self, item: DeltaItem) -> Applied:
         result = self._apply(item)
@@ -169,7 +193,12 @@ class RequestTable:
         return all(r.done for r in self.group(prompt_index))
 
     def unfinished(self) -> list[str]:
-        return [rid for rid, r in self.requests.items() if not r.done]
+        """Requests still to generate (those of quarantined groups are not)."""
+        return [
+            rid
+            for rid, r in self.requests.items()
+            if not r.done and r.prompt_index not in self.quarantined
+        ]
 
     @property
     def complete(self) -> bool:

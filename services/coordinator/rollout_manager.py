@@ -3,7 +3,9 @@ the step's weight version, collect token deltas, score finished responses and pu
 groups to the trainer. A thin asyncio shell around `RequestTable`.
 
 It does not train and does not move weights: step s starts when the trainer has committed weight
-version s, and the run ends when version `steps` is committed.
+version s, and the run ends when version `steps` is committed. During a step it watches for a
+stall (no worker able to serve the step: `stall_watch.py`) and for poison requests (a request
+that crashed `max_request_crashes` workers: its group is dropped, or the run fails).
 """
 
 import asyncio
@@ -27,13 +29,15 @@ from services.common.redis_streams import (
     read_group,
     with_reconnect,
 )
-from services.common.runspec import RunSpec
+from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
+from services.coordinator.quarantine import dropped_group, note_crash, report_poison
 from services.coordinator.request_table import Applied, RequestTable
-from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools
+from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools, heartbeats
 from services.coordinator.seeding import SeedingController, recommended_pool_size
+from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_store import StepStore
 
 log = logging.getLogger(__name__)
@@ -84,8 +88,11 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 
 class RunManager:
-    def __init__(self, r: aioredis.Redis, run_id: str, spec: RunSpec) -> None:
+    def __init__(
+        self, r: aioredis.Redis, run_id: str, spec: RunSpec, stall_after_s: float = 3.0
+    ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
+        self.stall = StallWatch(r, run_id, stall_after_s, spec.stall_timeout_s)
         model_dir = Path(spec.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = stop_token_ids(model_dir)
@@ -98,6 +105,7 @@ class RunManager:
         """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
         deltas = keys.deltas_stream(self.run_id)
         await ensure_group(self.r, deltas, keys.COORDINATOR_GROUP)
+        await self.stall.start()
         step = await self._wait_version(0)
         while step < self.spec.steps:
             done = await self._run_step(step)
@@ -143,11 +151,12 @@ class RunManager:
 
     async def _check_running(self) -> None:
         state = await self.r.hget(keys.run(self.run_id), "state")
-        if state != b"running":
+        if state is None or state.decode() not in LIVE_STATES:
             raise RunCancelled(state.decode() if state else "deleted")
 
     async def _wait_version(self, at_least: int) -> int:
-        """Wait until the trainer committed a version >= at_least; return it."""
+        """Wait until the trainer committed a version >= at_least; return it. The trainer is
+        at work meanwhile and needs no worker: no stall is looked for."""
         while True:
             await self._check_running()
             raw = await self.r.get(keys.run_version(self.run_id))
@@ -218,14 +227,22 @@ class RunManager:
             if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
                 await reclaim_dead_workers(self.r, jobs, table, store, spec.migration)
-                await sched.tick(table)
+                beats = await heartbeats(self.r)
+                await sched.tick(table, beats)
+                await self.stall.check(step, beats)
                 last_check = time.monotonic()
         await sched.finish()
+        await self.stall.resume(step)
         rollout_end = time.monotonic()
         rollout_s = rollout_end - started
         ROLLOUT_S.observe(rollout_s)
         tokens = sum(len(r.token_ids) for r in table.requests.values())
-        mean_reward = sum(rewards.values()) / max(1, len(rewards))
+        trained = [  # the rewards of the groups that go to the trainer
+            v
+            for rid, v in rewards.items()
+            if table.requests[rid].prompt_index not in table.quarantined
+        ]
+        mean_reward = sum(trained) / max(1, len(trained))
         await record_step(
             self.r,
             self.run_id,
@@ -246,6 +263,7 @@ class RunManager:
                 "seed_s": (sched.seed_end or rollout_end) - started,
                 "workers_reserved": pools["reserved"],
                 "workers_preemptible": pools["preemptible"],
+                "groups_quarantined": len(table.quarantined),
             },
         )
         await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
@@ -311,6 +329,8 @@ class RunManager:
         tokens_before = table.tokens_appended
         stale: dict[str, set[tuple[str, int]]] = {}
         released: dict[str, list[Job]] = {}
+        poisoned: list[tuple[str, str]] = []  # (request, the worker it crashed last)
+        before = set(table.quarantined)
         for entry in entries:
             if entry[1] is None:
                 continue  # trimmed away while pending: nothing to apply, only to acknowledge
@@ -329,7 +349,17 @@ class RunManager:
                     rewards[item.request_id] = self._reward(table, item.request_id, examples)
                     if table.group_done(state.prompt_index):
                         finished_groups.add(state.prompt_index)
+            crash = batch.release_reason == "crash"
+            alone = len(batch.released) == 1
             for rel in batch.released:
+                if crash:
+                    rid, worker_id = rel.request_id, batch.worker_id
+                    poison = note_crash(table, self.spec, rid, rel.lease, worker_id, alone)
+                    if poison is not None:
+                        changed.add(rid)  # its crash count is kept with it
+                    if poison:
+                        poisoned.append((rid, worker_id))
+                        continue
                 job = table.migrate(
                     rel.request_id,
                     batch.release_reason,
@@ -340,6 +370,7 @@ class RunManager:
                     changed.add(rel.request_id)
                     released.setdefault(batch.release_reason, []).append(job)
         groups = [p for p in sorted(finished_groups) if p in table.pending_groups]
+        dropped = sorted(table.quarantined - before)
         stream = keys.jobs_stream(self.run_id, table.version)
         async with self.r.pipeline(transaction=True) as pipe:
             store.stage_requests(pipe, table, changed)
@@ -349,8 +380,14 @@ class RunManager:
             for p in groups:
                 pipe.xadd(keys.groups_stream(self.run_id), self._group(table, p, rewards).fields())
                 store.stage_published(pipe, p)
+            for p in dropped:
+                pipe.xadd(keys.groups_stream(self.run_id), dropped_group(table, p).fields())
+                store.stage_quarantined(pipe, p)
+                pipe.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
             pipe.xack(deltas, keys.COORDINATOR_GROUP, *[e[0] for e in entries])
             await pipe.execute()
+        if poisoned:
+            await report_poison(self.r, self.spec, table, poisoned)
         for reason, jobs in released.items():
             await count_migrations(self.r, table, reason, len(jobs))
         table.pending_groups.difference_update(groups)

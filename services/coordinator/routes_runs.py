@@ -1,20 +1,57 @@
 """/v1/runs: submit, list, inspect, cancel runs; read their per-step metrics and timeline."""
 
+import asyncio
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi.exceptions import RequestValidationError
 
 from services.common import keys, timeline
-from services.common.runspec import ModelFolderError, RunSpec
+from services.common.runspec import ModelFolderError, RunSpec, TaskFileError
 from services.common.service import Auth, errors
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
+from services.coordinator.settings import CoordinatorSettings
 
 ENTRY_ID = r"^[0-9]{1,19}-[0-9]{1,19}$"  # 19 digits stay within the u64 Redis wants
+RunId = Annotated[str, Path(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
-def build_router(store: RunStore, auth: Auth) -> APIRouter:
+def over_step_caps(spec: RunSpec, max_requests: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Validation errors (FastAPI's shape) for a spec whose one step is bigger than the
+    coordinator takes: requests (prompts x responses) and response tokens bound its memory."""
+    requests = spec.prompts_per_step * spec.group_size
+    tokens = requests * spec.max_new_tokens
+    found = []
+    if requests > max_requests:
+        found.append(
+            {
+                "loc": ("body", "prompts_per_step"),
+                "msg": f"prompts_per_step x group_size = {requests} requests per step, over "
+                f"the coordinator's limit of {max_requests} (SPOTRL_MAX_STEP_REQUESTS)",
+                "type": "value_error",
+            }
+        )
+    if tokens > max_tokens:
+        found.append(
+            {
+                "loc": ("body", "max_new_tokens"),
+                "msg": f"prompts_per_step x group_size x max_new_tokens = {tokens} tokens per "
+                f"step, over the coordinator's limit of {max_tokens} (SPOTRL_MAX_STEP_TOKENS)",
+                "type": "value_error",
+            }
+        )
+    return found
+
+
+def check_files(spec: RunSpec, max_task_file_bytes: int) -> None:
+    """Every file a spec names is there and readable (ModelFolderError, TaskFileError)."""
+    spec.check_model_folder()
+    spec.check_task_file(max_task_file_bytes)
+
+
+def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
     write, read = auth.write, auth.read
     read_one = {**auth.read_errors, **errors(404)}
@@ -45,6 +82,9 @@ def build_router(store: RunStore, auth: Auth) -> APIRouter:
             started_at=float(run["started_at"]) if "started_at" in run else None,
             finished_at=float(run["finished_at"]) if "finished_at" in run else None,
             error=run.get("error", ""),
+            stall_reason=run.get("stall_reason", "") if run["state"] == "stalled" else "",
+            stalled_since=float(run["stalled_since"]) if "stalled_since" in run else None,
+            groups_quarantined=int(run.get("groups_quarantined", 0)),
         )
 
     @router.post(
@@ -52,12 +92,17 @@ def build_router(store: RunStore, auth: Auth) -> APIRouter:
         status_code=201,
         response_model=RunCreated,
         dependencies=write,
-        responses={**auth.write_errors, **errors(400)},
+        responses={**auth.write_errors, **errors(400, 413)},
     )
     async def submit(spec: RunSpec) -> RunCreated:
+        """Queue a run. Refused: a step over the coordinator's caps (422), a model folder or
+        task file that is missing, unreadable, too large or not UTF-8 (400)."""
+        too_big = over_step_caps(spec, settings.max_step_requests, settings.max_step_tokens)
+        if too_big:
+            raise RequestValidationError(too_big)
         try:
-            spec.check_model_folder()
-        except ModelFolderError as exc:
+            await asyncio.to_thread(check_files, spec, settings.max_task_file_bytes)
+        except (ModelFolderError, TaskFileError) as exc:
             raise HTTPException(400, str(exc)) from None
         run_id = await store.submit(spec)
         return RunCreated(id=run_id, state="queued")
@@ -67,13 +112,13 @@ def build_router(store: RunStore, auth: Auth) -> APIRouter:
         return [await public(run_id) for run_id in await store.list_ids(limit)]
 
     @router.get("/{run_id}", response_model=RunPublic, dependencies=read, responses=read_one)
-    async def get_run(run_id: str) -> RunPublic:
+    async def get_run(run_id: RunId) -> RunPublic:
         return await public(run_id)
 
     @router.get(
         "/{run_id}/metrics", response_model=RunMetrics, dependencies=read, responses=read_one
     )
-    async def metrics(run_id: str) -> RunMetrics:
+    async def metrics(run_id: RunId) -> RunMetrics:
         await public(run_id)
         return RunMetrics(run_id=run_id, steps=await store.metrics(run_id))
 
@@ -81,7 +126,7 @@ def build_router(store: RunStore, auth: Auth) -> APIRouter:
         "/{run_id}/timeline", response_model=RunTimeline, dependencies=read, responses=read_one
     )
     async def run_timeline(
-        run_id: str,
+        run_id: RunId,
         after_event: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
         after_sample: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
         count: Annotated[int, Query(ge=1, le=timeline.READ_MAX)] = timeline.READ_MAX,
@@ -101,7 +146,7 @@ def build_router(store: RunStore, auth: Auth) -> APIRouter:
         dependencies=write,
         responses={**auth.write_errors, **errors(404, 409)},
     )
-    async def cancel(run_id: str) -> RunPublic:
+    async def cancel(run_id: RunId) -> RunPublic:
         try:
             await store.cancel(run_id)
         except RunNotFound:

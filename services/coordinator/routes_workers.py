@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Path, Response
 from services.common import keys
 from services.common.messages import WorkerControl
 from services.common.service import Auth, errors
-from services.coordinator.scheduling import heartbeats, order
+from services.coordinator.scheduling import crash_reports, heartbeats, order
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
@@ -18,14 +18,14 @@ WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0
 
 def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
     router = APIRouter(prefix="/v1/workers", tags=["workers"])
-    change = {**auth.write_errors, **errors(400, 404, 409)}
+    change = {**auth.write_errors, **errors(400, 404, 409, 413)}
 
     @router.post(
         "",
         status_code=201,
         response_model=WorkerPublic,
         dependencies=auth.write,
-        responses={**auth.write_errors, **errors(400)},
+        responses={**auth.write_errors, **errors(400, 413)},
     )
     async def register(worker: WorkerCreate) -> WorkerPublic:
         async with r.pipeline(transaction=True) as pipe:
@@ -44,8 +44,9 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
     async def list_workers(alive: bool | None = None) -> list[WorkerPublic]:
         out = []
         beats = await heartbeats(r)
-        for raw_id in sorted(await r.smembers(keys.WORKER_INDEX)):
-            worker_id = raw_id.decode()
+        ids = sorted(x.decode() for x in await r.smembers(keys.WORKER_INDEX))
+        crashes = await crash_reports(r, ids)
+        for worker_id in ids:
             info = {
                 k.decode(): v.decode() for k, v in (await r.hgetall(keys.worker(worker_id))).items()
             }
@@ -63,6 +64,8 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
                 version=beat.version if beat else None,
                 active=beat.active if beat else 0,
                 tokens_generated=beat.tokens_generated if beat else 0,
+                last_error=str(crashes.get(worker_id, {}).get("error", ""))
+                or (beat.error if beat else ""),
             )
             if alive is None or item.alive == alive:
                 out.append(item)

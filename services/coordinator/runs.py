@@ -1,6 +1,8 @@
 """Runs in Redis: submission into a FIFO queue, listing, cancellation, activation, metrics rows.
 
-A run is a hash `run(id)`; the queue is a list; at most one run is active at a time.
+A run is a hash `run(id)`; the queue is a list; at most one run is active at a time. An active
+run is running or stalled (it cannot progress, and says why); it goes between the two only while
+it is live, never out of a final state.
 """
 
 import time
@@ -9,8 +11,9 @@ import uuid
 import redis.asyncio as aioredis
 
 from services.common import keys, timeline
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.common.runspec import FINAL_STATES, LIVE_STATES, RunSpec
 from services.common.step_metrics import read_steps
+from services.coordinator import cleanup
 
 
 class RunNotFound(LookupError):
@@ -21,13 +24,31 @@ class RunNotCancellable(ValueError):
     pass
 
 
+class RunFailed(Exception):
+    """The run cannot go on (stalled past its timeout, a poison request); the message is the
+    reason, shown as the run's error."""
+
+
+# Only while the run is live (ARGV[1], ARGV[2]): HDEL the ARGV[3] fields that follow, then HSET
+# the name, value pairs after them. A cancel that lands first is never undone.
+_SET_IF_LIVE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= ARGV[1] and state ~= ARGV[2] then return 0 end
+local n = tonumber(ARGV[3])
+if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 4, 3 + n)) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4 + n))
+return 1
+"""
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
 
 class RunStore:
-    def __init__(self, r: aioredis.Redis) -> None:
+    def __init__(self, r: aioredis.Redis, audit_ttl_s: int = 600) -> None:
         self.r = r
+        self.audit_ttl_s = audit_ttl_s  # how long a finished run's groups and deltas stay
 
     async def submit(self, spec: RunSpec) -> str:
         run_id = time.strftime("r%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
@@ -82,6 +103,30 @@ class RunStore:
         await timeline.emit(self.r, run_id, "state", state="running")
         return run_id
 
+    async def _set_if_live(self, run_id: str, fields: dict, drop: tuple[str, ...] = ()) -> bool:
+        pairs = [x for kv in fields.items() for x in kv]
+        args = [*LIVE_STATES, len(drop), *drop, *pairs]
+        return bool(await self.r.eval(_SET_IF_LIVE, 1, keys.run(run_id), *args))
+
+    async def mark_stalled(self, run_id: str, reason: str, since: float) -> bool:
+        """A live run cannot progress: say why (False if it is no longer live)."""
+        fields = {"state": "stalled", "stall_reason": reason, "stalled_since": since}
+        if not await self._set_if_live(run_id, fields):
+            return False
+        await timeline.emit(self.r, run_id, "state", state="stalled", reason=reason)
+        return True
+
+    async def update_stall_reason(self, run_id: str, reason: str) -> bool:
+        return await self._set_if_live(run_id, {"stall_reason": reason})
+
+    async def mark_running(self, run_id: str, reason: str) -> bool:
+        """A stalled run can progress again (False if it is no longer live)."""
+        fields = {"state": "running"}
+        if not await self._set_if_live(run_id, fields, ("stall_reason", "stalled_since")):
+            return False
+        await timeline.emit(self.r, run_id, "state", state="running", reason=reason)
+        return True
+
     async def finish(self, run_id: str, state: str, error: str = "") -> None:
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(
@@ -90,6 +135,7 @@ class RunStore:
             )
             await pipe.execute()
         await timeline.emit(self.r, run_id, "state", state=state, error=error)
+        await cleanup.release_run(self.r, run_id, state, self.audit_ttl_s)
         if await self.active() == run_id:
             await self.r.delete(keys.ACTIVE_RUN)
 

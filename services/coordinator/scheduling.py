@@ -4,6 +4,7 @@ All decisions come from `seeding.py` and `balancer.py`; this module only reads R
 orders.
 """
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,24 @@ async def heartbeats(r: aioredis.Redis) -> dict[str, Heartbeat]:
             out[worker_id] = Heartbeat.decode(raw)
         except MalformedMessage:
             continue
+    return out
+
+
+async def crash_reports(r: aioredis.Redis, worker_ids: list[str]) -> dict[str, dict]:
+    """The crash report of each of these workers that has one (JSON, see keys.worker_crash)."""
+    if not worker_ids:
+        return {}
+    raw = await r.mget([keys.worker_crash(w) for w in worker_ids])
+    out = {}
+    for worker_id, value in zip(worker_ids, raw, strict=True):
+        if value is None:
+            continue
+        try:
+            report = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(report, dict):
+            out[worker_id] = report
     return out
 
 
@@ -78,8 +97,9 @@ class StepScheduler:
         if not any(b.pool == "reserved" for b in workers.values()):
             await self._end_seeding({})  # nothing to seed with: the trainer may start
 
-    async def tick(self, table: RequestTable) -> None:
-        workers = await alive_workers(self.r, self.run_id)
+    async def tick(self, table: RequestTable, beats: dict[str, Heartbeat]) -> None:
+        """One pass, given every alive worker's heartbeat (`heartbeats`)."""
+        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
         count_pools(workers)
         reserved = [b for b in workers.values() if b.pool == "reserved"]
         if self.seed_start is None and any(b.version == self.step for b in reserved):
@@ -87,9 +107,13 @@ class StepScheduler:
         if not self.seeded_out:
             if not reserved:
                 await self._end_seeding(workers)  # the reserved pool is gone
-            elif self.seed_start is not None and (
-                time.monotonic() - self.seed_start >= self.window_s
+            elif (
+                self.seed_start is not None
+                and time.monotonic() - self.seed_start >= self.window_s
+                and any(b.pool == "preemptible" for b in workers.values())
             ):
+                # the reserved pool steps aside only for a preemptible pool that can take over:
+                # with none left, stepping aside would leave the step with nobody to serve it
                 await self._end_seeding(workers)
         await self._balance(table, workers)
 

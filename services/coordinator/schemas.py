@@ -45,7 +45,7 @@ class WorkerCreate(BaseModel):
     pool: Pool
     engine: str = Field(min_length=1, max_length=50)
     slots: int = Field(ge=1, le=100000)
-    url: str = ""
+    url: str = Field("", max_length=2048)
 
 
 class WorkerPublic(WorkerCreate):

@@ -9,3 +9,37 @@ class CoordinatorSettings(CommonSettings):
     observe_s: float = Field(
         2.0, gt=0, le=300, description="Period of the pool, tokens/s and queue-depth samples."
     )
+    stall_after_s: float = Field(
+        3.0,
+        gt=0,
+        le=3600,
+        description="A run whose step has had no live worker able to serve it (a worker still "
+        "loading the step's weights counts) for this long is stalled.",
+    )
+    max_step_requests: int = Field(
+        65536,
+        ge=1,
+        le=2**24,
+        description="Most requests one step may create (prompts_per_step x group_size); "
+        "a run spec over it is refused.",
+    )
+    max_step_tokens: int = Field(
+        2**27,
+        ge=1,
+        le=2**40,
+        description="Most response tokens one step may ask for (prompts_per_step x group_size "
+        "x max_new_tokens); a run spec over it is refused.",
+    )
+    max_task_file_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        le=2**40,
+        description="Largest task file (task_path) a run spec may name.",
+    )
+    audit_ttl_s: int = Field(
+        600,
+        ge=0,
+        le=30 * 86400,
+        description="How long a finished run's groups and deltas streams stay for audits "
+        "(a cancelled run's go at once, with its jobs and request tables).",
+    )

@@ -1,12 +1,14 @@
 """The durable copy of one step's request table, so that a coordinator killed mid-step (or cut
 off by a Redis restart) picks the step up where it was.
 
-What is kept, per step: whether its jobs were queued (and when), each request's lease and finish
-reason, its tokens and logprobs (appended as packed arrays: a flush costs the new tokens only),
-and the groups already handed to the trainer. The coordinator stages these writes in the same
-MULTI as the jobs it queues, the groups it publishes and the deltas it acknowledges, so each batch
-lands whole or not at all; a batch that did not land is read again from the coordinator's pending
-deltas, and applying it again changes nothing that landed (offsets make deltas idempotent).
+What is kept, per step: whether its jobs were queued (and when), each request's lease, finish
+reason and the workers that crashed running it, its tokens and logprobs (appended as packed
+arrays: a flush costs the new tokens only), the groups already handed to the trainer and those
+quarantined (dropped: a request of theirs crashed too many workers). The coordinator stages
+these writes in the same MULTI as the jobs it queues, the groups it publishes and the deltas it
+acknowledges, so each batch lands whole or not at all; a batch that did not land is read again
+from the coordinator's pending deltas, and applying it again changes nothing that landed
+(offsets make deltas idempotent).
 """
 
 from array import array
@@ -33,6 +35,7 @@ class StepStore:
         self.meta = keys.step_meta(run_id, step)
         self.state = keys.step_requests(run_id, step)
         self.published = keys.step_published(run_id, step)
+        self.quarantined = keys.step_quarantined(run_id, step)
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
 
@@ -53,14 +56,18 @@ class StepStore:
             req = table.requests.get(rid)
             if req is None:
                 continue
-            lease, _, finish = raw.decode().partition("|")
+            lease, _, rest = raw.decode().partition("|")
+            finish, _, crashed_on = rest.partition("|")
             req.lease = int(lease)
             req.finish_reason = finish or None  # type: ignore[assignment]
+            req.crashed_on = [w for w in crashed_on.split(",") if w]
             tokens = await self.r.get(self._token_key(rid)) or b""
             logprobs = await self.r.get(self._logprob_key(rid)) or b""
             req.token_ids = array("i", tokens).tolist()
             req.logprobs = array("d", logprobs).tolist()
             self.saved_len[rid] = len(req.token_ids)
+        for p in await self.r.smembers(self.quarantined):
+            table.quarantine(int(p))
         done = {int(p) for p in await self.r.smembers(self.published)}
         table.pending_groups -= done
         return float(meta[b"started_at"])
@@ -74,7 +81,8 @@ class StepStore:
         for rid in sorted(rids):
             req = table.requests[rid]
             saved = self.saved_len.get(rid, 0)
-            pipe.hset(self.state, rid, f"{req.lease}|{req.finish_reason or ''}")
+            crashed_on = ",".join(req.crashed_on)
+            pipe.hset(self.state, rid, f"{req.lease}|{req.finish_reason or ''}|{crashed_on}")
             if len(req.token_ids) < saved:  # restarted from zero (migration off)
                 saved = 0
                 pipe.delete(self._token_key(rid), self._logprob_key(rid))
@@ -90,10 +98,16 @@ class StepStore:
         pipe.sadd(self.published, prompt_index)
         pipe.expire(self.published, TTL_S)
 
+    def stage_quarantined(self, pipe, prompt_index: int) -> None:
+        """The group is dropped; its quarantined Group goes to the trainer in the same MULTI."""
+        pipe.sadd(self.quarantined, prompt_index)
+        pipe.expire(self.quarantined, TTL_S)
+        self.stage_published(pipe, prompt_index)
+
     async def expire_soon(self, ttl_s: int = 600) -> None:
         """The step is over: its copy is kept a while for audits, then goes."""
         async with self.r.pipeline(transaction=False) as pipe:
-            for key in (self.meta, self.state, self.published):
+            for key in (self.meta, self.state, self.published, self.quarantined):
                 pipe.expire(key, ttl_s)
             for rid in self.saved_len:
                 pipe.expire(self._token_key(rid), ttl_s)

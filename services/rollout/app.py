@@ -10,6 +10,7 @@ import torch
 from fastapi import FastAPI
 
 from services.common import keys
+from services.common.http_limits import guard_input
 from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.rollout.settings import RolloutSettings
@@ -34,8 +35,8 @@ def build_app(settings: RolloutSettings) -> FastAPI:
             from services.rollout.vllm_engine import import_vllm
 
             await asyncio.to_thread(import_vllm)  # a clear error now if it is not installed
-        tasks.start("jobs", worker.jobs_forever)
-        tasks.start("generate", worker.generate_forever)
+        tasks.start("jobs", lambda: worker.reporting_crash(worker.jobs_forever))
+        tasks.start("generate", lambda: worker.reporting_crash(worker.generate_forever, True))
         tasks.start("heartbeat", worker.heartbeat_forever)
         yield
         # SIGTERM is the preemption notice: stop taking jobs, release everything held, go.
@@ -57,6 +58,7 @@ def build_app(settings: RolloutSettings) -> FastAPI:
     app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
     auth = auth_for(settings)
     add_health_and_metrics(app, "rollout", tasks, extra=worker.status, auth=auth)
+    guard_input(app, settings.api_token, settings.max_body_bytes)
 
     @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
     async def status() -> dict:

@@ -1,10 +1,11 @@
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.common.messages import Pool
 from services.common.settings import CommonSettings
@@ -55,3 +56,19 @@ class RolloutSettings(CommonSettings):
         "with the batch, as a real engine's does past its plateau (tests, benchmarks).",
     )
     advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")
+    fault_crash_requests: str = Field(
+        "",
+        max_length=1000,
+        description="Fault injection, for tests only: a regex of request ids "
+        '("{step}:{prompt}:{sample}"); a decode step holding a matching request raises '
+        "RuntimeError and the worker dies of it (a poison request). Empty: off.",
+    )
+
+    @field_validator("fault_crash_requests")
+    @classmethod
+    def _regex_compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a regular expression: {exc}") from None
+        return value

@@ -4,19 +4,29 @@ flushes token deltas every few tokens. One asyncio task talks to Redis; one driv
 
 The engine is driven by the generation task; the jobs task touches it only to load a new
 version or drop a run, under `engine_lock`, so a load never lands in the middle of a step.
+
+A task that dies of an error (the engine's, a load's) first writes a crash report (the error,
+the requests it was running) and gives those requests back with reason "crash", so that they
+migrate at once and the coordinator can tell a request that crashes every worker it runs on.
+A job marked `isolate` (it was running in such a crash) runs with nothing beside it.
 """
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common import keys
+from services.common import keys, timeline
 from services.common.messages import (
     DeltaBatch,
     DeltaItem,
@@ -33,7 +43,7 @@ from services.common.redis_streams import (
     with_reconnect,
 )
 from services.common.service import auth_headers
-from services.common.weights import WeightClient, WeightTransferError
+from services.common.weights import WeightClient, WeightConflict, WeightTransferError
 from services.rollout.engine import TokenEvent, make_engine
 from services.rollout.settings import RolloutSettings
 
@@ -48,13 +58,16 @@ PULL_S = Histogram(
 )
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
 FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
+CRASH_TTL_S = 24 * 3600  # a crash report stays this long
+CRASH_REPORT_S = 10.0  # most time spent reporting a crash before the worker goes anyway
+ERROR_CHARS = 500  # of an error kept in a crash report
 
 
 class Pending:
     """Tokens of one request generated since its last flush."""
 
-    def __init__(self, lease: int, offset: int) -> None:
-        self.lease, self.offset = lease, offset
+    def __init__(self, lease: int, offset: int, isolate: bool = False) -> None:
+        self.lease, self.offset, self.isolate = lease, offset, isolate
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason = None
@@ -71,6 +84,7 @@ class RolloutWorker:
         self.run_id: str | None = None
         self.version: int | None = None
         self.inbox: asyncio.Queue[tuple[bytes, Job]] = asyncio.Queue()
+        self.deferred: list[tuple[bytes, Job]] = []  # read, waiting to run alone or beside none
         self.orders: asyncio.Queue[WorkerControl] = asyncio.Queue()
         self.plateau = PlateauEstimator(settings.slots)
         self.paused_version: int | None = None
@@ -81,10 +95,14 @@ class RolloutWorker:
         self.steps_since_flush = 0
         self.last_flush = time.monotonic()
         self.state = "starting"
+        self.crashed = ""  # the error a task died of; the worker is on its way out
+        self.fault = (
+            re.compile(settings.fault_crash_requests) if settings.fault_crash_requests else None
+        )
 
     @property
     def busy(self) -> int:
-        return self.engine.active + self.inbox.qsize()
+        return self.engine.active + self.inbox.qsize() + len(self.deferred)
 
     # ---- registration and heartbeat ----
     async def register(self) -> None:
@@ -125,6 +143,7 @@ class RolloutWorker:
                 tokens_generated=self.tokens_generated,
                 plateau=self.plateau.plateau(),
                 paused=self.paused_version is not None and self.paused_version == self.version,
+                error=self.crashed,
                 at=time.time(),
             )
             await with_reconnect(
@@ -143,6 +162,10 @@ class RolloutWorker:
         last = await self.r.xrevrange(keys.worker_control(self.s.worker_id), count=1)
         self.control_last_id = last[0][0] if last else b"0-0"  # orders to earlier incarnations
         while True:
+            if self.crashed:  # take no more work: the service is going down
+                self.state = "crashed"
+                await asyncio.sleep(0.1)
+                continue
             await self._read_control()
             raw = await with_reconnect(lambda: self.r.get(keys.ACTIVE_RUN), "active run")
             run_id = raw.decode() if raw else None
@@ -213,6 +236,7 @@ class RolloutWorker:
         dropped = len(self.engine.abort_all())
         while not self.inbox.empty():
             self.inbox.get_nowait()
+        self.deferred.clear()
         self.entry_of.clear()
         self.pending.clear()
         return dropped
@@ -221,8 +245,17 @@ class RolloutWorker:
         self.state = "loading"
         started = time.monotonic()
         dest = self.s.cache_dir / self.s.worker_id / run_id / f"v{version}"
+        # Only the content the trainer announced with the version is ever loaded.
+        digest = await self.r.hget(keys.run_digests(run_id), version)
         try:
-            result = await self.weights.pull(run_id, version, dest)
+            if digest is None:
+                raise WeightConflict(run_id, version, "was announced without a digest")
+            result = await self.weights.pull(run_id, version, dest, expect_digest=digest.decode())
+        except WeightConflict as exc:
+            log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
+            self.version = None
+            await asyncio.sleep(1.0)
+            return
         except WeightTransferError as exc:
             # Nothing half-pulled is ever loaded: keep no version and try again.
             log.warning("could not pull %s v%d yet: %s", run_id, version, exc)
@@ -254,13 +287,7 @@ class RolloutWorker:
         while True:
             while not self.orders.empty():
                 await self._obey(self.orders.get_nowait())
-            while not self.inbox.empty():
-                entry_id, job = self.inbox.get_nowait()
-                if job.run_id != self.run_id or job.version != self.version:
-                    continue
-                self.engine.add(job)
-                self.entry_of[job.request_id] = entry_id
-                self.pending[job.request_id] = Pending(job.lease, len(job.prefix_ids))
+            self._admit()
             ACTIVE.set(self.engine.active)
             if self.engine.active == 0:
                 await self._flush()
@@ -268,6 +295,7 @@ class RolloutWorker:
                 continue
             batch, started = self.engine.active, time.perf_counter()
             async with self.engine_lock:
+                self._inject_fault()
                 events = await self.engine.step()
             delay_ms = self.s.step_delay_ms + self.s.step_delay_per_request_ms * batch
             if delay_ms:
@@ -278,6 +306,31 @@ class RolloutWorker:
             due = (time.monotonic() - self.last_flush) * 1000 >= self.s.flush_ms
             if finished or due or self.steps_since_flush >= self.s.flush_tokens:
                 await self._flush()
+
+    def _admit(self) -> None:
+        """Start the jobs read, in order. A job marked `isolate` runs with nothing beside it:
+        it waits for the engine to empty, and nothing starts while it runs."""
+        waiting = self.deferred + [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]
+        self.deferred = []
+        for entry_id, job in waiting:
+            if job.run_id != self.run_id or job.version != self.version:
+                continue
+            alone = any(p.isolate and p.finish_reason is None for p in self.pending.values())
+            if alone or (job.isolate and self.engine.active):
+                self.deferred.append((entry_id, job))
+                continue
+            self.engine.add(job)
+            self.entry_of[job.request_id] = entry_id
+            self.pending[job.request_id] = Pending(job.lease, len(job.prefix_ids), job.isolate)
+
+    def _inject_fault(self) -> None:
+        """Fault injection for tests (`fault_crash_requests`): a decode step that holds a
+        matching request dies of a RuntimeError, as an engine bug would."""
+        if self.fault is None:
+            return
+        for rid, p in self.pending.items():
+            if p.finish_reason is None and self.fault.fullmatch(rid):
+                raise RuntimeError(f"fault injection: request {rid} crashes this worker")
 
     def _abort(self, req: RequestLease) -> None:
         """Drop a request whose lease moved on (fencing); its job entry is no longer ours."""
@@ -305,8 +358,9 @@ class RolloutWorker:
     def _held(self) -> list[RequestLease]:
         """Every request this worker holds, those never started first, then by tokens left."""
         held = []
-        while not self.inbox.empty():  # read from the stream but never started
-            entry_id, job = self.inbox.get_nowait()
+        waiting = self.deferred + [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]
+        self.deferred = []
+        for entry_id, job in waiting:  # read from the stream but never started
             held.append(RequestLease(request_id=job.request_id, lease=job.lease))
             self.entry_of[job.request_id] = entry_id
 
@@ -329,6 +383,57 @@ class RolloutWorker:
         """Preemption notice: flush every partial response, give every held request back and
         acknowledge its job, so the coordinator continues them elsewhere at once."""
         return await self._release(self._held(), "preemption")
+
+    async def reporting_crash(
+        self, loop: Callable[[], Awaitable[None]], drives_engine: bool = False
+    ) -> None:
+        """Run one of the worker's tasks; if it dies of an error, report the crash before the
+        error goes on to stop the service. Only the task that drives the engine blames the
+        requests the engine was running."""
+        try:
+            await loop()
+        except (RedisConnectionError, RedisTimeoutError):
+            raise  # not a crash: the loop starts again once Redis is back
+        except Exception as exc:
+            try:
+                await asyncio.wait_for(self._report_crash(exc, drives_engine), CRASH_REPORT_S)
+            except Exception:  # the original error matters more; say this one and go on
+                log.exception("could not report the crash")
+            raise
+
+    async def _report_crash(self, exc: Exception, blame_running: bool) -> None:
+        """Write the crash report, then give back what the engine was running (reason "crash"
+        when the engine failed) and what it had read but not started (reason "preemption":
+        those had no part in the crash)."""
+        if self.crashed:
+            return  # the other task died first and said so
+        self.crashed = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        running = [
+            RequestLease(request_id=rid, lease=p.lease)
+            for rid, p in self.pending.items()
+            if p.finish_reason is None and blame_running
+        ]
+        report = {
+            "at": time.time(),
+            "error": self.crashed,
+            "run_id": self.run_id,
+            "version": self.version,
+            "requests": [r.request_id for r in running],
+        }
+        await self.r.set(keys.worker_crash(self.s.worker_id), json.dumps(report), ex=CRASH_TTL_S)
+        log.error("crashed running %d requests: %s", len(running), self.crashed)
+        if self.run_id is not None:
+            await timeline.emit(
+                self.r,
+                self.run_id,
+                "worker_crashed",
+                worker=self.s.worker_id,
+                error=self.crashed,
+                requests=report["requests"],
+            )
+        async with self.engine_lock:  # the other task may be in a step
+            await self._release(running, "crash")
+            await self._release(self._held(), "preemption")
 
     def _record(self, events: list[TokenEvent]) -> bool:
         finished = False
@@ -383,8 +488,10 @@ class RolloutWorker:
         )
         done += [r.request_id for r in released]
         run_id = self.run_id
+        # NOMKSTREAM: a run that ended took its deltas stream along; a late flush adds nothing
         await with_reconnect(
-            lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields()), "flush deltas"
+            lambda: self.r.xadd(keys.deltas_stream(run_id), batch.fields(), nomkstream=True),
+            "flush deltas",
         )
         FLUSHES.inc()
         if done:

@@ -10,6 +10,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
@@ -23,9 +24,14 @@ from services.common.redis_streams import (
     read_group,
     with_reconnect,
 )
-from services.common.runspec import RunSpec
+from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
-from services.common.weights import WeightClient, WeightTransferError
+from services.common.weights import (
+    WeightClient,
+    WeightConflict,
+    WeightTransferError,
+    scan_folder,
+)
 from services.trainer.checkpoint import Checkpoints
 from services.trainer.settings import TrainerSettings
 
@@ -51,7 +57,7 @@ class TrainerLoop:
         self.status: dict = {"run_id": None, "step": None, "state": "idle"}
         self.weights_of = 0
         self.replaying = False
-        self.after_restart = False
+        self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
 
     async def forever(self) -> None:
         while True:
@@ -71,7 +77,7 @@ class TrainerLoop:
 
     async def _check_running(self, run_id: str) -> None:
         state = await self.r.hget(keys.run(run_id), "state")
-        if state != b"running":
+        if state is None or state.decode() not in LIVE_STATES:  # a stalled run is still live
             raise RunStopped(state.decode() if state else "deleted")
 
     async def train_run(self, run_id: str) -> None:
@@ -93,7 +99,6 @@ class TrainerLoop:
         else:
             step = await self._resume(run_id, policy, ckpts, int(version))
         self.weights_of = step  # the version the policy's weights are
-        self.after_restart = version is not None  # a crash may have come mid-commit
         self.replaying = True  # first the groups read before a restart and not acknowledged
         try:
             while step < spec.steps:
@@ -117,10 +122,9 @@ class TrainerLoop:
         if ckpt is not None:
             policy.load_state(await asyncio.to_thread(ckpt.load))
         if ckpt is not None and ckpt.step == version + 1:
-            # step `version` was trained and checkpointed; its version was never announced (the
-            # checkpoint holds exactly the weights a commit before the crash exported)
-            if version + 1 not in await self._committed(run_id):
-                await self._commit(run_id, policy, version + 1)
+            # step `version` was trained and checkpointed; its version was never announced (a
+            # commit of it before the crash is taken only with the digest recorded for it)
+            await self._commit(run_id, policy, version + 1)
             await self._ack_pending(run_id)
             await record_step(self.r, run_id, version, {"trainer_resumed": True})
             await self.r.hset(keys.trainer_state(run_id), "steps_trained", version + 1)
@@ -156,13 +160,15 @@ class TrainerLoop:
         wait_s = 0.0
         consumed = 0
         incomplete = 0
+        dropped = 0  # quarantined groups: part of the step's B, trained on never
         entry_ids: list[bytes] = []
         seed_wait_s = await self._wait_seeding(run_id, step)
         last_check = time.monotonic()
-        while consumed < spec.prompts_per_step:
+        replayed = "0"  # the entries given before a restart come again after this id, once each
+        while consumed + dropped < spec.prompts_per_step:
             t0 = time.monotonic()
-            want = spec.prompts_per_step - consumed
-            start = "0" if self.replaying else ">"
+            want = spec.prompts_per_step - consumed - dropped
+            start = replayed if self.replaying else ">"
             entries = await with_reconnect(
                 lambda n=want, s=start: read_group(
                     self.r, stream, keys.TRAINER_GROUP, "trainer", n, 100, s
@@ -172,6 +178,9 @@ class TrainerLoop:
             if not entries and self.replaying:
                 self.replaying = False
                 continue
+            if entries and self.replaying:
+                last = entries[-1][0]
+                replayed = last.decode() if isinstance(last, bytes) else last
             if not entries:
                 wait_s += time.monotonic() - t0
                 if time.monotonic() - last_check > 0.5:
@@ -187,6 +196,13 @@ class TrainerLoop:
                     continue
                 if group.step != step:
                     parked.append((entry[0], f"group of step {group.step} during step {step}"))
+                    continue
+                if group.quarantined:
+                    dropped += 1
+                    GROUPS.labels("quarantined").inc()
+                    log.warning(
+                        "run %s step %d: group %d was quarantined", run_id, step, group.prompt_index
+                    )
                     continue
                 if len(group.responses) != spec.group_size:
                     incomplete += 1
@@ -262,51 +278,96 @@ class TrainerLoop:
             await asyncio.sleep(0.02)
         return time.monotonic() - started
 
-    async def _take_version(self, run_id: str, policy, version: int) -> None:
-        """Load a committed version's weights from the store into the policy."""
+    async def _take_version(
+        self, run_id: str, policy, version: int, digest: str | None = None
+    ) -> None:
+        """Load a committed version's weights from the store into the policy: only the content
+        with `digest` (default: the one recorded for the version in Redis)."""
+        if digest is None:
+            raw = await self.r.hget(keys.run_digests(run_id), version)
+            if raw is None:
+                await self._fail_run(run_id, f"weight version {version} has no recorded digest")
+            digest = raw.decode()
         folder = self.settings.work_dir / run_id / f"take-v{version}"
-        await self.weights.pull(run_id, version, folder)
+        try:
+            await self.weights.pull(run_id, version, folder, expect_digest=digest)
+        except WeightConflict as exc:
+            await self._fail_run(run_id, str(exc))
         await asyncio.to_thread(policy.load_weights, folder)
         await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def _commit(self, run_id: str, policy, version: int) -> float:
+        """Commit the policy's weights as `version`, recording their digest first; a version
+        already in the store is ours only with that digest, else the run fails."""
         t0 = time.monotonic()
-        if self.after_restart:
-            # only the first commit after a restart can find its version there already
-            self.after_restart = False
-            if version in await self._committed(run_id):
-                # committed before the restart and never announced; versions are immutable, so
-                # train on from exactly what the workers will pull
-                await self._take_version(run_id, policy, version)
-                log.warning("run %s: version %d was already committed; took it", run_id, version)
-                return time.monotonic() - t0
         folder = self.settings.work_dir / run_id / f"v{version}"
         await asyncio.to_thread(policy.export, folder)
+        local = await scan_folder(folder)
+        raw = await self.r.hget(keys.run_digests(run_id), version)
+        earlier = raw.decode() if raw is not None else None
+        # an attempt before a restart exported other weights as this version: if that commit
+        # landed, train on from exactly what the workers will pull (versions are immutable)
+        if earlier not in (None, local.digest) and (
+            await self._stored_digest(run_id, version) == earlier
+        ):
+            await self._take_version(run_id, policy, version, earlier)
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            self.committed = (version, earlier)
+            log.warning("run %s: version %d was already committed; took it", run_id, version)
+            return time.monotonic() - t0
+        await self.r.hset(keys.run_digests(run_id), version, local.digest)
         delay = 0.5
         while True:  # until a replica has it: a weight store may be restarting
             try:
-                await self.weights.upload_folder(folder, run_id, version, {"run_id": run_id})
+                await self.weights.upload_folder(
+                    folder, run_id, version, {"run_id": run_id}, scanned=local
+                )
                 break
+            except WeightConflict as exc:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+                await self._fail_run(run_id, str(exc))
             except WeightTransferError as exc:
                 log.warning("run %s: commit of v%d failed (%s); retrying", run_id, version, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-                if version in await self._committed(run_id):
-                    break  # the commit landed before the connection broke
         await asyncio.to_thread(shutil.rmtree, folder, True)
+        self.committed = (version, local.digest)
         return time.monotonic() - t0
 
-    async def _committed(self, run_id: str) -> list[int]:
+    async def _stored_digest(self, run_id: str, version: int) -> str | None:
+        """Digest of `version` in the weight store (None: not committed), retried while no
+        replica answers."""
         delay = 0.5
         while True:
             try:
-                return await self.weights.versions(run_id)
+                return await self.weights.stored_digest(run_id, version)
             except WeightTransferError as exc:
                 log.warning("run %s: weight store unreachable (%s); retrying", run_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+    async def _fail_run(self, run_id: str, reason: str) -> NoReturn:
+        """Fail the run (as the coordinator's RunStore.finish does) and stop training it."""
+        log.error("run %s failed: %s", run_id, reason)
+        if (await self.r.hget(keys.run(run_id), "state") or b"").decode() in LIVE_STATES:
+            await self.r.hset(
+                keys.run(run_id),
+                mapping={"state": "failed", "finished_at": time.time(), "error": reason},
+            )
+            await timeline.emit(self.r, run_id, "state", state="failed", error=reason)
+        raise RunStopped(f"failed: {reason}")
+
     async def _announce(self, run_id: str, version: int) -> None:
-        await self.r.set(keys.run_version(run_id), version)
+        """Publish `version` with its digest in one transaction: a reader that sees the version
+        finds its digest. Digests older than the one before are dropped."""
+        committed, digest = self.committed or (None, "")
+        if committed != version:
+            raise RuntimeError(f"announcing v{version}, but the last commit was v{committed}")
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.run_digests(run_id), version, digest)
+            pipe.set(keys.run_version(run_id), version)
+            if version >= 2:
+                pipe.hdel(keys.run_digests(run_id), version - 2)
+            await pipe.execute()
         VERSION.set(version)
-        log.info("run %s: version %d committed and announced", run_id, version)
+        log.info("run %s: version %d committed and announced (%s)", run_id, version, digest[:16])

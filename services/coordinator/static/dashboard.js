@@ -148,6 +148,9 @@ function render(run, rows, tl) {
 
 function renderSummary(run, rows, tl) {
   $("s-state").textContent = run.state;
+  $("s-state").className = "value " + run.state;
+  $("s-quarantined").textContent = String(run.groups_quarantined || 0);
+  renderStall(run);
   $("s-step").textContent = `${run.step} / ${run.steps}`;
   $("s-progress").style.width = `${Math.min(100, (100 * run.step) / Math.max(1, run.steps))}%`;
   $("s-reward").textContent = fmt(run.reward_mean, 3);
@@ -163,6 +166,37 @@ function renderSummary(run, rows, tl) {
   );
   $("s-migr").textContent = String(migrated);
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
+}
+
+// why a run cannot progress (stalled) or why it failed, in words
+function renderStall(run) {
+  const el = $("stall");
+  let text = "";
+  if (run.state === "stalled") {
+    const since = run.stalled_since ? ` since ${new Date(run.stalled_since * 1000).toLocaleTimeString()}` : "";
+    text = `stalled${since}: ${run.stall_reason}`;
+  } else if (run.state === "failed" && run.error) {
+    text = `failed: ${run.error}`;
+  }
+  el.textContent = text;
+  el.hidden = !text;
+}
+
+function renderWorkers(workers) {
+  const body = $("workers").querySelector("tbody");
+  body.innerHTML = "";
+  workers.forEach((w) => {
+    const tr = document.createElement("tr");
+    [w.id, w.pool, w.alive ? "yes" : "no", w.version ?? "–", String(w.active), w.last_error || ""].forEach(
+      (text, i) => {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (i === 5 && text) td.className = "error-text";
+        tr.appendChild(td);
+      },
+    );
+    body.appendChild(tr);
+  });
 }
 
 function renderEvents(events) {
@@ -200,7 +234,7 @@ async function fetchTimeline(runId) {
 
 function chooseRun(runs) {
   if (state.runId && runs.some((r) => r.id === state.runId)) return state.runId;
-  const running = runs.find((r) => r.state === "running");
+  const running = runs.find((r) => r.state === "running" || r.state === "stalled");
   return running ? running.id : runs.length ? runs[0].id : null;
 }
 
@@ -229,6 +263,7 @@ async function refresh() {
     state.runId = chooseRun(runs);
     fillSelect(runs);
     const run = runs.find((r) => r.id === state.runId);
+    renderWorkers(await api("/v1/workers"));
     if (run) {
       const [metrics, tl] = await Promise.all([
         api(`/v1/runs/${encodeURIComponent(run.id)}/metrics`),
