@@ -8,7 +8,6 @@ period) to some victims and SIGKILL (no notice) to the others.
 
 import logging
 import random
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -112,7 +111,7 @@ class ChaosRunner:
     def apply(self, target: int) -> Change:
         change = plan(self.running(), target, self.rng, self.sigterm_fraction)
         for name in change.sigterm:
-            self.deployment.procs[name].popen.send_signal(signal.SIGTERM)
+            self.deployment.procs[name].preempt()
         for name in change.sigkill:
             self.deployment.procs[name].kill()
         for _ in range(change.start):

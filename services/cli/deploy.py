@@ -2,6 +2,7 @@
 rollout workers. Used by `spotrl up` and by the integration tests; stops everything it started.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ class DeploymentConfig:
     reserved: int = 1
     preemptible: int = 1
     api_token: str | None = None
+    coordinator_port: int | None = None  # None: a free port
     redis_url: str | None = None  # use this Redis instead of starting one
     weightstores: int = 1  # weight-store replicas, each with its own folder
     worker_slots: int = 64
@@ -21,7 +23,8 @@ class DeploymentConfig:
     flush_tokens: int = 4
     trainer_threads: int = 1
     worker_threads: int = 1
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every service
+    worker_env: dict[str, str] = field(default_factory=dict)  # for the rollout workers only
     redis_appendonly: bool = False  # the append-only file, as compose runs it
 
 
@@ -57,9 +60,13 @@ class Deployment:
         """Use services that run elsewhere (the redis URL comes from the config)."""
         self.coordinator_url, self.weightstore_url = coordinator_url, weightstore_url
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(
+        self, timeout_s: float = 180.0, on_ready: Callable[[procs.Proc], None] | None = None
+    ) -> None:
+        """Start everything and wait until each answers /healthz (`on_ready` is called for each
+        process as it does)."""
         try:
-            self._start(timeout_s)
+            self._start(timeout_s, on_ready)
         except BaseException:
             self.stop()
             raise
@@ -105,14 +112,15 @@ class Deployment:
         self.procs["redis"] = proc
         return proc
 
-    def _start(self, timeout_s: float) -> None:
+    def _start(self, timeout_s: float, on_ready: Callable[[procs.Proc], None] | None) -> None:
         if not self.redis_url:
             proc, self.redis_url = procs.start_redis(
                 self.log_dir, self.work_dir / "redis", appendonly=self.config.redis_appendonly
             )
             self.procs["redis"] = proc
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
-        co_port, tr_port = procs.free_port(), procs.free_port()
+        co_port = self.config.coordinator_port or procs.free_port()
+        tr_port = procs.free_port()
         self.weightstore_url = ",".join(f"http://127.0.0.1:{p}" for p in ws_ports)
         self.coordinator_url = f"http://127.0.0.1:{co_port}"
         self.trainer_url = f"http://127.0.0.1:{tr_port}"
@@ -141,7 +149,7 @@ class Deployment:
             self.add_worker("reserved", wait=False)
         for _ in range(self.config.preemptible):
             self.add_worker("preemptible", wait=False)
-        procs.wait_healthy(list(self.procs.values()), timeout_s)
+        procs.wait_healthy(list(self.procs.values()), timeout_s, on_ready)
 
     def add_worker(self, pool: str, wait: bool = True, **settings: str) -> procs.Proc:
         self._workers += 1
@@ -160,6 +168,7 @@ class Deployment:
                 "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
                 "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
             }
+            | self.config.worker_env
             | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
         )
         proc = self._service(name, "services.rollout.main", env, port)
@@ -167,14 +176,33 @@ class Deployment:
             procs.wait_healthy([proc])
         return proc
 
+    def replace_worker(self, name: str) -> procs.Proc:
+        """Start a new worker, under a new name, in the place of `name` (same pool and settings);
+        forget the old one, which must have exited. A new name is a new consumer: the jobs the
+        old one held are reclaimed by the coordinator when its heartbeat expires."""
+        if self.procs[name].alive():
+            raise RuntimeError(f"{name} is still running")
+        del self.procs[name]
+        module, env, _ = self.launch.pop(name)
+        self._workers += 1
+        new_name = f"rollout-{env['SPOTRL_POOL']}-{self._workers}"
+        port = procs.free_port()
+        env = env | {
+            "SPOTRL_PORT": str(port),
+            "SPOTRL_WORKER_ID": new_name,
+            "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
+        }
+        return self._service(new_name, module, env, port)
+
     def workers(self) -> list[procs.Proc]:
-        return [p for name, p in self.procs.items() if name.startswith("rollout-")]
+        # a copy first: the chaos thread and the supervisor add and replace workers
+        return [p for p in list(self.procs.values()) if p.name.startswith("rollout-")]
 
     def check_alive(self) -> None:
         """Raise if a core service died (workers are preemptible: they may come and go)."""
         for p in self.procs.values():
             if not p.name.startswith("rollout-") and not p.alive():
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+                raise procs.died(p)
 
     def __enter__(self) -> "Deployment":
         self.start()

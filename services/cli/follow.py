@@ -21,11 +21,31 @@ def _num(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def progress_info(run: dict, alive_workers: int) -> str:
-    return (
-        f"{run['state']}  reward {_num(run['reward_mean'], 3)}  "
+STALL_REASON_CHARS = 60  # in the progress bar; the whole reason is printed once above it
+
+
+def progress_info(run: dict, alive_workers: int, note: str = "") -> str:
+    state = run["state"]
+    if state == "stalled":
+        reason = run.get("stall_reason") or "?"
+        state = f"stalled ({reason[:STALL_REASON_CHARS]})"
+    text = (
+        f"{state}  reward {_num(run['reward_mean'], 3)}  "
         f"tok/s {_num(run['tokens_per_s'], 0)}  workers {alive_workers}"
     )
+    return f"{text}  {note}" if note else text
+
+
+def state_change_line(before: dict | None, run: dict) -> str | None:
+    """What to print when a run becomes stalled or goes on again (None: nothing to say)."""
+    was = before["state"] if before else None
+    if run["state"] == "stalled" and (
+        was != "stalled" or before.get("stall_reason") != run.get("stall_reason")
+    ):
+        return f"run {run['id']} stalled: {run.get('stall_reason') or '?'}"
+    if was == "stalled" and run["state"] == "running":
+        return f"run {run['id']} running again"
+    return None
 
 
 def progress_bar(title: str) -> Progress:
@@ -44,22 +64,29 @@ def progress_bar(title: str) -> Progress:
 def follow_run(
     client: CoordinatorClient,
     run_id: str,
-    check: Callable[[], None] | None = None,
+    check: Callable[[dict], None] | None = None,
     poll_s: float = 0.5,
+    note: Callable[[], str] | None = None,
 ) -> dict:
-    """Show a progress bar of the run's steps until it reaches a final state; return the run."""
+    """Show a progress bar of the run's steps until it reaches a final state; return the run.
+    `check(run)` is called on every poll and may raise to stop following; `note()` adds text to
+    the bar. A stalled run's reason is printed when it stalls, and its return when it goes on."""
     with progress_bar(f"run {run_id}") as bar:
-        run = client.run(run_id)
+        run, before = client.run(run_id), None
         task_id = bar.add_task("RL steps", total=run["steps"], info=run["state"])
         while True:
+            change = state_change_line(before, run)
+            if change:
+                bar.console.print(change, markup=False, highlight=False, soft_wrap=True)
             alive = sum(w["alive"] for w in client.workers())
-            bar.update(task_id, completed=run["step"], info=progress_info(run, alive))
+            info = progress_info(run, alive, note() if note else "")
+            bar.update(task_id, completed=run["step"], info=info)
             if run["state"] in FINAL_STATES:
                 return run
             if check is not None:
-                check()
+                check(run)
             time.sleep(poll_s)
-            run = client.run(run_id)
+            run, before = client.run(run_id), run
 
 
 def runs_table(runs: list[dict]) -> Table:
@@ -72,13 +99,23 @@ def runs_table(runs: list[dict]) -> Table:
             _num(run["reward_mean"], 3),
             _num(run["tokens_per_s"], 0),
             _num(run["t_seed_s"], 2),
-            run["error"][:60],
+            (run["error"] or run.get("stall_reason") or "")[:60],
         )
     return table
 
 
 def workers_table(workers: list[dict]) -> Table:
-    table = Table("worker", "pool", "engine", "alive", "run", "version", "active/slots", "tokens")
+    table = Table(
+        "worker",
+        "pool",
+        "engine",
+        "alive",
+        "run",
+        "version",
+        "active/slots",
+        "tokens",
+        "last error",
+    )
     for w in workers:
         table.add_row(
             w["id"],
@@ -89,6 +126,7 @@ def workers_table(workers: list[dict]) -> Table:
             "-" if w["version"] is None else str(w["version"]),
             f"{w['active']}/{w['slots']}",
             str(w["tokens_generated"]),
+            (w.get("last_error") or "")[:60],
         )
     return table
 

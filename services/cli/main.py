@@ -15,6 +15,8 @@ def _interrupt(signum, frame) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from services.cli.up import up
 
     if args.weightstores < 1:
@@ -34,6 +36,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
         except VLLMUnavailable as exc:
             print(f"spotrl up --engine vllm: {exc}", file=sys.stderr)
             return 2
+    if args.port is not None and not 1 <= args.port <= 65535:
+        print(f"--port {args.port}: a TCP port is 1..65535", file=sys.stderr)
+        return 2
+    if args.port is not None and not _port_free(args.port):
+        # else another service on it could answer for our coordinator
+        print(f"--port {args.port}: in use on 127.0.0.1", file=sys.stderr)
+        return 2
+    if args.stall_timeout_s < 0:
+        print("--stall-timeout-s must be >= 0 (0: wait for ever)", file=sys.stderr)
+        return 2
+    try:
+        worker_env = _parse_env(args.worker_env)
+    except ValueError as exc:
+        print(f"--worker-env: {exc}", file=sys.stderr)
+        return 2
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
     overrides = {
         "prompts_per_step": args.prompts_per_step,
@@ -42,6 +59,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "seed": args.seed,
+        "stall_timeout_s": args.stall_timeout_s or None,
     }
     if args.task_path:
         overrides["task_path"] = args.task_path
@@ -60,14 +78,42 @@ def _cmd_up(args: argparse.Namespace) -> int:
             chaos,
             args.weightstores,
             args.engine,
+            api_token=os.environ.get("SPOTRL_API_TOKEN") or None,
+            port=args.port,
+            worker_env=worker_env,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
         return 130
+    except ValidationError as exc:
+        print(f"spotrl up: invalid run options:\n{exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary))
-    ok = summary["state"] == "succeeded" and summary["groups_incomplete"] == 0
-    ok = ok and summary["lost"] == 0 and summary["duplicated"] == 0
+    ok = summary["state"] == "succeeded" and summary.get("groups_incomplete") == 0
+    ok = ok and summary.get("lost") == 0 and summary.get("duplicated") == 0
     return 0 if ok else 1
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    """KEY=VALUE strings to a dict; KEY is an environment variable name."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        env[key] = value
+    return env
 
 
 def _chaos_options(args: argparse.Namespace):
@@ -304,6 +350,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.add_argument(
+        "--port", type=int, help="coordinator port (API and dashboard; default: a free port)"
+    )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=300.0,
+        help="fail the run once it has been stalled this long (0: wait for ever)",
+    )
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the rollout workers only (repeatable), e.g. SPOTRL_DEVICE=cuda",
+    )
     _add_chaos_options(p, required=False)
     p.set_defaults(func=_cmd_up)
 

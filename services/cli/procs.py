@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     url: str | None = None
+    stopped_on_purpose: bool = False  # we stopped it: its exit is no death to report
 
     @property
     def pid(self) -> int:
@@ -43,7 +45,14 @@ class Proc:
         except OSError:
             return ""
 
+    def preempt(self) -> None:
+        """SIGTERM, the preemption notice; the process exits within its grace period."""
+        self.stopped_on_purpose = True
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, grace_s: float = 10.0) -> None:
+        self.stopped_on_purpose = True
         if not self.alive():
             return
         self.popen.send_signal(signal.SIGTERM)
@@ -54,6 +63,7 @@ class Proc:
             self.popen.wait(5)
 
     def kill(self) -> None:
+        self.stopped_on_purpose = True
         if self.alive():
             self.popen.kill()
             self.popen.wait(5)
@@ -90,16 +100,30 @@ def start_service(name: str, module: str, env: dict[str, str], log_dir: Path, po
     return start(name, [sys.executable, "-m", module], env, log_dir, f"http://127.0.0.1:{port}")
 
 
-def wait_healthy(procs: list[Proc], timeout_s: float = 120.0) -> None:
+class ProcessDied(RuntimeError):
+    """A process we started exited; the message carries its exit code and last log lines."""
+
+
+def died(p: Proc) -> ProcessDied:
+    return ProcessDied(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+
+
+def wait_healthy(
+    procs: list[Proc], timeout_s: float = 120.0, on_ready: Callable[[Proc], None] | None = None
+) -> None:
+    """Until every process with a URL answers /healthz (`on_ready` is called for each as it
+    does); raise ProcessDied if one exits first."""
     deadline = time.monotonic() + timeout_s
     waiting = [p for p in procs if p.url]
     while waiting:
         for p in list(waiting):
             if not p.alive():
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
+                raise died(p)
             try:
                 if httpx.get(f"{p.url}/healthz", timeout=2.0).status_code == 200:
                     waiting.remove(p)
+                    if on_ready is not None:
+                        on_ready(p)
             except httpx.HTTPError:
                 pass
         if time.monotonic() > deadline:

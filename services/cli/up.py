@@ -1,18 +1,24 @@
 """`spotrl up`: the embedded default. Starts every service as a local process, builds the base
-model if it is missing, submits one run, shows its progress, stops everything on exit or Ctrl-C
-and prints a JSON summary as the last line.
+model if it is missing, submits one run, shows its progress, restarts rollout workers that die
+(`services.cli.supervisor`), stops everything on exit or Ctrl-C and prints a JSON summary as the
+last line. It exits through `UpAborted` when a core service dies or the run cannot progress.
 """
 
 import json
+import secrets
 import time
 from pathlib import Path
 
+import httpx
+
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
-from services.cli.client import CoordinatorClient
+from services.cli.client import CoordinatorClient, CoordinatorError
 from services.cli.deploy import Deployment, DeploymentConfig
 from services.cli.follow import console, follow_run, progress_bar
 from services.cli.plots import plot_run
+from services.cli.procs import Proc, ProcessDied
+from services.cli.supervisor import Death, StallGuard, WorkerSupervisor, error_headline
 from services.common.runspec import RunSpec
 
 
@@ -58,6 +64,48 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
     }
 
 
+class UpAborted(RuntimeError):
+    """`spotrl up` stopped before the run reached a final state; the message says why."""
+
+
+def new_run_dir(work_dir: Path) -> Path:
+    """A folder of its own for each invocation, even two started in the same second."""
+    run_dir = work_dir / f"{time.strftime('up-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def announce(proc: Proc) -> None:
+    """Say where a service answers as soon as it does."""
+    if proc.name == "coordinator":
+        console.print(f"coordinator API {proc.url} (dashboard {proc.url}/)", soft_wrap=True)
+    elif proc.name.startswith("weightstore"):
+        console.print(f"{proc.name.replace('weightstore', 'weight store')} {proc.url}")
+    elif proc.name == "trainer":
+        console.print(f"trainer {proc.url}")
+
+
+def report_death(death: Death) -> None:
+    console.print(
+        f"worker {death.worker} died (exit {death.exit_code}, up {death.uptime_s:.1f} s): "
+        f"{death.headline}",
+        style="bold red",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    for line in death.log_tail.splitlines():
+        console.print(f"  | {line}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"restarting it in {death.restart_in_s:g} s", soft_wrap=True)
+
+
+def died_reason(exc: ProcessDied) -> str:
+    """One line for the summary: who exited with what, and its error line."""
+    first, _, log_text = str(exc).partition("\n")
+    headline = error_headline(log_text)
+    return f"{first.rstrip(':')}: {headline}" if headline else first.rstrip(":")
+
+
 def up(
     work_dir: Path,
     model: Path,
@@ -70,11 +118,14 @@ def up(
     chaos: ChaosOptions | None = None,
     weightstores: int = 1,
     engine: str = "hf",
+    api_token: str | None = None,
+    port: int | None = None,
+    worker_env: dict[str, str] | None = None,
 ) -> dict:
     started = time.monotonic()
-    ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
     spec = RunSpec(model=str(model.resolve()), task=task, steps=steps, **spec_overrides)
-    run_dir = work_dir / time.strftime("up-%Y%m%d-%H%M%S")
+    ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
+    run_dir = new_run_dir(work_dir)
     targets = chaos.targets(preemptible) if chaos else []
     if targets:
         preemptible = targets[0][1]
@@ -82,36 +133,109 @@ def up(
         run_dir,
         reserved=reserved,
         preemptible=preemptible,
+        api_token=api_token,
+        coordinator_port=port,
         weightstores=weightstores,
         engine=engine,
         extra_env=chaos.worker_env() if chaos else {},
+        worker_env=worker_env or {},
     )
     deployment = Deployment(config)
-    console.print(f"starting services (logs in {run_dir / 'logs'})")
-    deployment.start()
+    console.print(f"starting services (logs in {run_dir / 'logs'})", soft_wrap=True)
     runner = None
+    run: dict = {"id": None, "state": "queued", "step": 0}
+    supervisor = None
     try:
-        client = CoordinatorClient(deployment.coordinator_url)
-        run_id = client.submit(json.loads(spec.model_dump_json()))
+        deployment.start(on_ready=announce)
+        # the chaos replay owns the preemptible workers: it starts and kills them on purpose
+        watched = [
+            p.name for p in deployment.workers() if not (chaos and "-preemptible-" in p.name)
+        ]
+        supervisor = WorkerSupervisor(deployment, watched, time.monotonic, report_death)
+        guard = StallGuard(spec.stall_timeout_s)
+        client = CoordinatorClient(deployment.coordinator_url, api_token)
+        run["id"] = client.submit(json.loads(spec.model_dump_json()))
         if chaos:
             runner = ChaosRunner(deployment, targets, chaos.sigterm_fraction, spec.seed)
             runner.start()
-        run = follow_run(client, run_id, deployment.check_alive)
+        run = follow_supervised(client, deployment, run, supervisor, guard)
         if runner:
             runner.stop()
-        rows = client.metrics(run_id)
-        (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
-        summary = summarize(run, rows, time.monotonic() - started)
+        summary = finished_summary(client, deployment, run, spec, run_dir, started)
         summary["engine"] = engine
-        summary["metrics_file"] = str(run_dir / "metrics.json")
-        summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run_id}"))
-        audit = audit_run(deployment.redis_url, run_id, spec, steps=run["step"])
-        summary |= {"lost": audit["lost"], "duplicated": audit["duplicated"]}
         if runner:
             summary["chaos"] = runner.counts
-        return summary
+    except (ProcessDied, UpAborted, CoordinatorError) as exc:
+        console.print(f"spotrl up stopped: {exc}", style="bold red", markup=False, soft_wrap=True)
+        reason = died_reason(exc) if isinstance(exc, ProcessDied) else str(exc)
+        summary = {
+            "run_id": run["id"],
+            "state": "aborted",
+            "run_state": run["state"],
+            "error": reason,
+            "stall_reason": run.get("stall_reason") or "",
+            "steps": run["step"],
+            "wall_s": round(time.monotonic() - started, 1),
+        }
     finally:
         if runner:
             runner.stop()
         console.print("stopping services")
         deployment.stop()
+    summary["seed"] = spec.seed
+    summary["run_dir"] = str(run_dir)
+    summary["worker_restarts"] = supervisor.restarts if supervisor else 0
+    summary["worker_last_error"] = supervisor.last_error if supervisor else ""
+    return summary
+
+
+def follow_supervised(
+    client: CoordinatorClient,
+    deployment: Deployment,
+    run: dict,
+    supervisor: WorkerSupervisor,
+    guard: StallGuard,
+) -> dict:
+    """Follow the run to a final state while restarting the workers that die; `run` is kept
+    up to date for the caller. Raises ProcessDied (a core service died) or UpAborted."""
+
+    def check(current: dict) -> None:
+        run.update(current)
+        deployment.check_alive()
+        supervisor.poll()
+        now = time.monotonic()
+        reason = guard.check(current, now, supervisor.crash_looping(), supervisor.last_error)
+        if reason:
+            raise UpAborted(reason)
+
+    def note() -> str:
+        return f"worker restarts {supervisor.restarts}" if supervisor.restarts else ""
+
+    try:
+        return follow_run(client, run["id"], check, note=note)
+    except httpx.HTTPError:
+        deployment.check_alive()  # a dead coordinator says so; anything else goes up
+        raise
+
+
+def finished_summary(
+    client: CoordinatorClient,
+    deployment: Deployment,
+    run: dict,
+    spec: RunSpec,
+    run_dir: Path,
+    started: float,
+) -> dict:
+    """The summary of a run that reached a final state, with its metrics, plot and audit."""
+    if run["state"] != "succeeded":
+        message = f"run {run['id']} {run['state']}: {run['error']}"
+        console.print(message, style="bold red", markup=False, soft_wrap=True)
+    rows = client.metrics(run["id"])
+    (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
+    summary = summarize(run, rows, time.monotonic() - started)
+    summary["error"] = run.get("error") or ""
+    summary["stall_reason"] = run.get("stall_reason") or ""
+    summary["metrics_file"] = str(run_dir / "metrics.json")
+    summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run['id']}"))
+    audit = audit_run(deployment.redis_url, run["id"], spec, steps=run["step"])
+    return summary | {"lost": audit["lost"], "duplicated": audit["duplicated"]}
