@@ -11,7 +11,8 @@ import uuid
 import redis.asyncio as aioredis
 
 from services.common import keys, timeline
-from services.common.runspec import FINAL_STATES, LIVE_STATES, RunSpec
+from services.common.run_state import set_if_live
+from services.common.runspec import FINAL_STATES, RunSpec
 from services.common.step_metrics import read_steps
 from services.coordinator import cleanup
 
@@ -27,18 +28,6 @@ class RunNotCancellable(ValueError):
 class RunFailed(Exception):
     """The run cannot go on (stalled past its timeout, a poison request); the message is the
     reason, shown as the run's error."""
-
-
-# Only while the run is live (ARGV[1], ARGV[2]): HDEL the ARGV[3] fields that follow, then HSET
-# the name, value pairs after them. A cancel that lands first is never undone.
-_SET_IF_LIVE = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= ARGV[1] and state ~= ARGV[2] then return 0 end
-local n = tonumber(ARGV[3])
-if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 4, 3 + n)) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4 + n))
-return 1
-"""
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -104,9 +93,7 @@ class RunStore:
         return run_id
 
     async def _set_if_live(self, run_id: str, fields: dict, drop: tuple[str, ...] = ()) -> bool:
-        pairs = [x for kv in fields.items() for x in kv]
-        args = [*LIVE_STATES, len(drop), *drop, *pairs]
-        return bool(await self.r.eval(_SET_IF_LIVE, 1, keys.run(run_id), *args))
+        return await set_if_live(self.r, run_id, fields, drop)
 
     async def mark_stalled(self, run_id: str, reason: str, since: float) -> bool:
         """A live run cannot progress: say why (False if it is no longer live)."""

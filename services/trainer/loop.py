@@ -24,6 +24,7 @@ from services.common.redis_streams import (
     read_group,
     with_reconnect,
 )
+from services.common.run_state import set_if_live
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.weights import (
@@ -349,11 +350,8 @@ class TrainerLoop:
     async def _fail_run(self, run_id: str, reason: str) -> NoReturn:
         """Fail the run (as the coordinator's RunStore.finish does) and stop training it."""
         log.error("run %s failed: %s", run_id, reason)
-        if (await self.r.hget(keys.run(run_id), "state") or b"").decode() in LIVE_STATES:
-            await self.r.hset(
-                keys.run(run_id),
-                mapping={"state": "failed", "finished_at": time.time(), "error": reason},
-            )
+        fields = {"state": "failed", "finished_at": time.time(), "error": reason}
+        if await set_if_live(self.r, run_id, fields):  # a cancel that landed first stays
             await timeline.emit(self.r, run_id, "state", state="failed", error=reason)
         raise RunStopped(f"failed: {reason}")
 

@@ -1,0 +1,30 @@
+"""Changing a run's state only while it is live (running or stalled), in one step inside Redis.
+
+The coordinator moves a run between running and stalled and fails it; the trainer fails it when
+its weights were taken over. Either may race a cancel: a run in a final state is never changed.
+"""
+
+import redis.asyncio as aioredis
+
+from services.common import keys
+from services.common.runspec import LIVE_STATES
+
+# Only while the run is live (ARGV[1], ARGV[2]): HDEL the ARGV[3] fields that follow, then HSET
+# the name, value pairs after them.
+_SET_IF_LIVE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= ARGV[1] and state ~= ARGV[2] then return 0 end
+local n = tonumber(ARGV[3])
+if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 4, 3 + n)) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4 + n))
+return 1
+"""
+
+
+async def set_if_live(
+    r: aioredis.Redis, run_id: str, fields: dict, drop: tuple[str, ...] = ()
+) -> bool:
+    """Drop `drop` and set `fields` on the run's hash if it is live; whether it was."""
+    pairs = [x for kv in fields.items() for x in kv]
+    args = [*LIVE_STATES, len(drop), *drop, *pairs]
+    return bool(await r.eval(_SET_IF_LIVE, 1, keys.run(run_id), *args))
