@@ -21,13 +21,13 @@ from tests.integration.conftest import read_groups, small_spec, wait_final, wait
 pytestmark = pytest.mark.slow
 
 
-def run_on(tmp_path, model, reserved, preemptible, spec, env=None):
+def run_on(tmp_path, model, reserved, preemptible, spec, env=None, slots=8):
     with Deployment(
         DeploymentConfig(
             tmp_path,
             reserved=reserved,
             preemptible=preemptible,
-            worker_slots=8,
+            worker_slots=slots,
             flush_tokens=2,
             extra_env=env or {},
         )
@@ -86,8 +86,10 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
         tiny_model, steps=3, prompts_per_step=4, group_size=4, max_new_tokens=96, ignore_eos=True
     )
     env = {"SPOTRL_STEP_DELAY_MS": "40"}  # a response takes ~4 s, longer than the 2 s window
+    # 4 slots a worker: the two preemptible workers can hold 8 of a step's 16 requests, so the
+    # reserved one finds work whichever worker loads the step's weights first
     run, rows, audit, groups = run_on(
-        tmp_path, tiny_model, reserved=1, preemptible=2, spec=spec, env=env
+        tmp_path, tiny_model, reserved=1, preemptible=2, spec=spec, env=env, slots=4
     )
     assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0
     assert all(len(g.responses) == spec["group_size"] for g in groups)
