@@ -1,46 +1,43 @@
 """What reached the trainer, checked against what a run should have produced: every (step,
 prompt) group once, each with exactly n finished responses. A group dropped by quarantine (one
-of its requests crashed too many workers) is counted on its own, not as lost."""
+of its requests crashed too many workers) is counted on its own, not as lost.
 
-from collections import Counter
+It reads the trained ledger (services.common.ledger): one compact record per step written by the
+trainer, which outlives the groups themselves (deleted once their step is committed)."""
 
 import redis
 
 from services.common import keys
-from services.common.messages import Group, MalformedMessage
+from services.common.ledger import bitmap_members, read_records
 from services.common.runspec import RunSpec
 
 
 def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = None) -> dict:
     r = redis.Redis.from_url(redis_url)
     try:
-        entries = r.xrange(keys.groups_stream(run_id))
+        records = read_records(r.hgetall(keys.run_trained(run_id)))
     finally:
         r.close()
     steps = spec.steps if steps is None else steps
-    seen: Counter = Counter()
-    complete = 0
-    duplicated = 0
-    quarantined = 0
-    for _, fields in entries:
-        try:
-            g = Group.from_fields(fields)
-        except MalformedMessage:
-            continue
-        seen[(g.step, g.prompt_index)] += 1
-        if seen[(g.step, g.prompt_index)] > 1:
-            duplicated += len(g.responses)
-            continue
-        if g.quarantined:
-            quarantined += 1
-            continue
-        duplicated += max(0, len(g.responses) - spec.group_size)
-        complete += min(spec.group_size, sum(1 for resp in g.responses if resp.token_ids))
-    expected = (steps * spec.prompts_per_step - quarantined) * spec.group_size
+    n = spec.group_size
+    complete = duplicated = quarantined = tokens = 0
+    for step in range(steps):
+        rec = records.get(step)
+        if rec is None:
+            continue  # nothing of this step reached the trainer: all lost
+        trained = bitmap_members(rec["trained"])
+        dropped = bitmap_members(rec["quarantined"])
+        quarantined += len(dropped)
+        # every response of a trained group counts once; more than n would be duplicates
+        complete += min(rec["responses"], len(trained) * n)
+        duplicated += max(0, rec["responses"] - len(trained) * n) + rec["duplicates"] * n
+        tokens += rec["tokens"]
+    expected = (steps * spec.prompts_per_step - quarantined) * n
     return {
         "expected_responses": expected,
         "responses": complete,
         "lost": expected - complete,
         "duplicated": duplicated,
         "groups_quarantined": quarantined,
+        "tokens": tokens,
     }

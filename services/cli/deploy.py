@@ -26,6 +26,8 @@ class DeploymentConfig:
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
     worker_env: dict[str, str] = field(default_factory=dict)  # for the rollout workers only
     redis_appendonly: bool = False  # the append-only file, as compose runs it
+    redis_maxmemory_mb: int = 1024  # Redis refuses writes past this (noeviction); 0: no limit
+    dump_rollouts: bool = True  # the trainer writes each step's groups to work_dir/rollouts
 
 
 class Deployment:
@@ -51,6 +53,11 @@ class Deployment:
         if self.config.api_token:
             env["SPOTRL_API_TOKEN"] = self.config.api_token
         return env
+
+    @property
+    def rollouts_dir(self) -> Path:
+        """Where the trainer dumps each run's trained groups (with `dump_rollouts`)."""
+        return self.work_dir / "rollouts"
 
     @property
     def weightstore_urls(self) -> list[str]:
@@ -107,7 +114,11 @@ class Deployment:
             while_down()
         port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         proc, _ = procs.start_redis(
-            self.log_dir, self.work_dir / "redis", port, appendonly=self.config.redis_appendonly
+            self.log_dir,
+            self.work_dir / "redis",
+            port,
+            appendonly=self.config.redis_appendonly,
+            maxmemory_mb=self.config.redis_maxmemory_mb,
         )
         self.procs["redis"] = proc
         return proc
@@ -115,7 +126,10 @@ class Deployment:
     def _start(self, timeout_s: float, on_ready: Callable[[procs.Proc], None] | None) -> None:
         if not self.redis_url:
             proc, self.redis_url = procs.start_redis(
-                self.log_dir, self.work_dir / "redis", appendonly=self.config.redis_appendonly
+                self.log_dir,
+                self.work_dir / "redis",
+                appendonly=self.config.redis_appendonly,
+                maxmemory_mb=self.config.redis_maxmemory_mb,
             )
             self.procs["redis"] = proc
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
@@ -142,7 +156,10 @@ class Deployment:
             "services.trainer.main",
             env
             | procs.thread_env(self.config.trainer_threads)
-            | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")},
+            | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")}
+            | (
+                {"SPOTRL_ROLLOUTS_DIR": str(self.rollouts_dir)} if self.config.dump_rollouts else {}
+            ),
             tr_port,
         )
         for _ in range(self.config.reserved):

@@ -143,8 +143,14 @@ def redis_server_binary() -> str:
 
 
 def start_redis(
-    log_dir: Path, data_dir: Path, port: int | None = None, appendonly: bool = False
+    log_dir: Path,
+    data_dir: Path,
+    port: int | None = None,
+    appendonly: bool = False,
+    maxmemory_mb: int = 0,
 ) -> tuple[Proc, str]:
+    """A redis-server on 127.0.0.1. With `maxmemory_mb`, it refuses writes past that much
+    memory and never evicts a key (noeviction): spotrl's keys are never silently dropped."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
@@ -159,6 +165,10 @@ def start_redis(
         "yes" if appendonly else "no",
         "--dir",
         str(data_dir.resolve()),
+        "--maxmemory",
+        f"{maxmemory_mb}mb",
+        "--maxmemory-policy",
+        "noeviction",
     ]
     proc = start("redis", args, {}, log_dir)
     url = f"redis://127.0.0.1:{port}/0"

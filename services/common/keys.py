@@ -81,18 +81,26 @@ def jobs_stream(run_id: str, version: int) -> str:
 
 
 def deltas_stream(run_id: str) -> str:
-    """Stream of token deltas from workers to the coordinator."""
+    """Stream of token deltas from workers to the coordinator. An entry is deleted in the
+    transaction that stores what it carried (the coordinator's request table)."""
     return f"{PREFIX}:run:{run_id}:deltas"
 
 
 def groups_stream(run_id: str) -> str:
-    """Stream of finished groups from the coordinator to the trainer."""
+    """Stream of finished groups from the coordinator to the trainer. The groups of a step are
+    deleted once the version trained on them is committed (keys.run_trained keeps the record)."""
     return f"{PREFIX}:run:{run_id}:groups"
 
 
 def worker_loads(run_id: str, worker_id: str) -> str:
     """Set of weight versions a worker has loaded for a run (audit trail)."""
     return f"{PREFIX}:run:{run_id}:loads:{worker_id}"
+
+
+def run_trained(run_id: str) -> str:
+    """Hash: step -> the compact record (JSON, services.common.ledger) of what the trainer took
+    for that step; what audits read once the groups themselves are deleted."""
+    return f"{PREFIX}:run:{run_id}:trained"
 
 
 def trainer_state(run_id: str) -> str:

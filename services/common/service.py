@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 if TYPE_CHECKING:
@@ -37,8 +38,9 @@ class BackgroundTasks:
         self.failures: dict[str, str] = {}
 
     def start(self, name: str, loop: Callable[[], Coroutine[Any, Any, Any]]) -> asyncio.Task:
-        """Run `loop()` as a task; while Redis is unreachable (a restart), start it again after
-        a backoff instead of dying: everything a loop must not lose is in Redis."""
+        """Run `loop()` as a task; while Redis is unreachable (a restart) or refuses writes at
+        its memory limit, start it again after a backoff instead of dying: everything a loop
+        must not lose is in Redis."""
         task = asyncio.create_task(self._resilient(name, loop), name=name)
         self.tasks[name] = task
         task.add_done_callback(self._on_done)
@@ -50,7 +52,7 @@ class BackgroundTasks:
         while True:
             try:
                 return await loop()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError from exc

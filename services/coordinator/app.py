@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Gauge
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
@@ -60,7 +61,14 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
         log.info("run %s active", run_id)
         try:
             spec = await store.spec(run_id)
-            manager = RunManager(store.r, run_id, spec, settings.stall_after_s)
+            manager = RunManager(
+                store.r,
+                run_id,
+                spec,
+                settings.stall_after_s,
+                settings.redis_memory_limit_mb,
+                settings.redis_memory_high,
+            )
             await manager.run()
         except RunCancelled as exc:
             log.info("run %s stopped: %s", run_id, exc)
@@ -70,8 +78,9 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
             log.error("run %s failed: %s", run_id, exc)
             await store.finish(run_id, "failed", str(exc))
             continue
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            # Redis went away mid-step: everything that landed is in Redis; resume from it
+        except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
+            # Redis went away (or refused a write at its memory limit) mid-step: everything that
+            # landed is in Redis, each batch whole or not at all; resume from it
             log.warning("run %s: redis unavailable (%s); resuming once it is back", run_id, exc)
             await asyncio.sleep(settings.scheduler_poll_s)
             continue
@@ -97,7 +106,10 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks.start("scheduler", lambda: schedule_runs(store, settings))
-        tasks.start("observer", Observer(r, settings.observe_s).forever)
+        observer = Observer(
+            r, settings.observe_s, settings.redis_memory_limit_mb, settings.forget_workers_after_s
+        )
+        tasks.start("observer", observer.forever)
         yield
         await tasks.stop()
         await r.aclose()
@@ -114,6 +126,7 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
+    @app.exception_handler(OutOfMemoryError)
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         # nothing was changed; the client may try again once Redis is back
         return JSONResponse(

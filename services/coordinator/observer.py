@@ -10,6 +10,7 @@ the thin shell that reads Redis and writes gauges, counters and timeline entries
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ from redis.exceptions import ResponseError
 from services.common import keys, timeline
 from services.common.messages import Heartbeat
 from services.common.redis_streams import with_reconnect
-from services.coordinator.scheduling import heartbeats
+from services.coordinator.memory import MIB, RedisMemory, stream_lengths
+from services.coordinator.scheduling import forget_gone_workers, heartbeats
 
 log = logging.getLogger(__name__)
 WORKER_TOK_S = Gauge(
@@ -29,6 +31,10 @@ WORKER_TOK_S = Gauge(
 POOL_TOK_S = Gauge("spotrl_pool_tokens_per_second", "Tokens/s of a pool (heartbeats)", ["pool"])
 POOL_SIZE = Gauge("spotrl_pool_workers", "Alive workers by pool, whatever they serve", ["pool"])
 QUEUE_DEPTH = Gauge("spotrl_queue_depth", "Entries waiting or in flight, by queue", ["queue"])
+STREAM_LEN = Gauge("spotrl_stream_length", "Entries in the active run's streams", ["stream"])
+WORKERS_FORGOTTEN = Counter(
+    "spotrl_coordinator_workers_forgotten_total", "Workers gone long enough to be forgotten"
+)
 PREEMPTIONS = Counter(
     "spotrl_coordinator_preemptions_total",
     "Workers that left (notice: released their work on SIGTERM; lost: heartbeat expired)",
@@ -124,10 +130,32 @@ async def queue_depths(
     return depths
 
 
+def run_streams(run_id: str, version: int | None) -> dict[str, str]:
+    """The streams of a run whose length an operator watches, by name."""
+    streams = {
+        "deltas": keys.deltas_stream(run_id),
+        "groups": keys.groups_stream(run_id),
+        "events": keys.run_events(run_id),
+        "pool": keys.run_pool(run_id),
+        "parked": keys.parked_stream(run_id),
+    }
+    if version is not None:
+        streams["jobs"] = keys.jobs_stream(run_id, version)
+    return streams
+
+
 class Observer:
-    def __init__(self, r: aioredis.Redis, period_s: float) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        period_s: float,
+        memory_limit_mb: int = 0,
+        forget_workers_after_s: float = 3600.0,
+    ) -> None:
         self.r, self.period_s = r, period_s
         self.tracker = RateTracker(window_s=max(5 * period_s, 5.0))
+        self.memory = RedisMemory(r, memory_limit_mb)
+        self.forget_after_s = forget_workers_after_s
 
     async def forever(self) -> None:
         while True:
@@ -151,13 +179,22 @@ class Observer:
         depths = await queue_depths(self.r, active, version)
         for queue, depth in depths.items():
             QUEUE_DEPTH.labels(queue).set(depth)
+        memory = await self.memory.read()
+        forgotten = await forget_gone_workers(self.r, set(beats), time.time(), self.forget_after_s)
+        WORKERS_FORGOTTEN.inc(len(forgotten))
         if active is not None:
+            lengths = await stream_lengths(self.r, run_streams(active, version))
+            for name, n in lengths.items():
+                STREAM_LEN.labels(name).set(n)
             serving = {w: b for w, b in beats.items() if b.run_id == active}
             sample = {
                 "step": version,
                 "workers": pool_sizes(serving),
                 "tokens_per_s": pool_rates(changes, serving),
                 "queues": depths,
+                "redis_mem_mib": round(memory.used_mib, 1),
+                "redis_limit_mib": round(memory.limit_bytes / MIB, 1),
+                "streams": lengths,
             }
             await timeline.sample_pool(self.r, active, sample)
 

@@ -89,6 +89,7 @@ class RequestTable:
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(range(len(prompts)))
+        self.unfinished_count = len(self.requests)  # len(unfinished()), kept up to date
         self.quarantined: set[int] = set()  # groups dropped from the step (poison requests)
         self.stats = {a.value: 0 for a in Applied}
         self.tokens_appended = 0  # tokens that are now part of a response
@@ -151,6 +152,8 @@ class RequestTable:
 
     def quarantine(self, prompt_index: int) -> None:
         """Drop a group from the step: it no longer holds the step up."""
+        if prompt_index not in self.quarantined:
+            self.unfinished_count -= sum(1 for r in self.group(prompt_index) if not r.done)
         self.quarantined.add(prompt_index)
         self.pending_groups.discard(prompt_index)
 
@@ -172,17 +175,24 @@ class RequestTable:
         if item.offset > have:
             return Applied.GAP
         skip = have - item.offset
-        new_tokens = item.token_ids[skip:]
-        new_logprobs = item.logprobs[skip:]
-        if len(new_tokens) > r.remaining:
-            new_tokens, new_logprobs = new_tokens[: r.remaining], new_logprobs[: r.remaining]
+        room = r.max_new_tokens - have
+        new_tokens, new_logprobs = item.token_ids, item.logprobs
+        if skip or len(new_tokens) > room:  # copies only when something is cut off
+            new_tokens = new_tokens[skip : skip + room]
+            new_logprobs = new_logprobs[skip : skip + room]
+        n = len(new_tokens)
         r.token_ids.extend(new_tokens)
         r.logprobs.extend(new_logprobs)
-        self.tokens_appended += len(new_tokens)
-        if item.finished or r.remaining <= 0:
+        self.tokens_appended += n
+        if item.finished or n >= room:
             r.finish_reason = item.finish_reason or "length"
+            self._finished(r)
             return Applied.FINISHED
-        return Applied.APPENDED if new_tokens else Applied.DUPLICATE
+        return Applied.APPENDED if n else Applied.DUPLICATE
+
+    def _finished(self, r: RequestState) -> None:
+        if r.prompt_index not in self.quarantined:
+            self.unfinished_count -= 1
 
     def group(self, prompt_index: int) -> list[RequestState]:
         return [

@@ -6,6 +6,10 @@ It does not train and does not move weights: step s starts when the trainer has 
 version s, and the run ends when version `steps` is committed. During a step it watches for a
 stall (no worker able to serve the step: `stall_watch.py`) and for poison requests (a request
 that crashed `max_request_crashes` workers: its group is dropped, or the run fails).
+
+Redis holds what a restart can still need, no more: a delta entry is deleted in the transaction
+that stores what it carried; a step's jobs and request table are deleted once the version
+trained on it is committed. No step is queued while Redis is near its memory limit (`memory.py`).
 """
 
 import asyncio
@@ -18,20 +22,24 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
+from redis.exceptions import OutOfMemoryError
 from tokenizers import Tokenizer
 
 from services.common import keys, timeline
 from services.common.messages import DeltaBatch, Group, Job, Response
 from services.common.redis_streams import (
+    StagedWrites,
     decode_or_park,
     ensure_group,
     park,
     read_group,
+    while_out_of_memory,
     with_reconnect,
 )
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
+from services.coordinator.memory import MemoryGate, RedisMemory
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
 from services.coordinator.quarantine import dropped_group, note_crash, report_poison
 from services.coordinator.request_table import Applied, RequestTable
@@ -42,6 +50,7 @@ from services.coordinator.step_store import StepStore
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
+OUTCOMES = {a.value: DELTA_ITEMS.labels(a.value) for a in Applied}  # children looked up once
 TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
 GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
 ROLLOUT_S = Histogram(
@@ -77,6 +86,7 @@ class StepDone:
     seed_end: float | None
     rollout_end: float
     window_s_used: float
+    scratch: tuple[str, ...]  # the step's keys, deleted once the next version is committed
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -89,10 +99,17 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 class RunManager:
     def __init__(
-        self, r: aioredis.Redis, run_id: str, spec: RunSpec, stall_after_s: float = 3.0
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        spec: RunSpec,
+        stall_after_s: float = 3.0,
+        memory_limit_mb: int = 0,
+        memory_high: float = 0.85,
     ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
         self.stall = StallWatch(r, run_id, stall_after_s, spec.stall_timeout_s)
+        self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
         model_dir = Path(spec.model)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = stop_token_ids(model_dir)
@@ -100,6 +117,7 @@ class RunManager:
         self.consumer = "coordinator"
         self.seeding = SeedingController()
         self.replaying = False  # reading the deltas given to us before a restart
+        self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
@@ -110,6 +128,8 @@ class RunManager:
         while step < self.spec.steps:
             done = await self._run_step(step)
             step = await self._wait_version(step + 1)
+            # no restart can need the step any more: its version is trained and committed
+            await self.r.unlink(*done.scratch)
             await self._adapt(done)
 
     async def _adapt(self, done: "StepDone") -> None:
@@ -181,9 +201,11 @@ class RunManager:
             [] if spec.ignore_eos else self.stop_ids,
         )
         jobs = keys.jobs_stream(self.run_id, step)
-        await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
         store = StepStore(self.r, self.run_id, step)
         began = await store.restore(table)
+        if began is None:
+            await self.memory_gate.wait_below(self._check_running)  # backpressure
+        await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
         if began is None:
             began = time.time()
             async with self.r.pipeline(transaction=True) as pipe:
@@ -214,16 +236,14 @@ class RunManager:
             pools,
             window,
         )
-        rewards = {
-            rid: self._reward(table, rid, examples)
-            for rid, req in table.requests.items()
-            if req.done
-        }
+        rewards = self._rewards(
+            table, [r for r, req in table.requests.items() if req.done], examples
+        )
         last_check = time.monotonic()
         self.replaying = True  # first the deltas read before a restart and never acknowledged
         while not table.complete:
             await self._collect(table, store, examples, rewards)
-            PENDING.set(len(table.unfinished()))
+            PENDING.set(table.unfinished_count)
             if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
                 await reclaim_dead_workers(self.r, jobs, table, store, spec.migration)
@@ -264,9 +284,12 @@ class RunManager:
                 "workers_reserved": pools["reserved"],
                 "workers_preemptible": pools["preemptible"],
                 "groups_quarantined": len(table.quarantined),
+                "redis_mem_mib": round((await RedisMemory(self.r).read()).used_mib, 1),
             },
         )
-        await self.r.expire(jobs, JOBS_TTL_S)  # every job is acked; keep a while for audits
+        # kept until the next version is committed (a restart before then finds the step
+        # complete); the TTL covers a coordinator that dies before it deletes them
+        await self.r.expire(jobs, JOBS_TTL_S)
         await store.expire_soon(JOBS_TTL_S)
         REWARD.set(mean_reward)
         STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))
@@ -294,18 +317,29 @@ class RunManager:
             sched.seed_end,
             rollout_end,
             0.0 if math.isinf(window) else window,
+            (*store.scratch_keys(), jobs, keys.seed_done(self.run_id, step)),
         )
 
-    def _reward(self, table: RequestTable, rid: str, examples: list[Example]) -> float:
-        state = table.requests[rid]
-        text = self.tokenizer.decode([t for t in state.token_ids if t not in self.stop_ids])
-        return self.task.reward(text, examples[state.prompt_index])
+    def _rewards(
+        self, table: RequestTable, rids: list[str], examples: list[Example]
+    ) -> dict[str, float]:
+        """Decode and score finished responses (synchronous: run it in a thread)."""
+        stop = set(self.stop_ids)
+        states = [table.requests[rid] for rid in rids]
+        texts = self.tokenizer.decode_batch(
+            [[t for t in s.token_ids if t not in stop] for s in states]
+        )
+        return {
+            s.request_id: self.task.reward(text, examples[s.prompt_index])
+            for s, text in zip(states, texts, strict=True)
+        }
 
     async def _collect(
         self, table: RequestTable, store: StepStore, examples: list[Example], rewards: dict
     ) -> None:
         """Apply one batch of deltas; then, in one MULTI: the requests that changed, the jobs of
-        the requests released, the groups completed, and the acknowledgement of the batch."""
+        the requests released, the groups completed, and the acknowledgement and deletion of
+        the batch's entries (what they carried is in the request table from then on)."""
         deltas = keys.deltas_stream(self.run_id)
         start = "0" if self.replaying else ">"
         entries = await with_reconnect(
@@ -324,9 +358,10 @@ class RunManager:
             self.replaying = False
             return
         parked: list[tuple[bytes, str]] = []
-        finished_groups: set[int] = set()
+        finished: list[str] = []
         changed: set[str] = set()
         tokens_before = table.tokens_appended
+        stats_before = dict(table.stats)
         stale: dict[str, set[tuple[str, int]]] = {}
         released: dict[str, list[Job]] = {}
         poisoned: list[tuple[str, str]] = []  # (request, the worker it crashed last)
@@ -339,16 +374,13 @@ class RunManager:
                 continue
             for item in batch.items:
                 outcome = table.apply(item)
-                DELTA_ITEMS.labels(outcome.value).inc()
-                if outcome is Applied.STALE_LEASE:
-                    stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
-                if outcome in (Applied.APPENDED, Applied.FINISHED):
+                if outcome is Applied.APPENDED:
                     changed.add(item.request_id)
-                if outcome is Applied.FINISHED:
-                    state = table.requests[item.request_id]
-                    rewards[item.request_id] = self._reward(table, item.request_id, examples)
-                    if table.group_done(state.prompt_index):
-                        finished_groups.add(state.prompt_index)
+                elif outcome is Applied.FINISHED:
+                    changed.add(item.request_id)
+                    finished.append(item.request_id)
+                elif outcome is Applied.STALE_LEASE:
+                    stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
             crash = batch.release_reason == "crash"
             alone = len(batch.released) == 1
             for rel in batch.released:
@@ -369,23 +401,31 @@ class RunManager:
                 if job is not None:
                     changed.add(rel.request_id)
                     released.setdefault(batch.release_reason, []).append(job)
-        groups = [p for p in sorted(finished_groups) if p in table.pending_groups]
+        if finished:  # decoding and scoring off the event loop
+            rewards.update(await asyncio.to_thread(self._rewards, table, finished, examples))
+        done = {table.requests[rid].prompt_index for rid in finished}
+        groups = [p for p in sorted(done) if p in table.pending_groups and table.group_done(p)]
         dropped = sorted(table.quarantined - before)
         stream = keys.jobs_stream(self.run_id, table.version)
-        async with self.r.pipeline(transaction=True) as pipe:
-            store.stage_requests(pipe, table, changed)
-            for jobs in released.values():
-                for job in jobs:
-                    pipe.xadd(stream, job.fields())
-            for p in groups:
-                pipe.xadd(keys.groups_stream(self.run_id), self._group(table, p, rewards).fields())
-                store.stage_published(pipe, p)
-            for p in dropped:
-                pipe.xadd(keys.groups_stream(self.run_id), dropped_group(table, p).fields())
-                store.stage_quarantined(pipe, p)
-                pipe.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
-            pipe.xack(deltas, keys.COORDINATOR_GROUP, *[e[0] for e in entries])
-            await pipe.execute()
+        staged = StagedWrites()
+        store.stage_requests(staged, table, changed)
+        for jobs in released.values():
+            for job in jobs:
+                staged.xadd(stream, job.fields())
+        for p in groups:
+            staged.xadd(keys.groups_stream(self.run_id), self._group(table, p, rewards).fields())
+            store.stage_published(staged, p)
+        for p in dropped:
+            staged.xadd(keys.groups_stream(self.run_id), dropped_group(table, p).fields())
+            store.stage_quarantined(staged, p)
+            staged.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
+        entry_ids = [e[0] for e in entries]
+        staged.xack(deltas, keys.COORDINATOR_GROUP, *entry_ids)
+        staged.xdel(deltas, *entry_ids)
+        await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
+        if self.oom_stalled:
+            self.oom_stalled = False
+            await self.memory_gate.runs.mark_running(self.run_id, "redis takes writes again")
         if poisoned:
             await report_poison(self.r, self.spec, table, poisoned)
         for reason, jobs in released.items():
@@ -393,8 +433,21 @@ class RunManager:
         table.pending_groups.difference_update(groups)
         GROUPS.inc(len(groups))
         TOKENS.inc(table.tokens_appended - tokens_before)
+        for outcome, n in table.stats.items():
+            if n != stats_before[outcome]:
+                OUTCOMES[outcome].inc(n - stats_before[outcome])
         await fence(self.r, self.run_id, stale)
-        await park(self.r, keys.parked_stream(self.run_id), "deltas", parked)
+        await park(self.r, keys.parked_stream(self.run_id), "deltas", parked, entries)
+
+    async def _say_oom(self, reason: str) -> None:
+        """Redis refuses writes for memory: the run is stalled, saying so, where Redis takes
+        that small write (else the log and the memory gauges say it)."""
+        try:
+            self.oom_stalled = await self.memory_gate.runs.mark_stalled(
+                self.run_id, reason, time.time()
+            )
+        except OutOfMemoryError as exc:
+            log.warning("run %s: could not record the memory stall: %s", self.run_id, exc)
 
     def _group(self, table: RequestTable, p: int, rewards: dict) -> Group:
         members = table.group(p)

@@ -50,7 +50,7 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
             info = {
                 k.decode(): v.decode() for k, v in (await r.hgetall(keys.worker(worker_id))).items()
             }
-            if not info:
+            if "pool" not in info:  # forgotten meanwhile
                 continue
             beat = beats.get(worker_id)
             item = WorkerPublic(

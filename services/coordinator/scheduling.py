@@ -56,6 +56,41 @@ async def crash_reports(r: aioredis.Redis, worker_ids: list[str]) -> dict[str, d
     return out
 
 
+async def forget_gone_workers(
+    r: aioredis.Redis, alive: set[str], now: float, after_s: float
+) -> list[str]:
+    """Drop the workers gone (no heartbeat) for `after_s` from the worker index, with their
+    record, control stream and crash report, so that churn over days does not pile up; the ones
+    dropped. A worker's `gone_since` is set when it is first seen gone, cleared while alive."""
+    ids = [x.decode() for x in await r.smembers(keys.WORKER_INDEX)]
+    gone = [w for w in ids if w not in alive]
+    async with r.pipeline(transaction=False) as pipe:
+        for worker_id in alive & set(ids):
+            pipe.hdel(keys.worker(worker_id), "gone_since")
+        for worker_id in gone:
+            pipe.hsetnx(keys.worker(worker_id), "gone_since", now)
+            pipe.hget(keys.worker(worker_id), "gone_since")
+        replies = await pipe.execute()
+    since = replies[len(replies) - 2 * len(gone) :][1::2]
+    stale = [w for w, t in zip(gone, since, strict=True) if t and now - float(t) > after_s]
+    forgotten = []
+    for worker_id in stale:
+        if await r.exists(keys.worker_heartbeat(worker_id)):
+            continue  # back since the index was read
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.srem(keys.WORKER_INDEX, worker_id)
+            pipe.delete(
+                keys.worker(worker_id),
+                keys.worker_control(worker_id),
+                keys.worker_crash(worker_id),
+                keys.worker_leaving(worker_id),
+            )
+            await pipe.execute()
+        forgotten.append(worker_id)
+        log.info("forgot worker %s: gone for over %.0fs", worker_id, after_s)
+    return forgotten
+
+
 async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
     """Workers whose heartbeat is fresh and that serve `run_id`."""
     return {w: b for w, b in (await heartbeats(r)).items() if b.run_id == run_id}

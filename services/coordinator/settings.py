@@ -43,3 +43,24 @@ class CoordinatorSettings(CommonSettings):
         description="How long a finished run's groups and deltas streams stay for audits "
         "(a cancelled run's go at once, with its jobs and request tables).",
     )
+    redis_memory_limit_mb: int = Field(
+        0,
+        ge=0,
+        le=2**24,
+        description="Redis memory the coordinator brakes at (0: Redis's own maxmemory; with "
+        "neither, no brake).",
+    )
+    redis_memory_high: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="Share of that limit above which no new step is queued: the run is "
+        "stalled with the reason until memory falls under it.",
+    )
+    forget_workers_after_s: float = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86400,
+        description="A worker gone (no heartbeat) this long is dropped from the worker list, "
+        "with its control stream and crash report: churn over days does not pile up.",
+    )

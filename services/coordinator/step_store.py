@@ -38,6 +38,8 @@ class StepStore:
         self.quarantined = keys.step_quarantined(run_id, step)
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
+        self.saved_state: dict[str, str] = {}  # each request's "lease|finish|crashed" in Redis
+        self.expiring = False  # the request table's key has its TTL
 
     def _token_key(self, rid: str) -> str:
         return keys.request_tokens(self.run_id, self.step, rid)
@@ -61,6 +63,7 @@ class StepStore:
             req.lease = int(lease)
             req.finish_reason = finish or None  # type: ignore[assignment]
             req.crashed_on = [w for w in crashed_on.split(",") if w]
+            self.saved_state[rid] = raw.decode()
             tokens = await self.r.get(self._token_key(rid)) or b""
             logprobs = await self.r.get(self._logprob_key(rid)) or b""
             req.token_ids = array("i", tokens).tolist()
@@ -70,6 +73,7 @@ class StepStore:
             table.quarantine(int(p))
         done = {int(p) for p in await self.r.smembers(self.published)}
         table.pending_groups -= done
+        table.unfinished_count = len(table.unfinished())
         return float(meta[b"started_at"])
 
     def stage_queued(self, pipe, started_at: float) -> None:
@@ -77,22 +81,29 @@ class StepStore:
         pipe.expire(self.meta, TTL_S)
 
     def stage_requests(self, pipe, table: RequestTable, rids: set[str]) -> None:
-        """Write what changed in these requests since they were last staged."""
-        for rid in sorted(rids):
+        """Write what changed in these requests since they were last staged: the state field
+        only when lease, finish or crashes changed; the new tokens only; a key's TTL once."""
+        for rid in rids:
             req = table.requests[rid]
             saved = self.saved_len.get(rid, 0)
-            crashed_on = ",".join(req.crashed_on)
-            pipe.hset(self.state, rid, f"{req.lease}|{req.finish_reason or ''}|{crashed_on}")
-            if len(req.token_ids) < saved:  # restarted from zero (migration off)
+            state = f"{req.lease}|{req.finish_reason or ''}|{','.join(req.crashed_on)}"
+            if self.saved_state.get(rid) != state:
+                pipe.hset(self.state, rid, state)
+                self.saved_state[rid] = state
+            n = len(req.token_ids)
+            if n < saved:  # restarted from zero (migration off)
                 saved = 0
                 pipe.delete(self._token_key(rid), self._logprob_key(rid))
-            if len(req.token_ids) > saved:
+            if n > saved:
                 pipe.append(self._token_key(rid), _tokens(req.token_ids[saved:]))
                 pipe.append(self._logprob_key(rid), _logprobs(req.logprobs[saved:]))
-                pipe.expire(self._token_key(rid), TTL_S)
-                pipe.expire(self._logprob_key(rid), TTL_S)
-            self.saved_len[rid] = len(req.token_ids)
-        pipe.expire(self.state, TTL_S)
+                if saved == 0:  # a new key: its TTL, once
+                    pipe.expire(self._token_key(rid), TTL_S)
+                    pipe.expire(self._logprob_key(rid), TTL_S)
+            self.saved_len[rid] = n
+        if not self.expiring:
+            pipe.expire(self.state, TTL_S)
+            self.expiring = True
 
     def stage_published(self, pipe, prompt_index: int) -> None:
         pipe.sadd(self.published, prompt_index)
@@ -103,6 +114,13 @@ class StepStore:
         pipe.sadd(self.quarantined, prompt_index)
         pipe.expire(self.quarantined, TTL_S)
         self.stage_published(pipe, prompt_index)
+
+    def scratch_keys(self) -> list[str]:
+        """Every key of this step's copy."""
+        out = [self.meta, self.state, self.published, self.quarantined]
+        for rid in self.saved_len:
+            out += [self._token_key(rid), self._logprob_key(rid)]
+        return out
 
     async def expire_soon(self, ttl_s: int = 600) -> None:
         """The step is over: its copy is kept a while for audits, then goes."""

@@ -24,6 +24,7 @@ import httpx
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys, timeline
@@ -44,7 +45,7 @@ from services.common.redis_streams import (
 )
 from services.common.service import auth_headers
 from services.common.weights import WeightClient, WeightConflict, WeightTransferError
-from services.rollout.engine import TokenEvent, make_engine
+from services.rollout.engine import Engine, TokenEvent, make_engine
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,13 @@ class Pending:
 
 
 class RolloutWorker:
-    def __init__(self, settings: RolloutSettings, r: aioredis.Redis) -> None:
+    def __init__(
+        self, settings: RolloutSettings, r: aioredis.Redis, engine: Engine | None = None
+    ) -> None:
         self.s = settings
         self.r = r
-        self.engine = make_engine(settings)
+        # `engine`: a backend built elsewhere (benchmarks drive the worker with an instant one)
+        self.engine = engine if engine is not None else make_engine(settings)
         self.engine_lock = asyncio.Lock()
         self.slot_freed = asyncio.Event()
         self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
@@ -208,7 +212,7 @@ class RolloutWorker:
                 job = decode_or_park(Job, entry, parked)
                 if job is not None:
                     self.inbox.put_nowait((entry[0], job))
-            await park(self.r, keys.parked_stream(run_id), "jobs", parked)
+            await park(self.r, keys.parked_stream(run_id), "jobs", parked, entries)
             if parked:
                 await self.r.xack(stream, keys.WORKERS_GROUP, *[p[0] for p in parked])
 
@@ -392,8 +396,8 @@ class RolloutWorker:
         requests the engine was running."""
         try:
             await loop()
-        except (RedisConnectionError, RedisTimeoutError):
-            raise  # not a crash: the loop starts again once Redis is back
+        except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError):
+            raise  # not a crash: the loop starts again once Redis is back (or has room)
         except Exception as exc:
             try:
                 await asyncio.wait_for(self._report_crash(exc, drives_engine), CRASH_REPORT_S)

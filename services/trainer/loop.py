@@ -2,20 +2,24 @@
 each step consume the step's B groups as they arrive (backpropagating each on arrival), step the
 optimizer once, commit version v+1 to the weight store and announce it.
 
-Groups are acknowledged on the stream only after the version they trained is committed.
+Groups are acknowledged, and deleted from the stream, only after the version they trained is
+committed: until then a restarted trainer finds every group of its step again. What the step took
+is kept in the trained ledger (services.common.ledger), and, with `rollouts_dir` set, as JSON
+lines on disk.
 """
 
 import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common import keys, timeline
+from services.common import keys, ledger, timeline
 from services.common.messages import Group
 from services.common.redis_streams import (
     decode_or_park,
@@ -34,6 +38,7 @@ from services.common.weights import (
     scan_folder,
 )
 from services.trainer.checkpoint import Checkpoints
+from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -51,8 +56,15 @@ class RunStopped(Exception):
 
 
 class TrainerLoop:
-    def __init__(self, settings: TrainerSettings, r: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        r: aioredis.Redis,
+        policy_factory: Callable[[Path, RunSpec, str], Any] | None = None,
+    ) -> None:
         self.settings = settings
+        # builds the policy of a run (model folder, spec, device); benchmarks pass a stand-in
+        self.policy_factory = policy_factory
         self.r = r
         self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
         self.status: dict = {"run_id": None, "step": None, "state": "idle"}
@@ -82,11 +94,12 @@ class TrainerLoop:
             raise RunStopped(state.decode() if state else "deleted")
 
     async def train_run(self, run_id: str) -> None:
-        from services.trainer.policy import Policy
-
         spec = RunSpec.model_validate_json(await self.r.hget(keys.run(run_id), "spec"))
         self.status = {"run_id": run_id, "step": 0, "state": "loading"}
-        policy = await asyncio.to_thread(Policy, Path(spec.model), spec, self.settings.device)
+        factory = self.policy_factory
+        if factory is None:
+            from services.trainer.policy import Policy as factory
+        policy = await asyncio.to_thread(factory, Path(spec.model), spec, self.settings.device)
         groups_stream = keys.groups_stream(run_id)
         await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
         ckpts = Checkpoints(
@@ -151,7 +164,16 @@ class TrainerLoop:
             stream, keys.TRAINER_GROUP, min="-", max="+", count=100_000, consumername="trainer"
         )
         if pending:
-            await self.r.xack(stream, keys.TRAINER_GROUP, *[p["message_id"] for p in pending])
+            await self._retire(stream, [p["message_id"] for p in pending])
+
+    async def _retire(self, stream: str, entry_ids: list[bytes]) -> None:
+        """The groups trained into a committed version: acknowledged and deleted at once."""
+        if not entry_ids:
+            return
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xack(stream, keys.TRAINER_GROUP, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+            await pipe.execute()
 
     async def _train_step(
         self, run_id: str, spec: RunSpec, policy, step: int, ckpts: Checkpoints
@@ -160,8 +182,9 @@ class TrainerLoop:
         started = time.monotonic()
         wait_s = 0.0
         consumed = 0
-        incomplete = 0
         dropped = 0  # quarantined groups: part of the step's B, trained on never
+        taken = ledger.StepLedger()
+        kept: list[Group] = []  # what the step took, for the rollout dump
         entry_ids: list[bytes] = []
         seed_wait_s = await self._wait_seeding(run_id, step)
         last_check = time.monotonic()
@@ -198,7 +221,14 @@ class TrainerLoop:
                 if group.step != step:
                     parked.append((entry[0], f"group of step {group.step} during step {step}"))
                     continue
+                if taken.seen(group.prompt_index):
+                    taken.duplicates += 1
+                    GROUPS.labels("duplicate").inc()
+                    parked.append((entry[0], f"group {group.prompt_index} came twice"))
+                    continue
                 if group.quarantined:
+                    taken.quarantined.add(group.prompt_index)
+                    kept.append(group)
                     dropped += 1
                     GROUPS.labels("quarantined").inc()
                     log.warning(
@@ -206,19 +236,26 @@ class TrainerLoop:
                     )
                     continue
                 if len(group.responses) != spec.group_size:
-                    incomplete += 1
+                    taken.incomplete += 1
                     GROUPS.labels("incomplete").inc()
                     parked.append(
                         (entry[0], f"{len(group.responses)} responses, want n={spec.group_size}")
                     )
                     continue
+                taken.add(group)
                 good.append(group)
-            await park(self.r, keys.parked_stream(run_id), "groups", parked)
+            await park(self.r, keys.parked_stream(run_id), "groups", parked, entries)
             consumed += len(good)
             GROUPS.labels("trained").inc(len(good))
+            kept += good
             if good:
                 await asyncio.to_thread(policy.accumulate, good)
         WAIT_S.inc(wait_s)
+        incomplete = taken.incomplete
+        await ledger.write_step(self.r, run_id, step, taken)
+        if self.settings.rollouts_dir is not None:
+            folder = self.settings.rollouts_dir / run_id
+            await asyncio.to_thread(write_rollouts, folder, step, kept)
         stats = await asyncio.to_thread(policy.optimizer_step)
         self.weights_of = step + 1
         if (step + 1) % self.settings.checkpoint_every == 0:
@@ -226,7 +263,7 @@ class TrainerLoop:
             await asyncio.to_thread(ckpts.save, step + 1, policy.state(), meta)
         train_s = time.monotonic() - started
         publish_s = await self._commit(run_id, policy, step + 1)
-        await self.r.xack(stream, keys.TRAINER_GROUP, *entry_ids)
+        await self._retire(stream, entry_ids)
         await self.r.hincrby(keys.trainer_state(run_id), "groups_incomplete", incomplete)
         await self.r.hincrby(keys.trainer_state(run_id), "groups_trained", consumed)
         await self.r.hset(keys.trainer_state(run_id), "steps_trained", step + 1)

@@ -14,3 +14,9 @@ class TrainerSettings(CommonSettings):
         1, ge=1, le=100000, description="Checkpoint the trainer every K steps (and at exit)."
     )
     keep_checkpoints: int = Field(2, ge=1, le=100, description="Newest checkpoints kept.")
+    rollouts_dir: Path | None = Field(
+        None,
+        description="Write every step's trained groups (prompt, responses, token ids, logprobs, "
+        "rewards) as JSON lines to DIR/<run>/step-NNNNNN.jsonl, for inspection. Off by default: "
+        "it grows with the run.",
+    )

@@ -103,10 +103,32 @@ def run_events(rdb, run_id: str, kind: str | None = None) -> list[dict]:
     return [e for e in events if kind is None or e["kind"] == kind]
 
 
-def read_groups(rdb, run_id):
-    from services.common.messages import Group
+def read_groups(deployment, run_id):
+    """The groups the trainer took, quarantined ones included, by step then prompt: its
+    rollout dump (Redis deletes a step's groups once its version is committed)."""
+    from services.trainer.rollouts import read_rollouts
 
-    return [Group.from_fields(f) for _, f in rdb.xrange(keys.groups_stream(run_id))]
+    return read_rollouts(deployment.rollouts_dir / run_id)
+
+
+def collected(rdb, run_id: str, step: int) -> dict[str, int]:
+    """Tokens the coordinator has stored for each request of `step` (its durable request
+    table: a delta entry is deleted once what it carried is stored)."""
+    prefix = keys.request_tokens(run_id, step, "")
+    return {
+        key.decode()[len(prefix) :]: rdb.strlen(key) // 4  # packed int32
+        for key in rdb.scan_iter(match=prefix + "*", count=1000)
+    }
+
+
+def finished_requests(rdb, run_id: str, step: int) -> set[tuple[str, int]]:
+    """(request, lease) of every finished request of `step`, from the request table."""
+    out = set()
+    for rid, raw in rdb.hgetall(keys.step_requests(run_id, step)).items():
+        lease, finish = raw.decode().split("|")[:2]
+        if finish:
+            out.add((rid.decode(), int(lease)))
+    return out
 
 
 @pytest.fixture(scope="session")

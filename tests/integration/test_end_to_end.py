@@ -18,7 +18,7 @@ def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, 
     assert run["step"] == spec["steps"] and run["weight_version"] == spec["steps"]
     assert run["groups_incomplete"] == 0
 
-    groups = read_groups(rdb, run_id)
+    groups = read_groups(deployment, run_id)
     assert len(groups) == spec["steps"] * spec["prompts_per_step"]
     assert len({(g.step, g.prompt_index) for g in groups}) == len(groups)  # none twice
     for g in groups:

@@ -38,7 +38,7 @@ def run_on(tmp_path, model, reserved, preemptible, spec, env=None, slots=8):
         rows = client.metrics(run_id)
         audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
         r = redis.Redis.from_url(dep.redis_url)
-        groups = read_groups(r, run_id)
+        groups = read_groups(dep, run_id)
         r.close()
         return run, rows, audit, groups
 

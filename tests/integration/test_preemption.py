@@ -13,8 +13,10 @@ import redis
 from services.cli.deploy import DeploymentConfig
 from services.cli.procs import Proc
 from services.common import keys
-from services.common.messages import DeltaBatch, Job
+from services.common.messages import Job
 from tests.integration.conftest import (
+    collected,
+    finished_requests,
     read_groups,
     run_events,
     small_spec,
@@ -60,17 +62,17 @@ def spec(model):
     )
 
 
-def responses_of_step(rdb, run_id, step):
+def responses_of_step(deployment, run_id, step):
     return {
         (g.prompt_index, i): r.token_ids
-        for g in read_groups(rdb, run_id)
+        for g in read_groups(deployment, run_id)
         if g.step == step
         for i, r in enumerate(g.responses)
     }
 
 
-def check_groups(rdb, run_id, s):
-    groups = read_groups(rdb, run_id)
+def check_groups(deployment, run_id, s):
+    groups = read_groups(deployment, run_id)
     assert len(groups) == s["steps"] * s["prompts_per_step"]
     assert len({(g.step, g.prompt_index) for g in groups}) == len(groups)
     for g in groups:
@@ -84,7 +86,7 @@ def check_groups(rdb, run_id, s):
 def reference(deployment, client, rdb, tiny_model):
     run_id = client.submit(spec(tiny_model))
     assert wait_final(client, deployment, run_id)["state"] == "succeeded"
-    return responses_of_step(rdb, run_id, 0)
+    return responses_of_step(deployment, run_id, 0)
 
 
 def holders(rdb, run_id):
@@ -112,17 +114,11 @@ def unfinished_held(rdb, run_id, worker) -> set[str]:
         for _, fields in rdb.xrange(stream, entry["message_id"], entry["message_id"]):
             job = Job.from_fields(fields)
             held.add((job.request_id, job.lease))
-    finished, collected = set(), {}
-    for _, fields in rdb.xrange(keys.deltas_stream(run_id)):
-        for item in DeltaBatch.from_fields(fields).items:
-            end = item.offset + len(item.token_ids)
-            collected[item.request_id] = max(collected.get(item.request_id, 0), end)
-            if item.finished:
-                finished.add((item.request_id, item.lease))
+    have = collected(rdb, run_id, 0)
     return {
         request_id
-        for request_id, lease in held - finished
-        if MAX_NEW_TOKENS - collected.get(request_id, 0) >= MARGIN_TOKENS
+        for request_id, lease in held - finished_requests(rdb, run_id, 0)
+        if MAX_NEW_TOKENS - have.get(request_id, 0) >= MARGIN_TOKENS
     }
 
 
@@ -130,7 +126,7 @@ def is_stopped(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
-def freeze_a_holder(deployment, rdb, run_id, exclude=(), min_deltas=6, timeout_s=60) -> Proc:
+def freeze_a_holder(deployment, rdb, run_id, exclude=(), min_tokens=6, timeout_s=60) -> Proc:
     """SIGSTOP a live worker in the middle of generating step 0, and return it stopped.
 
     A worker seen holding jobs may finish them before the signal lands; once stopped it changes
@@ -138,7 +134,7 @@ def freeze_a_holder(deployment, rdb, run_id, exclude=(), min_deltas=6, timeout_s
     another one is tried."""
 
     def attempt() -> Proc | None:
-        if rdb.xlen(keys.deltas_stream(run_id)) < min_deltas:
+        if sum(collected(rdb, run_id, 0).values()) < min_tokens:
             return None
         for name in holders(rdb, run_id):
             proc = deployment.procs.get(name)
@@ -181,13 +177,17 @@ def test_kill_and_notice_mid_generation_lose_nothing(
     run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
     assert noticed.popen.wait(10) is not None  # left within its grace period
-    check_groups(rdb, run_id, s)
-    assert responses_of_step(rdb, run_id, 0) == reference
+    check_groups(deployment, run_id, s)
+    assert responses_of_step(deployment, run_id, 0) == reference
     row = client.metrics(run_id)[0]
     assert row["migrations"].get("death", 0) >= 1 and row["migrations"].get("preemption", 0) >= 1
     assert row["regenerated_tokens"] == 0  # nothing flushed was generated again
     migrated = [
-        r for g in read_groups(rdb, run_id) if g.step == 0 for r in g.responses if r.leases > 1
+        r
+        for g in read_groups(deployment, run_id)
+        if g.step == 0
+        for r in g.responses
+        if r.leases > 1
     ]
     assert migrated
     for proc in (killed, noticed):
@@ -204,8 +204,8 @@ def test_frozen_worker_that_comes_back_is_fenced(deployment, client, rdb, tiny_m
     frozen.popen.send_signal(signal.SIGCONT)  # back, still holding stale leases
     run = wait_final(client, deployment, run_id, timeout_s=120)
     assert run["state"] == "succeeded"
-    check_groups(rdb, run_id, s)
-    assert responses_of_step(rdb, run_id, 0) == reference
+    check_groups(deployment, run_id, s)
+    assert responses_of_step(deployment, run_id, 0) == reference
     row = client.metrics(run_id)[0]
     assert row["migrations"].get("death", 0) >= 1
     assert frozen.alive()

@@ -6,11 +6,13 @@ import pytest
 
 from services.common.messages import Job
 from services.common.redis_streams import (
+    StagedWrites,
     autoclaim,
     connect,
     decode_or_park,
     ensure_group,
     read_group,
+    while_out_of_memory,
 )
 
 pytestmark = pytest.mark.slow
@@ -51,6 +53,82 @@ def test_groups_share_work_and_reclaim_what_a_dead_reader_held(redis_url):
         assert decode_or_park(Job, claimed[0], parked).request_id == "0"
         assert decode_or_park(Job, (b"1-1", {b"m": b"\xc1"}), parked) is None
         assert parked and parked[0][0] == b"1-1"
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_staged_writes_wait_out_a_full_redis_and_land_whole(redis_url):
+    """A MULTI refused for memory applied nothing; sent again once there is room, it lands
+    whole, once."""
+
+    async def scenario():
+        r = connect(redis_url)
+        await r.delete("test:oom:s", "test:oom:h")
+        staged = StagedWrites()
+        staged.xadd("test:oom:s", {"m": b"x"})
+        staged.hset("test:oom:h", "a", "1")
+        used = (await r.info("memory"))["used_memory"]
+        await r.config_set("maxmemory", used // 2)
+        waits: list[str] = []
+
+        async def say(reason: str) -> None:
+            waits.append(reason)
+            await r.config_set("maxmemory", 0)  # room again
+
+        try:
+            await while_out_of_memory(lambda: staged.execute(r), "test batch", say)
+        finally:
+            await r.config_set("maxmemory", 0)
+        assert len(waits) == 1 and "out of memory" in waits[0]
+        assert await r.xlen("test:oom:s") == 1 and await r.hget("test:oom:h", "a") == b"1"
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
+    """Appending tokens sends the tokens only; the lease|finish field and the TTLs are written
+    when they change (once per key), and a restore reads back exactly what was staged."""
+    from services.common.messages import DeltaItem
+    from services.coordinator.request_table import RequestTable
+    from services.coordinator.step_store import StepStore
+
+    def new_table():
+        return RequestTable("rs", 0, 0, [[1, 2]], 2, 8, 1.0, 1.0, 0, [])
+
+    def item(offset, tokens, finished=False):
+        return DeltaItem(
+            request_id="0:0:0",
+            lease=0,
+            offset=offset,
+            token_ids=tokens,
+            logprobs=[-1.0] * len(tokens),
+            finished=finished,
+            finish_reason="stop" if finished else None,
+        )
+
+    async def scenario():
+        r = connect(redis_url)
+        table, store = new_table(), StepStore(r, "rs", 0)
+        await r.delete(*store.scratch_keys(), store._token_key("0:0:0"))
+        sent = []
+        for offset, tokens, finished in ((0, [3, 4], False), (2, [5], False), (3, [6], True)):
+            table.apply(item(offset, tokens, finished))
+            staged = StagedWrites()
+            store.stage_requests(staged, table, {"0:0:0"})
+            sent.append([name for name, _, _ in staged.ops])
+            await staged.execute(r)
+        assert sent[0] == ["hset", "append", "append", "expire", "expire", "expire"]
+        assert sent[1] == ["append", "append"]  # tokens only
+        assert sent[2] == ["hset", "append", "append"]  # finished: the state changed
+        again = new_table()
+        store2 = StepStore(r, "rs", 0)
+        await r.hset(store2.meta, mapping={"queued": 1, "started_at": 1.0})
+        await store2.restore(again)
+        req = again.requests["0:0:0"]
+        assert req.token_ids == [3, 4, 5, 6] and req.finish_reason == "stop"
+        assert again.unfinished_count == 1  # the other sample
         await r.aclose()
 
     asyncio.run(scenario())

@@ -15,6 +15,7 @@ from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.runspec import FINAL_STATES, RunSpec
 from tests.integration.conftest import (
+    collected,
     read_groups,
     run_events,
     small_spec,
@@ -57,8 +58,7 @@ def wait_mid_step(rdb, run_id, step=0):
 
     def mid():
         return (
-            rdb.exists(keys.deltas_stream(run_id))
-            and rdb.xlen(keys.deltas_stream(run_id)) >= 2
+            sum(collected(rdb, run_id, step).values()) >= 2
             and rdb.scard(keys.step_published(run_id, step)) < 4
         )
 
@@ -166,7 +166,7 @@ def test_a_poison_request_is_quarantined_and_the_rest_trains(deployment, client,
     assert run["state"] == "succeeded", run["error"]
     assert len(dead) == K  # the first crash may have had bystanders; the K-th was its own
     check_exact(deployment, client, run_id, body, quarantined=1)
-    groups = read_groups(rdb, run_id)
+    groups = read_groups(deployment, run_id)
     dropped = [g for g in groups if g.quarantined]
     assert [(g.step, g.prompt_index, len(g.responses)) for g in dropped] == [(0, 2, 0)]
     for g in groups:

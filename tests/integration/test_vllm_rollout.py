@@ -101,7 +101,7 @@ def test_killed_vllm_worker_leaves_no_engine_process_and_the_run_completes(tmp_p
         assert not gone(engine_procs, 30), "vLLM engine processes outlived their worker"
         audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
         r = redis.Redis.from_url(dep.redis_url)
-        groups = read_groups(r, run_id)
+        groups = read_groups(dep, run_id)
         r.close()
         survivors = {p.pid: descendants(p.pid) for p in workers if p is not victim}
     assert run["state"] == "succeeded" and audit["lost"] == 0 and audit["duplicated"] == 0

@@ -105,3 +105,25 @@ def test_restart_without_migration_discards_collected_tokens():
     t.apply(delta("0:0:0", 0, [8, 9], lease=1))
     assert t.requests["0:0:0"].token_ids == [8, 9]
     assert t.tokens_received == 5 and t.tokens_appended == 5
+
+
+def test_unfinished_count_follows_finishes_quarantines_and_migrations():
+    t = table(n=2, prompts=2, max_new=3)
+    assert t.unfinished_count == len(t.unfinished()) == 4
+    t.apply(delta("0:0:0", 0, [5, 6, 7]))  # reaches max_new_tokens
+    t.apply(delta("0:0:1", 0, [5], finished=True, reason="stop"))
+    assert t.unfinished_count == len(t.unfinished()) == 2
+    t.apply(delta("0:0:1", 1, [9], finished=True, reason="stop"))  # already done: no change
+    t.migrate("0:1:0", "death", keep_tokens=False)
+    assert t.unfinished_count == len(t.unfinished()) == 2
+    t.quarantine(1)
+    t.quarantine(1)
+    assert t.unfinished_count == len(t.unfinished()) == 0
+
+
+def test_a_delta_that_repeats_and_overruns_is_cut_to_what_fits():
+    t = table(n=1, prompts=1, max_new=4)
+    assert t.apply(delta("0:0:0", 0, [1, 2])) is Applied.APPENDED
+    assert t.apply(delta("0:0:0", 1, [2, 3, 4, 5, 6])) is Applied.FINISHED
+    r = t.requests["0:0:0"]
+    assert r.token_ids == [1, 2, 3, 4] and len(r.logprobs) == 4 and r.finish_reason == "length"

@@ -142,8 +142,35 @@ function render(run, rows, tl) {
     [line("train (incl. waits)", COLORS.reserved), line("waiting for groups", COLORS.preemptible)],
     perStep(rows, "train_s", "train_wait_s"),
   );
+  draw(
+    "redis",
+    [
+      line("used (MiB)", COLORS.reserved, { points: { show: false } }),
+      line("limit (MiB)", "#b43b3b", { points: { show: false }, dash: [4, 4] }),
+      line("deltas", COLORS.preemptible, { scale: "len", points: { show: false }, width: 1 }),
+      line("groups", COLORS.third, { scale: "len", points: { show: false }, width: 1 }),
+    ],
+    redisData(tl.pool),
+    {
+      time: true,
+      scales: { len: {} },
+      axes: [{}, { label: "MiB" }, { scale: "len", side: 1, label: "entries", grid: { show: false } }],
+    },
+  );
   renderSummary(run, rows, tl);
   renderEvents(tl.events);
+}
+
+// Redis memory and the run's stream lengths from the pool samples (older samples lack them)
+function redisData(samples) {
+  const withMem = samples.filter((s) => s.redis_mem_mib !== undefined);
+  return [
+    withMem.map((s) => s.at),
+    withMem.map((s) => s.redis_mem_mib),
+    withMem.map((s) => (s.redis_limit_mib > 0 ? s.redis_limit_mib : null)),
+    withMem.map((s) => (s.streams ? s.streams.deltas : null)),
+    withMem.map((s) => (s.streams ? s.streams.groups : null)),
+  ];
 }
 
 function renderSummary(run, rows, tl) {
@@ -166,6 +193,10 @@ function renderSummary(run, rows, tl) {
   );
   $("s-migr").textContent = String(migrated);
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
+  const mem = tl.pool.filter((s) => s.redis_mem_mib !== undefined).pop();
+  $("s-redis").textContent = mem
+    ? `${fmt(mem.redis_mem_mib, 0)}${mem.redis_limit_mib > 0 ? ` / ${fmt(mem.redis_limit_mib, 0)}` : ""}`
+    : "–";
 }
 
 // why a run cannot progress (stalled) or why it failed, in words
