@@ -6,6 +6,7 @@ runs earlier, before any body byte is read, in `http_limits.InputGuard`.
 """
 
 import asyncio
+import gc
 import hmac
 import logging
 import random
@@ -182,7 +183,13 @@ def auth_headers(token: str | None) -> dict[str, str]:
 
 
 def serve(app: FastAPI, host: str, port: int, graceful_s: float | None = None) -> None:
-    """Run an app under uvicorn until SIGINT/SIGTERM."""
+    """Run an app under uvicorn until SIGINT/SIGTERM.
+
+    What was imported is moved out of the garbage collector's sight first (`gc.freeze`): a
+    service's heap is mostly modules, and a full collection walking them paused the coordinator
+    for up to 160 ms and took a quarter of its CPU under load."""
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(
         app,
         host=host,

@@ -196,8 +196,11 @@ class RolloutWorker:
                 # Full: wait for a request to end (or a while, to notice a new version), not
                 # poll Redis in a tight loop beside the engine.
                 self.slot_freed.clear()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+                # that lands as its wait ends, and a killed worker would run on
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.slot_freed.wait(), FULL_WAIT_S)
+                    async with asyncio.timeout(FULL_WAIT_S):
+                        await self.slot_freed.wait()
                 continue
             self.state = "serving"
             stream = keys.jobs_stream(run_id, self.version)
