@@ -106,6 +106,13 @@ async def park(
 T = TypeVar("T")
 
 
+def brief(exc: BaseException, chars: int = 200) -> str:
+    """An error's message cut short: redis-py quotes the whole failed command of a pipeline,
+    which can hold megabytes of tokens."""
+    text = str(exc)
+    return text if len(text) <= chars else text[:chars] + "..."
+
+
 # Redis cannot take the command now, and nothing of it was applied: unreachable, or refusing
 # writes at its maxmemory (noeviction). Loops retry these; anything else is a real error.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError)
@@ -123,7 +130,7 @@ async def with_reconnect(op: Callable[[], Awaitable[T]], what: str, max_delay_s:
             if task is not None and task.cancelling():
                 # the client turned our cancellation into a connection error: stop, not retry
                 raise asyncio.CancelledError from exc
-            log.warning("%s: redis unavailable (%s); retrying in %.1fs", what, exc, delay)
+            log.warning("%s: redis unavailable (%s); retrying in %.1fs", what, brief(exc), delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)
 
@@ -164,9 +171,9 @@ async def while_out_of_memory(
             return await op()
         except OutOfMemoryError as exc:
             if not told:
-                log.warning("%s: redis is out of memory (%s); waiting", what, exc)
+                log.warning("%s: redis is out of memory (%s); waiting", what, brief(exc))
                 if on_wait is not None:
-                    await on_wait(f"redis is out of memory: {what} waits ({exc})"[:300])
+                    await on_wait(f"redis is out of memory: {what} waits ({brief(exc)})")
                 told = True
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay_s)

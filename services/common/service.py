@@ -25,6 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common.redis_streams import brief
+
 if TYPE_CHECKING:
     from services.common.settings import CommonSettings
 
@@ -57,7 +59,7 @@ class BackgroundTasks:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError from exc
-                log.warning("%s: redis unavailable (%s); again in %.1fs", name, exc, delay)
+                log.warning("%s: redis unavailable (%s); again in %.1fs", name, brief(exc), delay)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
 

@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
 from services.common.http_limits import clip, guard_input
-from services.common.redis_streams import connect, with_reconnect
+from services.common.redis_streams import brief, connect, with_reconnect
 from services.common.runspec import FINAL_STATES
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.coordinator import cleanup, dashboard, routes_runs, routes_workers
@@ -81,7 +81,9 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
         except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
             # Redis went away (or refused a write at its memory limit) mid-step: everything that
             # landed is in Redis, each batch whole or not at all; resume from it
-            log.warning("run %s: redis unavailable (%s); resuming once it is back", run_id, exc)
+            log.warning(
+                "run %s: redis unavailable (%s); resuming once it is back", run_id, brief(exc)
+            )
             await asyncio.sleep(settings.scheduler_poll_s)
             continue
         except Exception as exc:
@@ -130,7 +132,9 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         # nothing was changed; the client may try again once Redis is back
         return JSONResponse(
-            {"detail": f"redis unavailable: {exc}"}, status_code=503, headers={"Retry-After": "2"}
+            {"detail": f"redis unavailable: {brief(exc)}"},
+            status_code=503,
+            headers={"Retry-After": "2"},
         )
 
     app.include_router(routes_runs.build_router(store, auth, settings))

@@ -19,6 +19,17 @@ from services.common import keys
 from services.coordinator.request_table import RequestTable
 
 TTL_S = 24 * 3600
+# APPEND ARGV[i + 2] to KEYS[i], and EXPIRE the first ARGV[1] keys (new ones) after ARGV[2]
+# seconds. The shebang declares the script: Redis then refuses it whole, before it runs, when
+# it is out of memory (an undeclared one could fail half-way, its first appends applied).
+_APPEND_ALL = """#!lua
+local new, ttl = tonumber(ARGV[1]), ARGV[2]
+for i = 1, #KEYS do
+  redis.call('APPEND', KEYS[i], ARGV[i + 2])
+  if i <= new then redis.call('EXPIRE', KEYS[i], ttl) end
+end
+return #KEYS
+"""
 
 
 def _tokens(values: list[int]) -> bytes:
@@ -81,26 +92,36 @@ class StepStore:
         pipe.expire(self.meta, TTL_S)
 
     def stage_requests(self, pipe, table: RequestTable, rids: set[str]) -> None:
-        """Write what changed in these requests since they were last staged: the state field
-        only when lease, finish or crashes changed; the new tokens only; a key's TTL once."""
+        """Write what changed in these requests since they were last staged, in two commands
+        whatever their number: one HSET of the states that changed (lease, finish, crashes) and
+        one script appending the new tokens and logprobs (and giving new keys their TTL)."""
+        states: dict[str, str] = {}
+        new_keys: list[str] = []
+        new_values: list[bytes] = []
+        grown_keys: list[str] = []
+        grown_values: list[bytes] = []
         for rid in rids:
             req = table.requests[rid]
             saved = self.saved_len.get(rid, 0)
             state = f"{req.lease}|{req.finish_reason or ''}|{','.join(req.crashed_on)}"
             if self.saved_state.get(rid) != state:
-                pipe.hset(self.state, rid, state)
-                self.saved_state[rid] = state
+                states[rid] = self.saved_state[rid] = state
             n = len(req.token_ids)
             if n < saved:  # restarted from zero (migration off)
                 saved = 0
                 pipe.delete(self._token_key(rid), self._logprob_key(rid))
             if n > saved:
-                pipe.append(self._token_key(rid), _tokens(req.token_ids[saved:]))
-                pipe.append(self._logprob_key(rid), _logprobs(req.logprobs[saved:]))
-                if saved == 0:  # a new key: its TTL, once
-                    pipe.expire(self._token_key(rid), TTL_S)
-                    pipe.expire(self._logprob_key(rid), TTL_S)
+                keys_, values = (new_keys, new_values) if saved == 0 else (grown_keys, grown_values)
+                keys_ += [self._token_key(rid), self._logprob_key(rid)]
+                values += [_tokens(req.token_ids[saved:]), _logprobs(req.logprobs[saved:])]
             self.saved_len[rid] = n
+        if states:
+            pipe.hset(self.state, mapping=states)
+        if new_keys or grown_keys:
+            keys_ = new_keys + grown_keys
+            pipe.eval(
+                _APPEND_ALL, len(keys_), *keys_, len(new_keys), TTL_S, *new_values, *grown_values
+            )
         if not self.expiring:
             pipe.expire(self.state, TTL_S)
             self.expiring = True

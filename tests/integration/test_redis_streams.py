@@ -88,8 +88,9 @@ def test_staged_writes_wait_out_a_full_redis_and_land_whole(redis_url):
 
 
 def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
-    """Appending tokens sends the tokens only; the lease|finish field and the TTLs are written
-    when they change (once per key), and a restore reads back exactly what was staged."""
+    """Appending tokens sends the tokens only (one script for every request); the
+    lease|finish field and the TTLs are written when they change (once per key), and a restore
+    reads back exactly what was staged."""
     from services.common.messages import DeltaItem
     from services.coordinator.request_table import RequestTable
     from services.coordinator.step_store import StepStore
@@ -119,9 +120,10 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
             store.stage_requests(staged, table, {"0:0:0"})
             sent.append([name for name, _, _ in staged.ops])
             await staged.execute(r)
-        assert sent[0] == ["hset", "append", "append", "expire", "expire", "expire"]
-        assert sent[1] == ["append", "append"]  # tokens only
-        assert sent[2] == ["hset", "append", "append"]  # finished: the state changed
+        assert sent[0] == ["hset", "eval", "expire"]  # a new request: state, tokens, TTL
+        assert sent[1] == ["eval"]  # tokens only
+        assert sent[2] == ["hset", "eval"]  # finished: the state changed
+        assert await r.ttl(store._token_key("0:0:0")) > 0
         again = new_table()
         store2 = StepStore(r, "rs", 0)
         await r.hset(store2.meta, mapping={"queued": 1, "started_at": 1.0})
