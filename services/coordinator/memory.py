@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 from redis.exceptions import ResponseError
 
+from services.common import keys
 from services.coordinator.runs import RunStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,20 @@ class RedisMemory:
         USED.set(reading.used_bytes)
         LIMIT.set(reading.limit_bytes)
         return reading
+
+
+def run_streams(run_id: str, version: int | None) -> dict[str, str]:
+    """The streams of a run whose length an operator watches, by name."""
+    streams = {
+        "deltas": keys.deltas_stream(run_id),
+        "groups": keys.groups_stream(run_id),
+        "events": keys.run_events(run_id),
+        "pool": keys.run_pool(run_id),
+        "parked": keys.parked_stream(run_id),
+    }
+    if version is not None:
+        streams["jobs"] = keys.jobs_stream(run_id, version)
+    return streams
 
 
 async def stream_lengths(r: aioredis.Redis, streams: dict[str, str]) -> dict[str, int]:

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 from services.common import keys, timeline
 from services.common.messages import Heartbeat
 from services.common.redis_streams import with_reconnect
-from services.coordinator.memory import MIB, RedisMemory, stream_lengths
+from services.coordinator.memory import MIB, RedisMemory, run_streams, stream_lengths
 from services.coordinator.scheduling import forget_gone_workers, heartbeats
 
 log = logging.getLogger(__name__)
@@ -128,20 +128,6 @@ async def queue_depths(
     else:
         depths |= dict.fromkeys(("jobs_waiting", "jobs_in_flight", "deltas", "groups"), 0)
     return depths
-
-
-def run_streams(run_id: str, version: int | None) -> dict[str, str]:
-    """The streams of a run whose length an operator watches, by name."""
-    streams = {
-        "deltas": keys.deltas_stream(run_id),
-        "groups": keys.groups_stream(run_id),
-        "events": keys.run_events(run_id),
-        "pool": keys.run_pool(run_id),
-        "parked": keys.parked_stream(run_id),
-    }
-    if version is not None:
-        streams["jobs"] = keys.jobs_stream(run_id, version)
-    return streams
 
 
 class Observer:

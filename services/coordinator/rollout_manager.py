@@ -39,7 +39,7 @@ from services.common.redis_streams import (
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
-from services.coordinator.memory import MemoryGate, RedisMemory
+from services.coordinator.memory import MemoryGate, RedisMemory, run_streams, stream_lengths
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
 from services.coordinator.quarantine import dropped_group, note_crash, report_poison
 from services.coordinator.request_table import Applied, RequestTable
@@ -285,6 +285,7 @@ class RunManager:
                 "workers_preemptible": pools["preemptible"],
                 "groups_quarantined": len(table.quarantined),
                 "redis_mem_mib": round((await RedisMemory(self.r).read()).used_mib, 1),
+                "stream_lengths": await stream_lengths(self.r, run_streams(self.run_id, step)),
             },
         )
         # kept until the next version is committed (a restart before then finds the step

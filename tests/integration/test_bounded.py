@@ -95,6 +95,9 @@ def test_streams_hold_one_step_and_a_trainer_killed_mid_step_resumes_exact(
 def test_redis_near_its_limit_stalls_the_run_with_a_reason(deployment, client, rdb, tiny_model):
     """Over the high mark (85% of maxmemory) before a step: no job is queued and the run says
     why; with room again it goes on and trains every group."""
+    # as `spotrl up` and the tests start it: a limit, and never an eviction
+    assert rdb.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    assert int(rdb.config_get("maxmemory")["maxmemory"]) == 1024 * 1024 * 1024
     used = rdb.info("memory")["used_memory"]
     rdb.config_set("maxmemory", int(used / 0.9))  # used is 90% of the limit
     try:
@@ -138,3 +141,31 @@ def test_writes_refused_for_memory_mid_step_lose_nothing(deployment, client, rdb
     check_exact(deployment, run_id, body)
     deployment.check_alive()
     assert all(p.alive() for p in deployment.workers())
+
+
+def test_workers_gone_long_enough_are_forgotten(redis_url):
+    """Churn over days does not pile up in the worker index; a worker back in time stays."""
+    import asyncio
+
+    from services.common.redis_streams import connect
+    from services.coordinator.scheduling import forget_gone_workers
+
+    async def scenario():
+        r = connect(redis_url)
+        for w in ("ghost-1", "ghost-2"):
+            await r.hset(keys.worker(w), mapping={"id": w, "pool": "preemptible"})
+            await r.sadd(keys.WORKER_INDEX, w)
+            await r.xadd(keys.worker_control(w), {"m": b"x"})
+        assert await forget_gone_workers(r, set(), 1000.0, 10.0) == []  # gone since now
+        await r.set(keys.worker_heartbeat("ghost-2"), b"beat")  # ghost-2 is back...
+        assert await forget_gone_workers(r, {"ghost-2"}, 1005.0, 10.0) == []
+        # ...and its gone_since was cleared: only ghost-1 has been gone for over 10 s
+        assert await forget_gone_workers(r, set(), 1011.0, 10.0) == ["ghost-1"]
+        assert not await r.sismember(keys.WORKER_INDEX, "ghost-1")
+        assert not await r.exists(keys.worker("ghost-1"), keys.worker_control("ghost-1"))
+        assert await r.sismember(keys.WORKER_INDEX, "ghost-2")
+        await r.delete(keys.worker("ghost-2"), keys.worker_heartbeat("ghost-2"))
+        await r.srem(keys.WORKER_INDEX, "ghost-2")
+        await r.aclose()
+
+    asyncio.run(scenario())

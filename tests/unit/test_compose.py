@@ -49,6 +49,13 @@ def test_redis_keeps_an_append_only_file(compose):
     assert command[command.index("--appendonly") + 1] == "yes"
 
 
+def test_redis_has_a_memory_limit_and_never_evicts(compose):
+    """Past maxmemory Redis refuses writes (the services wait) instead of dropping keys."""
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert compose_default(command[command.index("--maxmemory") + 1]) == "4gb"
+
+
 def test_dependencies_wait_for_health(compose):
     for name in SETTINGS:
         deps = compose["services"][name]["depends_on"]
