@@ -514,10 +514,24 @@ def log_findings(log_path: Path, gone: list[str]) -> dict:
     }
 
 
+async def read(http: httpx.AsyncClient, path: str, tries: int = 4) -> httpx.Response:
+    """GET, tried again on a transport error: a server closes an idle keep-alive connection
+    (uvicorn after 5 s) just as a sampler that runs every 5 s reuses it."""
+    for attempt in range(tries):
+        try:
+            resp = await http.get(path)
+            resp.raise_for_status()
+            return resp
+        except httpx.TransportError:
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 async def coordinator_tokens(http: httpx.AsyncClient) -> float:
     """Response tokens the coordinator collected (`spotrl_coordinator_tokens_total`)."""
-    resp = await http.get("/metrics")
-    resp.raise_for_status()
+    resp = await read(http, "/metrics")
     for line in resp.text.splitlines():
         if line.startswith("spotrl_coordinator_tokens_total "):
             return float(line.split()[1])

@@ -56,6 +56,7 @@ from bench.loadgen import (
     freeze_heap,
     key_census,
     log_findings,
+    read,
     sample_redis,
     start_stack,
 )
@@ -98,9 +99,7 @@ async def take_sample(
     run_id: str,
 ) -> dict:
     sample = await sample_redis(r, run_id, stack.redis_dir)
-    resp = await http.get(f"/v1/runs/{run_id}")
-    resp.raise_for_status()
-    run = resp.json()
+    run = (await read(http, f"/v1/runs/{run_id}")).json()
     if run["state"] in FINAL_STATES:
         raise RuntimeError(f"run {run_id} ended early: {run['state']} {run.get('error', '')}")
     sample["state"] = run["state"]
