@@ -16,7 +16,9 @@ warm-up, and at the end; a step's requests make it rise and fall within every st
 mem_growth (last / first), deltas_len_last, groups_len_last, aof_mib_last, lost, duplicated.
 Before them: steps, kills, reclaimed (killed workers whose jobs the coordinator took back),
 declared_dead_alive (live workers it took for dead), keys_grown (kinds of key that grew from
-the warm-up to the end), loop_lag_ms_max (of this process), and more.
+the warm-up to the end), loop_lag_ms_max (of this process), coordinator_cpu_share and
+tok_per_coordinator_cpu_s (tokens the coordinator accepted per second of its own CPU after the
+warm-up: its capacity, whichever process bounds this run), and more.
 
     .venv/bin/python bench/soak.py [--minutes 10] [--workers 2] [--kill-every-s 120]
         [--prompts 256 --group-size 8 --max-new-tokens 256] [--json-out soak.json]
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import redis.asyncio as aioredis
 import torch
 
@@ -103,6 +106,8 @@ async def take_sample(
     if run["state"] in FINAL_STATES:
         raise RuntimeError(f"run {run_id} ended early: {run['state']} {run.get('error', '')}")
     sample["state"] = run["state"]
+    cpu = psutil.Process(stack.processes["coordinator"].pid).cpu_times()
+    sample["coordinator_cpu_s"] = cpu.user + cpu.system
     sample["tokens"] = await coordinator_tokens(http)
     sample["tokens_generated"] = fleet.tokens_generated
     sample["workers"] = len(fleet.workers)
@@ -278,7 +283,13 @@ def summarize(args, samples: list[dict], audit: dict, steps: int, fleet: LoadFle
     start_window = [s for s in after if s["t"] < first["t"] + args.window_s]
     end_window = [s for s in after if s["t"] > last["t"] - args.window_s]
     mem_first, mem_last = peak_mib(start_window), peak_mib(end_window)
+    # the coordinator's cost: tokens it accepted per second of its own CPU, after the warm-up
+    cpu_s = last["coordinator_cpu_s"] - first["coordinator_cpu_s"]
+    span_s = max(last["t"] - first["t"], 1e-9)
+    accepted = last["tokens"] - first["tokens"]
     return {
+        "coordinator_cpu_share": round(cpu_s / span_s, 3),
+        "tok_per_coordinator_cpu_s": round(accepted / max(cpu_s, 1e-9), 1),
         "steps": steps,
         "workers": args.workers,
         "kills": fleet.kills,
