@@ -517,16 +517,12 @@ def log_findings(log_path: Path, gone: list[str]) -> dict:
 async def read(http: httpx.AsyncClient, path: str, tries: int = 4) -> httpx.Response:
     """GET, tried again on a transport error: a server closes an idle keep-alive connection
     (uvicorn after 5 s) just as a sampler that runs every 5 s reuses it."""
-    for attempt in range(tries):
+    for attempt in range(tries - 1):
         try:
-            resp = await http.get(path)
-            resp.raise_for_status()
-            return resp
+            return (await http.get(path)).raise_for_status()
         except httpx.TransportError:
-            if attempt == tries - 1:
-                raise
             await asyncio.sleep(0.1 * (attempt + 1))
-    raise AssertionError("unreachable")
+    return (await http.get(path)).raise_for_status()  # the last try: its error goes up
 
 
 async def coordinator_tokens(http: httpx.AsyncClient) -> float:

@@ -1,14 +1,15 @@
 """The messages that cross service boundaries, encoded as msgpack (never pickle).
 
-Each type is a pydantic model, so a message is validated when decoded: a malformed one raises
-`MalformedMessage` with the reason, and the reader parks it instead of crashing. On a stream, a
-message is one entry with the single field `m` holding the msgpack bytes.
+Each type is a msgspec `Struct`, decoded straight from msgpack into the typed object and
+validated on the way (in C: the deltas carry every token a run makes, so this is the hot path).
+A malformed message raises `MalformedMessage` with the reason, and the reader parks it instead of
+crashing. Construction does not validate: a message is checked where it crosses a boundary, when
+decoded. On a stream, a message is one entry with the single field `m` holding the msgpack bytes.
 """
 
-from typing import Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import msgspec
 
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
@@ -16,22 +17,29 @@ Pool = Literal["reserved", "preemptible"]
 ReleaseReason = Literal["preemption", "seed", "balance", "crash"]
 FIELD = b"m"
 
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class MalformedMessage(ValueError):
     """A message that could not be decoded or does not match its type."""
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS: dict[type, msgspec.msgpack.Decoder] = {}  # one per type, built on its first use
 
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     def encode(self) -> bytes:
-        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+        return _ENCODER.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
+        decoder = _DECODERS.get(cls)
+        if decoder is None:
+            decoder = _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
         try:
-            return cls.model_validate(msgpack.unpackb(data, raw=False))
-        except (ValueError, TypeError, msgpack.UnpackException, ValidationError) as exc:
+            return decoder.decode(data)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
             raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
 
     def fields(self) -> dict[bytes, bytes]:
@@ -44,19 +52,34 @@ class Message(BaseModel):
             raise MalformedMessage(f"{cls.__name__}: entry has no field 'm'")
         return cls.decode(fields[FIELD])
 
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (messages are frozen)."""
+        return msgspec.structs.replace(self, **changes)
 
-class Job(Message):
+    def to_dict(self) -> dict:
+        """Plain builtins (dicts, lists, numbers, strings): for JSON."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> Self:
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
+
+
+class Job(Message, kw_only=True):
     """A token-level job: continue `prompt_ids + prefix_ids` for at most `remaining_tokens`."""
 
     run_id: str
     request_id: str  # "{step}:{prompt_index}:{sample_index}"
-    lease: int = Field(ge=0)  # bumped on every migration; deltas with an older lease are dropped
-    version: int = Field(ge=0)  # weight version that must generate every token
+    lease: NonNegative  # bumped on every migration; deltas with an older lease are dropped
+    version: NonNegative  # weight version that must generate every token
     prompt_ids: list[int]
     prefix_ids: list[int] = []  # tokens already collected for this request (a continuation)
-    remaining_tokens: int = Field(ge=1)
-    temperature: float = Field(ge=0.0)  # 0 = greedy
-    top_p: float = Field(gt=0.0, le=1.0)
+    remaining_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)]  # 0 = greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
     seed: int  # per-request sampling seed
     stop_token_ids: list[int] = []
     # run with nothing beside it: the request was running when a worker crashed, so a crash it
@@ -64,26 +87,26 @@ class Job(Message):
     isolate: bool = False
 
 
-class DeltaItem(Message):
+class DeltaItem(Message, kw_only=True):
     """New tokens of one request since the worker's last flush."""
 
     request_id: str
     lease: int
-    offset: int = Field(ge=0)  # index in the response of token_ids[0]
+    offset: NonNegative  # index in the response of token_ids[0]
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token under the sampling distribution
     finished: bool = False
     finish_reason: FinishReason | None = None
 
 
-class RequestLease(Message):
+class RequestLease(Message, kw_only=True):
     """One request under one lease: what a worker releases, or is told to drop."""
 
     request_id: str
     lease: int
 
 
-class DeltaBatch(Message):
+class DeltaBatch(Message, kw_only=True):
     """One flush of a worker: deltas of all its active requests, then the requests it releases.
 
     Releases travel in the same stream as the deltas, after them, so the coordinator has every
@@ -97,7 +120,7 @@ class DeltaBatch(Message):
     release_reason: ReleaseReason = "preemption"  # why `released` were given back
 
 
-class WorkerControl(Message):
+class WorkerControl(Message, kw_only=True):
     """An order to one worker, on its control stream.
 
     abort: drop `requests` (their lease moved on: fencing). release: give back `count` executing
@@ -112,7 +135,7 @@ class WorkerControl(Message):
     version: int | None = None
 
 
-class Response(Message):
+class Response(Message, kw_only=True):
     token_ids: list[int]
     logprobs: list[float]
     reward: float
@@ -120,7 +143,7 @@ class Response(Message):
     leases: int = 1  # how many leases (1 + migrations) produced it
 
 
-class Group(Message):
+class Group(Message, kw_only=True):
     """All n responses to one prompt, ready for the trainer; or, with `quarantined`, a group
     dropped from the step (a request of it crashed too many workers): no responses, counted
     toward the step's B and never trained on."""
@@ -134,7 +157,7 @@ class Group(Message):
     quarantined: bool = False
 
 
-class Heartbeat(Message):
+class Heartbeat(Message, kw_only=True):
     worker_id: str
     pool: Pool
     run_id: str | None

@@ -330,8 +330,8 @@ class RunManager:
         texts = self.tokenizer.decode_batch(
             [[t for t in s.token_ids if t not in stop] for s in states]
         )
-        return {
-            s.request_id: self.task.reward(text, examples[s.prompt_index])
+        return {  # float(): a task may score with an int or a bool
+            s.request_id: float(self.task.reward(text, examples[s.prompt_index]))
             for s, text in zip(states, texts, strict=True)
         }
 

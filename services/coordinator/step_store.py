@@ -146,9 +146,6 @@ class StepStore:
     async def expire_soon(self, ttl_s: int = 600) -> None:
         """The step is over: its copy is kept a while for audits, then goes."""
         async with self.r.pipeline(transaction=False) as pipe:
-            for key in (self.meta, self.state, self.published, self.quarantined):
+            for key in self.scratch_keys():
                 pipe.expire(key, ttl_s)
-            for rid in self.saved_len:
-                pipe.expire(self._token_key(rid), ttl_s)
-                pipe.expire(self._logprob_key(rid), ttl_s)
             await pipe.execute()

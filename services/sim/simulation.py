@@ -269,7 +269,7 @@ class Simulation(StepProtocol):
         if finished:
             full = self.cur.lengths[rid] >= self.sc.workload.max_response_tokens
             reason = "length" if full else "stop"
-        item = DeltaItem.model_construct(
+        item = DeltaItem(
             request_id=rid,
             lease=lease,
             offset=offset,

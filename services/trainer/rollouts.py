@@ -23,7 +23,7 @@ def write_rollouts(folder: Path, step: int, groups: list[Group]) -> Path:
     tmp = path.with_suffix(".jsonl.part")
     with tmp.open("w", encoding="utf-8") as out:
         for group in sorted(groups, key=lambda g: g.prompt_index):
-            out.write(json.dumps(group.model_dump(mode="json")) + "\n")
+            out.write(json.dumps(group.to_dict()) + "\n")
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(path)
@@ -35,5 +35,5 @@ def read_rollouts(folder: Path) -> list[Group]:
     groups = []
     for path in sorted(folder.glob("step-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
-            groups.append(Group.model_validate_json(line))
+            groups.append(Group.from_json(line))
     return groups

@@ -84,7 +84,7 @@ def test_abort_frees_the_slot(engine_and_model):
 def test_stop_token_and_length_finish_reasons(engine_and_model):
     engine, model = engine_and_model
     first = reference(model, PROMPTS["a"], 1)[0]
-    j = job("s", PROMPTS["a"], 5).model_copy(update={"stop_token_ids": [first]})
+    j = job("s", PROMPTS["a"], 5).replace(stop_token_ids=[first])
     engine.add(j)
     (ev,) = engine.decode()
     assert ev.finish_reason == "stop" and engine.active == 0

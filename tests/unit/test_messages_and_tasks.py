@@ -1,4 +1,4 @@
-import msgpack
+import msgspec
 import pytest
 
 from services.common.messages import DeltaBatch, DeltaItem, Group, Job, MalformedMessage
@@ -29,7 +29,7 @@ def test_messages_roundtrip_through_msgpack():
     assert DeltaBatch.decode(batch.encode()) == batch
 
 
-@pytest.mark.parametrize("raw", [b"\xc1garbage", msgpack.packb({"run_id": "r"}), b""])
+@pytest.mark.parametrize("raw", [b"\xc1garbage", msgspec.msgpack.encode({"run_id": "r"}), b""])
 def test_malformed_messages_raise_a_clear_error(raw):
     with pytest.raises(MalformedMessage, match="Group"):
         Group.decode(raw)
