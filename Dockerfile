@@ -1,18 +1,30 @@
-# One image for every spotrl service; docker-compose.yml picks the service by its command.
-# Every Python package is installed at its version in requirements.lock (`make lock`).
-# GPU hosts: the default torch wheel from PyPI is the CUDA build. CPU-only hosts get a smaller
-# image with --build-arg TORCH_SPEC="torch==2.13.0+cpu" and
-# --build-arg PIP_EXTRA_ARGS="--extra-index-url <your CPU wheel index>".
-FROM python:3.11-slim
+# One image for every spotrl service; docker-compose.yml builds it once and picks the service by
+# its command. Every Python package is installed at its version in requirements.lock (`make lock`).
+#
+# Build arguments (nothing changes without them):
+#   BASE_IMAGE      the Python 3.11 image to start from (default python:3.11-slim); offline:
+#                   the Debian base that tools/offline-image.sh builds with debootstrap
+#   PIP_NO_INDEX, PIP_FIND_LINKS
+#                   pip reads them from the environment: install from a wheelhouse instead of
+#                   an index (tools/offline-image.sh serves one on loopback for the build)
+#   TORCH_SPEC      GPU hosts: the default torch wheel from PyPI is the CUDA build. CPU-only
+#                   hosts get a smaller image with TORCH_SPEC="torch==2.13.0+cpu" and
+#                   PIP_EXTRA_ARGS="--extra-index-url <your CPU wheel index>"
+#   VLLM            "cuda" or "cpu" adds vLLM for the rollout workers' vllm engine
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC="torch==2.13.0"
 ARG PIP_EXTRA_ARGS=""
-# "cuda" or "cpu" adds vLLM for the rollout workers' vllm engine (SPOTRL_ENGINE=vllm).
 ARG VLLM=""
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
+# Threads: each service sets OMP_NUM_THREADS and torch's from SPOTRL_TORCH_THREADS (compose
+# sets it per service); nothing here overrides it.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPOTRL_HOST=0.0.0.0 \
-    OMP_NUM_THREADS=4 \
     TOKENIZERS_PARALLELISM=false \
     HOME=/home/spotrl
 
@@ -38,8 +50,9 @@ RUN pip install -c requirements.lock -e . \
 
 USER spotrl
 
-# Every service answers /healthz on $SPOTRL_PORT.
+# Every service answers /healthz; the check probes the port this container's own process bound
+# (SPOTRL_PORT_FILE where set, else SPOTRL_PORT) and accepts only that process's answer.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=10 \
-  CMD python -c "import os,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['SPOTRL_PORT'], timeout=2)"
+  CMD ["python", "-m", "services.common.healthcheck"]
 
 CMD ["python", "-m", "services.coordinator.main"]

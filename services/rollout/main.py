@@ -13,7 +13,13 @@ def main() -> None:
     setup_logging(f"rollout[{settings.worker_id}]", settings.log_level)
     from services.rollout.app import build_app
 
-    serve(build_app(settings), settings.host, settings.port, settings.preempt_grace_s)
+    serve(
+        build_app(settings),
+        settings.host,
+        settings.port,
+        settings.preempt_grace_s,
+        settings.port_file,
+    )
 
 
 if __name__ == "__main__":

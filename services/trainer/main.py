@@ -13,7 +13,7 @@ def main() -> None:
     setup_logging("trainer", settings.log_level)
     from services.trainer.app import build_app
 
-    serve(build_app(settings), settings.host, settings.port)
+    serve(build_app(settings), settings.host, settings.port, port_file=settings.port_file)
 
 
 if __name__ == "__main__":

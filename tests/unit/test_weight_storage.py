@@ -1,5 +1,7 @@
 import asyncio
 import hashlib
+import os
+import time
 
 import pytest
 
@@ -81,11 +83,32 @@ def test_replicas_on_one_volume_keep_their_own_staging(tmp_path):
     b = WeightStorage(tmp_path, keep=3, replica="b")
     entry = put(a, "m", 1, "w.bin", b"x")
     put(b, "m", 2, "w.bin", b"y")
-    b.discard_staging("m")  # b restarted: a's upload in flight survives
-    a.commit("m", 1, manifest(entry))
+    assert b.discard_staging("m", 3600, time.time(), own=True) == ["b"]  # b restarted
+    a.commit("m", 1, manifest(entry))  # a's upload in flight survived it
     assert b.versions("m") == [1]  # visible through every replica
     with pytest.raises(Conflict):
         b.commit("m", 1, manifest(entry))
+
+
+def test_staging_of_a_replica_gone_is_discarded_once_stale(tmp_path):
+    """A replica recreated under a new name leaves its cut-off upload behind: whichever replica
+    starts or commits next removes it once untouched for the limit, never one in use."""
+    gone = WeightStorage(tmp_path, keep=3, replica="gone-1")
+    alive = WeightStorage(tmp_path, keep=3, replica="alive-2")
+    put(gone, "m", 1, "w.bin", b"x")
+    entry = put(alive, "m", 2, "w.bin", b"y")
+    now = time.time()
+    assert alive.discard_staging("m", 3600, now) == []  # both fresh: kept, alive's own too
+    assert alive.discard_staging("m", 3600, now + 3601) == ["alive-2", "gone-1"]
+    put(alive, "m", 2, "w.bin", b"y")
+    old = now - 7200
+    for path in (tmp_path / "m" / "staging").rglob("*"):
+        os.utime(path, (old, old))
+    put(gone, "m", 3, "w.bin", b"z")  # an upload just written to: fresh again
+    assert alive.discard_staging("m", 3600, now) == ["alive-2"]
+    assert (tmp_path / "m" / "staging" / "gone-1" / "3").is_dir()
+    put(alive, "m", 2, "w.bin", b"y")
+    alive.commit("m", 2, manifest(entry))
 
 
 def test_block_hashes_cover_the_file(tmp_path):

@@ -1,0 +1,247 @@
+"""The stack as a user runs it with Docker Compose, on an engine of the test's own.
+
+Built offline (`tools/offline-image.sh`), started by `docker compose` with
+docker-compose.hostnet.yml (every service on the host's network, bound to 127.0.0.1, ports from
+variables), driven through the REST API with a token: a GRPO run whose steps advance and whose
+reward rises; rollout scaled to 2 mid-run, both replicas producing tokens; one rollout container
+killed mid-step (the run goes on, the audit finds nothing lost or duplicated); the trainer
+container restarted (it resumes from its checkpoint); `down -v` leaves nothing behind.
+
+`python -m tests.compose.scenario` prints the summary as JSON, last line; the pytest marker
+`compose` (tests/compose/test_compose_up.py) asserts it.
+"""
+
+import ipaddress
+import json
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.procs import free_port
+from services.common.runspec import RunSpec
+from tests.compose.engine import DockerEngine, compose_binary
+from tests.integration.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ("docker-compose.yml", "docker-compose.hostnet.yml")
+MODEL = "/models/arithmetic-base"
+PRIVATE = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+def say(msg: str) -> None:
+    print(f"[compose {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Stack:
+    """One Compose project on the engine: its commands, containers and REST client."""
+
+    def __init__(self, engine: DockerEngine, work: Path) -> None:
+        self.engine = engine
+        self.project = f"spotrl-test-{secrets.token_hex(3)}"
+        self.token = secrets.token_hex(16)
+        self.ports = {n: free_port() for n in ("redis", "coordinator", "weightstore", "trainer")}
+        models = work / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        models.chmod(0o777)  # the services run as uid 10001
+        self.env = {
+            **engine.env(),
+            "SPOTRL_API_TOKEN": self.token,
+            "SPOTRL_MODELS": str(models),
+            "SPOTRL_REDIS_IMAGE": "spotrl-base:bookworm",
+            "SPOTRL_REDIS_PORT": str(self.ports["redis"]),
+            "SPOTRL_COORDINATOR_PORT": str(self.ports["coordinator"]),
+            "SPOTRL_WEIGHTSTORE_PORT": str(self.ports["weightstore"]),
+            "SPOTRL_TRAINER_PORT": str(self.ports["trainer"]),
+            "SPOTRL_TRAINER_THREADS": "1",
+            "SPOTRL_ROLLOUT_THREADS": "1",
+        }
+        self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
+        self.client = CoordinatorClient(f"http://127.0.0.1:{self.ports['coordinator']}", self.token)
+
+    def compose(self, *args: str, timeout_s: float = 600.0, check: bool = True):
+        cmd = [str(compose_binary()), "--project-directory", str(ROOT), "-p", self.project]
+        for f in FILES:
+            cmd += ["-f", str(ROOT / f)]
+        out = subprocess.run(
+            [*cmd, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s
+        )
+        if check and out.returncode != 0:
+            raise RuntimeError(f"docker compose {' '.join(args)}: {out.stderr[-2000:]}")
+        return out
+
+    def containers(self, service: str | None = None, running: bool = False) -> list[str]:
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        listing = self.engine.docker("ps", "-q", *([] if running else ["-a"]), *filters)
+        return listing.stdout.split()
+
+    def private_addresses(self) -> list[str]:
+        """Addresses any container of the project has on a private (bridge) network."""
+        found = []
+        for cid in self.containers():
+            nets = json.loads(
+                self.engine.docker(
+                    "inspect", "-f", "{{json .NetworkSettings.Networks}}", cid
+                ).stdout
+            )
+            for net in nets.values():
+                ip = net.get("IPAddress")
+                if ip and any(ipaddress.ip_address(ip) in p for p in PRIVATE):
+                    found.append(f"{cid[:12]}: {ip}")
+        return found
+
+    def leftovers(self) -> list[str]:
+        label = f"label=com.docker.compose.project={self.project}"
+        out = [f"container {c}" for c in self.containers()]
+        for kind in ("volume", "network"):
+            listing = self.engine.docker(kind, "ls", "-q", "--filter", label)
+            out += [f"{kind} {x}" for x in listing.stdout.split()]
+        return out
+
+    def rollout_workers(self, run_id: str) -> list[dict]:
+        return [
+            w
+            for w in self.client.workers()
+            if w.get("alive") and w.get("run_id") == run_id and w["pool"] == "preemptible"
+        ]
+
+
+def drive(stack: Stack, steps: int, summary: dict) -> None:
+    client = stack.client
+    say("init-model (compose run --rm --no-deps trainer)")
+    stack.compose("run", "--rm", "--no-deps", "trainer", "spotrl", "init-model", MODEL)
+
+    t_up = time.monotonic()
+    stack.compose("up", "-d", "--wait", "--wait-timeout", "300")
+    summary["up_healthy_s"] = round(time.monotonic() - t_up, 1)
+    say(f"healthy after {summary['up_healthy_s']} s")
+    summary["private_addresses"] = stack.private_addresses()
+
+    spec = {
+        "model": MODEL,
+        "task": "arithmetic",
+        "steps": steps,
+        "prompts_per_step": 32,
+        "group_size": 8,
+        "seed": 0,
+    }
+    run_id = client.submit(spec)
+    t_run = time.monotonic()
+
+    def step() -> int:
+        return client.run(run_id)["step"]
+
+    def final() -> bool:
+        return client.run(run_id)["state"] in FINAL
+
+    wait_until(lambda: step() >= 1, "the first step", 300, poll_s=0.5)
+    summary["first_step_s"] = round(time.monotonic() - t_run, 1)
+    say(f"first step after {summary['first_step_s']} s")
+
+    stack.compose("up", "-d", "--wait", "--no-recreate", "--scale", "rollout=2")
+    both = wait_until(
+        lambda: (
+            ws
+            if len(ws := [w for w in stack.rollout_workers(run_id) if w["tokens_generated"] > 0])
+            >= 2
+            else None
+        ),
+        "two rollout replicas producing tokens",
+        240,
+        poll_s=0.5,
+    )
+    summary["workers_max"] = len(both)
+    say(f"{len(both)} rollout replicas producing tokens")
+
+    # kill one replica while it holds requests of the step in flight
+    held = wait_until(
+        lambda: [w for w in stack.rollout_workers(run_id) if w["active"] > 0 and not final()],
+        "a replica holding requests",
+        120,
+        poll_s=0.05,
+    )
+    replicas = stack.containers("rollout", running=True)
+    at_kill = step()
+    stack.engine.docker("kill", replicas[-1])
+    summary["killed"] = 1
+    say(f"killed a rollout container at step {at_kill} ({held[0]['active']} requests held)")
+    wait_until(lambda: step() >= at_kill + 2 or final(), "steps after the kill", 300, poll_s=0.5)
+
+    at_restart = step()
+    stack.compose("restart", "-t", "30", "trainer")
+    summary["trainer_resumed"] = bool(
+        wait_until(
+            lambda: "from its checkpoint" in stack.compose("logs", "trainer").stdout,
+            "the trainer resuming from its checkpoint",
+            240,
+            poll_s=0.5,
+        )
+    )
+    say(f"trainer restarted at step {at_restart} and resumed from its checkpoint")
+
+    run = wait_until(
+        lambda: r if (r := client.run(run_id))["state"] in FINAL else None,
+        "the run's end",
+        900,
+        poll_s=0.5,
+    )
+    summary["state"] = run["state"]
+    summary["steps"] = run["step"]
+    rewards = [row["reward_mean"] for row in client.metrics(run_id) if "reward_mean" in row]
+    k = min(5, len(rewards) // 2) or 1
+    summary["reward_first"] = round(sum(rewards[:k]) / k, 3) if rewards else None
+    summary["reward_last"] = round(sum(rewards[-k:]) / k, 3) if rewards else None
+    audit = audit_run(stack.redis_url, run_id, RunSpec.model_validate(spec), steps=run["step"])
+    summary["lost"] = audit["lost"]
+    summary["duplicated"] = audit["duplicated"]
+
+
+def run_scenario(work: Path, steps: int = 30) -> dict:
+    summary: dict = {}
+    t0 = time.monotonic()
+    engine = DockerEngine()
+    engine.start()
+    say(f"dockerd up ({engine.host})")
+    try:
+        t_build = time.monotonic()
+        build = subprocess.run(
+            ["bash", "tools/offline-image.sh"],
+            cwd=ROOT,
+            env=engine.env(),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        if build.returncode != 0:
+            raise RuntimeError(f"tools/offline-image.sh: {build.stderr[-3000:]}")
+        summary["build_s"] = round(time.monotonic() - t_build, 1)
+        say(f"image built in {summary['build_s']} s")
+        stack = Stack(engine, work)
+        try:
+            drive(stack, steps, summary)
+        except BaseException:
+            say(
+                "failed; the services' last log lines:\n"
+                + stack.compose("logs", "--tail", "25", check=False).stdout[-6000:]
+            )
+            raise
+        finally:
+            stack.compose("down", "-v", "--remove-orphans", "-t", "10", check=False)
+            summary["leftovers"] = stack.leftovers()
+            stack.client.close()
+    finally:
+        engine.stop()
+    summary["wall_s"] = round(time.monotonic() - t0, 1)
+    return summary
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="spotrl-compose-") as tmp:
+        print(json.dumps(run_scenario(Path(tmp))), flush=True)
