@@ -109,4 +109,12 @@ class DockerEngine:
             # what it started in its session (containerd), if it did not stop it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        for point in self.mounts():  # dockerd leaves its network namespace mounted
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def mounts(self) -> list[str]:
+        """Mount points under this engine's run folder, deepest first."""
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1] for line in f]
+        return sorted((p for p in points if p.startswith(f"{self.run_dir}/")), reverse=True)
