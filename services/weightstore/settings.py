@@ -2,7 +2,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.settings import CommonSettings
 
@@ -11,8 +11,10 @@ class WeightStoreSettings(CommonSettings):
     port: int = Field(8200, ge=0, le=65535, description="HTTP port.")
     root: Path = Field(Path(".spotrl/weights"), description="Folder holding every version.")
     replica_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()[:60]}-{uuid.uuid4().hex[:8]}",
-        description="Name of this replica's staging area (default: host name and a random suffix).",
+        "",
+        max_length=120,
+        description="Name of this replica's staging area (default: host name and port, the same "
+        "across restarts and different for replicas sharing a host name).",
     )
     stale_staging_s: float = Field(
         3600.0,
@@ -33,3 +35,10 @@ class WeightStoreSettings(CommonSettings):
         le=1024**3,
         description="Largest manifest a commit may carry; 413 past it.",
     )
+
+    @model_validator(mode="after")
+    def _replica_by_host_and_port(self) -> "WeightStoreSettings":
+        if not self.replica_id:
+            suffix = str(self.port) if self.port else uuid.uuid4().hex[:8]  # port 0: any
+            self.replica_id = f"{socket.gethostname()[:60]}-{suffix}"
+        return self

@@ -7,9 +7,10 @@ Layout under `root`:
 A version becomes visible by one rename of its staging folder, after every file in the manifest
 was found with the right size and sha256. Retention keeps the newest `keep` versions.
 Several replicas may share one folder (a shared volume): each stages its uploads under its own
-name (its host name and a random suffix, so replicas sharing a host name never share a staging
-area). A replica discards its own cut-off uploads when it starts, and any replica's staging left
-untouched for an hour (its replica gone or recreated) when it starts and after each commit.
+name (its host name and port: the same when it restarts, different for replicas sharing a host
+name, as on the host's network). A replica discards its own cut-off uploads when it starts, and
+any replica's staging left untouched for an hour (its replica gone or recreated under another
+name) when it starts and after each commit.
 """
 
 import contextlib
