@@ -62,7 +62,7 @@ test-random: setup-vllm
 	echo "$(PY) -m pytest -q -p randomly --randomly-seed=$$seed"; \
 	$(PY) -m pytest -q -p randomly --randomly-seed=$$seed
 
-test-fast: setup-vllm
+test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 # `docker compose up`, for real (tests/compose): its own dockerd, the image built offline, the

@@ -1,8 +1,13 @@
-"""Shared fixtures: a tiny base model built once per session."""
+"""Shared fixtures: a tiny base model built once per session. Every test under
+tests/integration and tests/compose (real processes, real Redis, Docker) is marked `slow` here,
+at collection: `make test-fast` (-m "not slow") runs the unit tests only."""
 
 import os
+from pathlib import Path
 
 import pytest
+
+SLOW_FOLDERS = {"integration", "compose"}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,3 +53,9 @@ def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(
         seed=seed,
         stop_token_ids=list(stop),
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FOLDERS & set(Path(str(item.fspath)).relative_to(Path(__file__).parent).parts):
+            item.add_marker(pytest.mark.slow)

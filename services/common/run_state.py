@@ -9,6 +9,12 @@ import redis.asyncio as aioredis
 from services.common import keys
 from services.common.runspec import LIVE_STATES
 
+
+class RunStopped(Exception):
+    """The run is no longer live (cancelled, failed, deleted): the loop driving it stops; the
+    message is its state."""
+
+
 # Only while the run is live (ARGV[1], ARGV[2]): HDEL the ARGV[3] fields that follow, then HSET
 # the name, value pairs after them.
 _SET_IF_LIVE = """

@@ -16,11 +16,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.common import keys
 from services.common.http_limits import clip, guard_input
 from services.common.redis_streams import brief, connect, with_reconnect
+from services.common.run_state import RunStopped
 from services.common.runspec import FINAL_STATES
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.coordinator import cleanup, dashboard, routes_runs, routes_workers
 from services.coordinator.observer import Observer
-from services.coordinator.rollout_manager import RunCancelled, RunManager
+from services.coordinator.rollout_manager import RunManager
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 
@@ -70,7 +71,7 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
                 settings.redis_memory_high,
             )
             await manager.run()
-        except RunCancelled as exc:
+        except RunStopped as exc:
             log.info("run %s stopped: %s", run_id, exc)
             await settle(store, run_id, await ended_as(store, run_id) or "cancelled")
             continue

@@ -3,8 +3,8 @@ streams, and turns them into what an operator watches: tokens/s by worker and po
 workers joining and leaving (a preemption with notice, or a sudden loss), and the run's pool
 timeline for the dashboard.
 
-`RateTracker` is the pure part (heartbeats in, rates and joins/leaves out); `observe_forever` is
-the thin shell that reads Redis and writes gauges, counters and timeline entries.
+`RateTracker` is the pure part (heartbeats in, rates and joins/leaves out); `Observer` is the
+thin shell that reads Redis and writes gauges, counters and timeline entries.
 """
 
 import asyncio

@@ -36,6 +36,7 @@ from services.common.redis_streams import (
     while_out_of_memory,
     with_reconnect,
 )
+from services.common.run_state import RunStopped
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
@@ -69,10 +70,6 @@ POLL_S = 0.05
 DELTA_BATCH = 256
 JOBS_TTL_S = 600
 CHECK_S = 0.25  # period of the cancel and dead-worker checks
-
-
-class RunCancelled(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ class RunManager:
         self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
 
     async def run(self) -> None:
-        """Drive every step; returns when version `steps` is committed. Raises RunCancelled."""
+        """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
         deltas = keys.deltas_stream(self.run_id)
         await ensure_group(self.r, deltas, keys.COORDINATOR_GROUP)
         await self.stall.start()
@@ -172,7 +169,7 @@ class RunManager:
     async def _check_running(self) -> None:
         state = await self.r.hget(keys.run(self.run_id), "state")
         if state is None or state.decode() not in LIVE_STATES:
-            raise RunCancelled(state.decode() if state else "deleted")
+            raise RunStopped(state.decode() if state else "deleted")
 
     async def _wait_version(self, at_least: int) -> int:
         """Wait until the trainer committed a version >= at_least; return it. The trainer is

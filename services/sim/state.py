@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.messages import Job
+from services.common.messages import Job, Pool
 from services.coordinator.request_table import RequestTable
 from services.sim.engine import SimEngine
 
@@ -18,7 +18,7 @@ class Instance:
     engines (whose node is billed once, not per engine)."""
 
     name: str
-    pool: Literal["reserved", "preemptible"]
+    pool: Pool
     engine: SimEngine
     price_per_h: float
     born_s: float

@@ -28,7 +28,7 @@ from services.common.redis_streams import (
     read_group,
     with_reconnect,
 )
-from services.common.run_state import set_if_live
+from services.common.run_state import RunStopped, set_if_live
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.weights import (
@@ -49,10 +49,6 @@ WAIT_S = Counter("spotrl_trainer_wait_seconds_total", "Seconds idle waiting for 
 VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")
 LAST_WAIT_S = Gauge("spotrl_trainer_last_wait_seconds", "Seconds idle for groups, newest step")
 LOSS = Gauge("spotrl_trainer_policy_loss", "Policy loss of the newest step")
-
-
-class RunStopped(Exception):
-    pass
 
 
 class TrainerLoop:

@@ -15,8 +15,6 @@ from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.runspec import FINAL_STATES
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:

@@ -20,7 +20,6 @@ from tests.integration.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow
 PROMPTS = 4
 
 

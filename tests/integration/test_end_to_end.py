@@ -3,12 +3,9 @@
 import json
 
 import httpx
-import pytest
 
 from services.common import keys
 from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
-
-pytestmark = pytest.mark.slow
 
 
 def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, rdb, tiny_model):

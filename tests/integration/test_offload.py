@@ -18,8 +18,6 @@ from services.common import keys
 from services.common.runspec import RunSpec
 from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
 
-pytestmark = pytest.mark.slow
-
 
 def run_on(tmp_path, model, reserved, preemptible, spec, env=None, slots=8):
     with Deployment(

@@ -24,7 +24,6 @@ from tests.integration.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow
 HEARTBEAT_TTL_S = 1.5
 MAX_NEW_TOKENS = 36
 # A worker is caught with this many tokens still to generate at least: a notice (SIGTERM) lands

@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 from services.common.messages import Job
 from services.common.redis_streams import (
     StagedWrites,
@@ -14,8 +12,6 @@ from services.common.redis_streams import (
     read_group,
     while_out_of_memory,
 )
-
-pytestmark = pytest.mark.slow
 
 
 def job(i: int) -> Job:

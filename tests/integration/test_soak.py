@@ -8,9 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STREAM_LEN = 5000
 

@@ -23,7 +23,6 @@ from tests.integration.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow
 HEARTBEAT_TTL_S = 1.5
 POISON = "0:2:1"  # step 0, prompt 2, sample 1
 K = 2

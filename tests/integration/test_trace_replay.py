@@ -3,8 +3,6 @@ join, get SIGTERM (notice) or SIGKILL in the middle of generation, and nothing i
 
 from pathlib import Path
 
-import pytest
-
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
@@ -12,7 +10,6 @@ from services.cli.deploy import Deployment, DeploymentConfig
 from services.common.runspec import RunSpec
 from tests.integration.conftest import small_spec, wait_final
 
-pytestmark = pytest.mark.slow
 TRACE = Path(__file__).resolve().parents[1] / "data" / "aws-g4dn-xlarge-us-east-1c-2020-11-20.csv"
 
 

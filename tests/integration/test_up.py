@@ -12,11 +12,8 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from services.cli.procs import free_port
-
-pytestmark = pytest.mark.slow
 
 TOKEN = "up-test-token"
 URL_LINE = re.compile(r"coordinator API (http://127\.0\.0\.1:\d+) \(dashboard (\S+)\)")

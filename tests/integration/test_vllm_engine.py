@@ -11,8 +11,6 @@ from services.rollout.hf_engine import HFEngine
 from tests.conftest import make_job as job
 from tests.conftest import require_vllm
 
-pytestmark = pytest.mark.slow
-
 PROMPTS = {
     "a": [5, 6, 7, 8],
     "b": [9, 10, 11],

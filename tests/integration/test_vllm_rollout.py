@@ -20,7 +20,6 @@ from services.common.runspec import RunSpec
 from tests.conftest import require_vllm
 from tests.integration.conftest import read_groups, small_spec, wait_final
 
-pytestmark = pytest.mark.slow
 VLLM_ENV = {"SPOTRL_VLLM_KV_CACHE_GIB": "0.25"}
 
 

@@ -14,18 +14,18 @@ from safetensors.torch import load_file, save_file
 from services.cli import procs
 from services.cli.deploy import DeploymentConfig
 from services.common import keys
+from services.common.run_state import RunStopped
 from services.common.weights import (
     WeightClient,
     WeightConflict,
     WeightTransferError,
     scan_folder,
 )
-from services.trainer.loop import RunStopped, TrainerLoop
+from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 
 from .conftest import small_spec, wait_final
 
-pytestmark = pytest.mark.slow
 WORKER = "rollout-preemptible-1"
 
 

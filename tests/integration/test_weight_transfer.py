@@ -19,8 +19,6 @@ from services.common.messages import Heartbeat
 from services.common.weights import WeightClient, WeightTransferError
 from tests.integration.conftest import small_spec, wait_final, wait_until
 
-pytestmark = pytest.mark.slow
-
 
 def start_store(root, port=None):
     port = port or procs.free_port()

@@ -10,7 +10,6 @@ import pytest
 from services.cli import procs
 from services.common.weights import WeightClient, WeightTransferError
 
-pytestmark = pytest.mark.slow
 TOKEN = "s3cret"
 
 
