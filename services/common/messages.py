@@ -56,9 +56,8 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         """A copy with `changes` (messages are frozen)."""
         return msgspec.structs.replace(self, **changes)
 
-    def to_dict(self) -> dict:
-        """Plain builtins (dicts, lists, numbers, strings): for JSON."""
-        return msgspec.to_builtins(self)
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Self:

@@ -6,7 +6,6 @@ holds each group of its step once. Quarantined groups are there too, with no res
 Off unless the trainer's `rollouts_dir` is set: it grows with the run, unlike Redis.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -23,7 +22,7 @@ def write_rollouts(folder: Path, step: int, groups: list[Group]) -> Path:
     tmp = path.with_suffix(".jsonl.part")
     with tmp.open("w", encoding="utf-8") as out:
         for group in sorted(groups, key=lambda g: g.prompt_index):
-            out.write(json.dumps(group.to_dict()) + "\n")
+            out.write(group.to_json() + "\n")
         out.flush()
         os.fsync(out.fileno())
     tmp.replace(path)

@@ -11,8 +11,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from tests.integration.conftest import wait_until
 
 DATA_ROOT = Path(
     os.environ.get("SPOTRL_DOCKER_DATA_ROOT", Path.home() / ".cache" / "spotrl" / "docker")
@@ -71,14 +72,16 @@ class DockerEngine:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        deadline = time.monotonic() + timeout_s
-        while self.docker("version", check=False).returncode != 0:
-            if self.proc.poll() is not None:
-                raise EngineUnavailable(f"dockerd exited {self.proc.returncode}: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise EngineUnavailable(f"dockerd not answering after {timeout_s}s")
-            time.sleep(0.2)
+        try:
+            wait_until(self._answering, "dockerd answering", timeout_s, poll_s=0.2)
+        except TimeoutError as exc:
+            self.stop()
+            raise EngineUnavailable(str(exc)) from exc
+
+    def _answering(self) -> bool:
+        if self.proc.poll() is not None:
+            raise EngineUnavailable(f"dockerd exited {self.proc.returncode}: {self.log_tail()}")
+        return self.docker("version", check=False).returncode == 0
 
     def docker(self, *args: str, check: bool = True, timeout_s: float = 120.0):
         return subprocess.run(

@@ -138,8 +138,10 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
     def step() -> int:
         return client.run(run_id)["step"]
 
-    def final() -> bool:
-        return client.run(run_id)["state"] in FINAL
+    def reached(n: int) -> bool:
+        """Step `n` reached or the run over: one read of the run."""
+        run = client.run(run_id)
+        return run["step"] >= n or run["state"] in FINAL
 
     wait_until(lambda: step() >= 1, "the first step", 300, poll_s=0.5)
     summary["first_step_s"] = round(time.monotonic() - t_run, 1)
@@ -162,7 +164,7 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
 
     # kill one replica while it holds requests of the step in flight
     held = wait_until(
-        lambda: [w for w in stack.rollout_workers(run_id) if w["active"] > 0 and not final()],
+        lambda: [w for w in stack.rollout_workers(run_id) if w["active"] > 0],
         "a replica holding requests",
         120,
         poll_s=0.05,
@@ -172,7 +174,7 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
     stack.engine.docker("kill", replicas[-1])
     summary["killed"] = 1
     say(f"killed a rollout container at step {at_kill} ({held[0]['active']} requests held)")
-    wait_until(lambda: step() >= at_kill + 2 or final(), "steps after the kill", 300, poll_s=0.5)
+    wait_until(lambda: reached(at_kill + 2), "steps after the kill", 300, poll_s=0.5)
 
     at_restart = step()
     stack.compose("restart", "-t", "30", "trainer")
