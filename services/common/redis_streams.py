@@ -1,14 +1,15 @@
 """Thin helpers over Redis streams with consumer groups (XREADGROUP, XACK, XAUTOCLAIM).
 
-A reader gets `(entry_id, fields)` pairs; decoding and parking of malformed entries is the
-caller's business through `decode_or_park`, so one bad message never stops a loop.
+`StreamConsumer` is the one way a service reads a stream of messages: read (replaying what it
+was given before a restart), decode or set aside the bad entry to park, acknowledge; one bad
+message never stops a loop.
 """
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,9 +17,11 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.messages import FIELD, MalformedMessage, Message
+from services.common.retry import brief, retry
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 Entry = tuple[bytes, dict[bytes, bytes]]
 PARKED_MAXLEN = 1000  # entries of a run's parked stream
 PARKED_BYTES = 16 * 1024  # of a parked message's content kept
@@ -103,36 +106,94 @@ async def park(
         )
 
 
-T = TypeVar("T")
+@dataclass
+class Read(Generic[M]):
+    """What one read of a stream gave: every entry (to acknowledge), the decoded messages in
+    order, and (entry_id, reason) of the entries to park (malformed ones; a caller adds those it
+    refuses for its own reasons)."""
+
+    entries: list[Entry]
+    messages: list[tuple[bytes, M]]
+    parked: list[tuple[bytes, str]]
+
+    @property
+    def ids(self) -> list[bytes]:
+        return [entry_id for entry_id, _ in self.entries]
 
 
-def brief(exc: BaseException, chars: int = 200) -> str:
-    """An error's message cut short: redis-py quotes the whole failed command of a pipeline,
-    which can hold megabytes of tokens."""
-    text = str(exc)
-    return text if len(text) <= chars else text[:chars] + "..."
+class StreamConsumer(Generic[M]):
+    """One consumer of a stream's consumer group, for messages of type `cls`: with `replay`, it
+    first reads the entries it was given before a restart and never acknowledged (once each),
+    then new ones. A malformed entry never stops it: it is set aside to be parked. An entry
+    trimmed away while pending is only acknowledged. Reads retry while Redis is away."""
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        cls: type[M],
+        replay: bool = True,
+    ) -> None:
+        self.r, self.stream, self.group, self.consumer, self.cls = r, stream, group, consumer, cls
+        self.replaying = replay
+        self._replayed = "0"  # entries after this id are still to replay
+
+    async def read(self, count: int, block_ms: int) -> Read[M]:
+        start = self._replayed if self.replaying else ">"
+        entries = await with_reconnect(
+            lambda: read_group(
+                self.r, self.stream, self.group, self.consumer, count, block_ms, start
+            ),
+            f"read {self.stream}",
+        )
+        if self.replaying:
+            if entries:
+                last = entries[-1][0]
+                self._replayed = last.decode() if isinstance(last, bytes) else last
+            else:
+                self.replaying = False
+        read: Read[M] = Read(entries, [], [])
+        for entry in entries:
+            if entry[1] is None:
+                continue
+            message = decode_or_park(self.cls, entry, read.parked)
+            if message is not None:
+                read.messages.append((entry[0], message))
+        return read
+
+    async def park(self, read: Read[M], parked_stream: str, source: str) -> None:
+        """Record the read's parked entries, with what they held, for a person to look at."""
+        await park(self.r, parked_stream, source, read.parked, read.entries)
+
+    def stage_ack(self, pipe, ids: list[bytes], delete: bool = True) -> None:
+        """Stage the acknowledgement (and, with `delete`, the deletion) of `ids` on a pipeline
+        or `StagedWrites`, to go in the transaction that stores what they carried."""
+        if ids:
+            pipe.xack(self.stream, self.group, *ids)
+            if delete:
+                pipe.xdel(self.stream, *ids)
+
+    async def ack(self, ids: list[bytes], delete: bool = False) -> None:
+        if ids:
+            async with self.r.pipeline(transaction=True) as pipe:
+                self.stage_ack(pipe, ids, delete)
+                await pipe.execute()
 
 
 # Redis cannot take the command now, and nothing of it was applied: unreachable, or refusing
 # writes at its maxmemory (noeviction). Loops retry these; anything else is a real error.
-REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError)
+# A service's background loop is restarted on these; a single operation (`with_reconnect`) is
+# also retried on a socket error (OSError) of its own.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError)
+REDIS_AWAY = (*REDIS_DOWN, OSError)
 
 
 async def with_reconnect(op: Callable[[], Awaitable[T]], what: str, max_delay_s: float = 5.0) -> T:
-    """Run `op`, retrying with jittered backoff while Redis is unreachable or out of memory
-    (an operation Redis refused for memory applied nothing: trying it again is safe)."""
-    delay = 0.1
-    while True:
-        try:
-            return await op()
-        except REDIS_AWAY as exc:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # the client turned our cancellation into a connection error: stop, not retry
-                raise asyncio.CancelledError from exc
-            log.warning("%s: redis unavailable (%s); retrying in %.1fs", what, brief(exc), delay)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, max_delay_s)
+    """Run `op`, retrying while Redis is unreachable or out of memory (an operation Redis
+    refused for memory applied nothing: trying it again is safe)."""
+    return await retry(op, f"{what} (redis unavailable)", REDIS_AWAY, max_delay_s=max_delay_s)
 
 
 class StagedWrites:
@@ -165,15 +226,17 @@ async def while_out_of_memory(
 ) -> T:
     """Run `op`, retrying with backoff while Redis refuses writes for memory; `on_wait(reason)`
     is awaited once when the first refusal comes (to say why the run waits)."""
-    delay, told = 0.05, False
-    while True:
-        try:
-            return await op()
-        except OutOfMemoryError as exc:
-            if not told:
-                log.warning("%s: redis is out of memory (%s); waiting", what, brief(exc))
-                if on_wait is not None:
-                    await on_wait(f"redis is out of memory: {what} waits ({brief(exc)})")
-                told = True
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, max_delay_s)
+
+    async def say(exc: BaseException) -> None:
+        if on_wait is not None:
+            await on_wait(f"redis is out of memory: {what} waits ({brief(exc)})")
+
+    return await retry(
+        op,
+        f"{what} (redis is out of memory)",
+        (OutOfMemoryError,),
+        first_delay_s=0.05,
+        max_delay_s=max_delay_s,
+        on_first_failure=say,
+        log_each=False,
+    )

@@ -11,7 +11,6 @@ import hmac
 import json
 import logging
 import os
-import random
 import signal
 import uuid
 from collections.abc import Callable, Coroutine
@@ -25,11 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.redis_streams import brief
+from services.common.redis_streams import REDIS_DOWN
+from services.common.retry import retry
 
 if TYPE_CHECKING:
     from services.common.settings import CommonSettings
@@ -57,17 +54,7 @@ class BackgroundTasks:
 
     @staticmethod
     async def _resilient(name: str, loop: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-        delay = 0.2
-        while True:
-            try:
-                return await loop()
-            except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError from exc
-                log.warning("%s: redis unavailable (%s); again in %.1fs", name, brief(exc), delay)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
+        return await retry(loop, f"{name} (redis unavailable)", REDIS_DOWN, first_delay_s=0.2)
 
     def _on_done(self, task: asyncio.Task) -> None:
         if task.cancelled():

@@ -15,7 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
 from services.common.http_limits import clip, guard_input
-from services.common.redis_streams import brief, connect, with_reconnect
+from services.common.redis_streams import connect, with_reconnect
+from services.common.retry import brief
 from services.common.run_state import RunStopped
 from services.common.runspec import FINAL_STATES
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for

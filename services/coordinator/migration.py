@@ -22,8 +22,8 @@ from services.common.messages import (
     RequestLease,
     WorkerControl,
 )
-from services.coordinator.request_table import RequestTable
 from services.coordinator.step_store import StepStore
+from services.core.request_table import RequestTable
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])

@@ -14,10 +14,10 @@ from prometheus_client import Counter
 from services.common import timeline
 from services.common.messages import Group
 from services.common.runspec import RunSpec
-from services.coordinator.request_table import RequestTable
 from services.coordinator.runs import RunFailed
 from services.coordinator.scheduling import crash_reports
-from services.coordinator.stall import is_poison
+from services.core.request_table import RequestTable
+from services.core.stall import is_poison
 
 log = logging.getLogger(__name__)
 QUARANTINED = Counter(

@@ -43,11 +43,11 @@ from services.common.tasks import Example, load_task
 from services.coordinator.memory import MemoryGate, RedisMemory, run_streams, stream_lengths
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
 from services.coordinator.quarantine import dropped_group, note_crash, report_poison
-from services.coordinator.request_table import Applied, RequestTable
 from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools, heartbeats
-from services.coordinator.seeding import SeedingController, recommended_pool_size
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_store import StepStore
+from services.core.request_table import Applied, RequestTable
+from services.core.seeding import SeedingController, recommended_pool_size
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])

@@ -14,8 +14,8 @@ from prometheus_client import Gauge
 
 from services.common import keys
 from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
-from services.coordinator.balancer import WorkerLoad, releases
-from services.coordinator.request_table import RequestTable
+from services.core.balancer import WorkerLoad, releases
+from services.core.request_table import RequestTable
 
 log = logging.getLogger(__name__)
 WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])

@@ -13,7 +13,7 @@ from services.common import keys
 from services.common.messages import Heartbeat
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.scheduling import crash_reports
-from services.coordinator.stall import (
+from services.core.stall import (
     Action,
     Decision,
     GoneWorker,

@@ -16,7 +16,7 @@ from array import array
 import redis.asyncio as aioredis
 
 from services.common import keys
-from services.coordinator.request_table import RequestTable
+from services.core.request_table import RequestTable
 
 TTL_S = 24 * 3600
 # APPEND ARGV[i + 2] to KEYS[i], and EXPIRE the first ARGV[1] keys (new ones) after ARGV[2]

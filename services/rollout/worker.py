@@ -36,7 +36,6 @@ from services.common.messages import (
     RequestLease,
     WorkerControl,
 )
-from services.common.plateau import PlateauEstimator
 from services.common.redis_streams import (
     decode_or_park,
     park,
@@ -45,6 +44,7 @@ from services.common.redis_streams import (
 )
 from services.common.service import auth_headers
 from services.common.weights import WeightClient, WeightConflict, WeightTransferError
+from services.core.plateau import PlateauEstimator
 from services.rollout.engine import Engine, TokenEvent, make_engine
 from services.rollout.settings import RolloutSettings
 

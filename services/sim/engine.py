@@ -17,7 +17,7 @@ as they grow.
 import heapq
 from dataclasses import dataclass
 
-from services.common.plateau import PlateauEstimator
+from services.core.plateau import PlateauEstimator
 from services.sim.profile import EngineProfile
 
 

@@ -17,9 +17,9 @@ import math
 import random
 
 from services.common.messages import DeltaItem
-from services.coordinator.balancer import WorkerLoad, fair_share, releases
 from services.coordinator.scheduling import RELEASE_COOLDOWN_S
-from services.coordinator.seeding import SeedingController
+from services.core.balancer import WorkerLoad, fair_share, releases
+from services.core.seeding import SeedingController
 from services.sim.engine import SimEngine
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.messages import Job, Pool
-from services.coordinator.request_table import RequestTable
+from services.core.request_table import RequestTable
 from services.sim.engine import SimEngine
 
 InstanceState = Literal["booting", "pulling", "up", "noticed", "gone"]

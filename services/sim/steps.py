@@ -10,8 +10,8 @@ optimizer step, publish).
 import math
 from collections import deque
 
-from services.coordinator.request_table import RequestTable, request_id
-from services.coordinator.seeding import recommended_pool_size
+from services.core.request_table import RequestTable, request_id
+from services.core.seeding import recommended_pool_size
 from services.sim.state import StepRecord, StepState
 
 

@@ -88,8 +88,8 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     lease|finish field and the TTLs are written when they change (once per key), and a restore
     reads back exactly what was staged."""
     from services.common.messages import DeltaItem
-    from services.coordinator.request_table import RequestTable
     from services.coordinator.step_store import StepStore
+    from services.core.request_table import RequestTable
 
     def new_table():
         return RequestTable("rs", 0, 0, [[1, 2]], 2, 8, 1.0, 1.0, 0, [])

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from services.common.plateau import PlateauEstimator
-from services.coordinator.balancer import WorkerLoad, releases
-from services.coordinator.seeding import SeedingController, recommended_pool_size
+from services.core.balancer import WorkerLoad, releases
+from services.core.plateau import PlateauEstimator
+from services.core.seeding import SeedingController, recommended_pool_size
 
 
 def test_t_seed_moves_toward_equal_idle_times():
@@ -89,7 +89,7 @@ def test_plateau_found_when_the_curve_saturates_at_the_largest_batch():
 
 
 def test_fair_share_splits_the_queue_evenly():
-    from services.coordinator.balancer import fair_share
+    from services.core.balancer import fair_share
 
     assert fair_share(1024, 8) == 128
     assert fair_share(10, 4) == 3

@@ -1,5 +1,5 @@
 from services.common.messages import DeltaItem
-from services.coordinator.request_table import Applied, RequestTable
+from services.core.request_table import Applied, RequestTable
 
 
 def table(n=2, prompts=2, max_new=5):

@@ -1,10 +1,10 @@
-"""The stall and poison policies (services/coordinator/stall.py) and the crash bookkeeping of the
+"""The stall and poison policies (services/core/stall.py) and the crash bookkeeping of the
 request table: plain functions, a made-up clock."""
 
 from services.common.runspec import RunSpec
 from services.coordinator.quarantine import dropped_group, note_crash
-from services.coordinator.request_table import RequestTable
-from services.coordinator.stall import (
+from services.core.request_table import RequestTable
+from services.core.stall import (
     Action,
     Blocker,
     GoneWorker,
