@@ -1,4 +1,5 @@
-"""Changing a run's state only while it is live (running or stalled), in one step inside Redis.
+"""The run pointers every service reads (the active run, its committed version), and changing
+a run's state only while it is live (running or stalled), in one step inside Redis.
 
 The coordinator moves a run between running and stalled and fails it; the trainer fails it when
 its weights were taken over. Either may race a cancel: a run in a final state is never changed.
@@ -34,3 +35,15 @@ async def set_if_live(
     pairs = [x for kv in fields.items() for x in kv]
     args = [*LIVE_STATES, len(drop), *drop, *pairs]
     return bool(await r.eval(_SET_IF_LIVE, 1, keys.run(run_id), *args))
+
+
+async def active_run(r: aioredis.Redis) -> str | None:
+    """The run the services work on now (the run pointer), or None."""
+    raw = await r.get(keys.ACTIVE_RUN)
+    return raw.decode() if raw is not None else None
+
+
+async def committed_version(r: aioredis.Redis, run_id: str) -> int | None:
+    """The newest weight version the trainer committed and announced for the run, or None."""
+    raw = await r.get(keys.run_version(run_id))
+    return int(raw) if raw is not None else None

@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 from services.common import keys, timeline
 from services.common.messages import Heartbeat
 from services.common.redis_streams import with_reconnect
+from services.common.run_state import active_run, committed_version
 from services.coordinator.memory import MIB, RedisMemory, run_streams, stream_lengths
 from services.coordinator.scheduling import forget_gone_workers, heartbeats
 
@@ -149,10 +150,8 @@ class Observer:
             await asyncio.sleep(self.period_s)
 
     async def once(self) -> None:
-        raw = await self.r.get(keys.ACTIVE_RUN)
-        active = raw.decode() if raw else None
-        raw_version = await self.r.get(keys.run_version(active)) if active else None
-        version = int(raw_version) if raw_version is not None else None
+        active = await active_run(self.r)
+        version = await committed_version(self.r, active) if active else None
         beats = await heartbeats(self.r)
         changes = self.tracker.update(beats)
         await self._joins_and_leaves(changes, beats, active)

@@ -11,7 +11,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from services.common import keys, timeline
-from services.common.run_state import set_if_live
+from services.common.run_state import active_run, committed_version, set_if_live
 from services.common.runspec import FINAL_STATES, RunSpec
 from services.common.step_metrics import read_steps
 from services.coordinator import cleanup
@@ -70,8 +70,7 @@ class RunStore:
         return [x.decode() for x in await self.r.zrevrange(keys.RUN_INDEX, 0, limit - 1)]
 
     async def active(self) -> str | None:
-        value = await self.r.get(keys.ACTIVE_RUN)
-        return value.decode() if value else None
+        return await active_run(self.r)
 
     async def activate_next(self) -> str | None:
         """Pop the oldest queued run and make it active (no-op while one is active)."""
@@ -135,8 +134,7 @@ class RunStore:
         return "cancelled"
 
     async def version(self, run_id: str) -> int | None:
-        value = await self.r.get(keys.run_version(run_id))
-        return int(value) if value is not None else None
+        return await committed_version(self.r, run_id)
 
     async def metrics(self, run_id: str) -> list[dict]:
         return await read_steps(self.r, run_id)
