@@ -140,6 +140,10 @@ class StreamConsumer(Generic[M]):
         self.replaying = replay
         self._replayed = "0"  # entries after this id are still to replay
 
+    def replay(self) -> None:
+        """Read the entries given to this consumer and never acknowledged again, from the first."""
+        self.replaying, self._replayed = True, "0"
+
     async def read(self, count: int, block_ms: int) -> Read[M]:
         start = self._replayed if self.replaying else ">"
         entries = await with_reconnect(

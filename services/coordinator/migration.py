@@ -23,6 +23,7 @@ from services.common.messages import (
     WorkerControl,
 )
 from services.coordinator.step_store import StepStore
+from services.core.collect import keeps_tokens
 from services.core.request_table import RequestTable
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ async def count_migrations(r: aioredis.Redis, table: RequestTable, cause: str, n
 
 
 async def reclaim_dead_workers(
-    r: aioredis.Redis, stream: str, table: RequestTable, store: StepStore, keep_tokens: bool
+    r: aioredis.Redis, stream: str, table: RequestTable, store: StepStore, migration: bool
 ) -> list[str]:
     """Migrate the requests held by readers of `stream` whose heartbeat expired; their names.
 
@@ -48,7 +49,7 @@ async def reclaim_dead_workers(
     the continuation jobs and the acknowledgement of the claimed entries then land in one MULTI.
     Entries claimed by a coordinator that died before that MULTI are pending under its consumer,
     which has no heartbeat: the next pass reclaims them the same way."""
-    dead = []
+    dead, keep = [], keeps_tokens(migration, "death")
     for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
         name = consumer["name"]
         name = name.decode() if isinstance(name, bytes) else name
@@ -68,7 +69,7 @@ async def reclaim_dead_workers(
             except MalformedMessage as exc:
                 log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
                 continue
-            new = table.migrate(job.request_id, "death", keep_tokens, lease=job.lease)
+            new = table.migrate(job.request_id, "death", keep, lease=job.lease)
             if new is not None:
                 moved.append(new)
         async with r.pipeline(transaction=True) as pipe:

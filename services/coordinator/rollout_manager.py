@@ -1,6 +1,8 @@
 """The rollout manager of one run: for each step, queue B x n token-level jobs on the stream of
 the step's weight version, collect token deltas, score finished responses and publish complete
-groups to the trainer. A thin asyncio shell around `RequestTable`.
+groups to the trainer. A thin asyncio shell: what a read of deltas changes is decided by
+`core.collect.apply_batches` on the step's `RequestTable`, T_seed and N_prem by
+`core.seeding.after_step`; this module reads, calls them and writes the outcome in one MULTI.
 
 It does not train and does not move weights: step s starts when the trainer has committed weight
 version s, and the run ends when version `steps` is committed. During a step it watches for a
@@ -17,7 +19,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -26,28 +28,26 @@ from redis.exceptions import OutOfMemoryError
 from tokenizers import Tokenizer
 
 from services.common import keys, timeline
-from services.common.messages import DeltaBatch, Group, Job, Response
+from services.common.messages import DeltaBatch
 from services.common.redis_streams import (
     StagedWrites,
-    decode_or_park,
+    StreamConsumer,
     ensure_group,
-    park,
-    read_group,
     while_out_of_memory,
-    with_reconnect,
 )
-from services.common.run_state import RunStopped
+from services.common.run_state import RunStopped, committed_version
 from services.common.runspec import LIVE_STATES, RunSpec
 from services.common.step_metrics import record_step
 from services.common.tasks import Example, load_task
 from services.coordinator.memory import MemoryGate, RedisMemory, run_streams, stream_lengths
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
-from services.coordinator.quarantine import dropped_group, note_crash, report_poison
+from services.coordinator.quarantine import report_poison
 from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools, heartbeats
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_store import StepStore
+from services.core.collect import CollectOutcome, CollectRules, apply_batches
 from services.core.request_table import Applied, RequestTable
-from services.core.seeding import SeedingController, recommended_pool_size
+from services.core.seeding import SeedingController, StepTimes, after_step, train_compute_s
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
@@ -74,15 +74,10 @@ CHECK_S = 0.25  # period of the cancel and dead-worker checks
 
 @dataclass(frozen=True)
 class StepDone:
-    """What the seeding controller needs to know about a finished rollout."""
+    """A finished rollout, as the seeding controller will need it once the step is trained."""
 
     step: int
-    n_preemptible: int
-    n_reserved: int
-    started: float
-    seed_end: float | None
-    rollout_end: float
-    window_s_used: float
+    times: StepTimes  # the trainer's part is filled in by `_adapt`
     scratch: tuple[str, ...]  # the step's keys, deleted once the next version is committed
 
 
@@ -111,15 +106,16 @@ class RunManager:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = stop_token_ids(model_dir)
         self.task = load_task(spec.task, spec.task_path)
-        self.consumer = "coordinator"
+        self.rules = CollectRules.for_run(spec)
+        self.deltas = StreamConsumer(
+            r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
+        )
         self.seeding = SeedingController()
-        self.replaying = False  # reading the deltas given to us before a restart
         self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
-        deltas = keys.deltas_stream(self.run_id)
-        await ensure_group(self.r, deltas, keys.COORDINATOR_GROUP)
+        await ensure_group(self.r, self.deltas.stream, keys.COORDINATOR_GROUP)
         await self.stall.start()
         step = await self._wait_version(0)
         while step < self.spec.steps:
@@ -129,42 +125,34 @@ class RunManager:
             await self.r.unlink(*done.scratch)
             await self._adapt(done)
 
-    async def _adapt(self, done: "StepDone") -> None:
+    async def _adapt(self, done: StepDone) -> None:
         """After the trainer committed the next version: move T_seed (Algorithm 1) and work out
         the preemptible pool size worth having."""
-        t_remote_wait = time.monotonic() - done.rollout_end
         row = await self.r.hgetall(keys.run_step(self.run_id, done.step))
         trained = {k.decode(): json.loads(v) for k, v in row.items()}
-        t_train_wait = float(trained.get("train_wait_s", 0.0))
-        t_train = max(
-            1e-3,
-            float(trained.get("train_s", 0.0))
-            - t_train_wait
-            - float(trained.get("seed_wait_s", 0.0)),
+        train_wait_s = float(trained.get("train_wait_s", 0.0))
+        compute_s = train_compute_s(
+            float(trained.get("train_s", 0.0)), train_wait_s, float(trained.get("seed_wait_s", 0.0))
         )
-        t_seed_next = self.seeding.update(done.n_preemptible, t_train_wait, t_remote_wait)
-        t_remote = done.rollout_end - (done.seed_end or done.started)
-        n_prem = recommended_pool_size(
-            t_remote if done.n_preemptible else 0.0,
-            done.n_preemptible,
-            done.window_s_used,
-            done.n_reserved,
-            t_train,
+        times = replace(
+            done.times,
+            committed=time.monotonic(),
+            train_compute_s=compute_s,
+            train_wait_s=train_wait_s,
         )
+        update = after_step(self.seeding, times)
+        n_prem = None if math.isinf(update.n_prem_recommended) else update.n_prem_recommended
         fields = {
-            "t_remote_wait_s": t_remote_wait,
-            "t_seed_next_s": t_seed_next,
-            "n_prem_recommended": None if math.isinf(n_prem) else n_prem,
+            "t_remote_wait_s": update.t_remote_wait_s,
+            "t_seed_next_s": update.t_seed_next_s,
+            "n_prem_recommended": n_prem,
         }
         await record_step(self.r, self.run_id, done.step, fields)
         await self.r.hset(
             keys.run(self.run_id),
-            mapping={
-                "t_seed_s": t_seed_next,
-                "n_prem_recommended": json.dumps(fields["n_prem_recommended"]),
-            },
+            mapping={"t_seed_s": update.t_seed_next_s, "n_prem_recommended": json.dumps(n_prem)},
         )
-        N_PREM.set(fields["n_prem_recommended"] or 0)
+        N_PREM.set(n_prem or 0)
 
     async def _check_running(self) -> None:
         state = await self.r.hget(keys.run(self.run_id), "state")
@@ -176,20 +164,65 @@ class RunManager:
         at work meanwhile and needs no worker: no stall is looked for."""
         while True:
             await self._check_running()
-            raw = await self.r.get(keys.run_version(self.run_id))
-            if raw is not None and int(raw) >= at_least:
-                return int(raw)
+            version = await committed_version(self.r, self.run_id)
+            if version is not None and version >= at_least:
+                return version
             await asyncio.sleep(POLL_S * 2)
 
-    async def _run_step(self, step: int) -> "StepDone":
+    async def _run_step(self, step: int) -> StepDone:
+        """Queue the step (or resume it after a restart), collect until every group is
+        published, record what it took."""
+        examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
+        table = self._table(step, examples)
+        store = StepStore(self.r, self.run_id, step)
+        began = await self._queue(table, store)
+        # time of the step so far, on this process's monotonic clock
+        started = time.monotonic() - max(0.0, time.time() - began)
+        workers = await alive_workers(self.r, self.run_id)
+        pools = count_pools(workers)
+        window = self.seeding.window_s(pools["preemptible"])
+        jobs = keys.jobs_stream(self.run_id, step)
+        sched = StepScheduler(self.r, self.run_id, step, jobs, window, started)
+        await sched.start(workers)
+        log.info(
+            "step %d: %d jobs on %s (pools %s, T_seed %.2fs)",
+            step,
+            len(table.requests),
+            jobs,
+            pools,
+            window,
+        )
+        finished = [rid for rid, req in table.requests.items() if req.done]
+        table.score(self._score(table, finished, examples))
+        await self._collect_all(table, store, sched, examples)
+        await sched.finish()
+        await self.stall.resume(step)
+        times = StepTimes(
+            n_preemptible=pools["preemptible"],
+            n_reserved=pools["reserved"],
+            started=started,
+            seed_end=sched.seed_end,
+            rollout_end=time.monotonic(),
+            committed=math.nan,  # known once the trainer commits (`_adapt`)
+            train_compute_s=math.nan,
+            train_wait_s=math.nan,
+        )
+        await self._record_rollout(table, times, window, pools)
+        # kept until the next version is committed (a restart before then finds the step
+        # complete); the TTL covers a coordinator that dies before it deletes them
+        await self.r.expire(jobs, JOBS_TTL_S)
+        await store.expire_soon(JOBS_TTL_S)
+        return StepDone(
+            step, times, (*store.scratch_keys(), jobs, keys.seed_done(self.run_id, step))
+        )
+
+    def _table(self, step: int, examples: list[Example]) -> RequestTable:
         spec = self.spec
-        examples = self.task.examples(spec.seed, step, spec.prompts_per_step)
-        prompts = [self.tokenizer.encode(e.prompt).ids for e in examples]
-        table = RequestTable(
+        return RequestTable(
             self.run_id,
             step,
             step,
-            prompts,
+            [self.tokenizer.encode(e.prompt).ids for e in examples],
             spec.group_size,
             spec.max_new_tokens,
             spec.temperature,
@@ -197,8 +230,10 @@ class RunManager:
             spec.seed,
             [] if spec.ignore_eos else self.stop_ids,
         )
-        jobs = keys.jobs_stream(self.run_id, step)
-        store = StepStore(self.r, self.run_id, step)
+
+    async def _queue(self, table: RequestTable, store: StepStore) -> float:
+        """Queue the step's jobs, or restore a step queued before a restart; when it began."""
+        jobs = keys.jobs_stream(self.run_id, table.step)
         began = await store.restore(table)
         if began is None:
             await self.memory_gate.wait_below(self._check_running)  # backpressure
@@ -213,59 +248,47 @@ class RunManager:
         else:
             log.info(
                 "step %d resumed: %d of %d groups already published, %d requests finished",
-                step,
+                table.step,
                 len(table.prompts) - len(table.pending_groups),
                 len(table.prompts),
                 len(table.requests) - len(table.unfinished()),
             )
-        # time of the step so far, on this process's monotonic clock
-        started = time.monotonic() - max(0.0, time.time() - began)
-        workers = await alive_workers(self.r, self.run_id)
-        pools = count_pools(workers)
-        window = self.seeding.window_s(pools["preemptible"])
-        sched = StepScheduler(self.r, self.run_id, step, jobs, window, started)
-        await sched.start(workers)
-        log.info(
-            "step %d: queued %d jobs on %s (pools %s, T_seed %.2fs)",
-            step,
-            len(table.requests),
-            jobs,
-            pools,
-            window,
-        )
-        rewards = self._rewards(
-            table, [r for r, req in table.requests.items() if req.done], examples
-        )
+        return began
+
+    async def _collect_all(
+        self, table: RequestTable, store: StepStore, sched: StepScheduler, examples: list[Example]
+    ) -> None:
+        """Collect until every group is published, checking now and then that the run is
+        live, reclaiming dead workers' requests, seeding, balancing and watching for a stall."""
+        jobs = keys.jobs_stream(self.run_id, table.step)
         last_check = time.monotonic()
-        self.replaying = True  # first the deltas read before a restart and never acknowledged
+        self.deltas.replay()  # first the deltas read before a restart and never acknowledged
         while not table.complete:
-            await self._collect(table, store, examples, rewards)
+            await self._collect(table, store, examples)
             PENDING.set(table.unfinished_count)
             if time.monotonic() - last_check > CHECK_S:
                 await self._check_running()
-                await reclaim_dead_workers(self.r, jobs, table, store, spec.migration)
+                await reclaim_dead_workers(self.r, jobs, table, store, self.spec.migration)
                 beats = await heartbeats(self.r)
                 await sched.tick(table, beats)
-                await self.stall.check(step, beats)
+                await self.stall.check(table.step, beats)
                 last_check = time.monotonic()
-        await sched.finish()
-        await self.stall.resume(step)
-        rollout_end = time.monotonic()
-        rollout_s = rollout_end - started
+
+    async def _record_rollout(
+        self, table: RequestTable, times: StepTimes, window: float, pools: dict[str, int]
+    ) -> None:
+        step = table.step
+        rollout_s = times.rollout_end - times.started
         ROLLOUT_S.observe(rollout_s)
-        tokens = sum(len(r.token_ids) for r in table.requests.values())
-        trained = [  # the rewards of the groups that go to the trainer
-            v
-            for rid, v in rewards.items()
-            if table.requests[rid].prompt_index not in table.quarantined
-        ]
-        mean_reward = sum(trained) / max(1, len(trained))
+        tokens = table.response_tokens
+        mean_reward = table.mean_reward()
+        seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
         await record_step(
             self.r,
             self.run_id,
             step,
             {
-                "version": step,
+                "version": table.version,
                 "reward_mean": mean_reward,
                 "response_tokens": tokens,
                 "response_len_mean": tokens / len(table.requests),
@@ -277,7 +300,7 @@ class RunManager:
                 "regenerated_tokens": table.tokens_received - tokens,
                 "migrations": dict(table.migrations),
                 "t_seed_s": None if math.isinf(window) else window,
-                "seed_s": (sched.seed_end or rollout_end) - started,
+                "seed_s": seed_end - times.started,
                 "workers_reserved": pools["reserved"],
                 "workers_preemptible": pools["preemptible"],
                 "groups_quarantined": len(table.quarantined),
@@ -285,10 +308,6 @@ class RunManager:
                 "stream_lengths": await stream_lengths(self.r, run_streams(self.run_id, step)),
             },
         )
-        # kept until the next version is committed (a restart before then finds the step
-        # complete); the TTL covers a coordinator that dies before it deletes them
-        await self.r.expire(jobs, JOBS_TTL_S)
-        await store.expire_soon(JOBS_TTL_S)
         REWARD.set(mean_reward)
         STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))
         await timeline.emit(
@@ -307,18 +326,8 @@ class RunManager:
             tokens,
             mean_reward,
         )
-        return StepDone(
-            step,
-            pools["preemptible"],
-            pools["reserved"],
-            started,
-            sched.seed_end,
-            rollout_end,
-            0.0 if math.isinf(window) else window,
-            (*store.scratch_keys(), jobs, keys.seed_done(self.run_id, step)),
-        )
 
-    def _rewards(
+    def _score(
         self, table: RequestTable, rids: list[str], examples: list[Example]
     ) -> dict[str, float]:
         """Decode and score finished responses (synchronous: run it in a thread)."""
@@ -332,110 +341,58 @@ class RunManager:
             for s, text in zip(states, texts, strict=True)
         }
 
-    async def _collect(
-        self, table: RequestTable, store: StepStore, examples: list[Example], rewards: dict
-    ) -> None:
-        """Apply one batch of deltas; then, in one MULTI: the requests that changed, the jobs of
-        the requests released, the groups completed, and the acknowledgement and deletion of
-        the batch's entries (what they carried is in the request table from then on)."""
-        deltas = keys.deltas_stream(self.run_id)
-        start = "0" if self.replaying else ">"
-        entries = await with_reconnect(
-            lambda: read_group(
-                self.r,
-                deltas,
-                keys.COORDINATOR_GROUP,
-                self.consumer,
-                DELTA_BATCH,
-                int(POLL_S * 1000),
-                start,
-            ),
-            "read deltas",
-        )
-        if not entries:
-            self.replaying = False
+    async def _collect(self, table: RequestTable, store: StepStore, examples: list[Example]):
+        """Apply one read of delta batches (`collect.apply_batches`); then, in one MULTI: the
+        requests that changed, the continuations of the requests released, the groups
+        completed, and the acknowledgement and deletion of the read's entries (what they
+        carried is in the request table from then on)."""
+        read = await self.deltas.read(DELTA_BATCH, int(POLL_S * 1000))
+        if not read.entries:
             return
-        parked: list[tuple[bytes, str]] = []
-        finished: list[str] = []
-        changed: set[str] = set()
-        tokens_before = table.tokens_appended
-        stats_before = dict(table.stats)
-        stale: dict[str, set[tuple[str, int]]] = {}
-        released: dict[str, list[Job]] = {}
-        poisoned: list[tuple[str, str]] = []  # (request, the worker it crashed last)
-        before = set(table.quarantined)
-        for entry in entries:
-            if entry[1] is None:
-                continue  # trimmed away while pending: nothing to apply, only to acknowledge
-            batch = decode_or_park(DeltaBatch, entry, parked)
-            if batch is None:
-                continue
-            for item in batch.items:
-                outcome = table.apply(item)
-                if outcome is Applied.APPENDED:
-                    changed.add(item.request_id)
-                elif outcome is Applied.FINISHED:
-                    changed.add(item.request_id)
-                    finished.append(item.request_id)
-                elif outcome is Applied.STALE_LEASE:
-                    stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
-            crash = batch.release_reason == "crash"
-            alone = len(batch.released) == 1
-            for rel in batch.released:
-                if crash:
-                    rid, worker_id = rel.request_id, batch.worker_id
-                    poison = note_crash(table, self.spec, rid, rel.lease, worker_id, alone)
-                    if poison is not None:
-                        changed.add(rid)  # its crash count is kept with it
-                    if poison:
-                        poisoned.append((rid, worker_id))
-                        continue
-                job = table.migrate(
-                    rel.request_id,
-                    batch.release_reason,
-                    self.spec.migration or batch.release_reason != "preemption",
-                    rel.lease,
-                )
-                if job is not None:
-                    changed.add(rel.request_id)
-                    released.setdefault(batch.release_reason, []).append(job)
-        if finished:  # decoding and scoring off the event loop
-            rewards.update(await asyncio.to_thread(self._rewards, table, finished, examples))
-        done = {table.requests[rid].prompt_index for rid in finished}
-        groups = [p for p in sorted(done) if p in table.pending_groups and table.group_done(p)]
-        dropped = sorted(table.quarantined - before)
-        stream = keys.jobs_stream(self.run_id, table.version)
+        outcome = apply_batches(table, [batch for _, batch in read.messages], self.rules)
+        if outcome.finished:  # decoding and scoring off the event loop
+            table.score(await asyncio.to_thread(self._score, table, outcome.finished, examples))
+        groups = table.completed_groups(outcome.finished)
         staged = StagedWrites()
-        store.stage_requests(staged, table, changed)
-        for jobs in released.values():
-            for job in jobs:
-                staged.xadd(stream, job.fields())
-        for p in groups:
-            staged.xadd(keys.groups_stream(self.run_id), self._group(table, p, rewards).fields())
-            store.stage_published(staged, p)
-        for p in dropped:
-            staged.xadd(keys.groups_stream(self.run_id), dropped_group(table, p).fields())
-            store.stage_quarantined(staged, p)
-            staged.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
-        entry_ids = [e[0] for e in entries]
-        staged.xack(deltas, keys.COORDINATOR_GROUP, *entry_ids)
-        staged.xdel(deltas, *entry_ids)
+        self._stage_outcome(staged, table, store, outcome, groups)
+        self.deltas.stage_ack(staged, read.ids, delete=True)
         await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
         if self.oom_stalled:
             self.oom_stalled = False
             await self.memory_gate.runs.mark_running(self.run_id, "redis takes writes again")
-        if poisoned:
-            await report_poison(self.r, self.spec, table, poisoned)
-        for reason, jobs in released.items():
+        if outcome.poisoned:
+            await report_poison(self.r, self.spec, table, outcome.poisoned)
+        for reason, jobs in outcome.released.items():
             await count_migrations(self.r, table, reason, len(jobs))
-        table.pending_groups.difference_update(groups)
+        table.mark_published(groups)
         GROUPS.inc(len(groups))
-        TOKENS.inc(table.tokens_appended - tokens_before)
-        for outcome, n in table.stats.items():
-            if n != stats_before[outcome]:
-                OUTCOMES[outcome].inc(n - stats_before[outcome])
-        await fence(self.r, self.run_id, stale)
-        await park(self.r, keys.parked_stream(self.run_id), "deltas", parked, entries)
+        TOKENS.inc(outcome.tokens_appended)
+        for applied, n in outcome.applied.items():
+            OUTCOMES[applied].inc(n)
+        await fence(self.r, self.run_id, outcome.stale)
+        await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    def _stage_outcome(
+        self,
+        staged: StagedWrites,
+        table: RequestTable,
+        store: StepStore,
+        outcome: CollectOutcome,
+        groups: list[int],
+    ) -> None:
+        store.stage_requests(staged, table, outcome.changed)
+        jobs = keys.jobs_stream(self.run_id, table.version)
+        for continuations in outcome.released.values():
+            for job in continuations:
+                staged.xadd(jobs, job.fields())
+        groups_stream = keys.groups_stream(self.run_id)
+        for p in groups:
+            staged.xadd(groups_stream, table.group_message(p).fields())
+            store.stage_published(staged, p)
+        for p in outcome.dropped:
+            staged.xadd(groups_stream, table.dropped_group(p).fields())
+            store.stage_quarantined(staged, p)
+            staged.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
 
     async def _say_oom(self, reason: str) -> None:
         """Redis refuses writes for memory: the run is stalled, saying so, where Redis takes
@@ -446,23 +403,3 @@ class RunManager:
             )
         except OutOfMemoryError as exc:
             log.warning("run %s: could not record the memory stall: %s", self.run_id, exc)
-
-    def _group(self, table: RequestTable, p: int, rewards: dict) -> Group:
-        members = table.group(p)
-        return Group(
-            run_id=self.run_id,
-            step=table.step,
-            version=table.version,
-            prompt_index=p,
-            prompt_ids=table.prompts[p],
-            responses=[
-                Response(
-                    token_ids=m.token_ids,
-                    logprobs=m.logprobs,
-                    reward=rewards[m.request_id],
-                    finish_reason=m.finish_reason or "length",
-                    leases=m.lease + 1,
-                )
-                for m in members
-            ],
-        )

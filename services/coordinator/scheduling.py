@@ -14,13 +14,13 @@ from prometheus_client import Gauge
 
 from services.common import keys
 from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
-from services.core.balancer import WorkerLoad, releases
+from services.core.balancer import ReleaseGate, WorkerLoad, releases
 from services.core.request_table import RequestTable
+from services.core.seeding import seeding_over
 
 log = logging.getLogger(__name__)
 WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])
 T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
-RELEASE_COOLDOWN_S = 1.0
 
 
 async def heartbeats(r: aioredis.Redis) -> dict[str, Heartbeat]:
@@ -122,7 +122,7 @@ class StepScheduler:
     seed_start: float | None = None  # when a reserved worker first held the step's weights
     seeded_out: bool = False
     seed_end: float | None = None
-    last_release: dict[str, float] = field(default_factory=dict)  # worker -> when ordered
+    release_gate: ReleaseGate = field(default_factory=ReleaseGate)
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
         T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
@@ -139,17 +139,11 @@ class StepScheduler:
         reserved = [b for b in workers.values() if b.pool == "reserved"]
         if self.seed_start is None and any(b.version == self.step for b in reserved):
             self.seed_start = time.monotonic()  # the window runs from when seeding can start
-        if not self.seeded_out:
-            if not reserved:
-                await self._end_seeding(workers)  # the reserved pool is gone
-            elif (
-                self.seed_start is not None
-                and time.monotonic() - self.seed_start >= self.window_s
-                and any(b.pool == "preemptible" for b in workers.values())
-            ):
-                # the reserved pool steps aside only for a preemptible pool that can take over:
-                # with none left, stepping aside would leave the step with nobody to serve it
-                await self._end_seeding(workers)
+        n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
+        if not self.seeded_out and seeding_over(
+            time.monotonic(), self.seed_start, self.window_s, len(reserved), n_preemptible
+        ):
+            await self._end_seeding(workers)
         await self._balance(table, workers)
 
     async def finish(self) -> None:
@@ -190,11 +184,8 @@ class StepScheduler:
             for w, b in workers.items()
             if b.version == self.step and not b.paused
         ]
-        now = time.monotonic()
-        for worker_id, count in releases(loads, queued).items():
-            if now - self.last_release.get(worker_id, 0.0) < RELEASE_COOLDOWN_S:
-                continue
-            self.last_release[worker_id] = now
+        orders, _ = self.release_gate.due(releases(loads, queued), time.monotonic())
+        for worker_id, count in orders.items():
             await order(
                 self.r, worker_id, WorkerControl(action="release", run_id=self.run_id, count=count)
             )

@@ -6,7 +6,7 @@ when some worker is idle, nothing is queued, and another worker executes more th
 batch size B_w, that worker is asked to release r = m_exec - B_w requests, which migrate.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,28 @@ def fair_share(queued: int, workers: int) -> int:
     while later ones idle, and `releases` never moves requests below the plateau, so the long
     tail then stays on crowded engines."""
     return -(-queued // workers) if workers > 0 else 0
+
+
+RELEASE_COOLDOWN_S = 1.0  # the least time between two release orders to one worker
+
+
+@dataclass
+class ReleaseGate:
+    """Lets a release order through to a worker at most once per `cooldown_s` (its previous
+    release is still being flushed and re-queued meanwhile)."""
+
+    cooldown_s: float = RELEASE_COOLDOWN_S
+    last: dict[str, float] = field(default_factory=dict)  # worker -> when ordered
+
+    def due(self, wanted: dict[str, int], now: float) -> tuple[dict[str, int], list[float]]:
+        """The releases of `wanted` to order now, and when each one held back is due."""
+        orders: dict[str, int] = {}
+        held: list[float] = []
+        for worker_id, count in wanted.items():
+            last = self.last.get(worker_id)
+            if last is not None and now - last < self.cooldown_s:
+                held.append(last + self.cooldown_s)
+                continue
+            self.last[worker_id] = now
+            orders[worker_id] = count
+        return orders, held

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.common.messages import DeltaItem, FinishReason, Job
+from services.common.messages import DeltaItem, FinishReason, Group, Job, Response
 
 
 class Applied(Enum):
@@ -43,6 +43,7 @@ class RequestState:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     crashed_on: list[str] = field(default_factory=list)  # workers that crashed running it
+    reward: float | None = None  # once finished and scored
 
     @property
     def done(self) -> bool:
@@ -213,3 +214,68 @@ class RequestTable:
     @property
     def complete(self) -> bool:
         return not self.pending_groups
+
+    # -- groups for the trainer ---------------------------------------------------------------
+
+    def score(self, rewards: dict[str, float]) -> None:
+        for rid, reward in rewards.items():
+            self.requests[rid].reward = reward
+
+    def completed_groups(self, finished: list[str]) -> list[int]:
+        """The still pending groups that the responses `finished` completed, in prompt order."""
+        touched = {self.requests[rid].prompt_index for rid in finished}
+        return [p for p in sorted(touched) if p in self.pending_groups and self.group_done(p)]
+
+    def mark_published(self, prompt_indexes: list[int]) -> None:
+        self.pending_groups.difference_update(prompt_indexes)
+
+    def group_message(self, prompt_index: int) -> Group:
+        """A completed group as the trainer gets it (every response finished and scored)."""
+        return Group(
+            run_id=self.run_id,
+            step=self.step,
+            version=self.version,
+            prompt_index=prompt_index,
+            prompt_ids=self.prompts[prompt_index],
+            responses=[
+                Response(
+                    token_ids=m.token_ids,
+                    logprobs=m.logprobs,
+                    reward=_scored(m),
+                    finish_reason=m.finish_reason or "length",
+                    leases=m.lease + 1,
+                )
+                for m in self.group(prompt_index)
+            ],
+        )
+
+    def dropped_group(self, prompt_index: int) -> Group:
+        """What the trainer gets for a quarantined group: no responses."""
+        return Group(
+            run_id=self.run_id,
+            step=self.step,
+            version=self.version,
+            prompt_index=prompt_index,
+            prompt_ids=self.prompts[prompt_index],
+            responses=[],
+            quarantined=True,
+        )
+
+    def mean_reward(self) -> float:
+        """Mean reward of the scored responses of the groups that go to the trainer."""
+        trained = [
+            r.reward
+            for r in self.requests.values()
+            if r.reward is not None and r.prompt_index not in self.quarantined
+        ]
+        return sum(trained) / max(1, len(trained))
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests.values())
+
+
+def _scored(r: RequestState) -> float:
+    if r.reward is None:
+        raise ValueError(f"request {r.request_id} is in a group but was never scored")
+    return r.reward

@@ -52,3 +52,59 @@ def recommended_pool_size(
     if t_train_s <= 0:
         return math.inf
     return (t_remote_s * n_preemptible + t_seed_s * n_reserved) / t_train_s
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """When a step's phases ended, on one clock, as the seeding controller needs them."""
+
+    n_preemptible: int  # preemptible workers when the step started
+    n_reserved: int
+    started: float  # the step's jobs were queued
+    seed_end: float | None  # the reserved pool stepped aside (None: it never did)
+    rollout_end: float  # the last group was complete
+    committed: float  # the trainer committed the next version
+    train_compute_s: float  # the trainer's busy time on the step (no waits)
+    train_wait_s: float  # the trainer's idle time waiting for groups after seeding
+
+
+@dataclass(frozen=True)
+class SeedingUpdate:
+    t_remote_wait_s: float  # the preemptible pool idled this long at the step's end
+    t_seed_next_s: float
+    n_prem_recommended: float  # inf when the step gave no training time to divide by
+
+
+def train_compute_s(train_s: float, train_wait_s: float, seed_wait_s: float) -> float:
+    """The trainer's busy time on a step, from its wall time and its waits (at least 1 ms)."""
+    return max(1e-3, train_s - train_wait_s - seed_wait_s)
+
+
+def after_step(controller: SeedingController, t: StepTimes, adapt: bool = True) -> SeedingUpdate:
+    """After the next version is committed: move T_seed (Algorithm 1, unless `adapt` is off)
+    and work out N_prem from what the step took."""
+    t_remote_wait = t.committed - t.rollout_end
+    remote_from = t.seed_end if t.seed_end is not None else t.started
+    n_prem = recommended_pool_size(
+        t.rollout_end - remote_from if t.n_preemptible else 0.0,
+        t.n_preemptible,
+        remote_from - t.started,  # the time the reserved pool seeded
+        t.n_reserved,
+        t.train_compute_s,
+    )
+    if adapt:
+        t_seed = controller.update(t.n_preemptible, t.train_wait_s, t_remote_wait)
+    else:
+        t_seed = controller.t_seed_s
+    return SeedingUpdate(t_remote_wait, t_seed, n_prem)
+
+
+def seeding_over(
+    now: float, seed_start: float | None, window_s: float, n_reserved: int, n_preemptible: int
+) -> bool:
+    """Whether the reserved pool should step aside: it is gone, or its window (counted from
+    when it first held the step's weights) is over and a preemptible pool can take over (with
+    none, stepping aside would leave the step with nobody to serve it)."""
+    if n_reserved == 0:
+        return True
+    return seed_start is not None and now - seed_start >= window_s and n_preemptible > 0

@@ -16,9 +16,9 @@ import itertools
 import math
 import random
 
-from services.common.messages import DeltaItem
-from services.coordinator.scheduling import RELEASE_COOLDOWN_S
+from services.common.messages import DeltaBatch, DeltaItem, Job, ReleaseReason, RequestLease
 from services.core.balancer import WorkerLoad, fair_share, releases
+from services.core.collect import CollectRules, apply_batches, keeps_tokens
 from services.core.seeding import SeedingController
 from services.sim.engine import SimEngine
 from services.sim.scenario import Scenario
@@ -53,6 +53,7 @@ class Simulation(StepProtocol):
         self._seq = itertools.count()
         self._names = itertools.count()
         t_seed = {"adaptive": scenario.initial_t_seed_s, "off": 0.0, "colocated": math.inf}
+        self.rules = CollectRules(migration=system.migration)
         self.seeding = SeedingController(
             t_seed_s=t_seed[system.seeding], eta=scenario.seeding_eta, max_seed_s=1e9
         )
@@ -169,14 +170,16 @@ class Simulation(StepProtocol):
             inst.state = "noticed"
             self.at(self.now + notice, "gone", inst.name)
             return
-        held = []
+        held, items = [], []
         for rid in list(inst.engine.running):
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
             flushed = tokens - tokens % self.sc.flush_tokens
             self.totals.lost_unflushed += tokens - flushed
-            self.deliver(rid, run.lease, run.offset, flushed, finished=False)
+            items.append(self.delta(rid, run.lease, run.offset, flushed, finished=False))
             held.append((rid, run.lease))
+        if items:  # what it flushed before it died
+            self.collect(DeltaBatch(worker_id=inst.name, version=self.cur.step, items=items))
         self.on_gone(inst.name)
         if held:
             self.at(self.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
@@ -188,7 +191,7 @@ class Simulation(StepProtocol):
     def on_detected(self, held: list[tuple[str, int]]) -> None:
         """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
         for rid, lease in held:
-            self.migrate(rid, "death", lease, keep_tokens=self.system.migration)
+            self.migrate(rid, "death", lease)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -233,43 +236,49 @@ class Simulation(StepProtocol):
             share = fair_share(executing, len(takers))
             cap = {n: min(c, share) for n, c in cap.items()}
         loads = [WorkerLoad(n, i.engine.batch, cap[n]) for n, i in takers.items()]
-        for name, count in releases(loads, len(st.queue)).items():
-            last = st.last_release_s.get(name, -math.inf)
-            if self.now - last < RELEASE_COOLDOWN_S:
-                self.at(last + RELEASE_COOLDOWN_S, "wake")
-                continue
-            st.last_release_s[name] = self.now
+        orders, held = st.release_gate.due(releases(loads, len(st.queue)), self.now)
+        for at in held:
+            self.at(at, "wake")
+        for name, count in orders.items():
             self.release(takers[name], count, "balance")
         self.dispatch()
 
     def on_wake(self, _: object) -> None:
         """Nothing to do: the loop balances after every event."""
 
-    def release(self, inst: Instance, count: int, cause: str) -> None:
+    def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None:
         """The worker flushes and gives back `count` requests (oldest first, as the worker)."""
+        items, released = [], []
         for rid in list(inst.engine.running)[:count]:
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
-            self.deliver(rid, run.lease, run.offset, tokens, finished=False)
-            keep = self.system.migration or cause == "seed"
-            self.migrate(rid, cause, run.lease, keep_tokens=keep)
+            items.append(self.delta(rid, run.lease, run.offset, tokens, finished=False))
+            released.append(RequestLease(request_id=rid, lease=run.lease))
+        batch = DeltaBatch(
+            worker_id=inst.name,
+            version=self.cur.step,
+            items=items,
+            released=released,
+            release_reason=cause,
+        )
+        self.collect(batch)
 
-    def migrate(self, rid: str, cause: str, lease: int, keep_tokens: bool) -> None:
+    def migrate(self, rid: str, cause: str, lease: int) -> None:
+        """The coordinator reclaims a request of a dead worker (`migration.py`)."""
         st = self.cur
         before = st.table.tokens_discarded
-        job = st.table.migrate(rid, cause, keep_tokens, lease=lease)
+        job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
         self.totals.discarded += st.table.tokens_discarded - before
         if job is not None:
-            st.queue.append(job)
-            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + 1
+            self.queue_continuations({cause: [job]})
 
-    def deliver(self, rid: str, lease: int, offset: int, tokens: int, finished: bool) -> None:
-        """The deltas a worker flushed for one request, as the coordinator applies them."""
+    def delta(self, rid: str, lease: int, offset: int, tokens: int, finished: bool) -> DeltaItem:
+        """What a worker flushes for one request (token values do not matter here)."""
         reason = None
         if finished:
             full = self.cur.lengths[rid] >= self.sc.workload.max_response_tokens
             reason = "length" if full else "stop"
-        item = DeltaItem(
+        return DeltaItem(
             request_id=rid,
             lease=lease,
             offset=offset,
@@ -278,15 +287,28 @@ class Simulation(StepProtocol):
             finished=finished,
             finish_reason=reason,
         )
-        self.cur.table.apply(item)
+
+    def collect(self, batch: DeltaBatch) -> None:
+        """The coordinator applies a flush (`collect.apply_batches`, as the services do): the
+        continuations are queued and the groups it completed go to the trainer."""
+        st = self.cur
+        before = st.table.tokens_discarded
+        outcome = apply_batches(st.table, [batch], self.rules)
+        self.totals.discarded += st.table.tokens_discarded - before
+        self.queue_continuations(outcome.released)
+        groups = st.table.completed_groups(outcome.finished)
+        st.table.mark_published(groups)
+        for prompt in groups:
+            self.group_done(prompt)
+
+    def queue_continuations(self, released: dict[str, list[Job]]) -> None:
+        for cause, jobs in released.items():
+            self.cur.queue.extend(jobs)
+            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + len(jobs)
 
     def finish_request(self, inst: Instance, rid: str) -> None:
         run, _ = inst.engine.remove(rid)
         tokens = round(run.stop_level - run.join_level)
         self.totals.generated += tokens
-        self.deliver(rid, run.lease, run.offset, tokens, finished=True)
-        st = self.cur
-        prompt = st.table.requests[rid].prompt_index
-        if prompt in st.table.pending_groups and st.table.group_done(prompt):
-            st.table.pending_groups.discard(prompt)
-            self.group_done(prompt)
+        item = self.delta(rid, run.lease, run.offset, tokens, finished=True)
+        self.collect(DeltaBatch(worker_id=inst.name, version=self.cur.step, items=[item]))

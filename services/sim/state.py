@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.common.messages import Job, Pool
+from services.core.balancer import ReleaseGate
 from services.core.request_table import RequestTable
 from services.sim.engine import SimEngine
 
@@ -65,7 +66,7 @@ class StepState:
     train_s: float = 0.0  # training compute so far (micro-batches, without waits)
     train_wait_s: float = 0.0
     idle_since_s: float | None = None
-    last_release_s: dict[str, float] = field(default_factory=dict)  # worker -> last order
+    release_gate: ReleaseGate = field(default_factory=ReleaseGate)  # the balancer's cooldown
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,17 @@
 """The step-level half of the simulation: starting a step, the reserved node's seeding window,
 the trainer consuming groups as they arrive, the version commit and the T_seed update.
 
-Mirrors the services: `RunManager._run_step` / `_adapt` (coordinator), `StepScheduler` (the
-window counts from when the reserved engines hold the step's weights; at its end they release
-every request and step aside), and the trainer loop (micro-batches as groups arrive, one
-optimizer step, publish).
+The decisions are the services' own (services/core): the request table and its groups,
+`seeding.after_step` (Algorithm 1 and N_prem) once the next version is committed, the seeding
+window counted from when the reserved engines hold the step's weights. What is modelled here
+is time: the trainer's micro-batches as groups arrive, one optimizer step, the publication.
 """
 
 import math
 from collections import deque
 
 from services.core.request_table import RequestTable, request_id
-from services.core.seeding import recommended_pool_size
+from services.core.seeding import StepTimes, after_step
 from services.sim.state import StepRecord, StepState
 
 
@@ -147,14 +147,19 @@ class StepProtocol:
         st = self.cur
         self.version = step + 1
         self.totals.trained += st.trained_tokens
-        remote_wait = self.now - st.rollout_end_s
-        seed_s = (st.seed_end_s or st.started_s) - st.started_s
-        n_prem = recommended_pool_size(
-            st.rollout_end_s - (st.seed_end_s or st.started_s) if st.n_preemptible else 0.0,
-            st.n_preemptible,
-            seed_s,
-            len(self.reserved()),
-            st.train_s,
+        update = after_step(
+            self.seeding,
+            StepTimes(
+                n_preemptible=st.n_preemptible,
+                n_reserved=len(self.reserved()),
+                started=st.started_s,
+                seed_end=st.seed_end_s,
+                rollout_end=st.rollout_end_s,
+                committed=self.now,
+                train_compute_s=st.train_s,
+                train_wait_s=st.train_wait_s,
+            ),
+            adapt=self.system.seeding == "adaptive",
         )
         self.records.append(
             StepRecord(
@@ -168,11 +173,9 @@ class StepProtocol:
                 t_seed_s=st.window_s,
                 spot_instances=st.n_preemptible,
                 train_wait_s=st.train_wait_s,
-                remote_wait_s=remote_wait,
-                n_prem_recommended=n_prem,
+                remote_wait_s=update.t_remote_wait_s,
+                n_prem_recommended=update.n_prem_recommended,
             )
         )
-        if self.system.seeding == "adaptive":
-            self.seeding.update(st.n_preemptible, st.train_wait_s, remote_wait)
         if not self.finished():
             self.start_step(step + 1)

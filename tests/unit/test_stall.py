@@ -2,7 +2,7 @@
 request table: plain functions, a made-up clock."""
 
 from services.common.runspec import RunSpec
-from services.coordinator.quarantine import dropped_group, note_crash
+from services.core.collect import CollectRules, note_crash
 from services.core.request_table import RequestTable
 from services.core.stall import (
     Action,
@@ -143,17 +143,17 @@ def test_a_quarantined_group_completes_and_nothing_of_it_moves():
 
 
 def test_a_poison_request_drops_its_group_or_is_left_to_fail_the_run():
-    spec = RunSpec(model="m", max_request_crashes=2)
+    spec = CollectRules.for_run(RunSpec(model="m", max_request_crashes=2))
     t = table()
     assert note_crash(t, spec, "0:2:1", 0, "w1", alone=False) is False  # 1 crash, bystanders
     t.migrate("0:2:1", "crash", lease=0)
     assert note_crash(t, spec, "0:2:1", 0, "w2", alone=True) is None  # an old lease
     assert note_crash(t, spec, "0:2:1", 1, "w2", alone=True) is True
     assert t.quarantined == {2} and 2 not in t.pending_groups
-    group = dropped_group(t, 2)
+    group = t.dropped_group(2)
     assert group.quarantined and group.responses == [] and group.prompt_index == 2
     t = table()
-    fail = spec.model_copy(update={"on_poison": "fail_run"})
+    fail = CollectRules.for_run(RunSpec(model="m", max_request_crashes=2, on_poison="fail_run"))
     note_crash(t, fail, "0:2:1", 0, "w1", alone=True)
     t.migrate("0:2:1", "crash", lease=0)
     assert note_crash(t, fail, "0:2:1", 1, "w2", alone=True) is True
