@@ -72,9 +72,13 @@ test-compose: setup
 	$(PY) -m pytest -q -m compose
 	@if [ -f .spotrl/test-compose.json ]; then cat .spotrl/test-compose.json; fi
 
+# ruff, then the import rules ([tool.importlinter] in pyproject.toml), then the type checker
+# ([tool.mypy]). `pre-commit install` runs ruff and the import rules before each commit.
 lint: setup
 	$(VENV)/bin/ruff format --check services tests bench
 	$(VENV)/bin/ruff check services tests bench
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff format services tests bench

@@ -23,7 +23,7 @@ def main() -> None:
     import torch
 
     from services.common.messages import Job
-    from services.rollout.hf_engine import HFEngine
+    from services.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(args.threads)
     engine = HFEngine()

@@ -91,7 +91,8 @@ async def engine_alone(engine, model: Path, jobs: list, repeats: int) -> float:
 
 def system_rate(work_dir: Path, model: Path, engine: str, args) -> tuple[float, list[float]]:
     from services.cli.client import CoordinatorClient
-    from services.cli.deploy import Deployment, DeploymentConfig
+    from services.cli.local_deployment import DeploymentConfig
+    from services.cli.local_deployment import LocalDeployment as Deployment
     from services.common.runspec import FINAL_STATES
 
     batch = args.prompts * args.group_size
@@ -139,8 +140,8 @@ def main() -> None:
 
     import torch
 
-    from services.rollout.hf_engine import HFEngine
-    from services.rollout.vllm_engine import VLLMEngine, VLLMOptions
+    from services.rollout.engines.hf import HFEngine
+    from services.rollout.engines.vllm import VLLMEngine, VLLMOptions
 
     torch.set_num_threads(1)  # as each rollout worker of the deployment
     batch = args.prompts * args.group_size

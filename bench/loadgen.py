@@ -42,8 +42,10 @@ from services.cli import procs
 from services.common import keys
 from services.common.messages import FinishReason, Job
 from services.common.redis_streams import connect
+from services.common.run_state import committed_version
 from services.common.runspec import RunSpec
-from services.rollout.engine import Sequence, TokenEvent
+from services.common.step_metrics import StepRow
+from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from services.trainer.loop import TrainerLoop
@@ -340,14 +342,14 @@ class NullPolicy:
             self.sequences += len(group.responses)
             self.tokens += sum(len(r.token_ids) for r in group.responses)
 
-    def optimizer_step(self) -> dict:
-        stats = {
-            "policy_loss": 0.0,
-            "kl": 0.0,
-            "grad_norm": 0.0,
-            "sequences": self.sequences,
-            "tokens": self.tokens,
-        }
+    def optimizer_step(self) -> StepRow:
+        stats = StepRow(
+            policy_loss=0.0,
+            kl=0.0,
+            grad_norm=0.0,
+            trained_sequences=self.sequences,
+            trained_tokens=self.tokens,
+        )
         self.steps += 1
         self.groups = self.sequences = self.tokens = 0
         return stats
@@ -582,8 +584,7 @@ def census_growth(first: dict, last: dict) -> dict[str, dict[str, int]]:
 async def sample_redis(r: aioredis.Redis, run_id: str, redis_dir: Path) -> dict:
     """One sample: memory, the run's stream lengths, keys, AOF size."""
     memory = await r.info("memory")
-    raw = await r.get(keys.run_version(run_id))
-    version = int(raw) if raw is not None else None
+    version = await committed_version(r, run_id)
     async with r.pipeline(transaction=False) as pipe:
         pipe.xlen(keys.deltas_stream(run_id))
         pipe.xlen(keys.groups_stream(run_id))

@@ -25,7 +25,8 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.local_deployment import DeploymentConfig
+from services.cli.local_deployment import LocalDeployment as Deployment
 from services.cli.up import ensure_model
 from services.common import keys
 from services.common.runspec import FINAL_STATES, RunSpec

@@ -43,6 +43,7 @@ from services.cli.audit import audit_run
 from services.common import keys
 from services.common.logs import setup_logging
 from services.common.redis_streams import connect
+from services.common.run_state import committed_version
 from services.common.runspec import FINAL_STATES, RunSpec
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
@@ -141,7 +142,7 @@ async def drive(args, stack: Stack, spec: RunSpec, work: Path) -> tuple[dict, di
             soak = Soak(args, r, http, stack, run_id)
             await soak.run(work)
             # the steps the trainer committed: the audit covers exactly [0, version)
-            steps = int(await r.get(keys.run_version(run_id)) or 0)
+            steps = await committed_version(r, run_id) or 0
             resp = await http.post(f"/v1/runs/{run_id}/cancel")
             if resp.status_code != 200:
                 log.warning("cancel: %s %s", resp.status_code, resp.text)

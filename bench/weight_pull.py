@@ -102,7 +102,8 @@ def provision_seconds(work: Path) -> float:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from services.cli.client import CoordinatorClient
-    from services.cli.deploy import Deployment, DeploymentConfig
+    from services.cli.local_deployment import DeploymentConfig
+    from services.cli.local_deployment import LocalDeployment as Deployment
     from services.cli.up import ensure_model
     from services.common import keys
     from services.common.messages import DeltaBatch

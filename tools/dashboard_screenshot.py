@@ -13,11 +13,14 @@ import signal
 import time
 from pathlib import Path
 
-from services.cli.browser import open_browser, screenshot, wait_for
+import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
+
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
+from services.cli.local_deployment import DeploymentConfig
+from services.cli.local_deployment import LocalDeployment as Deployment
 from services.cli.up import ensure_model
 from services.common.runspec import RunSpec
+from tests.harness.browser import open_browser, screenshot, wait_for
 
 HOME = Path(".spotrl")
 

@@ -5,6 +5,8 @@ of its requests crashed too many workers) is counted on its own, not as lost.
 It reads the trained ledger (services.common.ledger): one compact record per step written by the
 trainer, which outlives the groups themselves (deleted once their step is committed)."""
 
+from typing import cast
+
 import redis
 
 from services.common import keys
@@ -15,7 +17,7 @@ from services.common.runspec import RunSpec
 def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = None) -> dict:
     r = redis.Redis.from_url(redis_url)
     try:
-        records = read_records(r.hgetall(keys.run_trained(run_id)))
+        records = read_records(cast(dict[bytes, bytes], r.hgetall(keys.run_trained(run_id))))
     finally:
         r.close()
     steps = spec.steps if steps is None else steps

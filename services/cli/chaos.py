@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.settings import settings_env
 from services.common.traces import load_trace, worker_targets
+from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,12 @@ class ChaosOptions:
         )
 
     def worker_env(self) -> dict[str, str]:
-        return {
-            "SPOTRL_PREEMPT_GRACE_S": str(self.grace_s),
-            "SPOTRL_HEARTBEAT_TTL_S": str(self.heartbeat_ttl_s),
-            "SPOTRL_HEARTBEAT_S": str(self.heartbeat_ttl_s / 4),
-        }
+        return settings_env(
+            RolloutSettings,
+            preempt_grace_s=self.grace_s,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+            heartbeat_s=self.heartbeat_ttl_s / 4,
+        )
 
 
 class ChaosRunner:

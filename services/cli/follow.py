@@ -40,7 +40,7 @@ def state_change_line(before: dict | None, run: dict) -> str | None:
     """What to print when a run becomes stalled or goes on again (None: nothing to say)."""
     was = before["state"] if before else None
     if run["state"] == "stalled" and (
-        was != "stalled" or before.get("stall_reason") != run.get("stall_reason")
+        was != "stalled" or (before or {}).get("stall_reason") != run.get("stall_reason")
     ):
         return f"run {run['id']} stalled: {run.get('stall_reason') or '?'}"
     if was == "stalled" and run["state"] == "running":

@@ -6,8 +6,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import get_args
+
+from services.cli.spec_flags import add_spec_flags
+from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.common.settings import CommonSettings, env_name
+from services.rollout.settings import RolloutSettings
 
 DEFAULT_HOME = Path(os.environ.get("SPOTRL_HOME", ".spotrl"))
+TOKEN_VARIABLE = env_name(CommonSettings, "api_token")
 
 
 def _interrupt(signum, frame) -> None:
@@ -17,6 +24,7 @@ def _interrupt(signum, frame) -> None:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from services.cli.spec_flags import describe_errors, spec_from_args
     from services.cli.up import up
 
     if args.weightstores < 1:
@@ -29,7 +37,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
         return 2
     if args.engine == "vllm":
-        from services.rollout.vllm_engine import VLLMUnavailable, import_vllm
+        from services.rollout.engines.vllm import VLLMUnavailable, import_vllm
 
         try:
             import_vllm()  # fail now, with the install command, rather than in every worker
@@ -43,51 +51,36 @@ def _cmd_up(args: argparse.Namespace) -> int:
         # else another service on it could answer for our coordinator
         print(f"--port {args.port}: in use on 127.0.0.1", file=sys.stderr)
         return 2
-    if args.stall_timeout_s < 0:
-        print("--stall-timeout-s must be >= 0 (0: wait for ever)", file=sys.stderr)
-        return 2
     try:
         worker_env = _parse_env(args.worker_env)
     except ValueError as exc:
         print(f"--worker-env: {exc}", file=sys.stderr)
         return 2
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
-    overrides = {
-        "prompts_per_step": args.prompts_per_step,
-        "group_size": args.group_size,
-        "learning_rate": args.learning_rate,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "stall_timeout_s": args.stall_timeout_s or None,
-    }
-    if args.task_path:
-        overrides["task_path"] = args.task_path
+    try:
+        spec = spec_from_args(args, model=str(model.resolve()))
+    except ValidationError as exc:
+        print(f"spotrl up: invalid run options:\n{describe_errors(exc)}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
     chaos = _chaos_options(args) if args.trace else None
     try:
         summary = up(
             DEFAULT_HOME,
-            model,
-            args.task,
-            args.steps,
+            spec,
             args.reserved,
             args.preemptible,
-            overrides,
             args.pretrain_steps,
             chaos,
             args.weightstores,
             args.engine,
-            api_token=os.environ.get("SPOTRL_API_TOKEN") or None,
+            api_token=os.environ.get(TOKEN_VARIABLE) or None,
             port=args.port,
             worker_env=worker_env,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))
         return 130
-    except ValidationError as exc:
-        print(f"spotrl up: invalid run options:\n{exc}", file=sys.stderr)
-        return 2
     print(json.dumps(summary))
     ok = summary["state"] == "succeeded" and summary.get("groups_incomplete") == 0
     ok = ok and summary.get("lost") == 0 and summary.get("duplicated") == 0
@@ -154,7 +147,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     import time
 
     from services.cli.chaos import ChaosRunner
-    from services.cli.deploy import Deployment, DeploymentConfig
+    from services.cli.local_deployment import DeploymentConfig, LocalDeployment
     from services.common.settings import CommonSettings
 
     settings = CommonSettings()
@@ -166,7 +159,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         api_token=settings.api_token,
         extra_env=options.worker_env(),
     )
-    dep = Deployment(config)
+    dep = LocalDeployment(config)
     dep.attach(settings.coordinator_url, settings.weightstore_url)
     runner = ChaosRunner(dep, targets, options.sigterm_fraction)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -202,7 +195,7 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):
     from services.cli.client import CoordinatorClient
 
-    return CoordinatorClient(args.url, os.environ.get("SPOTRL_API_TOKEN"))
+    return CoordinatorClient(args.url, os.environ.get(TOKEN_VARIABLE))
 
 
 def _api_call(fn) -> int:
@@ -224,8 +217,6 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     import tomllib
 
     from pydantic import ValidationError
-
-    from services.common.runspec import RunSpec
 
     try:
         with open(args.spec, "rb") as fh:
@@ -329,35 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("up", help="run the embedded default: every service locally, one RL run")
-    p.add_argument("--steps", type=int, default=40)
+    p = sub.add_parser(
+        "up",
+        help="run the embedded default: every service locally, one RL run",
+        description="Run the embedded default: every service as a local process, one RL run "
+        "of the embedded preset (or of the run spec the flags below make), then a JSON summary.",
+    )
     p.add_argument("--model", help="model folder (default: build one under $SPOTRL_HOME)")
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "math"])
-    p.add_argument("--task-path", help="JSONL file for the math task")
     p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
     p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
     p.add_argument("--weightstores", type=int, default=1, help="weight-store replicas")
     p.add_argument(
         "--engine",
-        default="hf",
-        choices=["hf", "vllm"],
+        default=RolloutSettings.model_fields["engine"].default,
+        choices=get_args(RolloutSettings.model_fields["engine"].annotation),
         help="rollout backend (vllm: `make setup-vllm` first)",
     )
-    p.add_argument("--prompts-per-step", type=int, default=32)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pretrain-steps", type=int, default=1000)
     p.add_argument(
-        "--port", type=int, help="coordinator port (API and dashboard; default: a free port)"
+        "--pretrain-steps",
+        type=int,
+        default=EMBEDDED_PRETRAIN_STEPS,
+        help="pre-training steps of the base model built when --model names none",
     )
     p.add_argument(
-        "--stall-timeout-s",
-        type=float,
-        default=300.0,
-        help="fail the run once it has been stalled this long (0: wait for ever)",
+        "--port", type=int, help="coordinator port (API and dashboard; default: a free port)"
     )
     p.add_argument(
         "--worker-env",
@@ -366,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="environment of the rollout workers only (repeatable), e.g. SPOTRL_DEVICE=cuda",
     )
+    add_spec_flags(p)
     _add_chaos_options(p, required=False)
     p.set_defaults(func=_cmd_up)
 
@@ -381,21 +368,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-model", help="build and pre-train a small base model")
     p.add_argument("out")
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "math"])
+    task = RunSpec.model_fields["task"]
+    p.add_argument("--task", default=task.default, choices=get_args(task.annotation))
     p.add_argument("--task-path")
-    p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.add_argument("--pretrain-steps", type=int, default=EMBEDDED_PRETRAIN_STEPS)
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=_cmd_init_model)
 
-    url = os.environ.get("SPOTRL_COORDINATOR_URL", "http://127.0.0.1:8100")
+    url_variable = env_name(CommonSettings, "coordinator_url")
+    url = os.environ.get(url_variable, CommonSettings.model_fields["coordinator_url"].default)
 
     def client_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=help_text,
-            description=f"{help_text}. Writes send $SPOTRL_API_TOKEN as a bearer token.",
+            description=f"{help_text}. Writes send ${TOKEN_VARIABLE} as a bearer token.",
         )
-        p.add_argument("--url", default=url, help="coordinator URL ($SPOTRL_COORDINATOR_URL)")
+        p.add_argument("--url", default=url, help=f"coordinator URL (${url_variable})")
         p.set_defaults(func=func)
         return p
 
@@ -424,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from services.common.logs import setup_logging
 
-    setup_logging("spotrl", os.environ.get("SPOTRL_LOG_LEVEL", "WARNING"))
+    setup_logging("spotrl", os.environ.get(env_name(CommonSettings, "log_level"), "WARNING"))
     return args.func(args)
 
 

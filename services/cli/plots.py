@@ -1,15 +1,22 @@
 """A PNG of a run's per-step metrics: reward and rollout throughput over steps."""
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from services.common import figures
+from services.common.step_metrics import row_from_values
 
 
-def plot_run(rows: list[dict], out: Path, title: str = "") -> Path:
+def plot_run(rows: Iterable[Mapping[str, Any]], out: Path, title: str = "") -> Path:
+    """`rows` as the coordinator's API returns them (GET /v1/runs/{id}/metrics); the steps
+    whose rollout is done are drawn."""
+    typed = [row_from_values(row, row.get("step")) for row in rows]
+    done = [row for row in typed if row.reward_mean is not None]
+    steps = [row.step for row in done]
+    rewards = [row.reward_mean for row in done]
+    tps = [row.tokens_per_s or 0.0 for row in done]
     plt = figures.pyplot()
-    steps = [row["step"] for row in rows if "reward_mean" in row]
-    rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
-    tps = [row.get("tokens_per_s", 0.0) for row in rows if "reward_mean" in row]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     top.plot(steps, rewards, marker=".", color="tab:green")
     top.set_ylabel("mean reward")

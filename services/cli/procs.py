@@ -1,4 +1,5 @@
-"""Start, watch and stop the processes of a local spotrl deployment (also used by the tests).
+"""Start, watch and stop the processes of a local spotrl deployment: what `spotrl up` runs on
+(`services.cli.local_deployment`); the tests and benchmarks start processes with it too.
 
 Each process gets its own log file, its environment (SPOTRL_* settings, thread counts) and is
 stopped with SIGTERM, then SIGKILL after a grace period.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from services.common.settings import CommonSettings, settings_env
 
 
 def free_port() -> int:
@@ -70,12 +73,12 @@ class Proc:
 
 
 def thread_env(threads: int) -> dict[str, str]:
+    """A service's threads: torch's (its setting) and those of the libraries under it."""
     return {
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
-        "SPOTRL_TORCH_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
-    }
+    } | settings_env(CommonSettings, torch_threads=threads)
 
 
 def start(

@@ -3,7 +3,7 @@
 The decisions are pure and take a clock: `RestartPolicy` (when to restart a worker that died:
 exponential backoff, reset once it stayed up a while) and `StallGuard` (when `spotrl up` stops
 waiting for a run that cannot progress). `WorkerSupervisor` is the thin shell that applies them
-to a `Deployment`, polled from the loop that follows the run. It does not own workers that a
+to a `LocalDeployment`, polled from the loop that follows the run. It does not own workers that a
 chaos replay starts and kills on purpose: it watches only the workers it is given.
 """
 

@@ -14,8 +14,8 @@ import httpx
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient, CoordinatorError
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.cli.follow import console, follow_run, progress_bar
+from services.cli.local_deployment import DeploymentConfig, LocalDeployment
 from services.cli.plots import plot_run
 from services.cli.procs import Proc, ProcessDied
 from services.cli.supervisor import Death, StallGuard, WorkerSupervisor, error_headline
@@ -108,12 +108,9 @@ def died_reason(exc: ProcessDied) -> str:
 
 def up(
     work_dir: Path,
-    model: Path,
-    task: str,
-    steps: int,
+    spec: RunSpec,
     reserved: int,
     preemptible: int,
-    spec_overrides: dict,
     pretrain_steps: int,
     chaos: ChaosOptions | None = None,
     weightstores: int = 1,
@@ -122,9 +119,10 @@ def up(
     port: int | None = None,
     worker_env: dict[str, str] | None = None,
 ) -> dict:
+    """Run `spec` on a local deployment (its model folder is built first when missing); the
+    summary that `spotrl up` prints."""
     started = time.monotonic()
-    spec = RunSpec(model=str(model.resolve()), task=task, steps=steps, **spec_overrides)
-    ensure_model(model, task, spec_overrides.get("task_path"), pretrain_steps)
+    ensure_model(Path(spec.model), spec.task, spec.task_path, pretrain_steps)
     run_dir = new_run_dir(work_dir)
     targets = chaos.targets(preemptible) if chaos else []
     if targets:
@@ -140,7 +138,7 @@ def up(
         extra_env=chaos.worker_env() if chaos else {},
         worker_env=worker_env or {},
     )
-    deployment = Deployment(config)
+    deployment = LocalDeployment(config)
     console.print(f"starting services (logs in {run_dir / 'logs'})", soft_wrap=True)
     runner = None
     run: dict = {"id": None, "state": "queued", "step": 0}
@@ -191,7 +189,7 @@ def up(
 
 def follow_supervised(
     client: CoordinatorClient,
-    deployment: Deployment,
+    deployment: LocalDeployment,
     run: dict,
     supervisor: WorkerSupervisor,
     guard: StallGuard,
@@ -220,7 +218,7 @@ def follow_supervised(
 
 def finished_summary(
     client: CoordinatorClient,
-    deployment: Deployment,
+    deployment: LocalDeployment,
     run: dict,
     spec: RunSpec,
     run_dir: Path,

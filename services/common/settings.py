@@ -6,6 +6,7 @@ A service bound to an address off loopback refuses to start without a token.
 
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,3 +73,27 @@ class CommonSettings(BaseSettings):
 
     def weightstore_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.weightstore_url.split(",") if u.strip()]
+
+
+def env_name(settings: type[BaseSettings], field: str) -> str:
+    """The environment variable that sets `field` of a settings class (`SPOTRL_` + its name in
+    capitals); KeyError for a field the class does not have."""
+    if field not in settings.model_fields:
+        raise KeyError(f"{settings.__name__} has no setting {field!r}")
+    return f"{settings.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def env_value(value: Any) -> str:
+    """A setting's value as pydantic-settings reads it back from the environment."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def settings_env(settings: type[BaseSettings], **values: Any) -> dict[str, str]:
+    """The environment that gives these fields of a settings class these values, e.g.
+    `settings_env(RolloutSettings, slots=16) == {"SPOTRL_SLOTS": "16"}`. Names are checked
+    against the class (a misspelt one is an error, not a setting silently ignored) and may be
+    given in either case; a value of None is left out (the field keeps its default)."""
+    names = {field: env_name(settings, field.lower()) for field in values}
+    return {names[field]: env_value(value) for field, value in values.items() if value is not None}

@@ -4,55 +4,48 @@ folder with parallel range requests, verifying every sha256 before anything is l
 A pull writes into `{dest}.partial` and renames it to `dest` only when every file checked out,
 so a folder named after a version is always complete. On any failure it tries the next replica.
 
-A version's content digest (`content_digest`) is the sha256 of its sorted (name, size, sha256)
-file triples: what the trainer announces with a version, and what an upload or a pull compares
-with the store's manifest. A version committed with another digest is a `WeightConflict`.
+The manifest, the content digest of a version and the errors are the store boundary's contract
+(services.common.weight_contract): an upload or a pull compares the content digest of its files
+with the store's manifest's. A version committed with another digest is a `WeightConflict`;
+every other failure to move a version is a `WeightTransferError`. The file work is in
+services.common.weight_files.
 """
 
 import asyncio
-import hashlib
-import http.client
-import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
+from services.common.retry import brief
 from services.common.service import auth_headers
+from services.common.weight_contract import (
+    FileEntry,
+    Manifest,
+    ManifestCommit,
+    WeightConflict,
+    WeightTransferError,
+    manifest_digest,
+)
+from services.common.weight_files import (
+    UPLOAD_BLOCK,
+    FolderFiles,
+    fetch_range,
+    read_complete,
+    scan_folder,
+    sha256_file,
+    write_complete,
+)
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 32 * 1024 * 1024  # bytes per range request
-UPLOAD_BLOCK = 1024 * 1024
-STREAM_BLOCK = 4 * 1024 * 1024
-COMPLETE = ".complete"  # written last into a pulled folder: {"version": v, "digest": d}
-
-
-class WeightTransferError(RuntimeError):
-    """A version could not be uploaded or pulled intact."""
-
-
-class WeightConflict(WeightTransferError):
-    """The store holds the version with other content than expected (someone else committed it,
-    or it is not the one announced). Versions are immutable: retrying cannot fix it."""
-
-    def __init__(
-        self,
-        model: str,
-        version: int,
-        what: str,
-        stored: str = "",
-        expected: str = "",
-        expected_as: str = "expected",
-    ) -> None:
-        self.model, self.version, self.stored, self.expected = model, version, stored, expected
-        digests = f" (digest {stored[:16]} != {expected_as} {expected[:16]})" if stored else ""
-        super().__init__(f"weight version {version} of {model} {what}{digests}")
+A = TypeVar("A", bound=BaseModel)
+CHUNK_BYTES = 32 * 1024 * 1024  # bytes per range request of a file with no block hashes
 
 
 @dataclass
@@ -64,49 +57,19 @@ class PullResult:
     digest: str  # content digest of the files pulled
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(UPLOAD_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def content_digest(files: Iterable[tuple[str, int, str]]) -> str:
-    """The digest of a version: sha256 of its sorted (name, size, sha256) triples, so that it
-    depends on the files' content only (not their order, the metadata or the block hashes)."""
-    triples = sorted((str(name), int(size), str(sha).lower()) for name, size, sha in files)
-    return hashlib.sha256(json.dumps(triples, separators=(",", ":")).encode()).hexdigest()
-
-
-def manifest_digest(manifest: dict) -> str:
-    """Content digest of a manifest as the weight store serves it."""
-    return content_digest((f["name"], f["size"], f["sha256"]) for f in manifest["files"])
-
-
-@dataclass
-class FolderFiles:
-    """The files of a local folder as a version of it lists them, hashed once."""
-
-    files: list[Path]
-    sha256: dict[str, str]  # file name -> sha256
-    digest: str  # content digest of the version they make
-
-
-async def scan_folder(folder: Path) -> FolderFiles:
-    """Hash every file of `folder` (the files an upload of it sends)."""
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
-    sha = {p.name: await asyncio.to_thread(sha256_file, p) for p in files}
-    digest = content_digest((p.name, p.stat().st_size, sha[p.name]) for p in files)
-    return FolderFiles(files, sha, digest)
-
-
-def _read_complete(dest: Path) -> dict | None:
+def parse_answer(cls: type[A], resp: httpx.Response, what: str) -> A:
+    """A store's answer as its contract type; WeightTransferError when it does not fit."""
     try:
-        done = json.loads((dest / COMPLETE).read_text())
-    except (OSError, ValueError):
-        return None
-    return done if isinstance(done, dict) else None
+        return cls.model_validate_json(resp.content)
+    except ValidationError as exc:
+        raise WeightTransferError(f"{what}: malformed answer ({brief(exc)})") from exc
+
+
+def read_manifest(resp: httpx.Response, what: str) -> Manifest:
+    """The manifest a store answered with (200), else WeightTransferError."""
+    if resp.status_code != 200:
+        raise WeightTransferError(f"manifest of {what}: {resp.status_code} {resp.text}")
+    return parse_answer(Manifest, resp, f"manifest of {what}")
 
 
 class WeightClient:
@@ -132,7 +95,7 @@ class WeightClient:
         version: int,
         metadata: dict | None = None,
         scanned: FolderFiles | None = None,
-    ) -> dict:
+    ) -> Manifest:
         """Upload and commit a version on every replica; fails only if no replica has it.
         A replica holding the version with other content raises WeightConflict at once."""
         local = scanned or await scan_folder(folder)
@@ -155,42 +118,45 @@ class WeightClient:
 
     async def _upload_to(
         self, http, base: str, local: FolderFiles, model: str, version: int, metadata: dict
-    ) -> dict:
+    ) -> Manifest:
         prefix = f"{base}/v1/models/{model}/versions/{version}"
-        entries = []
+        entries: list[FileEntry] = []
         for path in local.files:
 
-            async def body(p: Path = path):
+            async def content(p: Path = path):
                 with open(p, "rb") as fh:
                     while block := fh.read(UPLOAD_BLOCK):
                         yield block
 
             resp = await http.put(
                 f"{prefix}/files/{path.name}",
-                content=body(),
+                content=content(),
                 headers={"x-sha256": local.sha256[path.name]},
             )
             if resp.status_code == 409:
                 return await self._already_committed(http, prefix, local, model, version)
             if resp.status_code != 200:
                 raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
-            entries.append(resp.json())
-        resp = await http.post(f"{prefix}/commit", json={"files": entries, "metadata": metadata})
+            entries.append(parse_answer(FileEntry, resp, f"upload {path.name}"))
+        try:
+            commit = ManifestCommit(files=entries, metadata=metadata)
+        except ValidationError as exc:
+            raise WeightTransferError(f"commit v{version}: {brief(exc)}") from exc
+        resp = await http.post(
+            f"{prefix}/commit", json=commit.model_dump(mode="json", include={"files", "metadata"})
+        )
         if resp.status_code == 409:
             return await self._already_committed(http, prefix, local, model, version)
         if resp.status_code != 201:
             raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
-        return resp.json()
+        return parse_answer(Manifest, resp, f"commit v{version}")
 
     @staticmethod
     async def _already_committed(
         http, prefix: str, local: FolderFiles, model: str, version: int
-    ) -> dict:
+    ) -> Manifest:
         """The store has the version: ours (an earlier attempt) only with our content digest."""
-        resp = await http.get(f"{prefix}/manifest")
-        if resp.status_code != 200:
-            raise WeightTransferError(f"manifest of v{version}: {resp.status_code} {resp.text}")
-        manifest = resp.json()
+        manifest = read_manifest(await http.get(f"{prefix}/manifest"), f"v{version}")
         stored = manifest_digest(manifest)
         if stored != local.digest:
             raise WeightConflict(
@@ -215,7 +181,7 @@ class WeightClient:
                 log.warning("weight store %s unreachable: %s", base, exc)
                 continue
             if resp.status_code == 200:
-                return manifest_digest(resp.json())
+                return manifest_digest(read_manifest(resp, f"{model} v{version}"))
             answered = answered or resp.status_code == 404
         if not answered:
             raise WeightTransferError(f"no weight store replica answered for {model} v{version}")
@@ -249,7 +215,7 @@ class WeightClient:
         """Download and verify a version into `dest`, retrying over replicas with backoff.
         With `expect_digest`, a replica serving other content is skipped (nothing of it is
         downloaded); WeightConflict when every replica does."""
-        done = _read_complete(dest) or {}
+        done = read_complete(dest)
         cached = done.get("version") == version and expect_digest in (None, done.get("digest"))
         if cached:
             return PullResult(dest, version, 0, 0.0, done.get("digest", ""))
@@ -279,12 +245,8 @@ class WeightClient:
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), headers=self.headers) as http:
             resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
-        if resp.status_code != 200:
-            raise WeightTransferError(f"manifest: {resp.status_code} {resp.text}")
-        manifest = resp.json()
-        named = (
-            (manifest.get("model"), manifest.get("version")) if isinstance(manifest, dict) else ()
-        )
+        manifest = read_manifest(resp, f"{model} v{version}")
+        named = (manifest.model, manifest.version)
         if named != (model, version):
             raise WeightTransferError(f"asked for {model} v{version}, the manifest names {named}")
         digest = manifest_digest(manifest)
@@ -302,29 +264,28 @@ class WeightClient:
         partial.mkdir(parents=True)
         gate = asyncio.Semaphore(self.parallel)
         jobs, whole_file_checks = [], []
-        for entry in manifest["files"]:
-            path = partial / entry["name"]
+        for entry in manifest.files:
+            path = partial / entry.name
             with open(path, "wb") as fh:
-                fh.truncate(entry["size"])
-            url = f"{base}/v1/models/{model}/versions/{version}/files/{entry['name']}"
-            block, hashes = entry.get("block_size"), entry.get("block_sha256") or []
-            if not block or len(hashes) != -(-entry["size"] // block):
-                block, hashes = CHUNK_BYTES, []
+                fh.truncate(entry.size)
+            url = f"{base}/v1/models/{model}/versions/{version}/files/{entry.name}"
+            blocks = entry.blocks()
+            if blocks is None:
                 whole_file_checks.append(entry)
-            for i, start in enumerate(range(0, entry["size"], block)):
-                end = min(start + block, entry["size"]) - 1
+            block, hashes = blocks or (CHUNK_BYTES, [])
+            for i, start in enumerate(range(0, entry.size, block)):
+                end = min(start + block, entry.size) - 1
                 expect = hashes[i] if hashes else None
                 jobs.append(self._fetch_range(gate, url, path, start, end, expect, self.headers))
         await asyncio.gather(*jobs)
         for entry in whole_file_checks:  # stores without block hashes: one pass over the file
-            got = await asyncio.to_thread(sha256_file, partial / entry["name"])
-            if got != entry["sha256"]:
-                raise WeightTransferError(f"{entry['name']}: sha256 mismatch (corrupt transfer)")
-        (partial / COMPLETE).write_text(json.dumps({"version": version, "digest": digest}))
+            got = await asyncio.to_thread(sha256_file, partial / entry.name)
+            if got != entry.sha256:
+                raise WeightTransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
+        write_complete(partial, version, digest)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(partial, dest)
-        total = sum(e["size"] for e in manifest["files"])
-        return PullResult(dest, version, total, time.monotonic() - started, digest)
+        return PullResult(dest, version, manifest.total_bytes(), time.monotonic() - started, digest)
 
     @staticmethod
     async def _fetch_range(
@@ -332,45 +293,3 @@ class WeightClient:
     ):
         async with gate:
             await asyncio.to_thread(fetch_range, url, path, start, end, sha256, headers)
-
-
-def fetch_range(
-    url: str,
-    path: Path,
-    start: int,
-    end: int,
-    sha256: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> None:
-    """Copy bytes [start, end] of `url` into `path` at their offset, in blocks read straight
-    into one buffer, checking their sha256 when given (the stdlib client in a thread moves
-    several GB/s; httpx's async streaming tops out near 0.3 GB/s here)."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    digest = hashlib.sha256()
-    try:
-        # the bearer token too: a store with protected reads guards its files
-        conn.request(
-            "GET", parts.path, headers={**(headers or {}), "Range": f"bytes={start}-{end}"}
-        )
-        resp = conn.getresponse()
-        if resp.status not in (200, 206):
-            raise WeightTransferError(f"{url}: {resp.status} {resp.read(500)!r}")
-        view = memoryview(bytearray(STREAM_BLOCK))
-        offset = start
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            while offset <= end and (n := resp.readinto(view)):
-                digest.update(view[:n])
-                os.pwrite(fd, view[:n], offset)
-                offset += n
-        finally:
-            os.close(fd)
-    except (OSError, http.client.HTTPException) as exc:
-        raise WeightTransferError(f"{url}: {exc}") from exc
-    finally:
-        conn.close()
-    if offset != end + 1:
-        raise WeightTransferError(f"{url}: short read {offset - start} of {end - start + 1}")
-    if sha256 is not None and digest.hexdigest() != sha256:
-        raise WeightTransferError(f"{url} bytes {start}-{end}: sha256 mismatch (corrupt transfer)")

@@ -37,7 +37,7 @@ from services.common.redis_streams import (
 )
 from services.common.run_state import RunStopped, committed_version
 from services.common.runspec import LIVE_STATES, RunSpec
-from services.common.step_metrics import record_step
+from services.common.step_metrics import StepRow, read_step, record_step
 from services.common.tasks import Example, load_task
 from services.coordinator.memory import MemoryGate, RedisMemory, run_streams, stream_lengths
 from services.coordinator.migration import count_migrations, fence, reclaim_dead_workers
@@ -128,11 +128,10 @@ class RunManager:
     async def _adapt(self, done: StepDone) -> None:
         """After the trainer committed the next version: move T_seed (Algorithm 1) and work out
         the preemptible pool size worth having."""
-        row = await self.r.hgetall(keys.run_step(self.run_id, done.step))
-        trained = {k.decode(): json.loads(v) for k, v in row.items()}
-        train_wait_s = float(trained.get("train_wait_s", 0.0))
+        trained = await read_step(self.r, self.run_id, done.step)
+        train_wait_s = trained.train_wait_s or 0.0
         compute_s = train_compute_s(
-            float(trained.get("train_s", 0.0)), train_wait_s, float(trained.get("seed_wait_s", 0.0))
+            trained.train_s or 0.0, train_wait_s, trained.seed_wait_s or 0.0
         )
         times = replace(
             done.times,
@@ -142,12 +141,12 @@ class RunManager:
         )
         update = after_step(self.seeding, times)
         n_prem = None if math.isinf(update.n_prem_recommended) else update.n_prem_recommended
-        fields = {
-            "t_remote_wait_s": update.t_remote_wait_s,
-            "t_seed_next_s": update.t_seed_next_s,
-            "n_prem_recommended": n_prem,
-        }
-        await record_step(self.r, self.run_id, done.step, fields)
+        row = StepRow(
+            t_remote_wait_s=update.t_remote_wait_s,
+            t_seed_next_s=update.t_seed_next_s,
+            n_prem_recommended=update.n_prem_recommended,
+        )
+        await record_step(self.r, self.run_id, done.step, row)
         await self.r.hset(
             keys.run(self.run_id),
             mapping={"t_seed_s": update.t_seed_next_s, "n_prem_recommended": json.dumps(n_prem)},
@@ -287,26 +286,26 @@ class RunManager:
             self.r,
             self.run_id,
             step,
-            {
-                "version": table.version,
-                "reward_mean": mean_reward,
-                "response_tokens": tokens,
-                "response_len_mean": tokens / len(table.requests),
-                "rollout_s": rollout_s,
-                "tokens_per_s": tokens / max(rollout_s, 1e-9),
-                "stale_deltas": table.stats[Applied.STALE_LEASE.value],
-                "tokens_received": table.tokens_received,
-                "tokens_discarded": table.tokens_discarded,
-                "regenerated_tokens": table.tokens_received - tokens,
-                "migrations": dict(table.migrations),
-                "t_seed_s": None if math.isinf(window) else window,
-                "seed_s": seed_end - times.started,
-                "workers_reserved": pools["reserved"],
-                "workers_preemptible": pools["preemptible"],
-                "groups_quarantined": len(table.quarantined),
-                "redis_mem_mib": round((await RedisMemory(self.r).read()).used_mib, 1),
-                "stream_lengths": await stream_lengths(self.r, run_streams(self.run_id, step)),
-            },
+            StepRow(
+                version=table.version,
+                reward_mean=mean_reward,
+                response_tokens=tokens,
+                response_len_mean=tokens / len(table.requests),
+                rollout_s=rollout_s,
+                tokens_per_s=tokens / max(rollout_s, 1e-9),
+                stale_deltas=table.stats[Applied.STALE_LEASE.value],
+                tokens_received=table.tokens_received,
+                tokens_discarded=table.tokens_discarded,
+                regenerated_tokens=table.tokens_received - tokens,
+                migrations=dict(table.migrations),
+                t_seed_s=window,  # inf (no window) is stored as null
+                seed_s=seed_end - times.started,
+                workers_reserved=pools["reserved"],
+                workers_preemptible=pools["preemptible"],
+                groups_quarantined=len(table.quarantined),
+                redis_mem_mib=round((await RedisMemory(self.r).read()).used_mib, 1),
+                stream_lengths=await stream_lengths(self.r, run_streams(self.run_id, step)),
+            ),
         )
         REWARD.set(mean_reward)
         STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))

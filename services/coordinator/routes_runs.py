@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from services.common import keys, timeline
 from services.common.runspec import ModelFolderError, RunSpec, TaskFileError
 from services.common.service import Auth, errors
+from services.common.step_metrics import StepRow
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
@@ -63,8 +64,9 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
             raise HTTPException(404, f"run {run_id} does not exist") from None
         spec = RunSpec.model_validate_json(run["spec"])
         version = await store.version(run_id)
-        rows = await store.metrics(run_id)
-        last = next((row for row in reversed(rows) if "reward_mean" in row), {})
+        rows = await store.steps(run_id)
+        # the newest step whose rollout is done
+        last = next((row for row in reversed(rows) if row.reward_mean is not None), StepRow())
         incomplete = await store.r.hget(keys.trainer_state(run_id), "groups_incomplete")
         return RunPublic(
             id=run_id,
@@ -73,8 +75,8 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
             step=version or 0,
             steps=spec.steps,
             weight_version=version,
-            reward_mean=last.get("reward_mean"),
-            tokens_per_s=last.get("tokens_per_s"),
+            reward_mean=last.reward_mean,
+            tokens_per_s=last.tokens_per_s,
             groups_incomplete=int(incomplete or 0),
             t_seed_s=float(run["t_seed_s"]) if "t_seed_s" in run else None,
             n_prem_recommended=json.loads(run.get("n_prem_recommended", "null")),

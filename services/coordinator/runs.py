@@ -7,13 +7,15 @@ it is live, never out of a final state.
 
 import time
 import uuid
+from collections.abc import Mapping
+from typing import cast
 
 import redis.asyncio as aioredis
 
 from services.common import keys, timeline
 from services.common.run_state import active_run, committed_version, set_if_live
 from services.common.runspec import FINAL_STATES, RunSpec
-from services.common.step_metrics import read_steps
+from services.common.step_metrics import StepRow, read_steps, row_dict
 from services.coordinator import cleanup
 
 
@@ -30,8 +32,12 @@ class RunFailed(Exception):
     reason, shown as the run's error."""
 
 
-def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in h.items()}
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _decode(h: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in h.items()}
 
 
 class RunStore:
@@ -67,7 +73,8 @@ class RunStore:
         return RunSpec.model_validate_json((await self.get(run_id))["spec"])
 
     async def list_ids(self, limit: int = 100) -> list[str]:
-        return [x.decode() for x in await self.r.zrevrange(keys.RUN_INDEX, 0, limit - 1)]
+        ids = cast(list[bytes], await self.r.zrevrange(keys.RUN_INDEX, 0, limit - 1))
+        return [x.decode() for x in ids]
 
     async def active(self) -> str | None:
         return await active_run(self.r)
@@ -80,7 +87,7 @@ class RunStore:
             raw = await self.r.lpop(keys.RUN_QUEUE)
             if raw is None:
                 return None
-            run_id = raw.decode()
+            run_id = cast(bytes, raw).decode()
             state = await self.r.hget(keys.run(run_id), "state")
             if state == b"queued":
                 break
@@ -136,5 +143,10 @@ class RunStore:
     async def version(self, run_id: str) -> int | None:
         return await committed_version(self.r, run_id)
 
-    async def metrics(self, run_id: str) -> list[dict]:
+    async def steps(self, run_id: str) -> list[StepRow]:
+        """The run's per-step metrics rows, by step."""
         return await read_steps(self.r, run_id)
+
+    async def metrics(self, run_id: str) -> list[dict]:
+        """The rows as the REST API shows them."""
+        return [row_dict(row) for row in await self.steps(run_id)]

@@ -62,7 +62,9 @@ class WorkerPublic(WorkerCreate):
 class RunMetrics(BaseModel):
     run_id: str
     steps: list[dict[str, Any]] = Field(
-        description="One row per RL step: rollout fields (coordinator) and training fields."
+        description="One row per RL step: `step`, then the fields of "
+        "services.common.step_metrics.StepRow written so far: rollout and seeding fields "
+        "(coordinator) and training fields (trainer)."
     )
 
 

@@ -74,7 +74,7 @@ def build_model(spec: InitModelSpec, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     return Qwen2ForCausalLM(config)

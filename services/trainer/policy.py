@@ -10,12 +10,14 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from services.common.messages import Group
 from services.common.runspec import RunSpec
+from services.common.step_metrics import StepRow
 from services.trainer.grpo import group_advantages, grpo_loss, token_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,15 +40,17 @@ class StepStats:
         self.sequences += n_seq
         self.tokens += parts.tokens
 
-    def summary(self) -> dict:
+    def summary(self, grad_norm: float) -> StepRow:
+        """The training fields of the step's metrics row."""
         n = max(1, self.sequences)
-        return {
-            "policy_loss": self.policy_loss / n,
-            "kl": self.kl / n,
-            "clip_fraction": self.clip_fraction / n,
-            "trained_sequences": self.sequences,
-            "trained_tokens": self.tokens,
-        }
+        return StepRow(
+            policy_loss=self.policy_loss / n,
+            kl=self.kl / n,
+            clip_fraction=self.clip_fraction / n,
+            grad_norm=grad_norm,
+            trained_sequences=self.sequences,
+            trained_tokens=self.tokens,
+        )
 
 
 class Policy:
@@ -57,7 +61,8 @@ class Policy:
         self.spec = spec
         self.device = device
         torch.manual_seed(spec.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`
         if getattr(self.model.config, "tie_word_embeddings", False):
             raise ValueError("models with tied embeddings are not supported; untie them first")
         self.model.train()
@@ -120,18 +125,20 @@ class Policy:
         parts.loss.backward()
         self.stats.add(parts, n)
 
-    def optimizer_step(self) -> dict:
+    def optimizer_step(self) -> StepRow:
+        """Apply the step's summed gradient; what the step trained (its metrics row's training
+        fields)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.stats.summary() | {"grad_norm": float(grad_norm)}
+        out = self.stats.summary(float(grad_norm))
         self.stats = StepStats()
         return out
 
     def state(self) -> dict:
         """Everything a resumed trainer needs besides the data position: weights (fp32),
         optimizer moments and the RNG."""
-        rng = {"torch": torch.get_rng_state()}
+        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {

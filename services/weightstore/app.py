@@ -5,32 +5,26 @@ files (with HTTP range requests). It knows nothing of runs or training.
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Path, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from services.common.http_limits import guard_input
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
+from services.common.weight_contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
 from services.weightstore.settings import WeightStoreSettings
-from services.weightstore.storage import FileEntry, Manifest, StorageError, WeightStorage
+from services.weightstore.storage import StorageError, WeightStorage
 
 log = logging.getLogger(__name__)
 
 # Path parameters: a version is a non-negative 31-bit number; names are checked by the storage
-Version = Annotated[int, Path(ge=0, le=2**31 - 1)]
+Version = Annotated[int, Path(ge=0, le=MAX_VERSION)]
 Name = Annotated[str, Path(min_length=1, max_length=200)]
 UPLOAD = "/v1/models/{model}/versions/{version}/files/{name}"
 COMMIT = "/v1/models/{model}/versions/{version}/commit"
-
-
-class ManifestCommit(Manifest):
-    """The manifest a client commits: finite numbers only (JSON has no NaN or Infinity)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-    version: int = Field(0, ge=0, le=2**31 - 1)
 
 
 class ModelList(BaseModel):
@@ -84,11 +78,14 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def storage_error(request: Request, exc: StorageError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
-    write = {
+    write: dict[str, Any] = {
         "dependencies": auth.write,
         "responses": {**auth.write_errors, **errors(400, 409, 413)},
     }
-    read = {"dependencies": auth.read, "responses": {**auth.read_errors, **errors(400, 404)}}
+    read: dict[str, Any] = {
+        "dependencies": auth.read,
+        "responses": {**auth.read_errors, **errors(400, 404)},
+    }
 
     @app.put(UPLOAD, response_model=FileEntry, **write)
     async def upload_file(

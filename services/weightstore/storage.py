@@ -17,18 +17,19 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from services.common.weight_contract import NAME_RE, FileEntry, Manifest
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 MANIFEST = "manifest.json"
+BLOCK_BYTES = 32 * 1024 * 1024
 
 
 class StorageError(Exception):
+    """A request the store refuses; `status` is its HTTP status."""
+
     status = 400
 
 
@@ -37,37 +38,17 @@ class NotFound(StorageError):
 
 
 class Conflict(StorageError):
+    """The version is committed: its files cannot change, it cannot be committed again."""
+
     status = 409
-
-
-BLOCK_BYTES = 32 * 1024 * 1024
-
-
-class FileEntry(BaseModel):
-    name: str = Field(pattern=NAME_RE.pattern)
-    size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    # sha256 of each `block_size` block, computed by the store: a client pulling ranges of one
-    # block each verifies every range as it arrives instead of re-reading the whole file
-    block_size: int | None = None
-    block_sha256: list[str] = []
-
-
-class Manifest(BaseModel):
-    model: str = ""
-    version: int = Field(0, ge=0)
-    files: list[FileEntry] = Field(min_length=1)
-    metadata: dict[str, str | int | float | bool | None] = {}
-
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
 
 
 class BlockHasher:
     """sha256 of each consecutive `block` bytes of a stream."""
 
     def __init__(self, block: int) -> None:
-        self.block, self.filled, self.current, self.done = block, 0, hashlib.sha256(), []
+        self.block, self.filled, self.current = block, 0, hashlib.sha256()
+        self.done: list[str] = []
 
     def update(self, data: bytes) -> None:
         view = memoryview(data)

@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.runspec import FINAL_STATES
+from tests.harness.deploy import Deployment, DeploymentConfig
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,13 @@ def redis_url(tmp_path_factory):
     proc, url = procs.start_redis(work, work / "data")
     yield url
     proc.stop()
+
+
+@pytest.fixture
+def empty_redis_url(redis_url):
+    """The session's private redis-server, database 1, emptied for this test: tests that
+    drive the coordinator's Redis modules directly (no service process) start from nothing."""
+    url = redis_url.rsplit("/", 1)[0] + "/1"
+    with redis.Redis.from_url(url) as r:
+        r.flushdb()
+    return url

@@ -23,9 +23,9 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.runspec import FINAL_STATES
+from tests.harness.deploy import DeploymentConfig
 
 from .conftest import collected, small_spec, wait_final
 

@@ -7,10 +7,10 @@ import pytest
 import redis
 
 from services.cli.audit import audit_run
-from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.messages import Group
 from services.common.runspec import RunSpec
+from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
     read_groups,

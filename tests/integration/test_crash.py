@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from services.cli.audit import audit_run
-from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.runspec import RunSpec
+from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final, wait_until
 

@@ -8,15 +8,15 @@ import signal
 
 import pytest
 
-from services.cli.browser import (
+from services.common.runspec import LIVE_STATES
+from tests.harness.browser import (
     BrowserUnavailable,
     dashboard_state,
     open_browser,
     screenshot,
     wait_for,
 )
-from services.cli.deploy import DeploymentConfig
-from services.common.runspec import LIVE_STATES
+from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final, wait_until
 

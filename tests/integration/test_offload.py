@@ -13,9 +13,9 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.runspec import RunSpec
+from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
 
 

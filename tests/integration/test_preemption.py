@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.cli.deploy import DeploymentConfig
 from services.cli.procs import Proc
 from services.common import keys
 from services.common.messages import Job
+from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
     finished_requests,

@@ -11,9 +11,9 @@ import pytest
 
 from services.cli import procs
 from services.cli.audit import audit_run
-from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.runspec import FINAL_STATES, RunSpec
+from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
     read_groups,

@@ -6,8 +6,8 @@ from pathlib import Path
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.common.runspec import RunSpec
+from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "aws-g4dn-xlarge-us-east-1c-2020-11-20.csv"

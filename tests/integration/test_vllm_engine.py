@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.rollout.hf_engine import HFEngine
+from services.rollout.engines.hf import HFEngine
 from tests.conftest import make_job as job
 from tests.conftest import require_vllm
 
@@ -77,7 +77,7 @@ def new_weights(tiny_model, tmp_path_factory):
 
 def make_vllm():
     require_vllm()
-    from services.rollout.vllm_engine import VLLMEngine, VLLMOptions
+    from services.rollout.engines.vllm import VLLMEngine, VLLMOptions
 
     return VLLMEngine(VLLMOptions(slots=16, dtype="float32", kv_cache_gib=0.25))
 

@@ -15,9 +15,9 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.common.runspec import RunSpec
 from tests.conftest import require_vllm
+from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import read_groups, small_spec, wait_final
 
 VLLM_ENV = {"SPOTRL_VLLM_KV_CACHE_GIB": "0.25"}

@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 from safetensors.torch import load_file, save_file
 
 from services.cli import procs
-from services.cli.deploy import DeploymentConfig
 from services.common import keys
 from services.common.run_state import RunStopped
 from services.common.weights import (
@@ -23,6 +22,7 @@ from services.common.weights import (
 )
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
+from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final
 
@@ -90,7 +90,7 @@ def commit_foreign(deployment, folder, run_id, version) -> str:
         manifest = asyncio.run(client.upload_folder(folder, run_id, version))
     except WeightConflict as exc:  # the trainer won the race: the engine was not slow enough
         pytest.fail(f"the trainer committed v{version} before the foreign upload: {exc}")
-    assert manifest["version"] == version
+    assert manifest.version == version
     return asyncio.run(scan_folder(folder)).digest
 
 
@@ -184,7 +184,7 @@ def test_client_tells_our_earlier_commit_from_a_foreign_one(stores, tmp_path):
     both = WeightClient([a, b])
     first = asyncio.run(both.upload_folder(ours, "m", 0))
     again = asyncio.run(both.upload_folder(ours, "m", 0))  # our own earlier attempt: fine
-    assert first["files"] == again["files"]
+    assert first.files == again.files
     with pytest.raises(WeightConflict, match="committed by someone else") as err:
         asyncio.run(both.upload_folder(theirs, "m", 0))
     assert err.value.stored == ours_digest and err.value.expected == theirs_digest
@@ -241,15 +241,15 @@ def test_trainer_takes_only_its_own_earlier_commit(stores, redis_url, tmp_path):
         await r.hset(keys.run(run_id), mapping={"state": "running"})
         # v1 committed, then a crash before its announce; the restarted trainer re-trains
         # other weights, finds its own recorded commit in the store and takes it
-        await TrainerLoop(settings, r)._commit(run_id, WeightsOnly(b"one"), 1)
+        await TrainerLoop(settings, r).versions.commit(run_id, WeightsOnly(b"one"), 1)
         loop = TrainerLoop(settings, r)
         retrained = WeightsOnly(b"one, again")
-        await loop._commit(run_id, retrained, 1)
+        await loop.versions.commit(run_id, retrained, 1)
         assert retrained.loaded == b"one"
-        await loop._announce(run_id, 1)
+        await loop.versions.announce(run_id, 1)
         for version in (2, 3):
-            await loop._commit(run_id, WeightsOnly(b"%d" % version), version)
-            await loop._announce(run_id, version)
+            await loop.versions.commit(run_id, WeightsOnly(b"%d" % version), version)
+            await loop.versions.announce(run_id, version)
         assert int(await r.get(keys.run_version(run_id))) == 3
         assert sorted(int(v) for v in await r.hkeys(digests)) == [2, 3]  # trimmed
         assert (await r.hget(digests, 3)).decode() == await loop.weights.stored_digest(run_id, 3)
@@ -257,7 +257,7 @@ def test_trainer_takes_only_its_own_earlier_commit(stores, redis_url, tmp_path):
         # resuming from the store takes only the content recorded for the version
         await r.hset(digests, 3, "0" * 64)
         with pytest.raises(RunStopped):
-            await loop._take_version(run_id, WeightsOnly(b""), 3)
+            await loop.versions.take(run_id, WeightsOnly(b""), 3)
         run = await r.hgetall(keys.run(run_id))
         assert run[b"state"] == b"failed" and b"is not the one announced" in run[b"error"]
 
@@ -266,7 +266,7 @@ def test_trainer_takes_only_its_own_earlier_commit(stores, redis_url, tmp_path):
         foreign = WeightsOnly(b"foreign").export(tmp_path / "foreign")
         await WeightClient([url]).upload_folder(foreign, run_id, 4)
         with pytest.raises(RunStopped, match="committed by someone else"):
-            await loop._commit(run_id, WeightsOnly(b"4"), 4)
+            await loop.versions.commit(run_id, WeightsOnly(b"4"), 4)
         run = await r.hgetall(keys.run(run_id))
         assert run[b"state"] == b"failed" and b"!= ours" in run[b"error"]
         await r.aclose()

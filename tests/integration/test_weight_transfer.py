@@ -13,10 +13,10 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.cli.deploy import Deployment, DeploymentConfig
 from services.common import keys
 from services.common.messages import Heartbeat
 from services.common.weights import WeightClient, WeightTransferError
+from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
 
 

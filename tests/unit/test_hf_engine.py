@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.rollout.hf_engine import HFEngine, sample_token
+from services.rollout.engines.hf import HFEngine, sample_token
 from tests.conftest import make_job as job
 
 

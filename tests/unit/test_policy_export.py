@@ -27,7 +27,7 @@ def test_export_writes_the_requested_dtype(tiny_model, tmp_path):
 
 
 def test_bf16_weights_load_into_the_engine(tiny_model, tmp_path):
-    from services.rollout.hf_engine import HFEngine
+    from services.rollout.engines.hf import HFEngine
 
     folder = Policy(tiny_model, RunSpec(model=str(tiny_model), weight_dtype="bfloat16")).export(
         tmp_path / "w"

@@ -6,8 +6,9 @@ import hashlib
 
 import pytest
 
-from services.common.weights import content_digest, manifest_digest, scan_folder
-from services.weightstore.storage import Manifest, StorageError, WeightStorage
+from services.common.weight_contract import Manifest, content_digest, manifest_digest
+from services.common.weights import scan_folder
+from services.weightstore.storage import StorageError, WeightStorage
 
 A = ("a.safetensors", 5, hashlib.sha256(b"hello").hexdigest())
 B = ("config.json", 2, hashlib.sha256(b"{}").hexdigest())
@@ -46,10 +47,10 @@ def test_manifest_digest_ignores_metadata_and_block_hashes_and_matches_the_folde
     served = committed.model_dump()
     assert served["files"][0]["block_sha256"]  # the store adds block hashes
     local = asyncio.run(scan_folder(folder))
-    assert manifest_digest(served) == local.digest == content_digest([A, B])
+    assert manifest_digest(Manifest(**served)) == local.digest == content_digest([A, B])
     served["metadata"] = {"run_id": "other"}
     served["files"][0]["block_sha256"] = ["0" * 64]
-    assert manifest_digest(served) == local.digest
+    assert manifest_digest(Manifest(**served)) == local.digest
 
 
 def test_commit_refuses_a_file_whose_sha256_was_never_checked(tmp_path):

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from services.weightstore.storage import Conflict, Manifest, NotFound, StorageError, WeightStorage
+from services.common.weight_contract import Manifest
+from services.weightstore.storage import Conflict, NotFound, StorageError, WeightStorage
 
 
 async def chunks(data: bytes):

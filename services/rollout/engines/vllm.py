@@ -20,10 +20,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.common.messages import Job
-from services.rollout.engine import Sequence, TokenEvent
+from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.lifeline import tie_children_to_this_process
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class VLLMEngine:
     def __init__(self, options: VLLMOptions | None = None) -> None:
         self.o = options or VLLMOptions()
         self.capacity = self.o.slots
-        self.llm = None
+        self.llm: Any = None  # vLLM's AsyncLLM, once built
         self.can_sleep = False
         self.sleeping = False
         self.seqs: dict[str, Sequence] = {}

@@ -1,12 +1,23 @@
-"""A whole spotrl deployment as local processes: Redis, weight store, coordinator, trainer and
-rollout workers. Used by `spotrl up` and by the integration tests; stops everything it started.
+"""A whole spotrl deployment as local processes: Redis, weight store(s), coordinator, trainer
+and rollout workers; what `spotrl up` and `spotrl chaos` run. It stops everything it started.
+
+Each service gets its settings as environment variables rendered from its settings class
+(`settings_env`), so a name here is checked against the class the service reads it with. The
+tests and benchmarks drive it through `tests.harness.deploy`, which adds what only they do
+(restarting a service or Redis in place); nothing here is test-only.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from services.cli import procs
+from services.common.settings import CommonSettings, env_name, settings_env
+from services.coordinator.settings import CoordinatorSettings
+from services.rollout.settings import RolloutSettings
+from services.trainer.settings import TrainerSettings
+from services.weightstore.settings import WeightStoreSettings
 
 
 @dataclass
@@ -30,7 +41,7 @@ class DeploymentConfig:
     dump_rollouts: bool = True  # the trainer writes each step's groups to work_dir/rollouts
 
 
-class Deployment:
+class LocalDeployment:
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
         self.work_dir = Path(config.work_dir).resolve()
@@ -44,24 +55,20 @@ class Deployment:
         self._workers = 0
 
     def base_env(self) -> dict[str, str]:
-        env = {
-            "SPOTRL_REDIS_URL": self.redis_url,
-            "SPOTRL_COORDINATOR_URL": self.coordinator_url,
-            "SPOTRL_WEIGHTSTORE_URL": self.weightstore_url,
-            **self.config.extra_env,
-        }
-        if self.config.api_token:
-            env["SPOTRL_API_TOKEN"] = self.config.api_token
-        return env
+        """The settings every service shares (CommonSettings), then `extra_env`."""
+        env = settings_env(
+            CommonSettings,
+            redis_url=self.redis_url,
+            coordinator_url=self.coordinator_url,
+            weightstore_url=self.weightstore_url,
+            api_token=self.config.api_token or None,
+        )
+        return env | self.config.extra_env
 
     @property
     def rollouts_dir(self) -> Path:
         """Where the trainer dumps each run's trained groups (with `dump_rollouts`)."""
         return self.work_dir / "rollouts"
-
-    @property
-    def weightstore_urls(self) -> list[str]:
-        return self.weightstore_url.split(",")
 
     def attach(self, coordinator_url: str, weightstore_url: str) -> None:
         """Use services that run elsewhere (the redis URL comes from the config)."""
@@ -83,46 +90,6 @@ class Deployment:
         self.procs[name] = procs.start_service(name, module, env, self.log_dir, port)
         return self.procs[name]
 
-    def restart(
-        self,
-        name: str,
-        kill: bool = True,
-        timeout_s: float = 120.0,
-        settings: dict[str, str] | None = None,
-    ) -> procs.Proc:
-        """Stop a service (SIGKILL, or SIGTERM with kill=False) and start it again on the same
-        port with the same settings (and `settings` on top); returns once it is healthy."""
-        module, env, port = self.launch[name]
-        env = env | (settings or {})
-        if kill:
-            self.procs[name].kill()
-        else:
-            self.procs[name].stop()
-        proc = self._service(name, module, env, port)
-        procs.wait_healthy([proc], timeout_s)
-        return proc
-
-    def restart_redis(self, kill: bool = False, while_down=None) -> procs.Proc:
-        """Stop the Redis this deployment started (SIGTERM: it writes its append-only file out;
-        SIGKILL with kill=True), call `while_down()` if given, and start it again on the same
-        port and data folder."""
-        if kill:
-            self.procs["redis"].kill()
-        else:
-            self.procs["redis"].stop()
-        if while_down is not None:
-            while_down()
-        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-        proc, _ = procs.start_redis(
-            self.log_dir,
-            self.work_dir / "redis",
-            port,
-            appendonly=self.config.redis_appendonly,
-            maxmemory_mb=self.config.redis_maxmemory_mb,
-        )
-        self.procs["redis"] = proc
-        return proc
-
     def _start(self, timeout_s: float, on_ready: Callable[[procs.Proc], None] | None) -> None:
         if not self.redis_url:
             proc, self.redis_url = procs.start_redis(
@@ -142,24 +109,20 @@ class Deployment:
         for i, port in enumerate(ws_ports):  # replicas with their own disks
             name = "weightstore" if i == 0 else f"weightstore-{i + 1}"
             root = self.work_dir / ("weights" if i == 0 else f"weights-{i + 1}")
-            self._service(
-                name,
-                "services.weightstore.main",
-                env | {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root)},
-                port,
-            )
-        self._service(
-            "coordinator", "services.coordinator.main", env | {"SPOTRL_PORT": str(co_port)}, co_port
+            ws_env = settings_env(WeightStoreSettings, port=port, root=root)
+            self._service(name, "services.weightstore.main", env | ws_env, port)
+        co_env = settings_env(CoordinatorSettings, port=co_port)
+        self._service("coordinator", "services.coordinator.main", env | co_env, co_port)
+        tr_env = settings_env(
+            TrainerSettings,
+            port=tr_port,
+            work_dir=self.work_dir / "trainer",
+            rollouts_dir=self.rollouts_dir if self.config.dump_rollouts else None,
         )
         self._service(
             "trainer",
             "services.trainer.main",
-            env
-            | procs.thread_env(self.config.trainer_threads)
-            | {"SPOTRL_PORT": str(tr_port), "SPOTRL_WORK_DIR": str(self.work_dir / "trainer")}
-            | (
-                {"SPOTRL_ROLLOUTS_DIR": str(self.rollouts_dir)} if self.config.dump_rollouts else {}
-            ),
+            env | procs.thread_env(self.config.trainer_threads) | tr_env,
             tr_port,
         )
         for _ in range(self.config.reserved):
@@ -175,18 +138,19 @@ class Deployment:
         env = (
             self.base_env()
             | procs.thread_env(self.config.worker_threads)
-            | {
-                "SPOTRL_PORT": str(port),
-                "SPOTRL_POOL": pool,
-                "SPOTRL_WORKER_ID": name,
-                "SPOTRL_SLOTS": str(self.config.worker_slots),
-                "SPOTRL_ENGINE": self.config.engine,
-                "SPOTRL_FLUSH_TOKENS": str(self.config.flush_tokens),
-                "SPOTRL_CACHE_DIR": str(self.work_dir / "rollout"),
-                "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
-            }
+            | settings_env(
+                RolloutSettings,
+                port=port,
+                pool=pool,
+                worker_id=name,
+                slots=self.config.worker_slots,
+                engine=self.config.engine,
+                flush_tokens=self.config.flush_tokens,
+                cache_dir=self.work_dir / "rollout",
+                advertise_url=f"http://127.0.0.1:{port}",
+            )
             | self.config.worker_env
-            | {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+            | settings_env(RolloutSettings, **settings)
         )
         proc = self._service(name, "services.rollout.main", env, port)
         if wait:
@@ -202,13 +166,14 @@ class Deployment:
         del self.procs[name]
         module, env, _ = self.launch.pop(name)
         self._workers += 1
-        new_name = f"rollout-{env['SPOTRL_POOL']}-{self._workers}"
+        new_name = f"rollout-{env[env_name(RolloutSettings, 'pool')]}-{self._workers}"
         port = procs.free_port()
-        env = env | {
-            "SPOTRL_PORT": str(port),
-            "SPOTRL_WORKER_ID": new_name,
-            "SPOTRL_ADVERTISE_URL": f"http://127.0.0.1:{port}",
-        }
+        env = env | settings_env(
+            RolloutSettings,
+            port=port,
+            worker_id=new_name,
+            advertise_url=f"http://127.0.0.1:{port}",
+        )
         return self._service(new_name, module, env, port)
 
     def workers(self) -> list[procs.Proc]:
@@ -221,7 +186,7 @@ class Deployment:
             if not p.name.startswith("rollout-") and not p.alive():
                 raise procs.died(p)
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -6,17 +6,16 @@ generated since the last call, aborts requests whose lease moved on, loads each 
 version from the folder it pulled, and pauses the engine (freeing its memory where the platform
 can) when a reserved worker steps aside for training.
 
-Backends: `hf_engine.HFEngine` (transformers, exact and simple) and `vllm_engine.VLLMEngine`.
+Backends: `hf.HFEngine` (transformers, exact and simple) and `vllm.VLLMEngine`; `factory`
+builds the one the settings name. This module holds only the interface and the types every
+backend shares: it imports no backend, and no model library.
 """
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from services.common.messages import FinishReason, Job
-
-if TYPE_CHECKING:
-    from services.rollout.settings import RolloutSettings
 
 
 @dataclass
@@ -75,13 +74,3 @@ class Engine(Protocol):
         """Nothing runs until the next `load`: free what memory the platform allows."""
 
     async def close(self) -> None: ...
-
-
-def make_engine(settings: "RolloutSettings") -> Engine:
-    if settings.engine == "vllm":
-        from services.rollout.vllm_engine import VLLMEngine, VLLMOptions
-
-        return VLLMEngine(VLLMOptions.from_settings(settings))
-    from services.rollout.hf_engine import HFEngine
-
-    return HFEngine(settings.device, settings.slots)

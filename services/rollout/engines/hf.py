@@ -3,7 +3,7 @@
 `HFEngine` batches continuously: requests join and leave between decode steps. It keeps one
 batched KV cache for the running set; when requests leave, their rows are dropped from the
 cache; when requests join, the whole batch is prefilled again (left-padded). That is simple and
-exact, fine for small models and tests; vLLM (`vllm_engine.py`) is the engine for production sizes.
+exact, fine for small models and tests; vLLM (`engines/vllm.py`) is the engine for production sizes.
 
 Sampling is reproducible: the token at response position k of a request is drawn with a
 generator seeded by (request seed, k), so a continuation on another worker (prompt + collected
@@ -15,11 +15,12 @@ that drives the engine calls it.
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.common.messages import FinishReason, Job
-from services.rollout.engine import Sequence, TokenEvent
+from services.rollout.engines.base import Sequence, TokenEvent
 
 
 def sample_token(
@@ -49,12 +50,13 @@ class HFEngine:
     def __init__(self, device: str = "cpu", slots: int = 64) -> None:
         self.device = device
         self.capacity = slots
-        self.model = None
+        self.model: Any = None  # a transformers causal LM, once loaded
         self.seqs: dict[str, Sequence] = {}
-        self._cache = None
+        self._cache: Any = None  # a transformers DynamicCache of the running set
         self._cache_ids: list[str] = []  # row order of the cache
-        self._attn: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
+        # attention mask and last positions of the cache's rows (valid while there is a cache)
+        self._attn = torch.zeros((0, 0), dtype=torch.long)
+        self._positions = torch.zeros(0, dtype=torch.long)
 
     # ---- the Engine interface ----
     async def load(self, folder: Path) -> None:

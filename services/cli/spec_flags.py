@@ -1,0 +1,116 @@
+"""`spotrl up`'s run options, generated from the run spec: one flag per `RunSpec` field, named
+after it (`--prompts-per-step` sets `prompts_per_step`), its help the field's description, its
+choices those of a `Literal`, its default the embedded preset (`EMBEDDED_DEFAULTS`) over the
+field's own. Values are checked by `RunSpec` itself (`spec_from_args`), so `spotrl up` refuses
+exactly what the REST API refuses, and an error names the flag and the field.
+
+Not here: options that are not part of a run (workers, ports, the trace replay): `main.py`.
+"""
+
+import argparse
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from services.common.runspec import EMBEDDED_DEFAULTS, RunSpec
+
+# Fields `spotrl up` sets itself: the model folder (it builds one when none is named).
+NOT_FLAGS = frozenset({"model"})
+# Fields where 0 also means "unset", as `spotrl up` documented before "none" was accepted.
+ZERO_IS_NONE = frozenset({"stall_timeout_s"})
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A parser that also reads `none` (any case) as None: the field unset."""
+
+    def parse_optional(text: str) -> Any:
+        return None if text.strip().lower() == "none" else parse(text)
+
+    parse_optional.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_optional
+
+
+def _help(name: str, info: FieldInfo, default: Any, optional: bool) -> str:
+    text = (info.description or name).replace("%", "%%")
+    notes = []
+    if optional:
+        notes.append("0 or none: unset" if name in ZERO_IS_NONE else "none: unset")
+    if name in EMBEDDED_DEFAULTS:
+        notes.append(f"default {default!r}, the embedded preset; a spec's own: {info.default!r}")
+    else:
+        notes.append(f"default {default!r}")
+    return f"{text} ({'; '.join(notes)})"
+
+
+def flag_options(name: str, info: FieldInfo, default: Any) -> dict[str, Any]:
+    """`add_argument` keywords for one RunSpec field."""
+    annotation: Any = info.annotation
+    optional = False
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(get_args(annotation))
+        if len(args) != 1:
+            raise TypeError(f"RunSpec.{name}: no flag for a union of {args}")
+        annotation = args[0]
+    options: dict[str, Any] = {
+        "dest": name,
+        "default": default,
+        "help": _help(name, info, default, optional),
+    }
+    if annotation is bool and not optional:
+        return options | {"action": argparse.BooleanOptionalAction}
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        parse = type(choices[0])
+        options["choices"] = choices
+    elif annotation in (int, float, str):
+        parse = annotation
+    else:
+        raise TypeError(f"RunSpec.{name}: no flag for type {annotation!r}")
+    options["type"] = _or_none(parse) if optional else parse
+    return options
+
+
+def add_spec_flags(
+    parser: argparse.ArgumentParser, preset: Mapping[str, Any] = EMBEDDED_DEFAULTS
+) -> None:
+    """One flag per RunSpec field but `NOT_FLAGS`, in the spec's order, in a group of their own;
+    defaults from `preset`, else the field's."""
+    group = parser.add_argument_group(
+        "run spec",
+        "The fields of the run spec (RunSpec). Defaults: the embedded preset "
+        "(EMBEDDED_DEFAULTS: "
+        + ", ".join(f"{k}={v!r}" for k, v in preset.items()).replace("%", "%%")
+        + "), else the spec's own.",
+    )
+    for name, info in RunSpec.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        default = preset.get(name, info.default)
+        group.add_argument(flag(name), **flag_options(name, info, default))
+
+
+def spec_from_args(args: argparse.Namespace, **fields: Any) -> RunSpec:
+    """The RunSpec the flags ask for, with `fields` (the model) on top; raises ValidationError."""
+    values = {name: getattr(args, name) for name in RunSpec.model_fields if name not in NOT_FLAGS}
+    for name in ZERO_IS_NONE:
+        if values.get(name) == 0:
+            values[name] = None
+    return RunSpec(**(values | fields))
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """One line per error, naming the flag and the field: `--top-p (top_p): Input should...`."""
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        where = f"{flag(field)} ({field})" if field in RunSpec.model_fields else "run spec"
+        lines.append(f"{where}: {error['msg']}")
+    return "\n".join(lines)

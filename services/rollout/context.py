@@ -1,0 +1,89 @@
+"""What the parts of one rollout worker share: its settings, Redis, engine, the run and version
+it serves, the jobs read and not started (`JobInbox`) and the tokens not yet flushed
+(`DeltaBuffer`). It holds state and answers questions about it; it runs no loop and sends
+nothing.
+
+Two tasks share it: the jobs task (intake, weight loads) and the generation task (the engine,
+flushes, control orders). The jobs task touches the engine only under `engine_lock`, so a load
+never lands in the middle of a step.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from services.common.messages import Job
+from services.core.delta_buffer import DeltaBuffer
+from services.core.plateau import PlateauEstimator
+from services.rollout.engines.base import Engine
+from services.rollout.settings import RolloutSettings
+
+WorkerState = Literal["starting", "idle", "loading", "paused", "serving", "crashed"]
+
+
+class JobInbox:
+    """Jobs read from the stream and not started yet, in the order read."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[bytes, Job]] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def put(self, entry_id: bytes, job: Job) -> None:
+        self._waiting.append((entry_id, job))
+
+    def take_all(self) -> list[tuple[bytes, Job]]:
+        waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def put_back(self, waiting: list[tuple[bytes, Job]]) -> None:
+        """Jobs taken that must wait on: they go first again."""
+        self._waiting[:0] = waiting
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+
+def new_buffer(settings: RolloutSettings) -> DeltaBuffer:
+    return DeltaBuffer(
+        settings.worker_id, settings.flush_tokens, settings.flush_ms, time.monotonic()
+    )
+
+
+@dataclass
+class WorkerContext:
+    s: RolloutSettings
+    r: aioredis.Redis
+    engine: Engine
+    buffer: DeltaBuffer
+    plateau: PlateauEstimator
+    inbox: JobInbox = field(default_factory=JobInbox)
+    engine_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)  # a request ended
+    run_id: str | None = None
+    version: int | None = None  # loaded and served
+    paused_version: int | None = None  # stepped aside for the rest of this version
+    state: WorkerState = "starting"
+    crashed: str = ""  # the error a task died of; the worker is on its way out
+    tokens_generated: int = 0
+
+    @property
+    def busy(self) -> int:
+        """Requests held: generating, or read and waiting to start."""
+        return self.engine.active + len(self.inbox)
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_version is not None and self.paused_version == self.version
+
+    def drop_held(self) -> int:
+        """Forget every request held (a new version or run: they are no longer ours to
+        finish); how many the engine was running."""
+        dropped = len(self.engine.abort_all())
+        self.inbox.clear()
+        self.buffer.clear()
+        return dropped

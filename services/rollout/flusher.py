@@ -1,0 +1,76 @@
+"""The worker's flush shell: it sends what the `DeltaBuffer` decides (new tokens of every
+request, finishes, requests given back) to the run's deltas stream, then acknowledges the job
+entries of the requests that flush finished or released. It also hands requests back: abort
+them in the engine and release them in a flush, for the coordinator to migrate.
+
+It decides nothing itself (when a flush is due, what it carries and what stays pending are the
+buffer's), and it never reads a stream.
+"""
+
+import logging
+import time
+
+from prometheus_client import Counter
+
+from services.common import keys
+from services.common.messages import ReleaseReason, RequestLease
+from services.common.redis_streams import with_reconnect
+from services.core.delta_buffer import Flush
+from services.rollout.context import WorkerContext
+
+log = logging.getLogger(__name__)
+FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
+
+
+class Flusher:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    async def flush(
+        self, released: list[RequestLease] | None = None, reason: ReleaseReason = "preemption"
+    ) -> None:
+        """Send the tokens pending (and `released`, after them); what a failed send carried
+        stays pending for the next flush."""
+        ctx = self.ctx
+        flush = ctx.buffer.take(time.monotonic(), ctx.version or 0, released, reason)
+        if flush is None or ctx.run_id is None:
+            return
+        run_id = ctx.run_id
+        # NOMKSTREAM: a run that ended took its deltas stream along; a late flush adds nothing
+        await with_reconnect(
+            lambda: ctx.r.xadd(keys.deltas_stream(run_id), flush.batch.fields(), nomkstream=True),
+            "flush deltas",
+        )
+        FLUSHES.inc()
+        ctx.buffer.sent(flush)
+        await self._ack(run_id, flush)
+
+    async def _ack(self, run_id: str, flush: Flush) -> None:
+        """Acknowledge the job entries of the requests the flush finished or released."""
+        if not flush.entry_ids:
+            return
+        stream = keys.jobs_stream(run_id, self.ctx.version or 0)
+        await with_reconnect(
+            lambda: self.ctx.r.xack(stream, keys.WORKERS_GROUP, *flush.entry_ids), "ack jobs"
+        )
+
+    def held(self) -> list[RequestLease]:
+        """Every request this worker holds, those never started first, then by tokens left."""
+        ctx = self.ctx
+        held = []
+        for entry_id, job in ctx.inbox.take_all():  # read from the stream but never started
+            held.append(RequestLease(request_id=job.request_id, lease=job.lease))
+            ctx.buffer.hold(job.request_id, entry_id)
+        running = ctx.buffer.running()
+        running.sort(key=lambda lease: ctx.engine.tokens_left(lease.request_id), reverse=True)
+        return held + running
+
+    async def release(self, leases: list[RequestLease], reason: ReleaseReason) -> int:
+        """Flush, then give `leases` back to the coordinator, which migrates them."""
+        for req in leases:
+            self.ctx.engine.abort(req.request_id)
+        self.ctx.slot_freed.set()
+        await self.flush(released=leases, reason=reason)
+        if leases:
+            log.info("released %d requests (%s)", len(leases), reason)
+        return len(leases)

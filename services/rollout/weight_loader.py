@@ -1,0 +1,81 @@
+"""Loads a run's weight version into the worker's engine: pull the exact content the trainer
+announced (by digest) from the weight store, then, under the engine lock, drop what is held
+and load. Nothing half-pulled or unannounced is ever loaded; a version that cannot be pulled
+yet leaves the worker with none, to try again.
+
+It does not choose which version to load (the intake does) and never talks to the coordinator.
+"""
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from prometheus_client import Counter, Histogram
+
+from services.common import keys
+from services.common.weights import (
+    PullResult,
+    WeightClient,
+    WeightConflict,
+    WeightTransferError,
+)
+from services.rollout.context import WorkerContext
+
+log = logging.getLogger(__name__)
+RETRY_S = 1.0  # after a version could not be pulled
+PULL_S = Histogram(
+    "spotrl_rollout_weight_pull_seconds",
+    "Weight pull + load time",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
+
+
+class VersionLoader:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.weights = WeightClient(ctx.s.weightstore_urls(), ctx.s.api_token)
+
+    async def load(self, run_id: str, version: int) -> None:
+        ctx = self.ctx
+        ctx.state = "loading"
+        started = time.monotonic()
+        result = await self._pull(run_id, version)
+        if result is None:
+            ctx.version = None
+            await asyncio.sleep(RETRY_S)
+            return
+        async with ctx.engine_lock:
+            # A version is published once the step before it is complete: what is still held
+            # was migrated away (or is about to be), never to be finished here.
+            ctx.drop_held()
+            await ctx.engine.load(result.folder)
+            ctx.version = version
+        await ctx.r.sadd(keys.worker_loads(run_id, ctx.s.worker_id), version)
+        took_s = time.monotonic() - started
+        PULL_S.observe(took_s)
+        PULL_BYTES.inc(result.bytes)
+        log.info("loaded %s v%d (%d bytes) in %.2fs", run_id, version, result.bytes, took_s)
+        if version > 0:
+            await asyncio.to_thread(shutil.rmtree, self._folder(run_id, version - 1), True)
+
+    async def _pull(self, run_id: str, version: int) -> PullResult | None:
+        """The pulled version, or None when it cannot be loaded (yet)."""
+        # Only the content the trainer announced with the version is ever loaded.
+        digest = await self.ctx.r.hget(keys.run_digests(run_id), version)
+        dest = self._folder(run_id, version)
+        try:
+            if digest is None:
+                raise WeightConflict(run_id, version, "was announced without a digest")
+            return await self.weights.pull(run_id, version, dest, expect_digest=digest.decode())
+        except WeightConflict as exc:
+            log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
+        except WeightTransferError as exc:
+            # Nothing half-pulled is ever loaded: keep no version and try again.
+            log.warning("could not pull %s v%d yet: %s", run_id, version, exc)
+        return None
+
+    def _folder(self, run_id: str, version: int) -> Path:
+        return self.ctx.s.cache_dir / self.ctx.s.worker_id / run_id / f"v{version}"

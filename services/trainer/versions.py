@@ -1,0 +1,137 @@
+"""The trainer's side of a run's weight versions: commit the policy's weights as a version to the
+weight store, announce it, and load a committed version back into the policy.
+
+Versions are immutable and loaded only with the content digest recorded for them in Redis: the
+digest is recorded before the commit, and a version already in the store is ours only with that
+digest. A version someone else committed, or a store serving other content than recorded, fails
+the run (`fail_run`); a store that cannot be reached is tried again until it answers.
+"""
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import redis.asyncio as aioredis
+from prometheus_client import Gauge
+
+from services.common import keys, timeline
+from services.common.retry import retry
+from services.common.run_state import RunStopped, set_if_live
+from services.common.weight_contract import WeightConflict, WeightTransferError
+from services.common.weight_files import scan_folder
+from services.common.weights import WeightClient
+
+log = logging.getLogger(__name__)
+VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")
+FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # while no weight store replica answers
+
+
+def text(raw: bytes | str | None) -> str | None:
+    """A Redis reply as text (the trainer's connection answers bytes)."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+async def fail_run(r: aioredis.Redis, run_id: str, reason: str) -> NoReturn:
+    """Fail the run (as the coordinator's RunStore.finish does) and stop training it."""
+    log.error("run %s failed: %s", run_id, reason)
+    fields = {"state": "failed", "finished_at": time.time(), "error": reason}
+    if await set_if_live(r, run_id, fields):  # a cancel that landed first stays
+        await timeline.emit(r, run_id, "state", state="failed", error=reason)
+    raise RunStopped(f"failed: {reason}")
+
+
+class VersionPublisher:
+    """Commits, announces and takes the weight versions of the runs one trainer trains."""
+
+    def __init__(self, r: aioredis.Redis, weights: WeightClient, work_dir: Path) -> None:
+        self.r, self.weights, self.work_dir = r, weights, work_dir
+        self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
+
+    async def commit(self, run_id: str, policy: Any, version: int) -> float:
+        """Commit the policy's weights as `version`, recording their digest first; a version
+        already in the store is ours only with that digest, else the run fails. The seconds
+        it took."""
+        t0 = time.monotonic()
+        folder = self.work_dir / run_id / f"v{version}"
+        await asyncio.to_thread(policy.export, folder)
+        local = await scan_folder(folder)
+        earlier = text(await self.r.hget(keys.run_digests(run_id), version))
+        # an attempt before a restart exported other weights as this version: if that commit
+        # landed, train on from exactly what the workers will pull (versions are immutable)
+        if earlier not in (None, local.digest) and (
+            await self._stored_digest(run_id, version) == earlier
+        ):
+            await self.take(run_id, policy, version, earlier)
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            self.committed = (version, earlier)
+            log.warning("run %s: version %d was already committed; took it", run_id, version)
+            return time.monotonic() - t0
+        await self.r.hset(keys.run_digests(run_id), version, local.digest)
+
+        async def upload() -> WeightConflict | None:
+            """One attempt; a conflict is returned, not raised: trying again cannot fix it."""
+            try:
+                await self.weights.upload_folder(
+                    folder, run_id, version, {"run_id": run_id}, scanned=local
+                )
+            except WeightConflict as exc:
+                return exc
+            return None
+
+        # until a replica has it: a weight store may be restarting
+        conflict = await retry(
+            upload,
+            f"run {run_id}: commit of v{version}",
+            (WeightTransferError,),
+            first_delay_s=FIRST_RETRY_S,
+            max_delay_s=MAX_RETRY_S,
+        )
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+        if conflict is not None:
+            await fail_run(self.r, run_id, str(conflict))
+        self.committed = (version, local.digest)
+        return time.monotonic() - t0
+
+    async def _stored_digest(self, run_id: str, version: int) -> str | None:
+        """Digest of `version` in the weight store (None: not committed), retried while no
+        replica answers."""
+        return await retry(
+            lambda: self.weights.stored_digest(run_id, version),
+            f"run {run_id}: digest of v{version} (weight store unreachable)",
+            (WeightTransferError,),
+            first_delay_s=FIRST_RETRY_S,
+            max_delay_s=MAX_RETRY_S,
+        )
+
+    async def announce(self, run_id: str, version: int) -> None:
+        """Publish `version` with its digest in one transaction: a reader that sees the version
+        finds its digest. Digests older than the one before are dropped."""
+        committed, digest = self.committed or (None, "")
+        if committed != version:
+            raise RuntimeError(f"announcing v{version}, but the last commit was v{committed}")
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.run_digests(run_id), version, digest)
+            pipe.set(keys.run_version(run_id), version)
+            if version >= 2:
+                pipe.hdel(keys.run_digests(run_id), version - 2)
+            await pipe.execute()
+        VERSION.set(version)
+        log.info("run %s: version %d committed and announced (%s)", run_id, version, digest[:16])
+
+    async def take(self, run_id: str, policy: Any, version: int, digest: str | None = None) -> None:
+        """Load a committed version's weights from the store into the policy: only the content
+        with `digest` (default: the one recorded for the version in Redis)."""
+        if digest is None:
+            digest = text(await self.r.hget(keys.run_digests(run_id), version))
+            if digest is None:
+                await fail_run(self.r, run_id, f"weight version {version} has no recorded digest")
+        folder = self.work_dir / run_id / f"take-v{version}"
+        try:
+            await self.weights.pull(run_id, version, folder, expect_digest=digest)
+        except WeightConflict as exc:
+            await fail_run(self.r, run_id, str(exc))
+        await asyncio.to_thread(policy.load_weights, folder)
+        await asyncio.to_thread(shutil.rmtree, folder, True)

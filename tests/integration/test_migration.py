@@ -1,0 +1,202 @@
+"""Moving requests off dead workers and fencing the ones that come back
+(services/coordinator/migration.py) against a real redis-server: the jobs a worker held when its
+heartbeat expired are re-queued under new leases (continuing from the collected tokens, or from
+zero with migration off), acknowledged and staged in the step store, once; a delta under an old
+lease is refused and its worker told to drop the request."""
+
+import asyncio
+
+import redis
+
+from services.common import keys
+from services.common.messages import DeltaItem, Job, WorkerControl
+from services.common.redis_streams import connect, ensure_group
+from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
+from services.coordinator.step_store import StepStore
+from services.core.request_table import Applied, RequestTable
+
+from .conftest import run_events
+
+RUN, STEP = "run-migrate", 1
+STREAM = keys.jobs_stream(RUN, STEP)
+
+
+def new_table() -> RequestTable:
+    """Two prompts of two responses: requests "1:{prompt}:{sample}"."""
+    return RequestTable(
+        RUN,
+        STEP,
+        version=STEP,
+        prompts=[[1, 2], [3, 4]],
+        group_size=2,
+        max_new_tokens=6,
+        temperature=1.0,
+        top_p=1.0,
+        seed=3,
+        stop_token_ids=[0],
+    )
+
+
+def delta(rid: str, offset: int, tokens: list[int], lease: int) -> DeltaItem:
+    return DeltaItem(
+        request_id=rid, lease=lease, offset=offset, token_ids=tokens, logprobs=[-1.0] * len(tokens)
+    )
+
+
+async def queue_and_read(r, table: RequestTable, readers: dict[str, int]) -> dict[str, list[str]]:
+    """Queue the step's jobs (and mark it queued in its step store, in the same MULTI, as the
+    coordinator does), then let each reader take its count of them: the requests each holds (a
+    worker acknowledges a job only once it finished or released it)."""
+    await ensure_group(r, STREAM, keys.WORKERS_GROUP)
+    async with r.pipeline(transaction=True) as pipe:
+        StepStore(r, RUN, STEP).stage_queued(pipe, 1.0)
+        for job in table.initial_jobs():
+            pipe.xadd(STREAM, job.fields())
+        await pipe.execute()
+    held = {}
+    for name, count in readers.items():
+        got = await r.xreadgroup(keys.WORKERS_GROUP, name, {STREAM: ">"}, count=count)
+        held[name] = [Job.from_fields(fields).request_id for _, fields in got[0][1]]
+    return held
+
+
+async def alive(r, worker_id: str) -> None:
+    await r.set(keys.worker_heartbeat(worker_id), b"beat", ex=30)
+
+
+async def queued_jobs(r, after: bytes) -> list[Job]:
+    """Jobs added to the stream after entry `after`."""
+    entries = await r.xrange(STREAM, min=f"({after.decode()}", max="+")
+    return [Job.from_fields(fields) for _, fields in entries]
+
+
+async def pending_by_consumer(r) -> dict[str, int]:
+    summary = await r.xpending(STREAM, keys.WORKERS_GROUP)
+    return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"] or []}
+
+
+def test_a_dead_workers_requests_continue_under_a_new_lease_once(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        held = await queue_and_read(r, table, {"w-dead": 2, "w-alive": 2})
+        await alive(r, "w-alive")  # w-dead has no heartbeat: it died without notice
+        last = (await r.xrevrange(STREAM, count=1))[0][0]
+        rid_a, rid_b = held["w-dead"]
+        table.apply(delta(rid_a, 0, [7, 8], lease=0))  # it had flushed two tokens of one
+
+        dead = await reclaim_dead_workers(r, STREAM, table, store, migration=True)
+        assert dead == ["w-dead"]
+        jobs = {job.request_id: job for job in await queued_jobs(r, last)}
+        assert sorted(jobs) == sorted(held["w-dead"])
+        assert (jobs[rid_a].lease, jobs[rid_a].prefix_ids) == (1, [7, 8])
+        assert (jobs[rid_a].remaining_tokens, jobs[rid_b].prefix_ids) == (4, [])
+        assert table.requests[rid_a].lease == table.requests[rid_b].lease == 1
+        for rid in held["w-alive"]:
+            assert table.requests[rid].lease == 0  # a live worker keeps its requests
+        assert await pending_by_consumer(r) == {"w-alive": 2}  # acknowledged, consumer gone
+        consumers = await r.xinfo_consumers(STREAM, keys.WORKERS_GROUP)
+        assert "w-dead" not in {c["name"].decode() for c in consumers}
+
+        restored = new_table()  # the new leases are in the step store, with the jobs
+        await StepStore(r, RUN, STEP).restore(restored)
+        assert restored.requests[rid_a].lease == 1
+        assert restored.requests[rid_a].token_ids == [7, 8]
+
+        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == []
+        assert len(await queued_jobs(r, last)) == 2  # migrated once, not at every pass
+        assert table.requests[rid_a].lease == 1
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_with_migration_off_a_dead_workers_request_starts_over(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        held = await queue_and_read(r, table, {"w-dead": 1})
+        last = (await r.xrevrange(STREAM, count=1))[0][0]
+        (rid,) = held["w-dead"]
+        table.apply(delta(rid, 0, [5, 5, 5], lease=0))
+        assert await reclaim_dead_workers(r, STREAM, table, store, migration=False) == ["w-dead"]
+        (job,) = await queued_jobs(r, last)
+        await r.aclose()
+        assert (job.request_id, job.lease, job.prefix_ids, job.remaining_tokens) == (rid, 1, [], 6)
+        assert table.requests[rid].token_ids == [] and table.tokens_discarded == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_job_whose_request_moved_on_is_acknowledged_not_migrated_again(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        held = await queue_and_read(r, table, {"w-dead": 2})
+        last = (await r.xrevrange(STREAM, count=1))[0][0]
+        moved, stays = held["w-dead"]
+        table.migrate(moved, "preemption")  # released before it died: already on lease 1
+        table.apply(delta(stays, 0, [1, 2, 3, 4, 5, 6], lease=0))  # and one it had finished
+        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == ["w-dead"]
+        assert await queued_jobs(r, last) == []
+        assert table.requests[moved].lease == 1 and table.requests[stays].lease == 0
+        assert await pending_by_consumer(r) == {}
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_jobs_claimed_by_a_coordinator_that_died_are_requeued(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        # a coordinator claimed these, then died before re-queueing them in its MULTI
+        held = await queue_and_read(r, table, {CLAIMER: 2})
+        last = (await r.xrevrange(STREAM, count=1))[0][0]
+        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == []
+        jobs = await queued_jobs(r, last)
+        await r.aclose()
+        assert sorted(j.request_id for j in jobs) == sorted(held[CLAIMER])
+        assert all(j.lease == 1 for j in jobs)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_back_from_the_dead_is_fenced(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        held = await queue_and_read(r, table, {"w-dead": 1})
+        (rid,) = held["w-dead"]
+        await reclaim_dead_workers(r, STREAM, table, store, migration=True)
+        # it was only slow: it flushes under the lease it had, which moved on
+        assert table.apply(delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
+        assert table.requests[rid].token_ids == []
+        await fence(r, RUN, {"w-dead": {(rid, 0)}})
+        entries = await r.xrange(keys.worker_control("w-dead"))
+        (order,) = [WorkerControl.from_fields(fields) for _, fields in entries]
+        assert (order.action, order.run_id) == ("abort", RUN)
+        assert [(q.request_id, q.lease) for q in order.requests] == [(rid, 0)]
+        assert table.apply(delta(rid, 0, [4], lease=1)) is Applied.APPENDED  # the new lease
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_reclaims_and_fences_are_on_the_runs_timeline(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        held = await queue_and_read(r, table, {"w-dead": 2})
+        await reclaim_dead_workers(r, STREAM, table, store, migration=True)
+        await fence(r, RUN, {"w-dead": {(held["w-dead"][0], 0)}})
+        await r.aclose()
+
+    asyncio.run(scenario())
+    with redis.Redis.from_url(empty_redis_url) as rdb:
+        reclaimed = run_events(rdb, RUN, "worker_reclaimed")
+        migrated = run_events(rdb, RUN, "migrated")
+        fenced = run_events(rdb, RUN, "fenced")
+    assert [(e["worker"], e["jobs"], e["step"]) for e in reclaimed] == [("w-dead", 2, STEP)]
+    assert [(e["cause"], e["count"]) for e in migrated] == [("death", 2)]
+    assert [(e["worker"], e["count"]) for e in fenced] == [("w-dead", 1)]

@@ -1,0 +1,221 @@
+"""The coordinator's scheduling shell (services/coordinator/scheduling.py) against a real
+redis-server: which workers count as alive, forgetting the long gone ones, the seeding window of
+a step (the reserved pool steps aside once its window, counted from when it holds the step's
+weights, is over and a preemptible pool can take over) and load-balancing releases."""
+
+import asyncio
+import time
+
+from services.common import keys
+from services.common.messages import Heartbeat, Job, WorkerControl
+from services.common.redis_streams import connect, ensure_group
+from services.coordinator.scheduling import StepScheduler, alive_workers, forget_gone_workers
+from services.core.request_table import RequestTable
+
+RUN, STEP = "run-sched", 2
+WINDOW_S = 0.3
+
+
+def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heartbeat:
+    fields = {
+        "worker_id": worker_id,
+        "pool": pool,
+        "run_id": RUN,
+        "version": version,
+        "active": 0,
+        "slots": 8,
+        "tokens_generated": 0,
+        "at": time.time(),
+    }
+    return Heartbeat(**(fields | over))
+
+
+def new_table(prompts: int = 3, group_size: int = 2) -> RequestTable:
+    return RequestTable(
+        RUN,
+        STEP,
+        version=STEP,
+        prompts=[[1, 2]] * prompts,
+        group_size=group_size,
+        max_new_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        seed=1,
+        stop_token_ids=[0],
+    )
+
+
+def scheduler(r, window_s: float = WINDOW_S) -> StepScheduler:
+    return StepScheduler(
+        r=r,
+        run_id=RUN,
+        step=STEP,
+        jobs_stream=keys.jobs_stream(RUN, STEP),
+        window_s=window_s,
+        started=time.monotonic(),
+    )
+
+
+async def queue_jobs(r, table: RequestTable) -> str:
+    """The step's jobs on its stream, as the coordinator queues them; the stream."""
+    stream = keys.jobs_stream(RUN, STEP)
+    await ensure_group(r, stream, keys.WORKERS_GROUP)
+    for job in table.initial_jobs():
+        await r.xadd(stream, job.fields())
+    return stream
+
+
+async def orders(r, worker_id: str) -> list[WorkerControl]:
+    entries = await r.xrange(keys.worker_control(worker_id))
+    return [WorkerControl.from_fields(fields) for _, fields in entries]
+
+
+async def register(r, beats: list[Heartbeat], expired: tuple[str, ...] = ()) -> None:
+    """Workers in the index, each with a fresh heartbeat key, and `expired` ones without."""
+    for b in beats:
+        await r.sadd(keys.WORKER_INDEX, b.worker_id)
+        await r.set(keys.worker_heartbeat(b.worker_id), b.encode(), ex=30)
+    for worker_id in expired:
+        await r.sadd(keys.WORKER_INDEX, worker_id)
+
+
+def test_alive_workers_are_the_fresh_heartbeats_of_the_run(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        other = beat("w-other", "preemptible", run_id="another-run")
+        await register(r, [beat("w-1", "reserved"), beat("w-2", "preemptible"), other], ("w-gone",))
+        await r.sadd(keys.WORKER_INDEX, "w-garbled")
+        await r.set(keys.worker_heartbeat("w-garbled"), b"\xc1 not msgpack")
+        alive = await alive_workers(r, RUN)
+        await r.aclose()
+        assert sorted(alive) == ["w-1", "w-2"]
+        assert alive["w-1"].pool == "reserved"
+
+    asyncio.run(scenario())
+
+
+def test_workers_gone_long_enough_are_forgotten_with_their_keys(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        await register(r, [beat("w-alive", "preemptible")], ("w-gone",))
+        await r.hset(keys.worker("w-gone"), "pool", "preemptible")
+        await r.xadd(keys.worker_control("w-gone"), {"m": b"x"})
+        now = time.time()
+        # first seen gone now: remembered, not forgotten yet
+        assert await forget_gone_workers(r, {"w-alive"}, now, after_s=60) == []
+        assert await r.sismember(keys.WORKER_INDEX, "w-gone")
+        assert await forget_gone_workers(r, {"w-alive"}, now + 30, after_s=60) == []
+        assert await forget_gone_workers(r, {"w-alive"}, now + 61, after_s=60) == ["w-gone"]
+        left = await r.smembers(keys.WORKER_INDEX)
+        exists = await r.exists(keys.worker("w-gone"), keys.worker_control("w-gone"))
+        await r.aclose()
+        assert left == {b"w-alive"} and exists == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table = new_table()
+        await queue_jobs(r, table)
+        sched = scheduler(r)
+        loading = {
+            "r-1": beat("r-1", "reserved", version=STEP - 1),
+            "p-1": beat("p-1", "preemptible"),
+        }
+        await sched.start(loading)
+        assert not sched.seeded_out
+        await sched.tick(table, loading)
+        await asyncio.sleep(WINDOW_S * 1.5)
+        await sched.tick(table, loading)  # the reserved worker does not hold the weights yet
+        assert not sched.seeded_out and await orders(r, "r-1") == []
+
+        holding = loading | {"r-1": beat("r-1", "reserved")}
+        await sched.tick(table, holding)  # its window starts now
+        assert not sched.seeded_out
+        await asyncio.sleep(WINDOW_S * 1.2)
+        await sched.tick(table, holding)
+        assert sched.seeded_out and sched.seed_end is not None
+        paused = await orders(r, "r-1")
+        assert [(o.action, o.run_id, o.version) for o in paused] == [("pause", RUN, STEP)]
+        assert await orders(r, "p-1") == []
+        assert await r.exists(keys.seed_done(RUN, STEP))
+        await sched.tick(table, holding)
+        assert len(await orders(r, "r-1")) == 1  # stepped aside once
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_without_a_preemptible_pool_the_reserved_one_never_steps_aside(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, sched = new_table(), scheduler(r, window_s=0.05)
+        await queue_jobs(r, table)
+        reserved_only = {"r-1": beat("r-1", "reserved")}
+        await sched.start(reserved_only)
+        await sched.tick(table, reserved_only)
+        await asyncio.sleep(0.2)
+        await sched.tick(table, reserved_only)
+        assert not sched.seeded_out and await orders(r, "r-1") == []
+        await sched.finish()  # rollout over: the reserved pool did it all
+        assert sched.seeded_out and sched.seed_end is None
+        assert await orders(r, "r-1") == []
+        assert await r.exists(keys.seed_done(RUN, STEP))
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_with_no_reserved_worker_seeding_is_over_at_once_and_a_resumed_step_stays_over(
+    empty_redis_url,
+):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table = new_table()
+        await queue_jobs(r, table)
+        sched = scheduler(r, window_s=60.0)
+        await sched.start({"p-1": beat("p-1", "preemptible")})
+        assert sched.seeded_out  # nothing to seed with: the trainer may start
+        assert await r.exists(keys.seed_done(RUN, STEP))
+
+        resumed = scheduler(r, window_s=60.0)  # a restarted coordinator on the same step
+        workers = {"r-1": beat("r-1", "reserved"), "p-1": beat("p-1", "preemptible")}
+        await resumed.start(workers)
+        assert resumed.seeded_out
+        await resumed.tick(table, workers)
+        assert await orders(r, "r-1") == []  # not told to step aside a second time
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table = new_table(prompts=3, group_size=2)  # 6 requests
+        stream = await queue_jobs(r, table)
+        read = await r.xreadgroup(keys.WORKERS_GROUP, "busy", {stream: ">"}, count=6)
+        assert len(read[0][1]) == 6 and all(Job.from_fields(f) for _, f in read[0][1])
+        workers = {
+            "busy": beat("busy", "preemptible", active=6, plateau=4),
+            "idle": beat("idle", "preemptible"),
+        }
+        sched = scheduler(r)
+        await sched.start(workers)
+        await sched.tick(table, workers)
+        released = await orders(r, "busy")
+        assert [(o.action, o.run_id, o.count) for o in released] == [("release", RUN, 2)]
+        assert await orders(r, "idle") == []
+        await sched.tick(table, workers)  # its release is still being flushed: no second order
+        assert len(await orders(r, "busy")) == 1
+
+        paused = workers | {"idle": beat("idle", "preemptible", paused=True)}
+        other = scheduler(r)
+        await other.start(paused)
+        await other.tick(table, paused)  # a paused worker is no idle worker to balance onto
+        assert len(await orders(r, "busy")) == 1
+        await r.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,156 @@
+"""The durable copy of a step's request table (services/coordinator/step_store.py) against a
+real redis-server: what a coordinator staged is what a new coordinator restores after a restart
+(tokens, logprobs, leases, finish reasons, crashes, groups published or dropped), staged writes
+append only what is new, and a finished step's copy expires."""
+
+import asyncio
+
+from services.common.messages import DeltaItem
+from services.common.redis_streams import connect
+from services.coordinator.step_store import StepStore
+from services.core.request_table import RequestTable
+
+RUN, STEP = "run-store", 3
+
+
+def new_table(max_new_tokens: int = 4) -> RequestTable:
+    """Three prompts of two responses each: requests "3:{prompt}:{sample}"."""
+    return RequestTable(
+        RUN,
+        STEP,
+        version=STEP,
+        prompts=[[1, 2], [3], [4, 5, 6]],
+        group_size=2,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=7,
+        stop_token_ids=[0],
+    )
+
+
+def delta(rid: str, offset: int, tokens: list[int], lease: int = 0, finish=None) -> DeltaItem:
+    return DeltaItem(
+        request_id=rid,
+        lease=lease,
+        offset=offset,
+        token_ids=tokens,
+        logprobs=[-0.5 - t / 10 for t in tokens],
+        finished=finish is not None,
+        finish_reason=finish,
+    )
+
+
+async def stage(r, store: StepStore, table: RequestTable, rids, queued_at=None, **groups):
+    """One coordinator batch: what changed, in one MULTI."""
+    async with r.pipeline(transaction=True) as pipe:
+        if queued_at is not None:
+            store.stage_queued(pipe, queued_at)
+        store.stage_requests(pipe, table, set(rids))
+        for p in groups.get("published", ()):
+            store.stage_published(pipe, p)
+        for p in groups.get("quarantined", ()):
+            store.stage_quarantined(pipe, p)
+        await pipe.execute()
+
+
+def snapshot(table: RequestTable) -> dict:
+    return {
+        rid: (r.token_ids, r.logprobs, r.lease, r.finish_reason, r.crashed_on)
+        for rid, r in table.requests.items()
+    }
+
+
+def test_a_restarted_coordinator_restores_the_step_as_it_was_staged(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        await stage(r, store, table, [], queued_at=1234.5)
+        # group 0 complete and handed to the trainer; group 1 dropped (poison); group 2 going
+        for rid in ("3:0:0", "3:0:1"):
+            table.apply(delta(rid, 0, [5, 6], finish="stop"))
+        table.apply(delta("3:2:0", 0, [7, 8]))
+        table.apply(delta("3:2:0", 2, [9]))
+        table.note_crash("3:2:1", 0, "worker-a")
+        table.migrate("3:2:1", "crash")  # lease 1, runs isolated from now on
+        table.apply(delta("3:2:1", 0, [4], lease=1))
+        table.mark_published([0])
+        table.quarantine(1)
+        await stage(r, store, table, table.requests, published=[0], quarantined=[1])
+        await r.aclose()
+
+        r = connect(empty_redis_url)  # a new coordinator: nothing in memory
+        restored = new_table()
+        started = await StepStore(r, RUN, STEP).restore(restored)
+        await r.aclose()
+        assert started == 1234.5
+        assert snapshot(restored) == snapshot(table)
+        assert restored.requests["3:2:1"].crashed_on == ["worker-a"]
+        assert restored.requests["3:2:1"].lease == 1
+        assert restored.requests["3:0:0"].finish_reason == "stop"
+        assert restored.quarantined == {1}
+        assert restored.pending_groups == {2}
+        assert sorted(restored.unfinished()) == ["3:2:0", "3:2:1"]
+        assert restored.unfinished_count == 2
+        assert restored.job("3:2:0").prefix_ids == [7, 8, 9]  # continues where it was
+        assert restored.job("3:2:1").isolate
+
+    asyncio.run(scenario())
+
+
+def test_a_step_never_queued_restores_nothing(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table = new_table()
+        assert await StepStore(r, RUN, STEP).restore(table) is None
+        await r.aclose()
+        assert table.pending_groups == {0, 1, 2} and len(table.unfinished()) == 6
+        assert all(not req.token_ids and req.lease == 0 for req in table.requests.values())
+
+    asyncio.run(scenario())
+
+
+def test_each_staging_appends_only_the_new_tokens_and_a_restart_from_zero_replaces_them(
+    empty_redis_url,
+):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(max_new_tokens=8), StepStore(r, RUN, STEP)
+        await stage(r, store, table, [], queued_at=1.0)
+        for offset, tokens in ((0, [1, 2]), (2, [3]), (1, [2, 3, 4])):  # the last one repeats
+            table.apply(delta("3:1:0", offset, tokens))
+            await stage(r, store, table, ["3:1:0"])
+        table.apply(delta("3:1:1", 0, [9, 9, 9]))
+        await stage(r, store, table, ["3:1:1"])
+        table.migrate("3:1:1", "death", keep_tokens=False)  # migration off: starts over
+        table.apply(delta("3:1:1", 0, [6], lease=1))
+        await stage(r, store, table, ["3:1:1"])
+
+        restored = new_table(max_new_tokens=8)
+        await StepStore(r, RUN, STEP).restore(restored)
+        await r.aclose()
+        assert restored.requests["3:1:0"].token_ids == [1, 2, 3, 4]
+        assert restored.requests["3:1:0"].logprobs == table.requests["3:1:0"].logprobs
+        assert restored.requests["3:1:1"].token_ids == [6]
+        assert restored.requests["3:1:1"].lease == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_steps_copy_expires(empty_redis_url):
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        table.apply(delta("3:0:0", 0, [1, 2]))
+        table.quarantine(1)
+        await stage(r, store, table, ["3:0:0"], queued_at=1.0, published=[0], quarantined=[1])
+        keys_ = store.scratch_keys()
+        assert await r.exists(*keys_) == len(keys_), keys_
+        ttls = [await r.ttl(k) for k in keys_]
+        assert all(t > 600 for t in ttls), ttls  # kept while the step may resume
+        await store.expire_soon(ttl_s=30)
+        ttls = [await r.ttl(k) for k in keys_]
+        await r.aclose()
+        assert all(0 < t <= 30 for t in ttls), ttls
+
+    asyncio.run(scenario())

@@ -1,0 +1,73 @@
+"""The import rules of docs/design.md, as import-linter contracts ([tool.importlinter] in
+pyproject.toml): the deciding core and the contract modules import no I/O framework and no
+service, the simulator imports no shell, no service imports another, and no runtime module
+imports the test harness. The second test shows that the same contracts catch a broken rule."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    if not LINT_IMPORTS.exists():
+        pytest.fail(f"{LINT_IMPORTS} is missing: `make setup` installs import-linter (dev)")
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(ROOT / "pyproject.toml")],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_every_import_rule_holds():
+    out = lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+def write(root: Path, module: str, source: str = "") -> None:
+    path = root.joinpath(*module.split(".")).with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for parent in path.relative_to(root).parents:
+        (root / parent / "__init__.py").touch()
+    path.write_text(source)
+
+
+def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
+    """A package named `services` with one breach of each rule, checked with our contracts."""
+    for module in (
+        "services.common.keys",
+        "services.common.messages",
+        "services.common.runspec",
+        "services.common.retry",
+        "services.common.traces",
+        "services.common.figures",
+        "services.common.settings",
+        "services.coordinator.app",
+        "services.trainer.loop",
+        "services.weightstore.app",
+        "services.cli.main",
+        "services.sim.simulation",
+    ):
+        write(tmp_path, module)
+    write(tmp_path, "services.core.balancer", "import redis\n")
+    write(tmp_path, "services.sim.steps", "from services.coordinator import app\n")
+    write(tmp_path, "services.rollout.worker", "from services.trainer import loop\n")
+    write(tmp_path, "services.common.ledger", "import tests.harness.deploy\n")
+    write(tmp_path, "tests.harness.deploy")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    out = lint_imports(tmp_path, env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    report = out.stdout
+    assert "0 kept, 4 broken" in report, report
+    assert "services.core.balancer -> redis" in report
+    assert "services.sim.steps -> services.coordinator.app" in report
+    assert "services.rollout.worker -> services.trainer.loop" in report
+    assert "services.common.ledger -> tests" in report

@@ -1,0 +1,135 @@
+"""One source of defaults: `spotrl up`'s run flags come from RunSpec (names, help, choices,
+bounds) with the embedded preset on top, and the settings a local deployment gives each service
+are rendered from that service's settings class."""
+
+from pathlib import Path
+
+import pytest
+
+from services.cli.main import build_parser, main
+from services.cli.spec_flags import NOT_FLAGS, flag, spec_from_args
+from services.common.runspec import EMBEDDED_DEFAULTS, RunSpec
+from services.common.settings import CommonSettings, env_name, settings_env
+from services.rollout.settings import RolloutSettings
+
+
+def up_args(*argv: str):
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_every_run_spec_field_is_a_flag_of_up_with_its_description(capsys):
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # help text is wrapped
+    for name, info in RunSpec.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        assert hasattr(up_args(), name), name
+        assert flag(name) in shown, name
+        assert info.description and " ".join(info.description.split()) in shown, name
+    assert "EMBEDDED_DEFAULTS: steps=40" in shown
+
+
+def test_up_runs_the_embedded_preset_by_default():
+    spec = spec_from_args(up_args(), model="/m")
+    assert spec == RunSpec(model="/m", **EMBEDDED_DEFAULTS)
+    # the run `spotrl up` has always made: 40 steps of 32 prompts x 8 responses of 6 tokens
+    assert (spec.steps, spec.prompts_per_step, spec.group_size, spec.max_new_tokens) == (
+        40,
+        32,
+        8,
+        6,
+    )
+    assert (spec.learning_rate, spec.temperature, spec.seed, spec.stall_timeout_s) == (
+        1e-4,
+        1.0,
+        0,
+        300.0,
+    )
+
+
+def test_the_preset_names_run_spec_fields_with_valid_values():
+    assert set(EMBEDDED_DEFAULTS) <= set(RunSpec.model_fields)
+    RunSpec(model="/m", **EMBEDDED_DEFAULTS)
+
+
+def test_flags_take_types_choices_and_switches_from_the_spec():
+    spec = spec_from_args(
+        up_args(
+            "--micro-batch-size",
+            "4",
+            "--kl-coef",
+            "0.05",
+            "--clip-range",
+            "0.1",
+            "--top-p",
+            "0.9",
+            "--weight-dtype",
+            "bfloat16",
+            "--no-migration",
+            "--ignore-eos",
+            "--on-poison",
+            "fail_run",
+            "--task",
+            "math",
+            "--task-path",
+            "q.jsonl",
+        ),
+        model="/m",
+    )
+    assert (spec.micro_batch_size, spec.kl_coef, spec.clip_range, spec.top_p) == (4, 0.05, 0.1, 0.9)
+    assert (spec.weight_dtype, spec.migration, spec.ignore_eos) == ("bfloat16", False, True)
+    assert (spec.on_poison, spec.task, spec.task_path) == ("fail_run", "math", "q.jsonl")
+    with pytest.raises(SystemExit):
+        up_args("--weight-dtype", "int8")  # not one of the Literal's choices
+
+
+def test_stall_timeout_zero_or_none_waits_for_ever():
+    assert spec_from_args(up_args("--stall-timeout-s", "0"), model="/m").stall_timeout_s is None
+    assert spec_from_args(up_args("--stall-timeout-s", "none"), model="/m").stall_timeout_s is None
+    assert spec_from_args(up_args("--stall-timeout-s", "30"), model="/m").stall_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--prompts-per-step", "0"], "--prompts-per-step (prompts_per_step)"),
+        (["--top-p", "1.5"], "--top-p (top_p)"),
+        (["--stall-timeout-s", "-1"], "--stall-timeout-s (stall_timeout_s)"),
+        (["--task-path", "q.jsonl"], "task_path is only used by the math task"),
+    ],
+)
+def test_up_refuses_what_the_spec_refuses_naming_the_flag(argv, named, capsys, tmp_path):
+    assert main(["up", "--model", str(tmp_path / "m"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "invalid run options" in err and named in err
+    assert not any(tmp_path.iterdir())  # nothing was started or built
+
+
+def test_settings_env_is_named_by_the_settings_class(monkeypatch):
+    env = settings_env(
+        RolloutSettings,
+        slots=16,
+        pool="reserved",
+        cache_dir=Path("/tmp/x"),
+        vllm_enforce_eager=True,
+        api_token=None,  # None: left out (the default stays)
+    )
+    assert env == {
+        "SPOTRL_SLOTS": "16",
+        "SPOTRL_POOL": "reserved",
+        "SPOTRL_CACHE_DIR": "/tmp/x",
+        "SPOTRL_VLLM_ENFORCE_EAGER": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    read = RolloutSettings()
+    assert (read.slots, read.pool, read.cache_dir, read.vllm_enforce_eager) == (
+        16,
+        "reserved",
+        Path("/tmp/x"),
+        True,
+    )
+    assert env_name(CommonSettings, "api_token") == "SPOTRL_API_TOKEN"
+    with pytest.raises(KeyError, match="RolloutSettings has no setting 'slot'"):
+        settings_env(RolloutSettings, slot=1)
