@@ -7,6 +7,7 @@ orders.
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -123,6 +124,7 @@ class StepScheduler:
     seeded_out: bool = False
     seed_end: float | None = None
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)
+    clock: Callable[[], float] = time.monotonic  # the monotonic clock of `started` (tests step it)
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
         T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
@@ -138,10 +140,10 @@ class StepScheduler:
         count_pools(workers)
         reserved = [b for b in workers.values() if b.pool == "reserved"]
         if self.seed_start is None and any(b.version == self.step for b in reserved):
-            self.seed_start = time.monotonic()  # the window runs from when seeding can start
+            self.seed_start = self.clock()  # the window runs from when seeding can start
         n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
         if not self.seeded_out and seeding_over(
-            time.monotonic(), self.seed_start, self.window_s, len(reserved), n_preemptible
+            self.clock(), self.seed_start, self.window_s, len(reserved), n_preemptible
         ):
             await self._end_seeding(workers)
         await self._balance(table, workers)
@@ -162,7 +164,7 @@ class StepScheduler:
                 worker_id,
                 WorkerControl(action="pause", run_id=self.run_id, version=self.step),
             )
-        self.seeded_out, self.seed_end = True, time.monotonic()
+        self.seeded_out, self.seed_end = True, self.clock()
         await self.r.set(keys.seed_done(self.run_id, self.step), self.seed_end, ex=3600)
         if reserved:
             log.info(
@@ -184,7 +186,7 @@ class StepScheduler:
             for w, b in workers.items()
             if b.version == self.step and not b.paused
         ]
-        orders, _ = self.release_gate.due(releases(loads, queued), time.monotonic())
+        orders, _ = self.release_gate.due(releases(loads, queued), self.clock())
         for worker_id, count in orders.items():
             await order(
                 self.r, worker_id, WorkerControl(action="release", run_id=self.run_id, count=count)

@@ -231,34 +231,33 @@ class RequestTable:
 
     def group_message(self, prompt_index: int) -> Group:
         """A completed group as the trainer gets it (every response finished and scored)."""
-        return Group(
-            run_id=self.run_id,
-            step=self.step,
-            version=self.version,
-            prompt_index=prompt_index,
-            prompt_ids=self.prompts[prompt_index],
-            responses=[
-                Response(
-                    token_ids=m.token_ids,
-                    logprobs=m.logprobs,
-                    reward=_scored(m),
-                    finish_reason=m.finish_reason or "length",
-                    leases=m.lease + 1,
-                )
-                for m in self.group(prompt_index)
-            ],
-        )
+        responses = [
+            Response(
+                token_ids=m.token_ids,
+                logprobs=m.logprobs,
+                reward=_scored(m),
+                finish_reason=m.finish_reason or "length",
+                leases=m.lease + 1,
+            )
+            for m in self.group(prompt_index)
+        ]
+        return self._group_of(prompt_index, responses)
 
     def dropped_group(self, prompt_index: int) -> Group:
         """What the trainer gets for a quarantined group: no responses."""
+        return self._group_of(prompt_index, [], quarantined=True)
+
+    def _group_of(
+        self, prompt_index: int, responses: list[Response], quarantined: bool = False
+    ) -> Group:
         return Group(
             run_id=self.run_id,
             step=self.step,
             version=self.version,
             prompt_index=prompt_index,
             prompt_ids=self.prompts[prompt_index],
-            responses=[],
-            quarantined=True,
+            responses=responses,
+            quarantined=quarantined,
         )
 
     def mean_reward(self) -> float:

@@ -45,14 +45,29 @@ def new_table(prompts: int = 3, group_size: int = 2) -> RequestTable:
     )
 
 
-def scheduler(r, window_s: float = WINDOW_S) -> StepScheduler:
+class SteppedClock:
+    """A monotonic clock the test moves by hand: the window is over when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def scheduler(r, window_s: float = WINDOW_S, clock=None) -> StepScheduler:
+    clock = clock or SteppedClock()
     return StepScheduler(
         r=r,
         run_id=RUN,
         step=STEP,
         jobs_stream=keys.jobs_stream(RUN, STEP),
         window_s=window_s,
-        started=time.monotonic(),
+        started=clock(),
+        clock=clock,
     )
 
 
@@ -119,7 +134,8 @@ def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
         r = connect(empty_redis_url)
         table = new_table()
         await queue_jobs(r, table)
-        sched = scheduler(r)
+        clock = SteppedClock()
+        sched = scheduler(r, clock=clock)
         loading = {
             "r-1": beat("r-1", "reserved", version=STEP - 1),
             "p-1": beat("p-1", "preemptible"),
@@ -127,14 +143,14 @@ def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
         await sched.start(loading)
         assert not sched.seeded_out
         await sched.tick(table, loading)
-        await asyncio.sleep(WINDOW_S * 1.5)
+        clock.advance(WINDOW_S * 1.5)
         await sched.tick(table, loading)  # the reserved worker does not hold the weights yet
         assert not sched.seeded_out and await orders(r, "r-1") == []
 
         holding = loading | {"r-1": beat("r-1", "reserved")}
         await sched.tick(table, holding)  # its window starts now
         assert not sched.seeded_out
-        await asyncio.sleep(WINDOW_S * 1.2)
+        clock.advance(WINDOW_S * 1.2)
         await sched.tick(table, holding)
         assert sched.seeded_out and sched.seed_end is not None
         paused = await orders(r, "r-1")
@@ -151,12 +167,13 @@ def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
 def test_without_a_preemptible_pool_the_reserved_one_never_steps_aside(empty_redis_url):
     async def scenario():
         r = connect(empty_redis_url)
-        table, sched = new_table(), scheduler(r, window_s=0.05)
+        clock = SteppedClock()
+        table, sched = new_table(), scheduler(r, window_s=0.05, clock=clock)
         await queue_jobs(r, table)
         reserved_only = {"r-1": beat("r-1", "reserved")}
         await sched.start(reserved_only)
         await sched.tick(table, reserved_only)
-        await asyncio.sleep(0.2)
+        clock.advance(0.2)
         await sched.tick(table, reserved_only)
         assert not sched.seeded_out and await orders(r, "r-1") == []
         await sched.finish()  # rollout over: the reserved pool did it all
