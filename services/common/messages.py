@@ -16,6 +16,10 @@ Pool = Literal["reserved", "preemptible"]
 # crash: the worker's engine died of an error while running the request (counted toward poison)
 ReleaseReason = Literal["preemption", "seed", "balance", "crash"]
 FIELD = b"m"
+# An entry's fields as redis-py's XADD types them (its FieldT and EncodableT), spelled out here so
+# that the contracts do not import redis.
+Encodable = bytes | bytearray | memoryview | str | int | float
+StreamFields = dict[Encodable, Encodable]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -42,7 +46,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
             raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
 
-    def fields(self) -> dict[bytes, bytes]:
+    def fields(self) -> StreamFields:
         """The stream entry for XADD."""
         return {FIELD: self.encode()}
 

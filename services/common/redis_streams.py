@@ -27,6 +27,11 @@ PARKED_MAXLEN = 1000  # entries of a run's parked stream
 PARKED_BYTES = 16 * 1024  # of a parked message's content kept
 
 
+def text(raw: bytes | str | None) -> str | None:
+    """A Redis reply as text (our connections answer bytes; redis-py types a reply bytes | str)."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def connect(url: str) -> aioredis.Redis:
     return aioredis.from_url(url, decode_responses=False, health_check_interval=10)
 

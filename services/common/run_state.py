@@ -43,6 +43,15 @@ async def active_run(r: aioredis.Redis) -> str | None:
     return raw.decode() if raw is not None else None
 
 
+async def ensure_live(r: aioredis.Redis, run_id: str) -> None:
+    """Raise RunStopped (its message the run's state, or "deleted") unless the run is live: running
+    or stalled."""
+    raw = await r.hget(keys.run(run_id), "state")
+    state = raw.decode() if raw is not None else None
+    if state not in LIVE_STATES:
+        raise RunStopped(state or "deleted")
+
+
 async def committed_version(r: aioredis.Redis, run_id: str) -> int | None:
     """The newest weight version the trainer committed and announced for the run, or None."""
     raw = await r.get(keys.run_version(run_id))

@@ -35,8 +35,8 @@ from services.common.redis_streams import (
     ensure_group,
     while_out_of_memory,
 )
-from services.common.run_state import RunStopped, committed_version
-from services.common.runspec import LIVE_STATES, RunSpec
+from services.common.run_state import committed_version, ensure_live
+from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, read_step, record_step
 from services.common.tasks import Example, load_task
 from services.coordinator.memory import MemoryGate, RedisMemory, run_streams, stream_lengths
@@ -154,9 +154,7 @@ class RunManager:
         N_PREM.set(n_prem or 0)
 
     async def _check_running(self) -> None:
-        state = await self.r.hget(keys.run(self.run_id), "state")
-        if state is None or state.decode() not in LIVE_STATES:
-            raise RunStopped(state.decode() if state else "deleted")
+        await ensure_live(self.r, self.run_id)
 
     async def _wait_version(self, at_least: int) -> int:
         """Wait until the trainer committed a version >= at_least; return it. The trainer is

@@ -23,15 +23,15 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.common import keys, ledger, timeline
 from services.common.messages import Group
 from services.common.redis_streams import StreamConsumer, ensure_group, with_reconnect
-from services.common.run_state import RunStopped, active_run, committed_version
-from services.common.runspec import LIVE_STATES, RunSpec
+from services.common.run_state import RunStopped, active_run, committed_version, ensure_live
+from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, record_step
 from services.common.weights import WeightClient
 from services.trainer.checkpoint import Checkpoints
 from services.trainer.intake import StepIntake
 from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
-from services.trainer.versions import VersionPublisher, text
+from services.trainer.versions import VersionPublisher
 
 log = logging.getLogger(__name__)
 STEPS = Counter("spotrl_trainer_steps_total", "Optimizer steps")
@@ -81,11 +81,6 @@ class TrainerLoop:
             while await active_run(self.r) == run_id:
                 await asyncio.sleep(self.settings.poll_s)
 
-    async def _check_running(self, run_id: str) -> None:
-        state = text(await self.r.hget(keys.run(run_id), "state"))
-        if state is None or state not in LIVE_STATES:  # a stalled run is still live
-            raise RunStopped(state or "deleted")
-
     async def train_run(self, run_id: str) -> None:
         raw_spec = await self.r.hget(keys.run(run_id), "spec")
         if raw_spec is None:
@@ -113,7 +108,7 @@ class TrainerLoop:
         self.weights_of = step
         try:
             while step < spec.steps:
-                await self._check_running(run_id)
+                await ensure_live(self.r, run_id)
                 self.status = {"run_id": run_id, "step": step, "state": "training"}
                 await self._train_step(run_id, spec, policy, step, ckpts, groups)
                 step += 1
@@ -236,7 +231,7 @@ class TrainerLoop:
                     continue  # the replay is over: new groups from now on
                 wait_s += time.monotonic() - t0
                 if time.monotonic() - last_check > CHECK_S:
-                    await self._check_running(run_id)
+                    await ensure_live(self.r, run_id)
                     last_check = time.monotonic()
                 continue
             good = intake.take(read)
@@ -281,6 +276,6 @@ class TrainerLoop:
         aside before consuming groups."""
         started = time.monotonic()
         while not await self.r.exists(keys.seed_done(run_id, step)):
-            await self._check_running(run_id)
+            await ensure_live(self.r, run_id)
             await asyncio.sleep(0.02)
         return time.monotonic() - started

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
 from services.common import keys, timeline
+from services.common.redis_streams import text
 from services.common.retry import retry
 from services.common.run_state import RunStopped, set_if_live
 from services.common.weight_contract import WeightConflict, WeightTransferError
@@ -27,11 +28,6 @@ from services.common.weights import WeightClient
 log = logging.getLogger(__name__)
 VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # while no weight store replica answers
-
-
-def text(raw: bytes | str | None) -> str | None:
-    """A Redis reply as text (the trainer's connection answers bytes)."""
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 async def fail_run(r: aioredis.Redis, run_id: str, reason: str) -> NoReturn:
