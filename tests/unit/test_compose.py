@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from pydantic import ValidationError
 
 from services.coordinator.settings import CoordinatorSettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
 from services.weightstore.settings import WeightStoreSettings
+from tools import compose_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
@@ -321,3 +323,36 @@ def test_the_image_is_built_once_with_offline_arguments(compose):
     assert not re.search(r"^\s*OMP_NUM_THREADS=", text, re.M)  # each service sets its own
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "models", ".spotrl"} <= set(ignored)
+
+
+def test_compose_environment_is_rendered_from_the_settings_classes():
+    """tools/compose_env.py's table is the source of every `environment:` block."""
+    assert compose_env.differences((ROOT / "docker-compose.yml").read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ('SPOTRL_SLOTS: "64"', 'SPOTRL_SLOTS: "65"'),  # a value changed by hand
+        ('SPOTRL_SLOTS: "64"', 'SPOTRL_SLOTZ: "64"'),  # a misspelt name
+        ("  # checkpoints: a recreated", "  # checkpoint: a recreated"),  # a comment
+    ],
+)
+def test_a_hand_edit_of_an_environment_block_is_caught(edit):
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert edit[0] in text
+    assert compose_env.differences(text.replace(edit[0], edit[1], 1))
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"slotz": 64}, KeyError),
+        ({"slots": "many"}, ValidationError),
+        ({"slots": 0}, ValidationError),
+    ],
+)
+def test_the_table_takes_only_real_settings_with_valid_values(monkeypatch, values, error):
+    monkeypatch.setitem(compose_env.BLOCKS, "rollout", compose_env.Block(RolloutSettings, values))
+    with pytest.raises(error):
+        compose_env.rendered("rollout")
