@@ -4,7 +4,8 @@ to print about a death or a stall, and a folder of its own per invocation."""
 import pytest
 
 from services.cli.follow import progress_info, state_change_line
-from services.cli.main import _parse_env, build_parser
+from services.cli.local_commands import parse_env
+from services.cli.main import build_parser
 from services.cli.supervisor import (
     Backoff,
     RestartPolicy,
@@ -140,6 +141,6 @@ def test_up_options_for_port_stall_timeout_and_worker_env():
         ["SPOTRL_DEVICE=cuda"],
     )
     assert build_parser().parse_args(["up"]).stall_timeout_s == 300.0
-    assert _parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    assert parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        _parse_env(["nope"])
+        parse_env(["nope"])

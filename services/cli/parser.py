@@ -1,0 +1,151 @@
+"""The `spotrl` argument parser: every subcommand, its flags and help texts, and the handler
+each one runs (`args.func`). Building the parser imports no heavy module; the handlers live in
+`local_commands` (this machine) and `coordinator_commands` (a deployed coordinator's API).
+"""
+
+import argparse
+import os
+from typing import get_args
+
+from services.cli.coordinator_commands import (
+    cmd_cancel,
+    cmd_logs,
+    cmd_status,
+    cmd_submit,
+    cmd_workers,
+)
+from services.cli.environment import TOKEN_VARIABLE
+from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
+from services.cli.spec_flags import add_spec_flags
+from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.common.settings import CommonSettings, env_name
+from services.rollout.settings import RolloutSettings
+
+DESCRIPTION = "The `spotrl` command line."
+
+# argparse's type for the object `add_subparsers` returns
+Subparsers = argparse._SubParsersAction
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotrl", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up(sub)
+    _add_chaos(sub)
+    _add_init_model(sub)
+    _add_coordinator_commands(sub)
+    return parser
+
+
+def _add_chaos_options(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--trace",
+        required=required,
+        help="spot availability CSV (seconds,available): preemptible workers follow it",
+    )
+    p.add_argument("--time-scale", type=float, default=600.0, help="trace seconds per wall second")
+    p.add_argument("--max-workers", type=int, help="workers for the trace's largest fleet")
+    p.add_argument("--hours", type=float, help="replay at most this many trace hours")
+    p.add_argument("--start-hours", type=float, default=0.0, help="skip the trace's first hours")
+    p.add_argument(
+        "--sigterm-fraction",
+        type=float,
+        default=0.5,
+        help="share of preemptions with notice (SIGTERM); the rest get SIGKILL",
+    )
+    p.add_argument("--grace-s", type=float, default=5.0, help="grace period after SIGTERM")
+
+
+def _add_up(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the embedded default: every service locally, one RL run",
+        description="Run the embedded default: every service as a local process, one RL run "
+        "of the embedded preset (or of the run spec the flags below make), then a JSON summary.",
+    )
+    p.add_argument("--model", help="model folder (default: build one under $SPOTRL_HOME)")
+    p.add_argument("--reserved", type=int, default=1, help="reserved rollout workers")
+    p.add_argument("--preemptible", type=int, default=1, help="preemptible rollout workers")
+    p.add_argument("--weightstores", type=int, default=1, help="weight-store replicas")
+    p.add_argument(
+        "--engine",
+        default=RolloutSettings.model_fields["engine"].default,
+        choices=get_args(RolloutSettings.model_fields["engine"].annotation),
+        help="rollout backend (vllm: `make setup-vllm` first)",
+    )
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=EMBEDDED_PRETRAIN_STEPS,
+        help="pre-training steps of the base model built when --model names none",
+    )
+    p.add_argument(
+        "--port", type=int, help="coordinator port (API and dashboard; default: a free port)"
+    )
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the rollout workers only (repeatable), e.g. SPOTRL_DEVICE=cuda",
+    )
+    add_spec_flags(p)
+    _add_chaos_options(p, required=False)
+    p.set_defaults(func=cmd_up)
+
+
+def _add_chaos(sub: Subparsers) -> None:
+    p = sub.add_parser("chaos", help="replay a spot trace: start and kill workers of a deployment")
+    _add_chaos_options(p, required=True)
+    p.add_argument(
+        "--linger-s",
+        type=float,
+        default=0.0,
+        help="keep the last workers this long after the trace ends",
+    )
+    p.set_defaults(func=cmd_chaos)
+
+
+def _add_init_model(sub: Subparsers) -> None:
+    p = sub.add_parser("init-model", help="build and pre-train a small base model")
+    p.add_argument("out")
+    task = RunSpec.model_fields["task"]
+    p.add_argument("--task", default=task.default, choices=get_args(task.annotation))
+    p.add_argument("--task-path")
+    p.add_argument("--pretrain-steps", type=int, default=EMBEDDED_PRETRAIN_STEPS)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_init_model)
+
+
+def _add_coordinator_commands(sub: Subparsers) -> None:
+    url_variable = env_name(CommonSettings, "coordinator_url")
+    url = os.environ.get(url_variable, CommonSettings.model_fields["coordinator_url"].default)
+
+    def client_command(name: str, help_text: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=f"{help_text}. Writes send ${TOKEN_VARIABLE} as a bearer token.",
+        )
+        p.add_argument("--url", default=url, help=f"coordinator URL (${url_variable})")
+        p.set_defaults(func=func)
+        return p
+
+    p = client_command("submit", "submit a run spec (TOML) to a coordinator", cmd_submit)
+    p.add_argument("spec")
+    p.add_argument("--follow", "-f", action="store_true", help="then show its progress to the end")
+
+    p = client_command("status", "list the runs, or follow one with a progress bar", cmd_status)
+    p.add_argument("run", nargs="?")
+    p.add_argument("--json", action="store_true", help="print JSON once, no progress bar")
+
+    p = client_command("workers", "list the rollout workers", cmd_workers)
+    p.add_argument("--alive", action="store_true", help="only the alive ones")
+    p.add_argument("--json", action="store_true")
+
+    p = client_command("cancel", "cancel a queued or running run", cmd_cancel)
+    p.add_argument("run")
+
+    p = client_command("logs", "print a run's events (workers, migrations, steps)", cmd_logs)
+    p.add_argument("run")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
