@@ -16,7 +16,14 @@ import itertools
 import math
 import random
 
-from services.common.messages import DeltaBatch, DeltaItem, Job, ReleaseReason, RequestLease
+from services.common.messages import (
+    DeltaBatch,
+    DeltaItem,
+    FinishReason,
+    Job,
+    ReleaseReason,
+    RequestLease,
+)
 from services.core.balancer import WorkerLoad, fair_share, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
 from services.core.seeding import SeedingController
@@ -179,7 +186,9 @@ class Simulation(StepProtocol):
             items.append(self.delta(rid, run.lease, run.offset, flushed, finished=False))
             held.append((rid, run.lease))
         if items:  # what it flushed before it died
-            self.collect(DeltaBatch(worker_id=inst.name, version=self.cur.step, items=items))
+            self.collect(
+                DeltaBatch(worker_id=inst.name, version=self.step_in_flight.step, items=items)
+            )
         self.on_gone(inst.name)
         if held:
             self.at(self.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
@@ -220,8 +229,8 @@ class Simulation(StepProtocol):
                     return
                 self.start_job(inst, st.queue.popleft())
 
-    def start_job(self, inst: Instance, job) -> None:
-        tokens = self.cur.lengths[job.request_id] - len(job.prefix_ids)
+    def start_job(self, inst: Instance, job: Job) -> None:
+        tokens = self.step_in_flight.lengths[job.request_id] - len(job.prefix_ids)
         context = len(job.prompt_ids) + len(job.prefix_ids)
         inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
 
@@ -256,7 +265,7 @@ class Simulation(StepProtocol):
             released.append(RequestLease(request_id=rid, lease=run.lease))
         batch = DeltaBatch(
             worker_id=inst.name,
-            version=self.cur.step,
+            version=self.step_in_flight.step,
             items=items,
             released=released,
             release_reason=cause,
@@ -265,7 +274,7 @@ class Simulation(StepProtocol):
 
     def migrate(self, rid: str, cause: str, lease: int) -> None:
         """The coordinator reclaims a request of a dead worker (`migration.py`)."""
-        st = self.cur
+        st = self.step_in_flight
         before = st.table.tokens_discarded
         job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
         self.totals.discarded += st.table.tokens_discarded - before
@@ -274,9 +283,9 @@ class Simulation(StepProtocol):
 
     def delta(self, rid: str, lease: int, offset: int, tokens: int, finished: bool) -> DeltaItem:
         """What a worker flushes for one request (token values do not matter here)."""
-        reason = None
+        reason: FinishReason | None = None
         if finished:
-            full = self.cur.lengths[rid] >= self.sc.workload.max_response_tokens
+            full = self.step_in_flight.lengths[rid] >= self.sc.workload.max_response_tokens
             reason = "length" if full else "stop"
         return DeltaItem(
             request_id=rid,
@@ -291,7 +300,7 @@ class Simulation(StepProtocol):
     def collect(self, batch: DeltaBatch) -> None:
         """The coordinator applies a flush (`collect.apply_batches`, as the services do): the
         continuations are queued and the groups it completed go to the trainer."""
-        st = self.cur
+        st = self.step_in_flight
         before = st.table.tokens_discarded
         outcome = apply_batches(st.table, [batch], self.rules)
         self.totals.discarded += st.table.tokens_discarded - before
@@ -303,7 +312,7 @@ class Simulation(StepProtocol):
 
     def queue_continuations(self, released: dict[str, list[Job]]) -> None:
         for cause, jobs in released.items():
-            self.cur.queue.extend(jobs)
+            self.step_in_flight.queue.extend(jobs)
             self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + len(jobs)
 
     def finish_request(self, inst: Instance, rid: str) -> None:
@@ -311,4 +320,6 @@ class Simulation(StepProtocol):
         tokens = round(run.stop_level - run.join_level)
         self.totals.generated += tokens
         item = self.delta(rid, run.lease, run.offset, tokens, finished=True)
-        self.collect(DeltaBatch(worker_id=inst.name, version=self.cur.step, items=[item]))
+        self.collect(
+            DeltaBatch(worker_id=inst.name, version=self.step_in_flight.step, items=[item])
+        )

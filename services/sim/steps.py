@@ -9,14 +9,44 @@ is time: the trainer's micro-batches as groups arrive, one optimizer step, the p
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
+from services.common.messages import ReleaseReason
 from services.core.request_table import RequestTable, request_id
-from services.core.seeding import StepTimes, after_step
-from services.sim.state import StepRecord, StepState
+from services.core.seeding import SeedingController, StepTimes, after_step
+from services.sim.scenario import Scenario
+from services.sim.state import Instance, StepRecord, StepState, Totals
+from services.sim.systems import SystemSpec
 
 
 class StepProtocol:
-    """Mixed into `Simulation`, whose state and request methods it uses."""
+    """Mixed into `Simulation`. The state and the instance and request methods it uses are
+    declared here with their types; `Simulation` sets and defines them."""
+
+    sc: Scenario
+    system: SystemSpec
+    seed: int
+    now: float
+    version: int  # latest committed weights
+    cur: StepState | None  # None until `run` starts step 0
+    instances: dict[str, Instance]
+    totals: Totals
+    seeding: SeedingController
+    records: list[StepRecord]
+
+    if TYPE_CHECKING:
+
+        def at(self, t: float, kind: str, payload: object = None) -> None: ...
+        def finished(self) -> bool: ...
+        def pool_instances(self) -> list[Instance]: ...
+        def pull(self, inst: Instance) -> None: ...
+        def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None: ...
+
+    @property
+    def step_in_flight(self) -> StepState:
+        """The current step: there is one from `run`'s first `start_step` on."""
+        assert self.cur is not None, "no step in flight before run()"
+        return self.cur
 
     def start_step(self, step: int) -> None:
         sc = self.sc
@@ -60,11 +90,11 @@ class StepProtocol:
             self.cur.seeded_out, self.cur.seed_end_s = True, self.now
             self.at(self.now, "trainer_ready", step)
 
-    def reserved(self):
+    def reserved(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.pool == "reserved"]
 
     def on_reserved_ready(self, step: int) -> None:
-        st = self.cur
+        st = self.step_in_flight
         for inst in self.reserved():
             inst.version, inst.paused = step, False
         st.seed_start_s = self.now
@@ -72,7 +102,7 @@ class StepProtocol:
             self.at(self.now + st.window_s, "seed_end", step)
 
     def on_seed_end(self, step: int) -> None:
-        st = self.cur
+        st = self.step_in_flight
         if st.step != step or st.seeded_out:
             return
         for inst in self.reserved():
@@ -81,7 +111,7 @@ class StepProtocol:
 
     def step_aside(self) -> None:
         """The reserved engines stop generating; the node switches to training."""
-        st = self.cur
+        st = self.step_in_flight
         for inst in self.reserved():
             inst.paused = True
         st.seeded_out, st.seed_end_s = True, self.now
@@ -89,7 +119,7 @@ class StepProtocol:
         self.at(self.now + self.sc.switch_s, "trainer_ready", st.step)
 
     def group_done(self, prompt: int) -> None:
-        st = self.cur
+        st = self.step_in_flight
         st.ready_groups.append(prompt)
         if st.table.complete:
             st.rollout_end_s = self.now
@@ -100,11 +130,11 @@ class StepProtocol:
     # -- the trainer ------------------------------------------------------------------------
 
     def on_trainer_ready(self, step: int) -> None:
-        self.cur.trainer_ready_s = self.now
+        self.step_in_flight.trainer_ready_s = self.now
         self.train_next()
 
     def train_next(self) -> None:
-        st = self.cur
+        st = self.step_in_flight
         if st.trainer_ready_s is None or st.training:
             return
         if not st.ready_groups:
@@ -132,7 +162,7 @@ class StepProtocol:
         return self.sc.trainer.tokens_per_s * speedup
 
     def on_trained(self, step: int) -> None:
-        st = self.cur
+        st = self.step_in_flight
         st.training = False
         st.trained_groups += 1
         if st.trained_groups == len(st.prompt_tokens):
@@ -144,7 +174,9 @@ class StepProtocol:
 
     def on_committed(self, step: int) -> None:
         """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next."""
-        st = self.cur
+        st = self.step_in_flight
+        rollout_end_s = st.rollout_end_s
+        assert rollout_end_s is not None, "the last group completed before the trainer took it"
         self.version = step + 1
         self.totals.trained += st.trained_tokens
         update = after_step(
@@ -154,7 +186,7 @@ class StepProtocol:
                 n_reserved=len(self.reserved()),
                 started=st.started_s,
                 seed_end=st.seed_end_s,
-                rollout_end=st.rollout_end_s,
+                rollout_end=rollout_end_s,
                 committed=self.now,
                 train_compute_s=st.train_s,
                 train_wait_s=st.train_wait_s,
@@ -166,7 +198,7 @@ class StepProtocol:
                 step=step,
                 start_s=st.started_s,
                 end_s=self.now,
-                rollout_s=st.rollout_end_s - st.started_s,
+                rollout_s=rollout_end_s - st.started_s,
                 tokens=st.trained_tokens,
                 prompt_tokens=st.trained_prompt_tokens,
                 train_s=st.train_s,
