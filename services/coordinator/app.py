@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
 from services.common.http_limits import clip, guard_input
-from services.common.redis_streams import connect, with_reconnect
+from services.common.redis_streams import connect, text, with_reconnect
 from services.common.retry import brief
 from services.common.run_state import RunStopped
 from services.common.runspec import FINAL_STATES
@@ -39,8 +39,8 @@ def failure_text(exc: Exception) -> str:
 
 async def ended_as(store: RunStore, run_id: str) -> str | None:
     """The final state of a run (cancelled under its manager, say), or None while it is live."""
-    state = await store.r.hget(keys.run(run_id), "state")
-    return state.decode() if state is not None and state.decode() in FINAL_STATES else None
+    state = text(await store.r.hget(keys.run(run_id), "state"))
+    return state if state in FINAL_STATES else None
 
 
 async def settle(store: RunStore, run_id: str, state: str) -> None:

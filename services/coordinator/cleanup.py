@@ -14,6 +14,7 @@ rollout manager has stopped, for what it wrote in between.
 import logging
 import re
 import time
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -23,6 +24,11 @@ log = logging.getLogger(__name__)
 SCAN_COUNT = 1000
 UNLINK_BATCH = 1000
 WILD = "\x00"  # stands for any part of a key name; no key contains it
+
+
+# WILD in a key function's step or version slot: the functions only format the number, so the
+# pattern is the key name with any step there.
+WILD_NUMBER = cast(int, WILD)
 
 
 def _matcher(names: list[str]) -> re.Pattern[str]:
@@ -36,14 +42,14 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
     """The keys of a run that nothing needs once it is over."""
     return _matcher(
         [
-            keys.jobs_stream(run_id, WILD),
-            keys.step_meta(run_id, WILD),
-            keys.step_requests(run_id, WILD),
-            keys.request_tokens(run_id, WILD, WILD),
-            keys.request_logprobs(run_id, WILD, WILD),
-            keys.step_published(run_id, WILD),
-            keys.step_quarantined(run_id, WILD),
-            keys.seed_done(run_id, WILD),
+            keys.jobs_stream(run_id, WILD_NUMBER),
+            keys.step_meta(run_id, WILD_NUMBER),
+            keys.step_requests(run_id, WILD_NUMBER),
+            keys.request_tokens(run_id, WILD_NUMBER, WILD),
+            keys.request_logprobs(run_id, WILD_NUMBER, WILD),
+            keys.step_published(run_id, WILD_NUMBER),
+            keys.step_quarantined(run_id, WILD_NUMBER),
+            keys.seed_done(run_id, WILD_NUMBER),
         ]
     )
 

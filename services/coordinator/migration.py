@@ -9,10 +9,11 @@
 """
 
 import logging
-from typing import get_args
+from typing import cast, get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
+from redis.typing import StreamIdT
 
 from services.common import keys, timeline
 from services.common.messages import (
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
 DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose heartbeat expired")
 CLAIMER = "coordinator"
+# XCLAIM's reply: (entry id, fields), fields None for an entry deleted while pending
+Claimed = list[tuple[bytes, dict[bytes, bytes] | None]]
 for _cause in (*get_args(ReleaseReason), "death"):
     MIGRATIONS.labels(_cause)  # every cause is exported from the start, at 0
 
@@ -58,8 +61,12 @@ async def reclaim_dead_workers(
         pending = await r.xpending_range(
             stream, keys.WORKERS_GROUP, min="-", max="+", count=100_000, consumername=name
         )
-        ids = [p["message_id"] for p in pending]
-        claimed = await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids) if ids else []
+        ids: list[StreamIdT] = [p["message_id"] for p in pending]
+        claimed: Claimed = []
+        if ids:
+            # redis-py types the reply for any connection (text, or ids only with justid); ours
+            # answers bytes, and without justid each entry is (id, fields)
+            claimed = cast(Claimed, await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids))
         moved = []
         for entry_id, fields in claimed:
             if fields is None:

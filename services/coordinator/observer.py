@@ -189,9 +189,10 @@ class Observer:
         for worker_id in changes.joined:
             beat = beats[worker_id]
             log.info("worker %s (%s) joined", worker_id, beat.pool)
-            if beat.run_id or active:
+            run_id = beat.run_id or active
+            if run_id:
                 await timeline.emit(
-                    self.r, beat.run_id or active, "worker_joined", worker=worker_id, pool=beat.pool
+                    self.r, run_id, "worker_joined", worker=worker_id, pool=beat.pool
                 )
         for worker_id, beat in changes.left.items():
             with contextlib.suppress(KeyError):  # never sampled: left within one period
@@ -200,10 +201,11 @@ class Observer:
             cause = "notice" if notice else "lost"
             PREEMPTIONS.labels(beat.pool, cause).inc()
             log.info("worker %s (%s) left: %s", worker_id, beat.pool, cause)
-            if beat.run_id or active:
+            run_id = beat.run_id or active
+            if run_id:
                 await timeline.emit(
                     self.r,
-                    beat.run_id or active,
+                    run_id,
                     "worker_left",
                     worker=worker_id,
                     pool=beat.pool,

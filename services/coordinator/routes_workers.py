@@ -2,15 +2,16 @@
 one to give work back, and forget workers that are gone."""
 
 import time
-from typing import Annotated
+from typing import Annotated, cast
 
 import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Path, Response
+from redis.typing import EncodableT, FieldT
 
 from services.common import keys
 from services.common.messages import WorkerControl
 from services.common.service import Auth, errors
-from services.coordinator.scheduling import crash_reports, heartbeats, order
+from services.coordinator.scheduling import crash_reports, heartbeats, order, registered_workers
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
@@ -28,11 +29,10 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
         responses={**auth.write_errors, **errors(400, 413)},
     )
     async def register(worker: WorkerCreate) -> WorkerPublic:
+        record: dict[FieldT, EncodableT] = {k: v for k, v in worker.model_dump().items()}
+        record["registered_at"] = time.time()
         async with r.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                keys.worker(worker.id),
-                mapping={**worker.model_dump(), "registered_at": time.time()},
-            )
+            pipe.hset(keys.worker(worker.id), mapping=record)
             pipe.sadd(keys.WORKER_INDEX, worker.id)
             pipe.delete(keys.worker_leaving(worker.id))  # a new incarnation
             await pipe.execute()
@@ -44,12 +44,12 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
     async def list_workers(alive: bool | None = None) -> list[WorkerPublic]:
         out = []
         beats = await heartbeats(r)
-        ids = sorted(x.decode() for x in await r.smembers(keys.WORKER_INDEX))
+        ids = sorted(await registered_workers(r))
         crashes = await crash_reports(r, ids)
         for worker_id in ids:
-            info = {
-                k.decode(): v.decode() for k, v in (await r.hgetall(keys.worker(worker_id))).items()
-            }
+            # our connections answer bytes (redis-py types a reply bytes | str)
+            record = cast(dict[bytes, bytes], await r.hgetall(keys.worker(worker_id)))
+            info = {k.decode(): v.decode() for k, v in record.items()}
             if "pool" not in info:  # forgotten meanwhile
                 continue
             beat = beats.get(worker_id)

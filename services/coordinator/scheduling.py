@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
@@ -24,10 +25,18 @@ WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run",
 T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
 
 
+async def registered_workers(r: aioredis.Redis) -> list[str]:
+    """The ids in the worker index (alive or not), in no particular order."""
+    # our connections answer bytes (redis-py types a reply bytes | str)
+    return [x.decode() for x in cast(set[bytes], await r.smembers(keys.WORKER_INDEX))]
+
+
 async def heartbeats(r: aioredis.Redis) -> dict[str, Heartbeat]:
     """Every registered worker whose heartbeat is fresh, whatever it serves."""
-    ids = sorted(x.decode() for x in await r.smembers(keys.WORKER_INDEX))
-    beats = await r.mget([keys.worker_heartbeat(w) for w in ids]) if ids else []
+    ids = sorted(await registered_workers(r))
+    beats: list[bytes | None] = []
+    if ids:
+        beats = cast(list[bytes | None], await r.mget([keys.worker_heartbeat(w) for w in ids]))
     out = {}
     for worker_id, raw in zip(ids, beats, strict=True):
         if raw is None:
@@ -63,7 +72,7 @@ async def forget_gone_workers(
     """Drop the workers gone (no heartbeat) for `after_s` from the worker index, with their
     record, control stream and crash report, so that churn over days does not pile up; the ones
     dropped. A worker's `gone_since` is set when it is first seen gone, cleared while alive."""
-    ids = [x.decode() for x in await r.smembers(keys.WORKER_INDEX)]
+    ids = await registered_workers(r)
     gone = [w for w in ids if w not in alive]
     async with r.pipeline(transaction=False) as pipe:
         for worker_id in alive & set(ids):

@@ -11,8 +11,9 @@ from prometheus_client import Counter
 
 from services.common import keys
 from services.common.messages import Heartbeat
+from services.common.redis_streams import text
 from services.coordinator.runs import RunFailed, RunStore
-from services.coordinator.scheduling import crash_reports
+from services.coordinator.scheduling import crash_reports, registered_workers
 from services.core.stall import (
     Action,
     Decision,
@@ -40,8 +41,8 @@ class StallWatch:
         """Pick up a stall from before a restart, and the workers that served the run."""
         run = await self.r.hmget(keys.run(self.run_id), ["state", "stalled_since", "stall_reason"])
         if run[0] == b"stalled" and run[1] is not None:
-            self.tracker.restore(float(run[1]), (run[2] or b"").decode())
-        ids = [raw.decode() for raw in await self.r.smembers(keys.WORKER_INDEX)]
+            self.tracker.restore(float(run[1]), text(run[2]) or "")
+        ids = await registered_workers(self.r)
         async with self.r.pipeline(transaction=False) as pipe:
             for worker_id in ids:
                 pipe.exists(keys.worker_loads(self.run_id, worker_id))

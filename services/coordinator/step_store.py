@@ -12,6 +12,7 @@ from the coordinator's pending deltas, and applying it again changes nothing tha
 """
 
 from array import array
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -58,12 +59,17 @@ class StepStore:
     def _logprob_key(self, rid: str) -> str:
         return keys.request_logprobs(self.run_id, self.step, rid)
 
+    async def _packed(self, key: str) -> bytes:
+        """A packed array as stored (b"" while absent)."""
+        return cast(bytes | None, await self.r.get(key)) or b""
+
     async def restore(self, table: RequestTable) -> float | None:
         """Load a step begun earlier into `table`; its start time, or None for a new step."""
         meta = await self.r.hgetall(self.meta)
         if not meta:
             return None
-        states = await self.r.hgetall(self.state)
+        # our connections answer bytes (redis-py types a reply bytes | str)
+        states = cast(dict[bytes, bytes], await self.r.hgetall(self.state))
         for raw_rid, raw in states.items():
             rid = raw_rid.decode()
             req = table.requests.get(rid)
@@ -75,8 +81,8 @@ class StepStore:
             req.finish_reason = finish or None  # type: ignore[assignment]
             req.crashed_on = [w for w in crashed_on.split(",") if w]
             self.saved_state[rid] = raw.decode()
-            tokens = await self.r.get(self._token_key(rid)) or b""
-            logprobs = await self.r.get(self._logprob_key(rid)) or b""
+            tokens = await self._packed(self._token_key(rid))
+            logprobs = await self._packed(self._logprob_key(rid))
             req.token_ids = array("i", tokens).tolist()
             req.logprobs = array("d", logprobs).tolist()
             self.saved_len[rid] = len(req.token_ids)

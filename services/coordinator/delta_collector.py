@@ -1,0 +1,149 @@
+"""Collecting a run's token deltas into the current step's request table: one read of the deltas
+stream at a time, applied by `core.collect.apply_batches`, finished responses decoded and scored,
+and the outcome written in one MULTI with the acknowledgement of what was read.
+
+It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
+`rollout_manager.py`, which calls `collect` in its loop.
+"""
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+from redis.exceptions import OutOfMemoryError
+from tokenizers import Tokenizer
+
+from services.common import keys
+from services.common.messages import DeltaBatch
+from services.common.redis_streams import (
+    StagedWrites,
+    StreamConsumer,
+    ensure_group,
+    while_out_of_memory,
+)
+from services.common.runspec import RunSpec
+from services.common.tasks import Example, Task
+from services.coordinator.migration import count_migrations, fence
+from services.coordinator.quarantine import report_poison
+from services.coordinator.runs import RunStore
+from services.coordinator.step_store import StepStore
+from services.core.collect import CollectOutcome, CollectRules, apply_batches
+from services.core.request_table import Applied, RequestTable
+
+log = logging.getLogger(__name__)
+DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
+OUTCOMES = {a.value: DELTA_ITEMS.labels(a.value) for a in Applied}  # children looked up once
+TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
+GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
+
+DELTA_BATCH = 256
+
+
+class DeltaCollector:
+    """Reads the run's deltas (first, after `replay`, those read before a restart and never
+    acknowledged) and scores finished responses with the run's task."""
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        spec: RunSpec,
+        runs: RunStore,
+        tokenizer: Tokenizer,
+        stop_ids: list[int],
+        task: Task,
+    ) -> None:
+        self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
+        self.tokenizer, self.stop_ids, self.task = tokenizer, stop_ids, task
+        self.rules = CollectRules.for_run(spec)
+        self.deltas = StreamConsumer(
+            r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
+        )
+        self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
+
+    async def start(self) -> None:
+        """Create the deltas stream's consumer group if missing."""
+        await ensure_group(self.r, self.deltas.stream, keys.COORDINATOR_GROUP)
+
+    def replay(self) -> None:
+        """Read first the deltas read before a restart and never acknowledged."""
+        self.deltas.replay()
+
+    def score(
+        self, table: RequestTable, rids: list[str], examples: list[Example]
+    ) -> dict[str, float]:
+        """Decode and score finished responses (synchronous: run it in a thread)."""
+        stop = set(self.stop_ids)
+        states = [table.requests[rid] for rid in rids]
+        texts = self.tokenizer.decode_batch(
+            [[t for t in s.token_ids if t not in stop] for s in states]
+        )
+        return {  # float(): a task may score with an int or a bool
+            s.request_id: float(self.task.reward(text, examples[s.prompt_index]))
+            for s, text in zip(states, texts, strict=True)
+        }
+
+    async def collect(
+        self, table: RequestTable, store: StepStore, examples: list[Example], block_ms: int
+    ) -> None:
+        """Apply one read of delta batches (`collect.apply_batches`, waiting up to `block_ms`
+        for one); then, in one MULTI: the requests that changed, the continuations of the
+        requests released, the groups completed, and the acknowledgement and deletion of the
+        read's entries (what they carried is in the request table from then on)."""
+        read = await self.deltas.read(DELTA_BATCH, block_ms)
+        if not read.entries:
+            return
+        outcome = apply_batches(table, [batch for _, batch in read.messages], self.rules)
+        if outcome.finished:  # decoding and scoring off the event loop
+            table.score(await asyncio.to_thread(self.score, table, outcome.finished, examples))
+        groups = table.completed_groups(outcome.finished)
+        staged = StagedWrites()
+        self._stage_outcome(staged, table, store, outcome, groups)
+        self.deltas.stage_ack(staged, read.ids, delete=True)
+        await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
+        if self.oom_stalled:
+            self.oom_stalled = False
+            await self.runs.mark_running(self.run_id, "redis takes writes again")
+        if outcome.poisoned:
+            await report_poison(self.r, self.spec, table, outcome.poisoned)
+        for reason, jobs in outcome.released.items():
+            await count_migrations(self.r, table, reason, len(jobs))
+        table.mark_published(groups)
+        GROUPS.inc(len(groups))
+        TOKENS.inc(outcome.tokens_appended)
+        for applied, n in outcome.applied.items():
+            OUTCOMES[applied].inc(n)
+        await fence(self.r, self.run_id, outcome.stale)
+        await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    def _stage_outcome(
+        self,
+        staged: StagedWrites,
+        table: RequestTable,
+        store: StepStore,
+        outcome: CollectOutcome,
+        groups: list[int],
+    ) -> None:
+        store.stage_requests(staged, table, outcome.changed)
+        jobs = keys.jobs_stream(self.run_id, table.version)
+        for continuations in outcome.released.values():
+            for job in continuations:
+                staged.xadd(jobs, job.fields())
+        groups_stream = keys.groups_stream(self.run_id)
+        for p in groups:
+            staged.xadd(groups_stream, table.group_message(p).fields())
+            store.stage_published(staged, p)
+        for p in outcome.dropped:
+            staged.xadd(groups_stream, table.dropped_group(p).fields())
+            store.stage_quarantined(staged, p)
+            staged.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
+
+    async def _say_oom(self, reason: str) -> None:
+        """Redis refuses writes for memory: the run is stalled, saying so, where Redis takes
+        that small write (else the log and the memory gauges say it)."""
+        try:
+            self.oom_stalled = await self.runs.mark_stalled(self.run_id, reason, time.time())
+        except OutOfMemoryError as exc:
+            log.warning("run %s: could not record the memory stall: %s", self.run_id, exc)
