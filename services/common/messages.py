@@ -71,7 +71,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
 
 
-class Job(Message, kw_only=True):
+class Job(Message, frozen=True, kw_only=True):
     """A token-level job: continue `prompt_ids + prefix_ids` for at most `remaining_tokens`."""
 
     run_id: str
@@ -90,7 +90,7 @@ class Job(Message, kw_only=True):
     isolate: bool = False
 
 
-class DeltaItem(Message, kw_only=True):
+class DeltaItem(Message, frozen=True, kw_only=True):
     """New tokens of one request since the worker's last flush."""
 
     request_id: str
@@ -102,14 +102,14 @@ class DeltaItem(Message, kw_only=True):
     finish_reason: FinishReason | None = None
 
 
-class RequestLease(Message, kw_only=True):
+class RequestLease(Message, frozen=True, kw_only=True):
     """One request under one lease: what a worker releases, or is told to drop."""
 
     request_id: str
     lease: int
 
 
-class DeltaBatch(Message, kw_only=True):
+class DeltaBatch(Message, frozen=True, kw_only=True):
     """One flush of a worker: deltas of all its active requests, then the requests it releases.
 
     Releases travel in the same stream as the deltas, after them, so the coordinator has every
@@ -123,7 +123,7 @@ class DeltaBatch(Message, kw_only=True):
     release_reason: ReleaseReason = "preemption"  # why `released` were given back
 
 
-class WorkerControl(Message, kw_only=True):
+class WorkerControl(Message, frozen=True, kw_only=True):
     """An order to one worker, on its control stream.
 
     abort: drop `requests` (their lease moved on: fencing). release: give back `count` executing
@@ -138,7 +138,7 @@ class WorkerControl(Message, kw_only=True):
     version: int | None = None
 
 
-class Response(Message, kw_only=True):
+class Response(Message, frozen=True, kw_only=True):
     token_ids: list[int]
     logprobs: list[float]
     reward: float
@@ -146,7 +146,7 @@ class Response(Message, kw_only=True):
     leases: int = 1  # how many leases (1 + migrations) produced it
 
 
-class Group(Message, kw_only=True):
+class Group(Message, frozen=True, kw_only=True):
     """All n responses to one prompt, ready for the trainer; or, with `quarantined`, a group
     dropped from the step (a request of it crashed too many workers): no responses, counted
     toward the step's B and never trained on."""
@@ -160,7 +160,7 @@ class Group(Message, kw_only=True):
     quarantined: bool = False
 
 
-class Heartbeat(Message, kw_only=True):
+class Heartbeat(Message, frozen=True, kw_only=True):
     worker_id: str
     pool: Pool
     run_id: str | None

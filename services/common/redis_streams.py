@@ -9,12 +9,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import StreamRangeResponse, XReadGroupResponse, XReadResponse
 
 from services.common.messages import FIELD, MalformedMessage, Message
 from services.common.retry import brief, retry
@@ -30,6 +31,21 @@ PARKED_BYTES = 16 * 1024  # of a parked message's content kept
 def text(raw: bytes | str | None) -> str | None:
     """A Redis reply as text (our connections answer bytes; redis-py types a reply bytes | str)."""
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def range_entries(reply: StreamRangeResponse | None) -> list[Entry]:
+    """The entries of an XRANGE or XREVRANGE reply, or of an XAUTOCLAIM's ([] for none)."""
+    # redis-py types the reply for every protocol and decoding; ours (RESP2, bytes) gives
+    # [(id, fields), ...] with bytes ids, field names and values.
+    return cast(list[Entry], reply or [])
+
+
+def read_entries(reply: XReadResponse | XReadGroupResponse) -> list[Entry]:
+    """The entries of an XREAD or XREADGROUP reply, stream after stream ([] for none)."""
+    # Ours (RESP2, bytes) is [[stream, [(id, fields), ...]], ...], all bytes; redis-py's type also
+    # covers the RESP3 dict form.
+    streams = cast(list[tuple[bytes, list[Entry]]], reply or [])
+    return [entry for _, entries in streams for entry in entries]
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -64,10 +80,7 @@ async def read_group(
             raise
         await asyncio.sleep(block_ms / 1000)
         return []
-    if not reply:
-        return []
-    _, entries = reply[0]
-    return list(entries)
+    return read_entries(reply)
 
 
 async def autoclaim(
@@ -75,7 +88,7 @@ async def autoclaim(
 ) -> list[Entry]:
     """Take over entries pending longer than `min_idle_ms` (their reader died)."""
     reply = await r.xautoclaim(stream, group, consumer, min_idle_ms, "0-0", count=count)
-    return [e for e in reply[1] if e[1] is not None]
+    return [e for e in range_entries(reply[1]) if e[1] is not None]
 
 
 def decode_or_park(cls: type[M], entry: Entry, parked: list[tuple[bytes, str]]) -> M | None:

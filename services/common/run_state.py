@@ -8,6 +8,7 @@ its weights were taken over. Either may race a cancel: a run in a final state is
 import redis.asyncio as aioredis
 
 from services.common import keys
+from services.common.redis_streams import text
 from services.common.runspec import LIVE_STATES
 
 
@@ -39,15 +40,13 @@ async def set_if_live(
 
 async def active_run(r: aioredis.Redis) -> str | None:
     """The run the services work on now (the run pointer), or None."""
-    raw = await r.get(keys.ACTIVE_RUN)
-    return raw.decode() if raw is not None else None
+    return text(await r.get(keys.ACTIVE_RUN))
 
 
 async def ensure_live(r: aioredis.Redis, run_id: str) -> None:
     """Raise RunStopped (its message the run's state, or "deleted") unless the run is live: running
     or stalled."""
-    raw = await r.hget(keys.run(run_id), "state")
-    state = raw.decode() if raw is not None else None
+    state = text(await r.hget(keys.run(run_id), "state"))
     if state not in LIVE_STATES:
         raise RunStopped(state or "deleted")
 

@@ -209,7 +209,8 @@ def serve(
         port=port,
         log_level="warning",
         lifespan="on",
-        timeout_graceful_shutdown=graceful_s,
+        # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float seconds
+        timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
     )
     sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
     if port_file is not None:

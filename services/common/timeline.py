@@ -13,6 +13,7 @@ import time
 import redis.asyncio as aioredis
 
 from services.common import keys
+from services.common.redis_streams import range_entries
 
 EVENTS_MAXLEN = 20_000
 POOL_MAXLEN = 20_000
@@ -37,7 +38,9 @@ async def sample_pool(r: aioredis.Redis, run_id: str, sample: dict) -> None:
 async def _read(r: aioredis.Redis, stream: str, after: str | None, count: int) -> list[dict]:
     """Entries after the entry id `after` (all when None), oldest first, each with its `id`."""
     start = f"({after}" if after else "-"
-    rows = await r.xrange(stream, min=start, max="+", count=max(1, min(count, READ_MAX)))
+    rows = range_entries(
+        await r.xrange(stream, min=start, max="+", count=max(1, min(count, READ_MAX)))
+    )
     return [{"id": entry_id.decode(), **json.loads(fields[b"e"])} for entry_id, fields in rows]
 
 

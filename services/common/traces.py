@@ -26,7 +26,7 @@ def load_trace(path: str | Path) -> list[TracePoint]:
         reader = csv.DictReader(fh)
         if reader.fieldnames is None or {"seconds", "available"} - set(reader.fieldnames):
             raise TraceError(f"{path}: header must be 'seconds,available'")
-        points = []
+        points: list[TracePoint] = []
         for line, row in enumerate(reader, start=2):
             try:
                 point = TracePoint(float(row["seconds"]), int(float(row["available"])))

@@ -12,7 +12,12 @@ import logging
 
 from services.common import keys
 from services.common.messages import RequestLease, WorkerControl
-from services.common.redis_streams import decode_or_park, with_reconnect
+from services.common.redis_streams import (
+    decode_or_park,
+    range_entries,
+    read_entries,
+    with_reconnect,
+)
 from services.rollout.context import WorkerContext
 from services.rollout.flusher import Flusher
 
@@ -30,7 +35,7 @@ class Control:
 
     async def skip_earlier(self) -> None:
         """Read only orders sent from now on: those before were to an earlier incarnation."""
-        last = await self.ctx.r.xrevrange(self.stream, count=1)
+        last = range_entries(await self.ctx.r.xrevrange(self.stream, count=1))
         self.last_id = last[0][0] if last else b"0-0"
 
     async def read(self) -> None:
@@ -39,12 +44,11 @@ class Control:
             lambda: self.ctx.r.xread({self.stream: self.last_id}, count=READ_COUNT),
             "read control",
         )
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                self.last_id = entry_id
-                order = decode_or_park(WorkerControl, (entry_id, fields), [])
-                if order is not None and order.run_id == self.ctx.run_id:
-                    self.orders.put_nowait(order)
+        for entry in read_entries(reply):
+            self.last_id = entry[0]
+            order = decode_or_park(WorkerControl, entry, [])
+            if order is not None and order.run_id == self.ctx.run_id:
+                self.orders.put_nowait(order)
 
     async def obey_all(self) -> None:
         while not self.orders.empty():

@@ -15,6 +15,7 @@ from pathlib import Path
 from prometheus_client import Counter, Histogram
 
 from services.common import keys
+from services.common.redis_streams import text
 from services.common.weights import (
     PullResult,
     WeightClient,
@@ -64,12 +65,12 @@ class VersionLoader:
     async def _pull(self, run_id: str, version: int) -> PullResult | None:
         """The pulled version, or None when it cannot be loaded (yet)."""
         # Only the content the trainer announced with the version is ever loaded.
-        digest = await self.ctx.r.hget(keys.run_digests(run_id), version)
+        digest = text(await self.ctx.r.hget(keys.run_digests(run_id), version))
         dest = self._folder(run_id, version)
         try:
             if digest is None:
                 raise WeightConflict(run_id, version, "was announced without a digest")
-            return await self.weights.pull(run_id, version, dest, expect_digest=digest.decode())
+            return await self.weights.pull(run_id, version, dest, expect_digest=digest)
         except WeightConflict as exc:
             log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
         except WeightTransferError as exc:

@@ -20,13 +20,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from services.common.messages import Job
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.lifeline import tie_children_to_this_process
 
 if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
+
     from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
@@ -130,10 +132,13 @@ class VLLMEngine:
         self.can_sleep = current_platform.is_sleep_mode_available()
         tie_children_to_this_process()  # no engine process outlives this worker
         kv_gib = self.o.kv_cache_gib if self.o.kv_cache_gib is not None else (1.0 if cpu else None)
+        dtype = folder_dtype(folder) if self.o.dtype == "auto" else self.o.dtype
         args = AsyncEngineArgs(
             model=str(folder),
-            dtype=folder_dtype(folder) if self.o.dtype == "auto" else self.o.dtype,
-            max_model_len=self.o.max_model_len,
+            # a name as the operator or config.json gave it: vLLM checks it against its own list
+            dtype=cast("ModelDType", dtype),
+            # vLLM annotates int, but its default is None too (the model's length)
+            max_model_len=self.o.max_model_len,  # type: ignore[arg-type]
             max_num_seqs=self.o.slots,
             seed=self.o.seed,
             enforce_eager=cpu if self.o.enforce_eager is None else self.o.enforce_eager,
