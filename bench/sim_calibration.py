@@ -6,7 +6,7 @@ veRL alone on one 8xH100 node ~10,000 tokens/s, and with 1/2/3/4 2xH100 rollout 
     .venv/bin/python bench/sim_calibration.py [--steps 10]
 
 Prints a table, then as its LAST line a JSON object: tokens/s for reserved-only and for hybrid
-and hybrid-fair with a fixed pool of k workers, beside the artifact's figures.
+and hybrid-plateau-reads with a fixed pool of k workers, beside the artifact's figures.
 """
 
 import argparse
@@ -14,7 +14,7 @@ import json
 
 from services.sim.scenario import artifact_8b
 from services.sim.simulation import Simulation
-from services.sim.systems import HYBRID, HYBRID_FAIR, RESERVED_ONLY
+from services.sim.systems import HYBRID, HYBRID_PLATEAU_READS, RESERVED_ONLY
 
 ARTIFACT = {0: 10_000, 1: 12_000, 2: 14_000, 3: 16_000, 4: 18_000}
 
@@ -37,7 +37,7 @@ def main() -> None:
         rows[str(k)] = {
             "artifact": ARTIFACT[k],
             "hybrid": all_tokens_per_s(HYBRID, k, steps),
-            "hybrid-fair": all_tokens_per_s(HYBRID_FAIR, k, steps),
+            "hybrid-plateau-reads": all_tokens_per_s(HYBRID_PLATEAU_READS, k, steps),
         }
     for k, row in rows.items():
         print(k, "  ".join(f"{name} {v:,.0f}" for name, v in row.items()))

@@ -75,6 +75,12 @@ def seed_done(run_id: str, step: int) -> str:
     return f"{PREFIX}:run:{run_id}:seed_done:{step}"
 
 
+def read_cap(run_id: str, step: int) -> str:
+    """String: the most requests of the step one worker should hold (`core.balancer.read_cap`),
+    kept current by the coordinator; absent: a worker reads up to its plateau."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:read_cap"
+
+
 def jobs_stream(run_id: str, version: int) -> str:
     """Stream of token-level jobs that only workers holding `version` read."""
     return f"{PREFIX}:run:{run_id}:jobs:v{version}"

@@ -111,6 +111,12 @@ class RunSpec(BaseModel):
         True,
         description="Continue a preempted response from its collected tokens (False: restart it).",
     )
+    fair_reads: bool = Field(
+        True,
+        description="Each worker holds at most an equal share of a step's unfinished requests "
+        "among the workers serving or loading its version, and the balancer evens executing "
+        "requests out (False: a worker reads up to its plateau batch size, as in the paper).",
+    )
     ignore_eos: bool = Field(False, description="Generate max_new_tokens, ignoring end-of-text.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompts and sampling.")
     stall_timeout_s: float | None = Field(

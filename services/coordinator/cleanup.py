@@ -50,6 +50,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.step_published(run_id, WILD_NUMBER),
             keys.step_quarantined(run_id, WILD_NUMBER),
             keys.seed_done(run_id, WILD_NUMBER),
+            keys.read_cap(run_id, WILD_NUMBER),
         ]
     )
 

@@ -28,6 +28,7 @@ from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
 from services.common import keys
+from services.common.messages import Heartbeat
 from services.common.redis_streams import ensure_group
 from services.common.run_state import committed_version, ensure_live
 from services.common.runspec import RunSpec
@@ -35,7 +36,14 @@ from services.common.tasks import Example, load_task
 from services.coordinator.delta_collector import DeltaCollector
 from services.coordinator.memory import MemoryGate
 from services.coordinator.migration import reclaim_dead_workers
-from services.coordinator.scheduling import StepScheduler, alive_workers, count_pools, heartbeats
+from services.coordinator.scheduling import (
+    CAP_TTL_S,
+    StepScheduler,
+    count_pools,
+    heartbeats,
+    serving,
+    step_read_cap,
+)
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_record import adapt, record_rollout
 from services.coordinator.step_store import StepStore
@@ -120,14 +128,17 @@ class RunManager:
         examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
         table = self._table(step, examples)
         store = StepStore(self.r, self.run_id, step)
-        began = await self._queue(table, store)
+        beats = await heartbeats(self.r)
+        began = await self._queue(table, store, beats)
+        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
         # time of the step so far, on this process's monotonic clock
         started = time.monotonic() - max(0.0, time.time() - began)
-        workers = await alive_workers(self.r, self.run_id)
         pools = count_pools(workers)
         window = self.seeding.window_s(pools["preemptible"])
         jobs = keys.jobs_stream(self.run_id, step)
-        sched = StepScheduler(self.r, self.run_id, step, jobs, window, started)
+        sched = StepScheduler(
+            self.r, self.run_id, step, jobs, window, started, fair_reads=self.spec.fair_reads
+        )
         await sched.start(workers)
         log.info(
             "step %d: %d jobs on %s (pools %s, T_seed %.2fs)",
@@ -158,7 +169,14 @@ class RunManager:
         await self.r.expire(jobs, JOBS_TTL_S)
         await store.expire_soon(JOBS_TTL_S)
         return StepDone(
-            step, times, (*store.scratch_keys(), jobs, keys.seed_done(self.run_id, step))
+            step,
+            times,
+            (
+                *store.scratch_keys(),
+                jobs,
+                keys.seed_done(self.run_id, step),
+                keys.read_cap(self.run_id, step),
+            ),
         )
 
     def _table(self, step: int, examples: list[Example]) -> RequestTable:
@@ -176,8 +194,12 @@ class RunManager:
             [] if spec.ignore_eos else self.stop_ids,
         )
 
-    async def _queue(self, table: RequestTable, store: StepStore) -> float:
-        """Queue the step's jobs, or restore a step queued before a restart; when it began."""
+    async def _queue(
+        self, table: RequestTable, store: StepStore, beats: dict[str, Heartbeat]
+    ) -> float:
+        """Queue the step's jobs, or restore a step queued before a restart; when it began.
+        With fair reads the step's read cap is set with its jobs, so that the first worker to
+        hold the version never reads more than its share."""
         jobs = keys.jobs_stream(self.run_id, table.step)
         began = await store.restore(table)
         if began is None:
@@ -186,6 +208,10 @@ class RunManager:
         if began is None:
             began = time.time()
             async with self.r.pipeline(transaction=True) as pipe:
+                if self.spec.fair_reads:
+                    n_serving = serving(beats, self.run_id, table.step)
+                    cap = step_read_cap(len(table.requests), n_serving)
+                    pipe.set(keys.read_cap(self.run_id, table.step), cap, ex=CAP_TTL_S)
                 for job in table.initial_jobs():
                     pipe.xadd(jobs, job.fields())
                 store.stage_queued(pipe, began)

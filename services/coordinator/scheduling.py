@@ -16,7 +16,7 @@ from prometheus_client import Gauge
 
 from services.common import keys
 from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
-from services.core.balancer import ReleaseGate, WorkerLoad, releases
+from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
 from services.core.request_table import RequestTable
 from services.core.seeding import seeding_over
 
@@ -115,6 +115,26 @@ def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:
     return counts
 
 
+def serving(beats: dict[str, Heartbeat], run_id: str, step: int) -> int:
+    """The workers that serve the step's version or will once they have loaded it: alive on
+    the run or idle (an idle worker follows the active run), not failed, not stepped aside for
+    this version."""
+    return sum(
+        1
+        for b in beats.values()
+        if b.run_id in (run_id, None) and not b.error and not (b.paused and b.version == step)
+    )
+
+
+def step_read_cap(unfinished: int, n_serving: int) -> int:
+    """The read cap of a step (`core.balancer.read_cap`); with no worker yet, the first one to
+    come may take what it can hold (the cap follows within a tick as others join)."""
+    return read_cap(unfinished, max(1, n_serving))
+
+
+CAP_TTL_S = 3600  # a read cap outlives a coordinator that dies mid-step by this long at most
+
+
 async def order(r: aioredis.Redis, worker_id: str, control: WorkerControl) -> None:
     await r.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
 
@@ -133,6 +153,7 @@ class StepScheduler:
     seeded_out: bool = False
     seed_end: float | None = None
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)
+    fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
     clock: Callable[[], float] = time.monotonic  # the monotonic clock of `started` (tests step it)
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
@@ -155,6 +176,9 @@ class StepScheduler:
             self.clock(), self.seed_start, self.window_s, len(reserved), n_preemptible
         ):
             await self._end_seeding(workers)
+        if self.fair_reads:
+            cap = step_read_cap(table.unfinished_count, serving(beats, self.run_id, self.step))
+            await self.r.set(keys.read_cap(self.run_id, self.step), cap, ex=CAP_TTL_S)
         await self._balance(table, workers)
 
     async def finish(self) -> None:
@@ -193,15 +217,17 @@ class StepScheduler:
         loads = [
             WorkerLoad(w, executing.get(w, 0), b.plateau or b.slots)
             for w, b in workers.items()
-            if b.version == self.step and not b.paused
+            if b.version == self.step and not b.paused and not b.error
         ]
+        if self.fair_reads:
+            loads = equal_caps(loads)
         orders, _ = self.release_gate.due(releases(loads, queued), self.clock())
         for worker_id, count in orders.items():
             await order(
                 self.r, worker_id, WorkerControl(action="release", run_id=self.run_id, count=count)
             )
             log.info(
-                "step %d: %s holds %d over its plateau: release ordered",
+                "step %d: %s holds %d over its cap: release ordered",
                 self.step,
                 worker_id,
                 count,

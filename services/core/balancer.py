@@ -16,11 +16,37 @@ class WorkerLoad:
     plateau: int  # batch size past which its throughput stops growing
 
 
-def releases(loads: list[WorkerLoad], queued: int) -> dict[str, int]:
+@dataclass(frozen=True)
+class Hysteresis:
+    """When moving executing requests is worth it: each move costs a prefill of the request's
+    prompt and collected tokens, and the tail of a step reshuffles without end if every small
+    imbalance moves work. A worker releases only when it holds more than (1 + band) x its cap,
+    and at least `min_release` requests; it then releases down to its cap. The default moves
+    every request over the cap (Algorithm 2 as the paper states it)."""
+
+    band: float = 0.0
+    min_release: int = 1
+
+
+def releases(
+    loads: list[WorkerLoad], queued: int, hysteresis: Hysteresis = Hysteresis()
+) -> dict[str, int]:
     """How many requests each overloaded worker should release; {} when balanced."""
     if queued > 0 or not any(w.executing == 0 for w in loads):
         return {}
-    return {w.worker_id: w.executing - w.plateau for w in loads if w.executing > w.plateau}
+    out = {}
+    for w in loads:
+        excess = w.executing - w.plateau
+        if w.executing > w.plateau * (1 + hysteresis.band) and excess >= hysteresis.min_release:
+            out[w.worker_id] = excess
+    return out
+
+
+def equal_caps(loads: list[WorkerLoad]) -> list[WorkerLoad]:
+    """The loads with each cap lowered to an equal share of the executing requests: the balancer
+    then evens the workers out, not only brings them under their plateaus."""
+    share = fair_share(sum(w.executing for w in loads), len(loads))
+    return [WorkerLoad(w.worker_id, w.executing, min(w.plateau, share)) for w in loads]
 
 
 def fair_share(queued: int, workers: int) -> int:
@@ -29,6 +55,16 @@ def fair_share(queued: int, workers: int) -> int:
     while later ones idle, and `releases` never moves requests below the plateau, so the long
     tail then stays on crowded engines."""
     return -(-queued // workers) if workers > 0 else 0
+
+
+def read_cap(unfinished: int, serving: int) -> int:
+    """The most requests of a step one worker should hold: an equal share of the step's
+    unfinished requests (queued and executing) among the workers that serve its version or are
+    loading it (alive, not stepped aside). Counting those still loading is what keeps the first
+    workers to hold the weights (the reserved pool's, seconds ahead of a spot instance's pull)
+    from taking the whole step, only for the balancer to move most of it again as each spot
+    worker arrives."""
+    return fair_share(unfinished, serving)
 
 
 RELEASE_COOLDOWN_S = 1.0  # the least time between two release orders to one worker

@@ -1,6 +1,7 @@
 """The jobs task: after registering, it follows the active run and its committed version
 (loading each new version), reads the coordinator's orders, and reads token-level jobs of
-exactly the version loaded, as many as there are free slots, into the worker's inbox.
+exactly the version loaded, as many as there are free slots (up to its plateau and the step's
+read cap), into the worker's inbox.
 
 A worker that stepped aside (paused) reads no job of that version; one that crashed reads
 nothing more. The task does not start jobs or touch the engine outside `engine_lock` (the
@@ -75,9 +76,12 @@ class JobIntake:
         ctx.run_id, ctx.version, ctx.paused_version = run_id, None, None
 
     async def _read_jobs(self, run_id: str, version: int) -> None:
-        """Read as many jobs as there are free slots; park and acknowledge malformed ones."""
+        """Read as many jobs as there are free slots, up to the plateau and to the step's read
+        cap (an equal share: the coordinator keeps it current); park and acknowledge malformed
+        ones."""
         ctx = self.ctx
-        free = min(ctx.s.slots, ctx.plateau.plateau()) - ctx.busy
+        cap = await self._read_cap(run_id, version)
+        free = min(ctx.s.slots, ctx.plateau.plateau(), cap) - ctx.busy
         if free <= 0:
             await self._wait_for_slot()
             return
@@ -89,6 +93,14 @@ class JobIntake:
         await jobs.park(read, keys.parked_stream(run_id), "jobs")
         if read.parked:
             await ctx.r.xack(jobs.stream, keys.WORKERS_GROUP, *[p[0] for p in read.parked])
+
+    async def _read_cap(self, run_id: str, version: int) -> int:
+        """The step's read cap, or no cap where the coordinator set none (fair reads off)."""
+        raw = await self.ctx.r.get(keys.read_cap(run_id, version))
+        try:
+            return int(raw) if raw is not None else self.ctx.s.slots
+        except ValueError:
+            return self.ctx.s.slots
 
     async def _wait_for_slot(self) -> None:
         """Full: wait for a request to end (or a while, to notice a new version), not poll

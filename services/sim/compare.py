@@ -50,6 +50,10 @@ def summarize(sim: Simulation) -> dict:
         "tokens_lost": totals.lost,
         "preemptions": totals.preemptions,
         "migrations": dict(sorted(totals.migrations.items())),
+        "balance_migrations_per_step": (
+            totals.migrations.get("balance", 0) / len(records) if records else None
+        ),
+        "requests_per_step": sim.sc.workload.prompts_per_step * sim.sc.workload.group_size,
         "stall_s": totals.stall_s,
     }
 
@@ -78,12 +82,9 @@ class Comparison:
             ),
             "seeding_gain": self.ratio("hybrid", "hybrid-no-seeding", "throughput_tok_s"),
             "migration_gain": self.ratio("hybrid", "hybrid-no-migration", "throughput_tok_s"),
-            "fair_reads_gain": self.ratio("hybrid-fair", "hybrid", "throughput_tok_s"),
-            "hybrid_fair_vs_reserved_throughput": self.ratio(
-                "hybrid-fair", "reserved-only", "throughput_tok_s"
-            ),
-            "hybrid_fair_vs_reserved_cost_efficiency": self.ratio(
-                "hybrid-fair", "reserved-only", "tokens_per_dollar"
+            "fair_reads_gain": self.ratio("hybrid", "hybrid-plateau-reads", "throughput_tok_s"),
+            "hybrid_balance_migrations_per_step": self.summaries.get("hybrid", {}).get(
+                "balance_migrations_per_step"
             ),
         }
 

@@ -24,7 +24,7 @@ from services.common.messages import (
     ReleaseReason,
     RequestLease,
 )
-from services.core.balancer import WorkerLoad, fair_share, releases
+from services.core.balancer import WorkerLoad, equal_caps, read_cap, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
 from services.core.seeding import SeedingController
 from services.sim.engine import SimEngine
@@ -214,20 +214,32 @@ class Simulation(StepProtocol):
 
     def dispatch(self) -> None:
         """Ready instances read jobs up to their plateau batch size, as each polls the stream
-        (least loaded first); with `fair_reads`, at most an equal share of the queue each."""
+        (least loaded first); with `fair_reads`, up to the step's read cap too."""
         st = self.cur
         if st is None or not st.queue:
             return
         takers = sorted(self.takers(), key=lambda i: (i.engine.batch, i.name))
-        share = fair_share(len(st.queue), len(takers))
+        cap = read_cap(len(st.queue) + sum(i.engine.batch for i in takers), self.serving(st))
         for inst in takers:
             room = inst.slots() - inst.engine.batch
             if self.system.fair_reads:
-                room = min(room, share)
+                room = min(room, cap - inst.engine.batch)
             for _ in range(max(0, room)):
                 if not st.queue:
                     return
                 self.start_job(inst, st.queue.popleft())
+
+    def serving(self, st: StepState) -> int:
+        """The instances serving the step's version or loading it, as the coordinator counts
+        them (`scheduling.serving`): registered, and not a reserved engine that stepped aside."""
+        return max(
+            1,
+            sum(
+                1
+                for i in self.instances.values()
+                if i.has_heartbeat and (i.pool != "reserved" or not st.seeded_out)
+            ),
+        )
 
     def start_job(self, inst: Instance, job: Job) -> None:
         tokens = self.step_in_flight.lengths[job.request_id] - len(job.prefix_ids)
@@ -239,13 +251,11 @@ class Simulation(StepProtocol):
         if st is None or not self.system.balancing or st.rollout_end_s is not None:
             return
         takers = {i.name: i for i in self.takers()}
-        cap = {n: i.slots() for n, i in takers.items()}
-        if self.system.fair_reads and takers:
-            executing = sum(i.engine.batch for i in takers.values())
-            share = fair_share(executing, len(takers))
-            cap = {n: min(c, share) for n, c in cap.items()}
-        loads = [WorkerLoad(n, i.engine.batch, cap[n]) for n, i in takers.items()]
-        orders, held = st.release_gate.due(releases(loads, len(st.queue)), self.now)
+        loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
+        if self.system.fair_reads:
+            loads = equal_caps(loads)
+        wanted = releases(loads, len(st.queue), self.system.hysteresis)
+        orders, held = st.release_gate.due(wanted, self.now)
         for at in held:
             self.at(at, "wake")
         for name, count in orders.items():

@@ -7,19 +7,22 @@
 - disagg-bal: the reserved node only trains; rollout runs on a fixed pool of on-demand 2-GPU
   instances, sized so that rollout keeps pace with training (the paper's Disagg.BAL). It gets
   our trainer's micro-batch pipelining and balancing: the strongest fixed-pool baseline.
-- hybrid: ours, as the services run it today: spot instances that follow the trace, seeding
-  with adaptive T_seed, migration, continuous balancing (a worker reads jobs up to its plateau
-  batch size), micro-batch pipelining.
-- hybrid-fair: the same with fair reads, a change the simulator argues for: a worker reads at
-  most an equal share of the queued jobs, and the balancer caps each worker at an equal share
-  of the executing ones (not only at its plateau), so no instance idles while others crowd.
+- hybrid: ours, as the services run it by default: spot instances that follow the trace,
+  seeding with adaptive T_seed, migration, micro-batch pipelining, fair reads (a worker holds
+  at most an equal share of the step's unfinished requests among the workers serving or loading
+  its version: `core.balancer.read_cap`) and continuous balancing onto equal shares.
+- hybrid-plateau-reads: the same with `fair_reads = false`: a worker reads jobs up to its plateau
+  batch size and the balancer moves only what is over a plateau (Algorithm 2 as the paper
+  states it; the services' default before issue 18).
 - hybrid-no-seeding: the reserved node never generates while a spot instance is up.
 - hybrid-no-migration: a preempted response restarts from zero and executing work is never
   rebalanced (the seeding hand-off still migrates: without it there is no seeding to ablate).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from services.core.balancer import Hysteresis
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class SystemSpec:
     seeding: Literal["adaptive", "off", "colocated"] = "adaptive"
     migration: bool = True  # preempted responses continue from their collected tokens
     balancing: bool = True  # executing work is rebalanced (the paper's Algorithm 2)
-    fair_reads: bool = False  # a worker reads at most an equal share of the queued jobs
+    fair_reads: bool = True  # the read cap and equal-share balancing (RunSpec.fair_reads)
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)  # when a move is worth its prefill
 
     def sized(self, instances: int) -> "SystemSpec":
         return replace(self, fixed_instances=instances)
@@ -43,7 +47,7 @@ RESERVED_X2 = SystemSpec(
 )
 DISAGG_BAL = SystemSpec("disagg-bal", pool="fixed", seeding="off")
 HYBRID = SystemSpec("hybrid")
-HYBRID_FAIR = SystemSpec("hybrid-fair", fair_reads=True)
+HYBRID_PLATEAU_READS = SystemSpec("hybrid-plateau-reads", fair_reads=False)
 HYBRID_NO_SEEDING = SystemSpec("hybrid-no-seeding", seeding="off")
 HYBRID_NO_MIGRATION = SystemSpec("hybrid-no-migration", migration=False, balancing=False)
 
@@ -52,7 +56,7 @@ SYSTEMS = (
     RESERVED_X2,
     DISAGG_BAL,
     HYBRID,
-    HYBRID_FAIR,
+    HYBRID_PLATEAU_READS,
     HYBRID_NO_SEEDING,
     HYBRID_NO_MIGRATION,
 )

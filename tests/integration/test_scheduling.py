@@ -58,7 +58,7 @@ class SteppedClock:
         self.now += seconds
 
 
-def scheduler(r, window_s: float = WINDOW_S, clock=None) -> StepScheduler:
+def scheduler(r, window_s: float = WINDOW_S, clock=None, fair_reads=True) -> StepScheduler:
     clock = clock or SteppedClock()
     return StepScheduler(
         r=r,
@@ -68,6 +68,7 @@ def scheduler(r, window_s: float = WINDOW_S, clock=None) -> StepScheduler:
         window_s=window_s,
         started=clock(),
         clock=clock,
+        fair_reads=fair_reads,
     )
 
 
@@ -219,7 +220,7 @@ def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty
             "busy": beat("busy", "preemptible", active=6, plateau=4),
             "idle": beat("idle", "preemptible"),
         }
-        sched = scheduler(r)
+        sched = scheduler(r, fair_reads=False)  # Algorithm 2 as the paper states it
         await sched.start(workers)
         await sched.tick(table, workers)
         released = await orders(r, "busy")
@@ -229,10 +230,39 @@ def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty
         assert len(await orders(r, "busy")) == 1
 
         paused = workers | {"idle": beat("idle", "preemptible", paused=True)}
-        other = scheduler(r)
+        other = scheduler(r, fair_reads=False)
         await other.start(paused)
         await other.tick(table, paused)  # a paused worker is no idle worker to balance onto
         assert len(await orders(r, "busy")) == 1
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_fair_reads_publish_an_equal_share_and_balance_onto_it(empty_redis_url):
+    """The read cap counts every worker serving the step's version or loading it (not one that
+    stepped aside); with fair reads the balancer evens executing requests out below the
+    plateau too."""
+
+    async def scenario():
+        r = connect(empty_redis_url)
+        table = new_table(prompts=6, group_size=2)  # 12 requests
+        stream = await queue_jobs(r, table)
+        read = await r.xreadgroup(keys.WORKERS_GROUP, "busy", {stream: ">"}, count=12)
+        assert len(read[0][1]) == 12
+        workers = {
+            "busy": beat("busy", "reserved", active=12, plateau=64),
+            "idle": beat("idle", "preemptible"),
+            "loading": beat("loading", "preemptible", version=STEP - 1),
+            "aside": beat("aside", "reserved", paused=True),
+            "failed": beat("failed", "preemptible", error="engine died"),
+        }
+        sched = scheduler(r, window_s=60.0)
+        await sched.start(workers)
+        await sched.tick(table, workers)
+        assert int(await r.get(keys.read_cap(RUN, STEP))) == 4  # 12 over busy, idle, loading
+        released = await orders(r, "busy")  # over its equal share of the executing (6)
+        assert [(o.action, o.count) for o in released] == [("release", 6)]
         await r.aclose()
 
     asyncio.run(scenario())

@@ -13,7 +13,12 @@ from services.sim.engine import SimEngine
 from services.sim.profile import QWEN3_14B, EngineProfile, roofline
 from services.sim.scenario import paper_14b
 from services.sim.simulation import Simulation
-from services.sim.systems import HYBRID, HYBRID_FAIR, HYBRID_NO_MIGRATION, RESERVED_ONLY
+from services.sim.systems import (
+    HYBRID,
+    HYBRID_NO_MIGRATION,
+    HYBRID_PLATEAU_READS,
+    RESERVED_ONLY,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CHURN = [(15.0 * t, n) for t, n in enumerate([4, 2, 4, 1, 3, 0, 4, 2, 4, 3] * 8)]
@@ -39,10 +44,12 @@ def test_same_seed_same_result_and_another_seed_differs():
     assert a["systems"]["hybrid"] != c["systems"]["hybrid"]
 
 
-FAIR_NO_MIGRATION = replace(HYBRID_NO_MIGRATION, fair_reads=True)  # spot instances hold work
+PLATEAU_NO_MIGRATION = replace(HYBRID_NO_MIGRATION, fair_reads=False)  # the first take all
 
 
-@pytest.mark.parametrize("system", [HYBRID, HYBRID_FAIR, HYBRID_NO_MIGRATION, FAIR_NO_MIGRATION])
+@pytest.mark.parametrize(
+    "system", [HYBRID, HYBRID_PLATEAU_READS, HYBRID_NO_MIGRATION, PLATEAU_NO_MIGRATION]
+)
 @pytest.mark.parametrize("notice_s", [0.0, 30.0])
 def test_tokens_generated_equal_trained_plus_lost(system, notice_s):
     sim = run(system, CHURN, notice_s=notice_s)
@@ -58,9 +65,9 @@ def test_tokens_generated_equal_trained_plus_lost(system, notice_s):
         assert t.lost == 0  # a notice flushes everything, and migration keeps it
     if system.migration:
         assert t.discarded == 0
-    if system == HYBRID_FAIR and notice_s == 0:
+    if system == HYBRID and notice_s == 0:
         assert t.lost_unflushed > 0  # killed mid-flush: the tokens after the last flush
-    if system == FAIR_NO_MIGRATION:
+    if system == HYBRID_NO_MIGRATION:
         assert t.discarded > 0  # preempted responses restarted from zero
 
 
@@ -83,7 +90,7 @@ def test_seeding_window_adapts_with_spot_instances():
 def test_spot_instances_speed_up_and_cost_is_billed():
     out = compare(small_scenario(), [(0.0, 4)], horizon_s=2 * 3600, seed=0).result()
     systems = out["systems"]
-    assert systems["hybrid-fair"]["throughput_tok_s"] > systems["reserved-only"]["throughput_tok_s"]
+    assert systems["hybrid"]["throughput_tok_s"] > systems["reserved-only"]["throughput_tok_s"]
     spot = small_scenario().cloud.spot_instance_per_h
     assert systems["hybrid"]["cost_per_h"] == pytest.approx(83.79 + 4 * spot, rel=0.02)
     assert systems["reserved-x2"]["cost_per_h"] == pytest.approx(2 * 83.79)

@@ -1,0 +1,71 @@
+"""Fair reads with real processes: one reserved and three preemptible workers; the reserved
+worker never holds more than an equal share of a step's requests (it seeds, then steps aside),
+so it cannot take the step for holding the weights first, and the preemptible pool gets work
+from the start."""
+
+import math
+import threading
+
+import redis
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.common import keys
+from services.common.messages import Heartbeat
+from services.common.runspec import RunSpec
+from tests.harness.deploy import Deployment, DeploymentConfig
+from tests.integration.conftest import small_spec, wait_final, wait_until
+
+
+class HoldingsWatch(threading.Thread):
+    """Samples each worker's heartbeat (every 0.1 s): how many requests of each step it holds
+    (executing or in its inbox), the most seen."""
+
+    def __init__(self, r: redis.Redis, run_id: str, workers: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.r, self.run_id, self.workers = r, run_id, workers
+        self.most: dict[tuple[str, int], int] = {}  # (worker, step) -> most held
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            raw = self.r.mget([keys.worker_heartbeat(w) for w in self.workers])
+            for worker, value in zip(self.workers, raw, strict=True):
+                beat = Heartbeat.decode(value) if value else None
+                if beat and beat.run_id == self.run_id and beat.version is not None:
+                    key = (worker, beat.version)
+                    self.most[key] = max(self.most.get(key, 0), beat.active)
+
+
+def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_path, tiny_model):
+    spec = small_spec(tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=12)
+    requests = spec["prompts_per_step"] * spec["group_size"]
+    share = math.ceil(requests / 4)  # four workers serve every step
+    env = {"SPOTRL_STEP_DELAY_MS": "20", "SPOTRL_HEARTBEAT_S": "0.1"}
+    config = DeploymentConfig(
+        tmp_path, reserved=1, preemptible=3, worker_slots=64, flush_tokens=2, extra_env=env
+    )
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        workers = [n for n in dep.procs if n.startswith("rollout-")]
+        assert len(workers) == 4
+        wait_until(lambda: all(r.exists(keys.worker_heartbeat(w)) for w in workers), "beats", 60)
+        run_id = client.submit(spec)
+        watch = HoldingsWatch(r, run_id, workers)
+        watch.start()
+        try:
+            run = wait_final(client, dep, run_id, timeout_s=300)
+        finally:
+            watch.stop.set()
+            watch.join()
+        assert run["state"] == "succeeded"
+        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+        assert audit["lost"] == 0 and audit["duplicated"] == 0
+        r.close()
+    reserved = [w for w in workers if "reserved" in w]
+    held = {key: n for key, n in watch.most.items() if key[0] in reserved}
+    assert held and max(held.values()) <= share, watch.most
+    # not vacuous: the reserved worker seeded, and the preemptible pool held work
+    assert any(n > 0 for n in held.values()), watch.most
+    assert any(n > 0 for (w, _), n in watch.most.items() if w not in reserved), watch.most
