@@ -129,9 +129,11 @@ class WorkerControl(Message, frozen=True, kw_only=True):
     abort: drop `requests` (their lease moved on: fencing). release: give back `count` executing
     requests (load balancing). pause: give back everything and read no job of `version` (a
     reserved worker stepping aside after its seeding window; a newer version resumes it).
+    resume: read jobs of `version` again (the reserved pool recalled: no preemptible worker is
+    left to finish the step).
     """
 
-    action: Literal["abort", "release", "pause"]
+    action: Literal["abort", "release", "pause", "resume"]
     run_id: str
     requests: list[RequestLease] = []
     count: int = 0

@@ -18,7 +18,7 @@ from services.common import keys
 from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
 from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
 from services.core.request_table import RequestTable
-from services.core.seeding import seeding_over
+from services.core.seeding import recall, seeding_over
 
 log = logging.getLogger(__name__)
 WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])
@@ -154,6 +154,7 @@ class StepScheduler:
     seed_end: float | None = None
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)
     fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
+    recalled: float | None = None  # when the reserved pool was called back to the step
     clock: Callable[[], float] = time.monotonic  # the monotonic clock of `started` (tests step it)
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
@@ -176,6 +177,8 @@ class StepScheduler:
             self.clock(), self.seed_start, self.window_s, len(reserved), n_preemptible
         ):
             await self._end_seeding(workers)
+        if self.recalled is None and recall(self.seeded_out, n_preemptible, table.unfinished_count):
+            await self._recall(reserved)
         if self.fair_reads:
             cap = step_read_cap(table.unfinished_count, serving(beats, self.run_id, self.step))
             await self.r.set(keys.read_cap(self.run_id, self.step), cap, ex=CAP_TTL_S)
@@ -206,6 +209,21 @@ class StepScheduler:
                 self.seed_end - self.started,
                 len(reserved),
             )
+
+    async def _recall(self, reserved: list[Heartbeat]) -> None:
+        """No preemptible worker is left: the reserved workers resume the step."""
+        self.recalled = self.clock()
+        for beat in reserved:
+            await order(
+                self.r,
+                beat.worker_id,
+                WorkerControl(action="resume", run_id=self.run_id, version=self.step),
+            )
+        log.warning(
+            "step %d: no preemptible worker left; %d reserved workers resume it",
+            self.step,
+            len(reserved),
+        )
 
     async def _balance(self, table: RequestTable, workers: dict[str, Heartbeat]) -> None:
         summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)

@@ -81,8 +81,9 @@ def train_compute_s(train_s: float, train_wait_s: float, seed_wait_s: float) -> 
 
 
 def after_step(controller: SeedingController, t: StepTimes, adapt: bool = True) -> SeedingUpdate:
-    """After the next version is committed: move T_seed (Algorithm 1, unless `adapt` is off)
-    and work out N_prem from what the step took."""
+    """After the next version is committed: move T_seed (Algorithm 1, unless `adapt` is off or
+    the step had no reserved worker: the trainer's wait then says nothing about seeding) and
+    work out N_prem from what the step took."""
     t_remote_wait = t.committed - t.rollout_end
     remote_from = t.seed_end if t.seed_end is not None else t.started
     n_prem = recommended_pool_size(
@@ -92,11 +93,18 @@ def after_step(controller: SeedingController, t: StepTimes, adapt: bool = True) 
         t.n_reserved,
         t.train_compute_s,
     )
-    if adapt:
+    if adapt and t.n_reserved > 0:  # with no reserved worker there was nothing to seed with
         t_seed = controller.update(t.n_preemptible, t.train_wait_s, t_remote_wait)
     else:
         t_seed = controller.t_seed_s
     return SeedingUpdate(t_remote_wait, t_seed, n_prem)
+
+
+def recall(seeded_out: bool, n_preemptible: int, unfinished: int) -> bool:
+    """Whether the reserved pool, which stepped aside, should resume the step: requests are
+    left and no preemptible worker is alive to do them. The step then never waits for the cloud
+    to give an instance back."""
+    return seeded_out and unfinished > 0 and n_preemptible == 0
 
 
 def seeding_over(

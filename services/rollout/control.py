@@ -66,6 +66,9 @@ class Control:
             await self.flusher.release(self.flusher.held(), "seed")
             async with ctx.engine_lock:
                 await ctx.engine.pause()  # free the accelerator for training
+        elif order.action == "resume" and order.version == ctx.paused_version:
+            # a paused engine may have dropped its weights (vLLM's sleep): load them again
+            ctx.paused_version, ctx.version = None, None
 
     def _abort(self, req: RequestLease) -> None:
         """Drop a request whose lease moved on (fencing); its job entry is no longer ours."""

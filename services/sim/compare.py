@@ -55,6 +55,7 @@ def summarize(sim: Simulation) -> dict:
         ),
         "requests_per_step": sim.sc.workload.prompts_per_step * sim.sc.workload.group_size,
         "stall_s": totals.stall_s,
+        "recalls": totals.recalls,
     }
 
 

@@ -26,7 +26,7 @@ from services.common.messages import (
 )
 from services.core.balancer import WorkerLoad, equal_caps, read_cap, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
-from services.core.seeding import SeedingController
+from services.core.seeding import SeedingController, recall
 from services.sim.engine import SimEngine
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
@@ -102,6 +102,8 @@ class Simulation(StepProtocol):
             while self._events and self._events[0][0] <= self.now:
                 _, _, kind, payload = heapq.heappop(self._events)
                 getattr(self, f"on_{kind}")(payload)
+            if self.system.pool == "trace":
+                self.recall_reserved()
             self.dispatch()
             self.balance()
         return self
@@ -117,16 +119,36 @@ class Simulation(StepProtocol):
             self.totals.stall_s += dt
 
     def stalled(self) -> bool:
-        """Jobs wait, the reserved pool stepped aside, and no preemptible worker is alive: the
-        step waits for the trace to bring an instance back (the coordinator does not call the
-        reserved pool back)."""
+        """Jobs wait, the reserved pool stepped aside and was not recalled, and no preemptible
+        worker is alive: the step waits for the trace to bring an instance back. The recall
+        (`core.seeding.recall`) makes this 0 by construction: it is counted as a check."""
         st = self.cur
         return bool(
             st
             and st.queue
             and st.seeded_out
+            and not st.recalled
             and not any(i.has_heartbeat for i in self.pool_instances())
         )
+
+    def recall_reserved(self) -> None:
+        """No preemptible instance is left after the seeding window: the reserved engines
+        resume the step (after a switch), as the coordinator's `StepScheduler` orders them."""
+        st = self.cur
+        if st is None or st.recalled or st.rollout_end_s is not None:
+            return
+        n_pool = sum(1 for i in self.pool_instances() if i.has_heartbeat)
+        if recall(st.seeded_out, n_pool, st.table.unfinished_count):
+            st.recalled = True
+            self.totals.recalls += 1
+            self.totals.reserved_switch_s += self.sc.resume_s
+            self.at(self.now + self.sc.resume_s, "recalled", st.step)
+
+    def on_recalled(self, step: int) -> None:
+        if self.cur is None or self.cur.step != step:
+            return
+        for inst in self.reserved():
+            inst.version, inst.paused = step, False
 
     # -- instances --------------------------------------------------------------------------
 

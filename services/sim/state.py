@@ -55,6 +55,7 @@ class StepState:
     n_preemptible: int  # at the start of the step, as the coordinator counts it
     seed_start_s: float | None = None
     seeded_out: bool = False
+    recalled: bool = False  # the reserved engines resumed: no preemptible instance was left
     seed_end_s: float | None = None
     rollout_end_s: float | None = None
     ready_groups: deque[int] = field(default_factory=deque)
@@ -96,6 +97,7 @@ class Totals:
     preemptions: int = 0
     migrations: dict[str, int] = field(default_factory=dict)
     stall_s: float = 0.0  # jobs wait and nobody can take them (see Simulation.stalled)
+    recalls: int = 0  # steps the reserved pool resumed: no preemptible instance was left
     reserved_rollout_s: float = 0.0  # some reserved engine running requests
     reserved_train_s: float = 0.0
     reserved_switch_s: float = 0.0

@@ -5,6 +5,7 @@ from the start."""
 
 import math
 import threading
+import time
 
 import redis
 
@@ -69,3 +70,50 @@ def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_pat
     # not vacuous: the reserved worker seeded, and the preemptible pool held work
     assert any(n > 0 for n in held.values()), watch.most
     assert any(n > 0 for (w, _), n in watch.most.items() if w not in reserved), watch.most
+
+
+HEARTBEAT_TTL_S = 1.5
+
+
+def test_reserved_pool_resumes_when_every_preemptible_worker_dies_after_seeding(
+    tmp_path, tiny_model
+):
+    """Every preemptible worker is killed (SIGKILL, no notice) right after step 1's seeding
+    window: the reserved worker is recalled within the heartbeat TTL + 2 s and the run completes
+    with every group exact, without waiting for a worker to come back."""
+    spec = small_spec(
+        tiny_model, steps=3, prompts_per_step=8, group_size=4, max_new_tokens=64, ignore_eos=True
+    )
+    env = {
+        "SPOTRL_STEP_DELAY_MS": "60",  # a step (64 engine steps) outlasts the window and the kill
+        "SPOTRL_HEARTBEAT_S": "0.2",
+        "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
+    }
+    config = DeploymentConfig(
+        tmp_path, reserved=1, preemptible=2, worker_slots=64, flush_tokens=2, extra_env=env
+    )
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        run_id = client.submit(spec)
+        # step 1 seeds with both preemptible workers up: kill them as its window ends
+        wait_until(lambda: r.exists(keys.seed_done(run_id, 1)), "step 1's seeding window", 180)
+        killed_at = time.monotonic()
+        for name in [n for n in dep.procs if n.startswith("rollout-preemptible")]:
+            dep.procs.pop(name).kill()
+        reserved = next(n for n in dep.procs if n.startswith("rollout-reserved"))
+
+        def serving_again() -> bool:
+            raw = r.get(keys.worker_heartbeat(reserved))
+            beat = Heartbeat.decode(raw) if raw else None
+            return bool(beat and beat.version == 1 and not beat.paused and beat.active > 0)
+
+        wait_until(serving_again, "the reserved worker resumed step 1", 60)
+        resumed_s = time.monotonic() - killed_at
+        run = wait_final(client, dep, run_id, timeout_s=300)
+        assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
+        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+        assert audit["lost"] == 0 and audit["duplicated"] == 0
+        assert audit["responses"] == audit["expected_responses"]
+        r.close()
+    assert resumed_s <= HEARTBEAT_TTL_S + 2.0, resumed_s

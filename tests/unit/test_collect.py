@@ -3,6 +3,7 @@ a step (`core.collect`), the balancer's release cooldown, and what a step's time
 and N_prem (`core.seeding.after_step`)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -149,6 +150,9 @@ def test_after_step_moves_t_seed_and_sizes_the_pool_from_the_step_times():
     assert update.n_prem_recommended == recommended_pool_size(45.0, 4, 15.0, 2, 30.0)
     frozen = SeedingController(t_seed_s=10.0)
     assert after_step(frozen, times, adapt=False).t_seed_next_s == 10.0
+    # no reserved worker: the trainer waited on the pool alone, and T_seed must not grow
+    no_reserved = replace(times, n_reserved=0, train_wait_s=60.0)
+    assert after_step(SeedingController(t_seed_s=10.0), no_reserved).t_seed_next_s == 10.0
     alone = after_step(SeedingController(), StepTimes(0, 1, 0.0, None, 50.0, 60.0, 20.0, 0.0))
     assert alone.n_prem_recommended == 0.0  # no pool, no seeding span: nothing to add
     assert math.isinf(

@@ -151,3 +151,17 @@ def test_cli_prints_the_comparison_as_its_last_line(capsys, tmp_path):
         assert result[key] > 0
     assert png.stat().st_size > 10_000
     assert main(["--trace", str(tmp_path / "missing.csv")]) == 2
+
+
+@pytest.mark.parametrize("gone_at_s", [60.0, 120.0, 180.0])
+def test_the_reserved_pool_is_recalled_when_every_spot_instance_is_gone(gone_at_s):
+    """Spot instances vanish for good in the middle of a step: the reserved engines resume it,
+    no step waits (stall_s 0), and every step still trains exactly its workload."""
+    sim = run(HYBRID, [(0.0, 4), (gone_at_s, 0)], steps=6)
+    assert len(sim.records) == 6 and sim.totals.stall_s == 0.0
+    assert sim.totals.generated == sim.totals.trained + sim.totals.lost
+
+
+def test_a_recall_happens_when_the_pool_dies_after_the_seeding_window():
+    recalls = [run(HYBRID, [(0.0, 4), (t, 0)], steps=4).totals.recalls for t in (120.0, 180.0)]
+    assert all(recalls), recalls  # both land after a seeding window (steps take ~50 s)
