@@ -16,30 +16,11 @@ class WorkerLoad:
     plateau: int  # batch size past which its throughput stops growing
 
 
-@dataclass(frozen=True)
-class Hysteresis:
-    """When moving executing requests is worth it: each move costs a prefill of the request's
-    prompt and collected tokens, and the tail of a step reshuffles without end if every small
-    imbalance moves work. A worker releases only when it holds more than (1 + band) x its cap,
-    and at least `min_release` requests; it then releases down to its cap. The default moves
-    every request over the cap (Algorithm 2 as the paper states it)."""
-
-    band: float = 0.0
-    min_release: int = 1
-
-
-def releases(
-    loads: list[WorkerLoad], queued: int, hysteresis: Hysteresis = Hysteresis()
-) -> dict[str, int]:
+def releases(loads: list[WorkerLoad], queued: int) -> dict[str, int]:
     """How many requests each overloaded worker should release; {} when balanced."""
     if queued > 0 or not any(w.executing == 0 for w in loads):
         return {}
-    out = {}
-    for w in loads:
-        excess = w.executing - w.plateau
-        if w.executing > w.plateau * (1 + hysteresis.band) and excess >= hysteresis.min_release:
-            out[w.worker_id] = excess
-    return out
+    return {w.worker_id: w.executing - w.plateau for w in loads if w.executing > w.plateau}
 
 
 def equal_caps(loads: list[WorkerLoad]) -> list[WorkerLoad]:

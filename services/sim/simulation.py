@@ -276,7 +276,7 @@ class Simulation(StepProtocol):
         loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
         if self.system.fair_reads:
             loads = equal_caps(loads)
-        wanted = releases(loads, len(st.queue), self.system.hysteresis)
+        wanted = releases(loads, len(st.queue))
         orders, held = st.release_gate.due(wanted, self.now)
         for at in held:
             self.at(at, "wake")

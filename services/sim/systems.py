@@ -19,10 +19,8 @@
   rebalanced (the seeding hand-off still migrates: without it there is no seeding to ablate).
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
-
-from services.core.balancer import Hysteresis
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,6 @@ class SystemSpec:
     migration: bool = True  # preempted responses continue from their collected tokens
     balancing: bool = True  # executing work is rebalanced (the paper's Algorithm 2)
     fair_reads: bool = True  # the read cap and equal-share balancing (RunSpec.fair_reads)
-    hysteresis: Hysteresis = field(default_factory=Hysteresis)  # when a move is worth its prefill
 
     def sized(self, instances: int) -> "SystemSpec":
         return replace(self, fixed_instances=instances)

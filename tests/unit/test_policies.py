@@ -67,17 +67,6 @@ def test_balancer_does_nothing_when_balanced_or_work_is_queued():
     assert releases([WorkerLoad("a", 2, 8), WorkerLoad("b", 20, 8)], queued=0) == {}
 
 
-def test_hysteresis_moves_only_an_imbalance_worth_a_prefill():
-    from services.core.balancer import Hysteresis
-
-    loads = [WorkerLoad("a", 0, 8), WorkerLoad("b", 9, 8), WorkerLoad("c", 12, 8)]
-    assert releases(loads, queued=0) == {"b": 1, "c": 4}  # the default: all over the cap
-    # band 0.25: only over 10 (8 x 1.25), and then down to the cap
-    assert releases(loads, queued=0, hysteresis=Hysteresis(band=0.25)) == {"c": 4}
-    assert releases(loads, queued=0, hysteresis=Hysteresis(min_release=5)) == {}
-    assert releases(loads, queued=3, hysteresis=Hysteresis(band=0.25)) == {}
-
-
 def test_equal_caps_even_the_workers_out_below_their_plateaus():
     from services.core.balancer import equal_caps
 
