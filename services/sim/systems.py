@@ -7,13 +7,13 @@
 - disagg-bal: the reserved node only trains; rollout runs on a fixed pool of on-demand 2-GPU
   instances, sized so that rollout keeps pace with training (the paper's Disagg.BAL). It gets
   our trainer's micro-batch pipelining and balancing: the strongest fixed-pool baseline.
-- hybrid: ours, as the services run it by default: spot instances that follow the trace,
+- hybrid: ours, as the services run it with `fair_reads = true`: spot instances on the trace,
   seeding with adaptive T_seed, migration, micro-batch pipelining, fair reads (a worker holds
   at most an equal share of the step's unfinished requests among the workers serving or loading
   its version: `core.balancer.read_cap`) and continuous balancing onto equal shares.
 - hybrid-plateau-reads: the same with `fair_reads = false`: a worker reads jobs up to its plateau
   batch size and the balancer moves only what is over a plateau (Algorithm 2 as the paper
-  states it; the services' default before issue 18).
+  states it; the services' default).
 - hybrid-no-seeding: the reserved node never generates while a spot instance is up.
 - hybrid-no-migration: a preempted response restarts from zero and executing work is never
   rebalanced (the seeding hand-off still migrates: without it there is no seeding to ablate).

@@ -39,7 +39,9 @@ class HoldingsWatch(threading.Thread):
 
 
 def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_path, tiny_model):
-    spec = small_spec(tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=12)
+    spec = small_spec(
+        tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=12, fair_reads=True
+    )
     requests = spec["prompts_per_step"] * spec["group_size"]
     share = math.ceil(requests / 4)  # four workers serve every step
     env = {"SPOTRL_STEP_DELAY_MS": "20", "SPOTRL_HEARTBEAT_S": "0.1"}
