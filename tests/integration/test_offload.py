@@ -107,7 +107,13 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
     cost grows with the batch, so throughput saturates near 8) it holds more than its plateau
     while the other worker idles with nothing queued: the surplus migrates (Algorithm 2)."""
     spec = small_spec(
-        tiny_model, steps=2, prompts_per_step=6, group_size=4, max_new_tokens=96, temperature=2.0
+        tiny_model,
+        steps=2,
+        prompts_per_step=6,
+        group_size=4,
+        max_new_tokens=96,
+        temperature=2.0,
+        fair_reads=True,  # the balancer evens the workers out, not only brings them under plateaus
     )  # long-tailed lengths: the batch shrinks as requests end
     env = {
         "SPOTRL_STEP_DELAY_MS": "20",
