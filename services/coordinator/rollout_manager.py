@@ -42,11 +42,11 @@ from services.coordinator.scheduling import (
     count_pools,
     heartbeats,
     serving,
-    step_read_cap,
 )
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_record import adapt, record_rollout
 from services.coordinator.step_store import StepStore
+from services.core.balancer import read_cap
 from services.core.request_table import RequestTable
 from services.core.seeding import SeedingController, StepTimes
 
@@ -210,7 +210,7 @@ class RunManager:
             async with self.r.pipeline(transaction=True) as pipe:
                 if self.spec.fair_reads:
                     n_serving = serving(beats, self.run_id, table.step)
-                    cap = step_read_cap(len(table.requests), n_serving)
+                    cap = read_cap(len(table.requests), n_serving)
                     pipe.set(keys.read_cap(self.run_id, table.step), cap, ex=CAP_TTL_S)
                 for job in table.initial_jobs():
                     pipe.xadd(jobs, job.fields())

@@ -126,12 +126,6 @@ def serving(beats: dict[str, Heartbeat], run_id: str, step: int) -> int:
     )
 
 
-def step_read_cap(unfinished: int, n_serving: int) -> int:
-    """The read cap of a step (`core.balancer.read_cap`); with no worker yet, the first one to
-    come may take what it can hold (the cap follows within a tick as others join)."""
-    return read_cap(unfinished, max(1, n_serving))
-
-
 CAP_TTL_S = 3600  # a read cap outlives a coordinator that dies mid-step by this long at most
 
 
@@ -180,7 +174,7 @@ class StepScheduler:
         if self.recalled is None and recall(self.seeded_out, n_preemptible, table.unfinished_count):
             await self._recall(reserved)
         if self.fair_reads:
-            cap = step_read_cap(table.unfinished_count, serving(beats, self.run_id, self.step))
+            cap = read_cap(table.unfinished_count, serving(beats, self.run_id, self.step))
             await self.r.set(keys.read_cap(self.run_id, self.step), cap, ex=CAP_TTL_S)
         await self._balance(table, workers)
 

@@ -44,8 +44,9 @@ def read_cap(unfinished: int, serving: int) -> int:
     loading it (alive, not stepped aside). Counting those still loading is what keeps the first
     workers to hold the weights (the reserved pool's, seconds ahead of a spot instance's pull)
     from taking the whole step, only for the balancer to move most of it again as each spot
-    worker arrives."""
-    return fair_share(unfinished, serving)
+    worker arrives. With no worker known yet, the first one to come may take what it can hold
+    (the cap follows as others join)."""
+    return fair_share(unfinished, max(1, serving))
 
 
 RELEASE_COOLDOWN_S = 1.0  # the least time between two release orders to one worker

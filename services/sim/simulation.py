@@ -254,13 +254,10 @@ class Simulation(StepProtocol):
     def serving(self, st: StepState) -> int:
         """The instances serving the step's version or loading it, as the coordinator counts
         them (`scheduling.serving`): registered, and not a reserved engine that stepped aside."""
-        return max(
-            1,
-            sum(
-                1
-                for i in self.instances.values()
-                if i.has_heartbeat and (i.pool != "reserved" or not st.seeded_out)
-            ),
+        return sum(
+            1
+            for i in self.instances.values()
+            if i.has_heartbeat and (i.pool != "reserved" or not st.seeded_out)
         )
 
     def start_job(self, inst: Instance, job: Job) -> None:
