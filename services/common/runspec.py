@@ -112,11 +112,10 @@ class RunSpec(BaseModel):
         description="Continue a preempted response from its collected tokens (False: restart it).",
     )
     fair_reads: bool = Field(
-        False,
+        True,
         description="Each worker holds at most an equal share of a step's unfinished requests "
         "among the workers serving or loading its version, and the balancer evens executing "
-        "requests out (False: a worker reads up to its plateau batch size, as in the paper). "
-        "Opt-in for now: a step stalled once with it under the crash suite.",
+        "requests out (False: a worker reads up to its plateau batch size, as in the paper).",
     )
     ignore_eos: bool = Field(False, description="Generate max_new_tokens, ignoring end-of-text.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompts and sampling.")

@@ -40,6 +40,15 @@ class JobInbox:
         waiting, self._waiting = self._waiting, []
         return waiting
 
+    def jobs(self) -> list[Job]:
+        return [job for _, job in self._waiting]
+
+    def take(self, request_ids: set[str]) -> list[tuple[bytes, Job]]:
+        """Remove the jobs of `request_ids`; the others keep waiting, in order."""
+        taken = [(e, job) for e, job in self._waiting if job.request_id in request_ids]
+        self._waiting = [(e, job) for e, job in self._waiting if job.request_id not in request_ids]
+        return taken
+
     def put_back(self, waiting: list[tuple[bytes, Job]]) -> None:
         """Jobs taken that must wait on: they go first again."""
         self._waiting[:0] = waiting

@@ -55,21 +55,26 @@ class Flusher:
         )
 
     def held(self) -> list[RequestLease]:
-        """Every request this worker holds, those never started first, then by tokens left."""
+        """Every request this worker holds, those never started first, then by tokens left.
+        Only a look: what is not released goes on as before."""
         ctx = self.ctx
-        held = []
-        for entry_id, job in ctx.inbox.take_all():  # read from the stream but never started
-            held.append(RequestLease(request_id=job.request_id, lease=job.lease))
-            ctx.buffer.hold(job.request_id, entry_id)
+        waiting = [
+            RequestLease(request_id=job.request_id, lease=job.lease) for job in ctx.inbox.jobs()
+        ]
         running = ctx.buffer.running()
         running.sort(key=lambda lease: ctx.engine.tokens_left(lease.request_id), reverse=True)
-        return held + running
+        return waiting + running
 
     async def release(self, leases: list[RequestLease], reason: ReleaseReason) -> int:
-        """Flush, then give `leases` back to the coordinator, which migrates them."""
+        """Flush, then give `leases` back to the coordinator, which migrates them: those
+        generating are aborted, those read and never started leave the inbox (their job
+        entries are acknowledged with the flush)."""
+        ctx = self.ctx
+        for entry_id, job in ctx.inbox.take({req.request_id for req in leases}):
+            ctx.buffer.hold(job.request_id, entry_id)
         for req in leases:
-            self.ctx.engine.abort(req.request_id)
-        self.ctx.slot_freed.set()
+            ctx.engine.abort(req.request_id)
+        ctx.slot_freed.set()
         await self.flush(released=leases, reason=reason)
         if leases:
             log.info("released %d requests (%s)", len(leases), reason)

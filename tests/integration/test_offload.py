@@ -113,7 +113,7 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         group_size=4,
         max_new_tokens=96,
         temperature=2.0,
-        fair_reads=True,  # the balancer evens the workers out, not only brings them under plateaus
+        fair_reads=False,  # Algorithm 2 as the paper states it: the surplus over the plateau
     )  # long-tailed lengths: the batch shrinks as requests end
     env = {
         "SPOTRL_STEP_DELAY_MS": "20",
