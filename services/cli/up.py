@@ -60,6 +60,7 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
         "migrations": migration_totals(rows),
         "t_seed_s_last": next((r["t_seed_s"] for r in reversed(rows) if "t_seed_s" in r), None),
         "n_prem_recommended": run.get("n_prem_recommended"),
+        "preemptible_wanted": run.get("preemptible_wanted"),
         "wall_s": round(wall_s, 1),
     }
 

@@ -107,7 +107,9 @@ class RunManager:
             step = await self._wait_version(step + 1)
             # no restart can need the step any more: its version is trained and committed
             await self.r.unlink(*done.scratch)
-            await adapt(self.r, self.run_id, self.seeding, done.step, done.times)
+            await adapt(
+                self.r, self.run_id, self.seeding, done.step, done.times, self.spec.pool_headroom
+            )
 
     async def _check_running(self) -> None:
         await ensure_live(self.r, self.run_id)

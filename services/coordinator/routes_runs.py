@@ -80,6 +80,7 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
             groups_incomplete=int(incomplete or 0),
             t_seed_s=float(run["t_seed_s"]) if "t_seed_s" in run else None,
             n_prem_recommended=json.loads(run.get("n_prem_recommended", "null")),
+            preemptible_wanted=json.loads(run.get("preemptible_wanted", "null")),
             created_at=float(run["created_at"]),
             started_at=float(run["started_at"]) if "started_at" in run else None,
             finished_at=float(run["finished_at"]) if "finished_at" in run else None,

@@ -27,6 +27,11 @@ class RunPublic(BaseModel):
     n_prem_recommended: float | None = Field(
         None, description="Preemptible pool size past which the step gets no shorter."
     )
+    preemptible_wanted: int | None = Field(
+        None,
+        description="Preemptible workers a scaler should hold: N_prem times the spec's "
+        "pool_headroom, rounded up (null until a step is trained: hold what you can get).",
+    )
     created_at: float
     started_at: float | None
     finished_at: float | None

@@ -20,7 +20,13 @@ from services.common import keys, timeline
 from services.common.step_metrics import StepRow, read_step, record_step
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.request_table import Applied, RequestTable
-from services.core.seeding import SeedingController, StepTimes, after_step, train_compute_s
+from services.core.seeding import (
+    SeedingController,
+    StepTimes,
+    after_step,
+    pool_target,
+    train_compute_s,
+)
 
 log = logging.getLogger(__name__)
 ROLLOUT_S = Histogram(
@@ -29,6 +35,9 @@ ROLLOUT_S = Histogram(
     buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
 N_PREM = Gauge("spotrl_coordinator_n_prem_recommended", "Preemptible pool size worth having")
+WANTED = Gauge(
+    "spotrl_coordinator_preemptible_wanted", "Preemptible workers a scaler should hold (0: all)"
+)
 REWARD = Gauge("spotrl_coordinator_reward_mean", "Mean reward of the newest rollout step")
 STEP_TOK_S = Gauge(
     "spotrl_coordinator_step_tokens_per_second", "Rollout tokens/s of the newest step (all pools)"
@@ -96,10 +105,16 @@ async def record_rollout(
 
 
 async def adapt(
-    r: aioredis.Redis, run_id: str, seeding: SeedingController, step: int, times: StepTimes
+    r: aioredis.Redis,
+    run_id: str,
+    seeding: SeedingController,
+    step: int,
+    times: StepTimes,
+    pool_headroom: float,
 ) -> None:
     """After the trainer committed the version trained on `step` (whose rollout took `times`):
-    move T_seed (Algorithm 1) and work out the preemptible pool size worth having."""
+    move T_seed (Algorithm 1), work out the preemptible pool size worth having and the pool a
+    scaler should hold (`preemptible_wanted`)."""
     trained = await read_step(r, run_id, step)
     train_wait_s = trained.train_wait_s or 0.0
     compute_s = train_compute_s(trained.train_s or 0.0, train_wait_s, trained.seed_wait_s or 0.0)
@@ -117,8 +132,14 @@ async def adapt(
         n_prem_recommended=update.n_prem_recommended,
     )
     await record_step(r, run_id, step, row)
+    wanted = pool_target(update.n_prem_recommended, pool_headroom)
     await r.hset(
         keys.run(run_id),
-        mapping={"t_seed_s": update.t_seed_next_s, "n_prem_recommended": json.dumps(n_prem)},
+        mapping={
+            "t_seed_s": update.t_seed_next_s,
+            "n_prem_recommended": json.dumps(n_prem),
+            "preemptible_wanted": json.dumps(wanted),
+        },
     )
     N_PREM.set(n_prem or 0)
+    WANTED.set(wanted or 0)

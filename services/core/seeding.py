@@ -3,13 +3,27 @@
 At the start of a step the reserved workers generate for a window T_seed, then step aside; their
 in-flight requests migrate to the preemptible pool as seeds. After each step:
 
-    T_seed <- max(min, T_seed + (t_train_wait - t_remote_wait) / eta)
+    T_seed <- max(min, T_seed + (t_train_wait - wait_share * t_train_compute) / eta)
 
 where t_train_wait is the trainer's idle time waiting for groups after the reserved pool stepped
-aside and t_remote_wait the preemptible pool's idle time at the end of the step. The value that
-worked is remembered per preemptible-pool size; when the size changes to one seen before, the
-controller jumps straight to it. With no preemptible worker the window is unbounded: the reserved
-pool does all of the rollout.
+aside and t_train_compute its busy time on the step. The value that worked is remembered per
+preemptible-pool size; when the size changes to one seen before, the controller jumps straight
+to it. With no preemptible worker the window is unbounded: the reserved pool does all of the
+rollout.
+
+The paper moves T_seed by (t_train_wait - t_remote_wait) / eta, t_remote_wait being the
+preemptible pool's idle time at the step's end. That balances two idle times when training
+starts after the whole rollout. Our trainer trains each group as it completes, so the pool's
+wait at the end is mostly the training still queued when the last group came in: seeding does
+not cause it and a shorter window does not remove it. The paper's rule then shrinks T_seed to 0
+while the trainer still idles at the start of every step (in the simulator, with 4 spot
+instances, the trainer waited 144 s a step at T_seed 0 and 29 s at 80 s, whose steps were 7%
+shorter). What seeding buys is the trainer's wait: the reserved node generates instead of
+idling. So the window grows while the trainer waits after it, and shrinks once the trainer no
+longer waits (a window longer than that wait only delays training, second for second): it
+settles where the trainer waits about `wait_share` of its compute time. How much too long a
+window was the trainer's wait cannot say (it is 0 either way), so a step where the trainer
+waited less than that also drops `backoff` of the window.
 """
 
 import math
@@ -20,6 +34,8 @@ from dataclasses import dataclass, field
 class SeedingController:
     t_seed_s: float = 2.0
     eta: float = 2.0
+    wait_share: float = 0.05  # the trainer's wait after the window it settles at, per compute
+    backoff: float = 0.1  # the share of the window dropped after a step the trainer hardly waited
     min_seed_s: float = 0.0
     max_seed_s: float = 3600.0
     memory: dict[int, float] = field(default_factory=dict)
@@ -32,12 +48,16 @@ class SeedingController:
         self.count = n_preemptible
         return math.inf if n_preemptible == 0 else self.t_seed_s
 
-    def update(self, n_preemptible: int, t_train_wait_s: float, t_remote_wait_s: float) -> float:
-        """Move T_seed toward equal idle times; remember it for this pool size."""
+    def update(self, n_preemptible: int, t_train_wait_s: float, t_train_compute_s: float) -> float:
+        """Move T_seed toward a trainer that waits `wait_share` of its compute time after the
+        window; remember it for this pool size."""
         if n_preemptible == 0:
             return self.t_seed_s
-        step = (t_train_wait_s - t_remote_wait_s) / self.eta
-        self.t_seed_s = min(self.max_seed_s, max(self.min_seed_s, self.t_seed_s + step))
+        target = self.wait_share * t_train_compute_s
+        t_seed = self.t_seed_s + (t_train_wait_s - target) / self.eta
+        if t_train_wait_s < target:  # the window was long enough, maybe far too long
+            t_seed -= self.backoff * self.t_seed_s
+        self.t_seed_s = min(self.max_seed_s, max(self.min_seed_s, t_seed))
         self.memory[n_preemptible] = self.t_seed_s
         self.count = n_preemptible
         return self.t_seed_s
@@ -52,6 +72,17 @@ def recommended_pool_size(
     if t_train_s <= 0:
         return math.inf
     return (t_remote_s * n_preemptible + t_seed_s * n_reserved) / t_train_s
+
+
+def pool_target(n_prem_recommended: float, headroom: float) -> int | None:
+    """How many preemptible instances a scaler should hold: N_prem with `headroom` for the
+    step's long tail and for the next preemption, rounded up, at least one. None while N_prem
+    is unknown (no step trained yet): hold what the cloud gives. Past N_prem an instance only
+    idles while the trainer works, so holding every instance the cloud offers buys no speed
+    and costs money."""
+    if math.isinf(n_prem_recommended) or math.isnan(n_prem_recommended):
+        return None
+    return max(1, math.ceil(n_prem_recommended * headroom))
 
 
 @dataclass(frozen=True)
@@ -94,7 +125,7 @@ def after_step(controller: SeedingController, t: StepTimes, adapt: bool = True) 
         t.train_compute_s,
     )
     if adapt and t.n_reserved > 0:  # with no reserved worker there was nothing to seed with
-        t_seed = controller.update(t.n_preemptible, t.train_wait_s, t_remote_wait)
+        t_seed = controller.update(t.n_preemptible, t.train_wait_s, t.train_compute_s)
     else:
         t_seed = controller.t_seed_s
     return SeedingUpdate(t_remote_wait, t_seed, n_prem)

@@ -56,6 +56,7 @@ def summarize(sim: Simulation) -> dict:
         "requests_per_step": sim.sc.workload.prompts_per_step * sim.sc.workload.group_size,
         "stall_s": totals.stall_s,
         "recalls": totals.recalls,
+        "scaled_in": totals.scaled_in,
     }
 
 
@@ -84,6 +85,7 @@ class Comparison:
             "seeding_gain": self.ratio("hybrid", "hybrid-no-seeding", "throughput_tok_s"),
             "migration_gain": self.ratio("hybrid", "hybrid-no-migration", "throughput_tok_s"),
             "fair_reads_gain": self.ratio("hybrid", "hybrid-plateau-reads", "throughput_tok_s"),
+            "pool_sizing_cost_gain": self.ratio("hybrid", "hybrid-all-spot", "tokens_per_dollar"),
             "hybrid_balance_migrations_per_step": self.summaries.get("hybrid", {}).get(
                 "balance_migrations_per_step"
             ),

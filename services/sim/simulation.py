@@ -55,7 +55,9 @@ class Simulation(StepProtocol):
         self.version = 0  # latest committed weights
         self.cur: StepState | None = None
         self.records: list[StepRecord] = []
-        self.spot_timeline: list[tuple[float, int]] = []
+        self.spot_timeline: list[tuple[float, int]] = []  # the trace: instances offered
+        self.available = 0  # instances the cloud offers now
+        self.wanted: int | None = None  # the pool the coordinator asks for (None: all)
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._names = itertools.count()
@@ -153,6 +155,20 @@ class Simulation(StepProtocol):
     # -- instances --------------------------------------------------------------------------
 
     def on_target(self, count: int) -> None:
+        """The trace: the cloud now offers `count` instances. An instance it takes back is
+        preempted (a random one of those held); a scaler holds min(offered, wanted)."""
+        self.available = count
+        self.spot_timeline.append((self.now, count))
+        self.hold(count if self.wanted is None else min(count, self.wanted), scale_in=False)
+
+    def want(self, wanted: int | None) -> None:
+        """The scaler follows the coordinator's `preemptible_wanted`, between steps (the pool
+        is idle then: an instance handed back loses no work)."""
+        self.wanted = wanted
+        target = self.available if wanted is None else min(self.available, wanted)
+        self.hold(target, scale_in=True)
+
+    def hold(self, count: int, scale_in: bool) -> None:
         live = [i for i in self.pool_instances() if i.state != "noticed"]
         for _ in range(count - len(live)):
             name = f"spot-{next(self._names)}"
@@ -163,9 +179,18 @@ class Simulation(StepProtocol):
                 name, "preemptible", SimEngine(self.sc.spot_engine), price, self.now
             )
             self.at(self.now + self.sc.cloud.startup_s, "booted", name)
-        for victim in self.rng.sample(live, max(0, len(live) - count)):
-            self.preempt(victim)
-        self.spot_timeline.append((self.now, count))
+        excess = max(0, len(live) - count)
+        if not scale_in:
+            for victim in self.rng.sample(live, excess):
+                self.preempt(victim)
+            return
+        # handed back: those not serving yet first, then the newest
+        order = {"booting": 0, "pulling": 1, "up": 2}
+        live.sort(key=lambda i: (order.get(i.state, 3), -i.born_s))
+        for inst in live[:excess]:
+            self.release(inst, len(inst.engine.running), "preemption")  # none between steps
+            self.totals.scaled_in += 1
+            self.on_gone(inst.name)
 
     def pool_instances(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.pool == "preemptible" and i.state != "gone"]

@@ -98,6 +98,7 @@ class Totals:
     migrations: dict[str, int] = field(default_factory=dict)
     stall_s: float = 0.0  # jobs wait and nobody can take them (see Simulation.stalled)
     recalls: int = 0  # steps the reserved pool resumed: no preemptible instance was left
+    scaled_in: int = 0  # instances handed back because the pool was larger than wanted
     reserved_rollout_s: float = 0.0  # some reserved engine running requests
     reserved_train_s: float = 0.0
     reserved_switch_s: float = 0.0

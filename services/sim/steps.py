@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.common.messages import ReleaseReason
 from services.core.request_table import RequestTable, request_id
-from services.core.seeding import SeedingController, StepTimes, after_step
+from services.core.seeding import SeedingController, StepTimes, after_step, pool_target
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -41,6 +41,7 @@ class StepProtocol:
         def pool_instances(self) -> list[Instance]: ...
         def pull(self, inst: Instance) -> None: ...
         def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None: ...
+        def want(self, wanted: int | None) -> None: ...
 
     @property
     def step_in_flight(self) -> StepState:
@@ -209,5 +210,8 @@ class StepProtocol:
                 n_prem_recommended=update.n_prem_recommended,
             )
         )
+        headroom = self.system.pool_headroom
+        if self.system.pool == "trace" and headroom is not None:
+            self.want(pool_target(update.n_prem_recommended, headroom))
         if not self.finished():
             self.start_step(step + 1)

@@ -13,7 +13,10 @@
   its version: `core.balancer.read_cap`) and continuous balancing onto equal shares.
 - hybrid-plateau-reads: the same with `fair_reads = false`: a worker reads jobs up to its plateau
   batch size and the balancer moves only what is over a plateau (Algorithm 2 as the paper
-  states it; the services' default).
+  states it; the services' policy before issue 18).
+- hybrid-all-spot: the same holding every spot instance the trace offers, where the hybrid
+  holds only the pool the coordinator asks for (`preemptible_wanted`: N_prem from the last step
+  times `RunSpec.pool_headroom`, never more than the trace offers).
 - hybrid-no-seeding: the reserved node never generates while a spot instance is up.
 - hybrid-no-migration: a preempted response restarts from zero and executing work is never
   rebalanced (the seeding hand-off still migrates: without it there is no seeding to ablate).
@@ -21,6 +24,8 @@
 
 from dataclasses import dataclass, replace
 from typing import Literal
+
+from services.common.runspec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class SystemSpec:
     migration: bool = True  # preempted responses continue from their collected tokens
     balancing: bool = True  # executing work is rebalanced (the paper's Algorithm 2)
     fair_reads: bool = True  # the read cap and equal-share balancing (RunSpec.fair_reads)
+    # a trace pool follows the coordinator's `preemptible_wanted` (N_prem times this); None:
+    # it holds every instance the cloud offers
+    pool_headroom: float | None = RunSpec.model_fields["pool_headroom"].default
 
     def sized(self, instances: int) -> "SystemSpec":
         return replace(self, fixed_instances=instances)
@@ -45,6 +53,7 @@ RESERVED_X2 = SystemSpec(
 DISAGG_BAL = SystemSpec("disagg-bal", pool="fixed", seeding="off")
 HYBRID = SystemSpec("hybrid")
 HYBRID_PLATEAU_READS = SystemSpec("hybrid-plateau-reads", fair_reads=False)
+HYBRID_ALL_SPOT = SystemSpec("hybrid-all-spot", pool_headroom=None)
 HYBRID_NO_SEEDING = SystemSpec("hybrid-no-seeding", seeding="off")
 HYBRID_NO_MIGRATION = SystemSpec("hybrid-no-migration", migration=False, balancing=False)
 
@@ -54,6 +63,7 @@ SYSTEMS = (
     DISAGG_BAL,
     HYBRID,
     HYBRID_PLATEAU_READS,
+    HYBRID_ALL_SPOT,
     HYBRID_NO_SEEDING,
     HYBRID_NO_MIGRATION,
 )

@@ -3,6 +3,7 @@ of the rollout; with one reserved and two preemptible workers the reserved one s
 steps aside, and its requests continue on the preemptible pool as seeds."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,9 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
     assert "t_remote_wait_s" in first and first["n_prem_recommended"] > 0
     assert rows[1]["t_seed_s"] == pytest.approx(first["t_seed_next_s"])
     assert run["t_seed_s"] is not None and run["n_prem_recommended"] > 0
+    # the pool a scaler should hold: N_prem times the spec's headroom, rounded up
+    headroom = RunSpec.model_validate(spec).pool_headroom
+    assert run["preemptible_wanted"] == max(1, math.ceil(run["n_prem_recommended"] * headroom))
 
 
 def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_model):

@@ -146,7 +146,8 @@ def test_after_step_moves_t_seed_and_sizes_the_pool_from_the_step_times():
     )
     update = after_step(controller, times)
     assert update.t_remote_wait_s == 10.0
-    assert update.t_seed_next_s == 10.0 + (4.0 - 10.0) / 2.0 == controller.t_seed_s
+    # the trainer waited 4 s after the window; its share is 5% of 30 s of compute
+    assert update.t_seed_next_s == 10.0 + (4.0 - 0.05 * 30.0) / 2.0 == controller.t_seed_s
     assert update.n_prem_recommended == recommended_pool_size(45.0, 4, 15.0, 2, 30.0)
     frozen = SeedingController(t_seed_s=10.0)
     assert after_step(frozen, times, adapt=False).t_seed_next_s == 10.0

@@ -6,35 +6,37 @@ import pytest
 
 from services.core.balancer import WorkerLoad, releases
 from services.core.plateau import PlateauEstimator
-from services.core.seeding import SeedingController, recommended_pool_size
+from services.core.seeding import SeedingController, pool_target, recommended_pool_size
 
 
-def test_t_seed_moves_toward_equal_idle_times():
-    c = SeedingController(t_seed_s=4.0, eta=2.0)
+def test_t_seed_grows_while_the_trainer_waits_and_shrinks_once_it_does_not():
+    c = SeedingController(t_seed_s=4.0, eta=2.0, wait_share=0.1)
     assert c.window_s(2) == 4.0
-    # trainer idles 3 s, remote pool 1 s: reserved should seed longer
-    assert c.update(2, t_train_wait_s=3.0, t_remote_wait_s=1.0) == 5.0
-    # remote pool idles more: seed shorter
-    assert c.update(2, t_train_wait_s=0.0, t_remote_wait_s=4.0) == 3.0
-    # a system whose idle gap shrinks as T_seed grows converges to equal idle times
-    c = SeedingController(t_seed_s=0.0, eta=2.0)
-    for _ in range(50):
-        gap = 6.0 - 2 * c.t_seed_s  # train wait - remote wait, a made-up linear system
-        c.update(3, gap / 2 + 1, -gap / 2 + 1)
-    assert c.t_seed_s == pytest.approx(3.0, abs=1e-3)
+    # the trainer waited 3 s after the window, 1 s is its share of 10 s of compute: seed longer
+    assert c.update(2, t_train_wait_s=3.0, t_train_compute_s=10.0) == 5.0
+    # it never waited: the window only delayed training: seed shorter, and drop 10% of it (how
+    # much too long it was, a wait of 0 cannot say)
+    assert c.update(2, t_train_wait_s=0.0, t_train_compute_s=40.0) == 5.0 - 4.0 / 2 - 0.5
+    # a step whose trainer waits less as T_seed grows, until it does not wait at all (past
+    # that, the window only delays training): T_seed settles where the wait is its share
+    c = SeedingController(t_seed_s=0.0, eta=2.0, wait_share=0.05)
+    for _ in range(60):
+        wait = max(0.0, 30.0 - 0.5 * c.t_seed_s)  # made up: 30 s at T_seed 0, none from 60 s
+        c.update(3, wait, t_train_compute_s=100.0)
+    assert c.t_seed_s == pytest.approx(50.0, abs=0.5)  # waits 5 s = 5% of 100 s
 
 
 def test_t_seed_is_bounded_below():
     c = SeedingController(t_seed_s=1.0, eta=1.0, min_seed_s=0.5)
-    assert c.update(1, 0.0, 10.0) == 0.5
+    assert c.update(1, 0.0, 100.0) == 0.5
 
 
 def test_memory_jumps_to_the_value_of_a_pool_size_seen_before():
-    c = SeedingController(t_seed_s=2.0, eta=1.0)
+    c = SeedingController(t_seed_s=2.0, eta=1.0, wait_share=0.1, backoff=0.0)  # 1 s of 10 s
     c.window_s(4)
-    c.update(4, 5.0, 0.0)  # 7.0 worked for 4 instances
+    c.update(4, 6.0, 10.0)  # 7.0 worked for 4 instances
     c.window_s(2)
-    c.update(2, 0.0, 1.0)  # 6.0 for 2 instances
+    c.update(2, 0.0, 10.0)  # 6.0 for 2 instances
     assert c.window_s(4) == 7.0
     assert c.window_s(2) == 6.0
     assert c.window_s(2) == 6.0  # same size: no jump, keeps the current value
@@ -49,6 +51,13 @@ def test_no_preemptible_worker_means_no_seeding_window():
 def test_recommended_pool_size_follows_the_formula():
     assert recommended_pool_size(30.0, 4, 10.0, 2, 20.0) == (30 * 4 + 10 * 2) / 20
     assert recommended_pool_size(1.0, 1, 1.0, 1, 0.0) == math.inf
+
+
+def test_the_pool_a_scaler_should_hold_is_n_prem_with_headroom():
+    assert pool_target(4.0, 1.25) == 5
+    assert pool_target(4.1, 1.0) == 5  # rounded up: a fraction of an instance is one instance
+    assert pool_target(0.2, 1.25) == 1  # at least one: seeding needs somewhere to hand off
+    assert pool_target(math.inf, 1.25) is None  # no step trained yet: hold what the cloud gives
 
 
 def test_balancer_releases_exactly_the_surplus():

@@ -15,6 +15,7 @@ from services.sim.scenario import paper_14b
 from services.sim.simulation import Simulation
 from services.sim.systems import (
     HYBRID,
+    HYBRID_ALL_SPOT,
     HYBRID_NO_MIGRATION,
     HYBRID_PLATEAU_READS,
     RESERVED_ONLY,
@@ -29,7 +30,8 @@ def small_scenario(**cloud):
     sc = paper_14b().with_workload(
         prompts_per_step=16, group_size=4, median_response_tokens=600, max_response_tokens=2048
     )
-    return replace(sc, cloud=replace(sc.cloud, startup_s=20.0, **cloud))
+    # steps of ~50 s: a first window of 30 s (the 14B default) would seed a whole rollout
+    return replace(sc, initial_t_seed_s=5.0, cloud=replace(sc.cloud, startup_s=20.0, **cloud))
 
 
 def run(system, targets, steps=8, **cloud):
@@ -48,7 +50,8 @@ PLATEAU_NO_MIGRATION = replace(HYBRID_NO_MIGRATION, fair_reads=False)  # the fir
 
 
 @pytest.mark.parametrize(
-    "system", [HYBRID, HYBRID_PLATEAU_READS, HYBRID_NO_MIGRATION, PLATEAU_NO_MIGRATION]
+    "system",
+    [HYBRID, HYBRID_ALL_SPOT, HYBRID_PLATEAU_READS, HYBRID_NO_MIGRATION, PLATEAU_NO_MIGRATION],
 )
 @pytest.mark.parametrize("notice_s", [0.0, 30.0])
 def test_tokens_generated_equal_trained_plus_lost(system, notice_s):
@@ -65,7 +68,7 @@ def test_tokens_generated_equal_trained_plus_lost(system, notice_s):
         assert t.lost == 0  # a notice flushes everything, and migration keeps it
     if system.migration:
         assert t.discarded == 0
-    if system == HYBRID and notice_s == 0:
+    if system == HYBRID_ALL_SPOT and notice_s == 0:  # (the hybrid holds fewer: less churn)
         assert t.lost_unflushed > 0  # killed mid-flush: the tokens after the last flush
     if system == HYBRID_NO_MIGRATION:
         assert t.discarded > 0  # preempted responses restarted from zero
@@ -163,5 +166,5 @@ def test_the_reserved_pool_is_recalled_when_every_spot_instance_is_gone(gone_at_
 
 
 def test_a_recall_happens_when_the_pool_dies_after_the_seeding_window():
-    recalls = [run(HYBRID, [(0.0, 4), (t, 0)], steps=4).totals.recalls for t in (120.0, 180.0)]
-    assert all(recalls), recalls  # both land after a seeding window (steps take ~50 s)
+    recalls = [run(HYBRID, [(0.0, 4), (t, 0)], steps=4).totals.recalls for t in (115.0, 155.0)]
+    assert all(recalls), recalls  # both land after a seeding window (mid-rollout: steps take ~40 s)
