@@ -38,6 +38,32 @@ class HoldingsWatch(threading.Thread):
                     self.most[key] = max(self.most.get(key, 0), beat.active)
 
 
+def deployment(tmp_path, reserved: int, preemptible: int, env: dict[str, str]) -> Deployment:
+    config = DeploymentConfig(
+        tmp_path,
+        reserved=reserved,
+        preemptible=preemptible,
+        worker_slots=64,
+        flush_tokens=2,
+        extra_env=env,
+    )
+    return Deployment(config)
+
+
+def heartbeat(r: redis.Redis, worker: str) -> Heartbeat | None:
+    raw = r.get(keys.worker_heartbeat(worker))
+    return Heartbeat.decode(raw) if raw else None
+
+
+def finish_exact(client: CoordinatorClient, dep: Deployment, run_id: str, spec: dict) -> None:
+    """The run succeeds with every group of every step exact: nothing lost or duplicated."""
+    run = wait_final(client, dep, run_id, timeout_s=300)
+    assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
+    audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+    assert audit["lost"] == 0 and audit["duplicated"] == 0
+    assert audit["responses"] == audit["expected_responses"]
+
+
 def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_path, tiny_model):
     spec = small_spec(
         tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=12, fair_reads=True
@@ -45,10 +71,7 @@ def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_pat
     requests = spec["prompts_per_step"] * spec["group_size"]
     share = math.ceil(requests / 4)  # four workers serve every step
     env = {"SPOTRL_STEP_DELAY_MS": "20", "SPOTRL_HEARTBEAT_S": "0.1"}
-    config = DeploymentConfig(
-        tmp_path, reserved=1, preemptible=3, worker_slots=64, flush_tokens=2, extra_env=env
-    )
-    with Deployment(config) as dep:
+    with deployment(tmp_path, 1, 3, env) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         workers = [n for n in dep.procs if n.startswith("rollout-")]
@@ -58,13 +81,10 @@ def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_pat
         watch = HoldingsWatch(r, run_id, workers)
         watch.start()
         try:
-            run = wait_final(client, dep, run_id, timeout_s=300)
+            finish_exact(client, dep, run_id, spec)
         finally:
             watch.stop.set()
             watch.join()
-        assert run["state"] == "succeeded"
-        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
-        assert audit["lost"] == 0 and audit["duplicated"] == 0
         r.close()
     reserved = [w for w in workers if "reserved" in w]
     held = {key: n for key, n in watch.most.items() if key[0] in reserved}
@@ -91,10 +111,7 @@ def test_reserved_pool_resumes_when_every_preemptible_worker_dies_after_seeding(
         "SPOTRL_HEARTBEAT_S": "0.2",
         "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
     }
-    config = DeploymentConfig(
-        tmp_path, reserved=1, preemptible=2, worker_slots=64, flush_tokens=2, extra_env=env
-    )
-    with Deployment(config) as dep:
+    with deployment(tmp_path, 1, 2, env) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
         run_id = client.submit(spec)
@@ -106,16 +123,44 @@ def test_reserved_pool_resumes_when_every_preemptible_worker_dies_after_seeding(
         reserved = next(n for n in dep.procs if n.startswith("rollout-reserved"))
 
         def serving_again() -> bool:
-            raw = r.get(keys.worker_heartbeat(reserved))
-            beat = Heartbeat.decode(raw) if raw else None
+            beat = heartbeat(r, reserved)
             return bool(beat and beat.version == 1 and not beat.paused and beat.active > 0)
 
         wait_until(serving_again, "the reserved worker resumed step 1", 60)
         resumed_s = time.monotonic() - killed_at
-        run = wait_final(client, dep, run_id, timeout_s=300)
-        assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
-        audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
-        assert audit["lost"] == 0 and audit["duplicated"] == 0
-        assert audit["responses"] == audit["expected_responses"]
+        finish_exact(client, dep, run_id, spec)
         r.close()
     assert resumed_s <= HEARTBEAT_TTL_S + 2.0, resumed_s
+
+
+READ_CYCLE_S = 2.0  # the coordinator's tick (0.25 s), one release (cooldown 1 s), one read
+
+
+def test_a_worker_joining_mid_step_gets_work_within_one_read_cycle(tmp_path, tiny_model):
+    """A preemptible worker starts while the only other one holds all of step 1: once it has
+    loaded the step's weights, the read cap halves, the balancer moves the surplus, and the new
+    worker generates within one read cycle. Recall is not involved: nothing was killed."""
+    spec = small_spec(
+        tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=240, ignore_eos=True
+    )
+    env = {"SPOTRL_STEP_DELAY_MS": "80", "SPOTRL_HEARTBEAT_S": "0.1"}  # a step: ~20 s
+    with deployment(tmp_path, 0, 1, env) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        r = redis.Redis.from_url(dep.redis_url)
+        run_id = client.submit(spec)
+        wait_until(lambda: r.exists(keys.jobs_stream(run_id, 1)), "step 1 queued", 180)
+        joined = dep.add_worker("preemptible").name
+
+        def holding(at_least: int) -> bool:
+            beat = heartbeat(r, joined)
+            return bool(beat and beat.version == 1 and beat.active >= at_least)
+
+        wait_until(lambda: holding(0), "the new worker loaded step 1's weights", 120, 0.01)
+        ready_at = time.monotonic()
+        wait_until(lambda: holding(1), "the new worker got work", 60, 0.01)
+        waited_s = time.monotonic() - ready_at
+        finish_exact(client, dep, run_id, spec)
+        rows = client.metrics(run_id)
+        r.close()
+    assert rows[1]["migrations"].get("balance", 0) > 0, rows[1]  # it got the other's surplus
+    assert waited_s <= READ_CYCLE_S, waited_s
