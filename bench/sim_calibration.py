@@ -14,7 +14,7 @@ import json
 
 from services.sim.scenario import artifact_8b
 from services.sim.simulation import Simulation
-from services.sim.systems import HYBRID, HYBRID_PLATEAU_READS, RESERVED_ONLY
+from services.sim.systems import HYBRID_ALL_SPOT, HYBRID_PLATEAU_READS, RESERVED_ONLY
 
 ARTIFACT = {0: 10_000, 1: 12_000, 2: 14_000, 3: 16_000, 4: 18_000}
 
@@ -36,7 +36,7 @@ def main() -> None:
     for k in range(1, 5):
         rows[str(k)] = {
             "artifact": ARTIFACT[k],
-            "hybrid": all_tokens_per_s(HYBRID, k, steps),
+            "hybrid": all_tokens_per_s(HYBRID_ALL_SPOT, k, steps),  # holding all k workers
             "hybrid-plateau-reads": all_tokens_per_s(HYBRID_PLATEAU_READS, k, steps),
         }
     for k, row in rows.items():

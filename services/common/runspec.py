@@ -118,12 +118,12 @@ class RunSpec(BaseModel):
         "requests out (False: a worker reads up to its plateau batch size, as in the paper).",
     )
     pool_headroom: float = Field(
-        1.25,
+        1.1,
         ge=1.0,
         le=10.0,
         description="The preemptible pool size the coordinator asks a scaler for "
         "(`preemptible_wanted` in the run's status): N_prem, the size past which the step gets "
-        "no shorter, times this, rounded up.",
+        "no shorter (mean of the last 3 steps), times this, rounded up.",
     )
     ignore_eos: bool = Field(False, description="Generate max_new_tokens, ignoring end-of-text.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of prompts and sampling.")

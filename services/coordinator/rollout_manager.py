@@ -48,7 +48,7 @@ from services.coordinator.step_record import adapt, record_rollout
 from services.coordinator.step_store import StepStore
 from services.core.balancer import read_cap
 from services.core.request_table import RequestTable
-from services.core.seeding import SeedingController, StepTimes
+from services.core.seeding import PoolSizer, SeedingController, StepTimes
 
 log = logging.getLogger(__name__)
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
@@ -96,6 +96,7 @@ class RunManager:
             r, run_id, spec, self.memory_gate.runs, self.tokenizer, self.stop_ids, self.task
         )
         self.seeding = SeedingController()
+        self.pool = PoolSizer(spec.pool_headroom)
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
@@ -107,9 +108,7 @@ class RunManager:
             step = await self._wait_version(step + 1)
             # no restart can need the step any more: its version is trained and committed
             await self.r.unlink(*done.scratch)
-            await adapt(
-                self.r, self.run_id, self.seeding, done.step, done.times, self.spec.pool_headroom
-            )
+            await adapt(self.r, self.run_id, self.seeding, self.pool, done.step, done.times)
 
     async def _check_running(self) -> None:
         await ensure_live(self.r, self.run_id)

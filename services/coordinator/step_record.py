@@ -21,10 +21,10 @@ from services.common.step_metrics import StepRow, read_step, record_step
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.request_table import Applied, RequestTable
 from services.core.seeding import (
+    PoolSizer,
     SeedingController,
     StepTimes,
     after_step,
-    pool_target,
     train_compute_s,
 )
 
@@ -108,9 +108,9 @@ async def adapt(
     r: aioredis.Redis,
     run_id: str,
     seeding: SeedingController,
+    pool: PoolSizer,
     step: int,
     times: StepTimes,
-    pool_headroom: float,
 ) -> None:
     """After the trainer committed the version trained on `step` (whose rollout took `times`):
     move T_seed (Algorithm 1), work out the preemptible pool size worth having and the pool a
@@ -132,7 +132,7 @@ async def adapt(
         n_prem_recommended=update.n_prem_recommended,
     )
     await record_step(r, run_id, step, row)
-    wanted = pool_target(update.n_prem_recommended, pool_headroom)
+    wanted = pool.after_step(update.n_prem_recommended)
     await r.hset(
         keys.run(run_id),
         mapping={

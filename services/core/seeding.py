@@ -27,6 +27,7 @@ waited less than that also drops `backoff` of the window.
 """
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -83,6 +84,30 @@ def pool_target(n_prem_recommended: float, headroom: float) -> int | None:
     if math.isinf(n_prem_recommended) or math.isnan(n_prem_recommended):
         return None
     return max(1, math.ceil(n_prem_recommended * headroom))
+
+
+POOL_WINDOW = 3  # steps whose N_prem the pool follows
+
+
+@dataclass
+class PoolSizer:
+    """The pool a scaler should hold after each step (`preemptible_wanted`): `pool_target` of
+    the mean N_prem of the last `window` steps. One step's N_prem moves with its response
+    lengths; following it alone hands instances back and boots new ones (90 s of billed boot
+    each) on noise."""
+
+    headroom: float
+    window: int = POOL_WINDOW
+    recent: deque[float] = field(default_factory=deque)
+
+    def after_step(self, n_prem_recommended: float) -> int | None:
+        if not (math.isinf(n_prem_recommended) or math.isnan(n_prem_recommended)):
+            self.recent.append(n_prem_recommended)
+            while len(self.recent) > self.window:
+                self.recent.popleft()
+        if not self.recent:
+            return None
+        return pool_target(sum(self.recent) / len(self.recent), self.headroom)
 
 
 @dataclass(frozen=True)

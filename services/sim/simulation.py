@@ -26,7 +26,7 @@ from services.common.messages import (
 )
 from services.core.balancer import WorkerLoad, equal_caps, read_cap, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
-from services.core.seeding import SeedingController, recall
+from services.core.seeding import PoolSizer, SeedingController, recall
 from services.sim.engine import SimEngine
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
@@ -63,6 +63,10 @@ class Simulation(StepProtocol):
         self._names = itertools.count()
         t_seed = {"adaptive": scenario.initial_t_seed_s, "off": 0.0, "colocated": math.inf}
         self.rules = CollectRules(migration=system.migration)
+        headroom = system.pool_headroom
+        self.pool_sizer = (
+            PoolSizer(headroom) if system.pool == "trace" and headroom is not None else None
+        )
         self.seeding = SeedingController(
             t_seed_s=t_seed[system.seeding], eta=scenario.seeding_eta, max_seed_s=1e9
         )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.common.messages import ReleaseReason
 from services.core.request_table import RequestTable, request_id
-from services.core.seeding import SeedingController, StepTimes, after_step, pool_target
+from services.core.seeding import PoolSizer, SeedingController, StepTimes, after_step
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -32,6 +32,7 @@ class StepProtocol:
     instances: dict[str, Instance]
     totals: Totals
     seeding: SeedingController
+    pool_sizer: PoolSizer | None  # None: the pool holds every instance the trace offers
     records: list[StepRecord]
 
     if TYPE_CHECKING:
@@ -210,8 +211,7 @@ class StepProtocol:
                 n_prem_recommended=update.n_prem_recommended,
             )
         )
-        headroom = self.system.pool_headroom
-        if self.system.pool == "trace" and headroom is not None:
-            self.want(pool_target(update.n_prem_recommended, headroom))
+        if self.pool_sizer is not None:
+            self.want(self.pool_sizer.after_step(update.n_prem_recommended))
         if not self.finished():
             self.start_step(step + 1)

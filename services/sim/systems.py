@@ -11,12 +11,14 @@
   seeding with adaptive T_seed, migration, micro-batch pipelining, fair reads (a worker holds
   at most an equal share of the step's unfinished requests among the workers serving or loading
   its version: `core.balancer.read_cap`) and continuous balancing onto equal shares.
-- hybrid-plateau-reads: the same with `fair_reads = false`: a worker reads jobs up to its plateau
-  batch size and the balancer moves only what is over a plateau (Algorithm 2 as the paper
-  states it; the services' policy before issue 18).
-- hybrid-all-spot: the same holding every spot instance the trace offers, where the hybrid
-  holds only the pool the coordinator asks for (`preemptible_wanted`: N_prem from the last step
-  times `RunSpec.pool_headroom`, never more than the trace offers).
+  It holds the pool the coordinator asks for (`preemptible_wanted`: the mean N_prem of the
+  last 3 steps times `RunSpec.pool_headroom`), never more than the trace offers.
+- hybrid-all-spot: the same holding every spot instance the trace offers. The ablations below
+  hold every instance too, so that each differs from hybrid-all-spot in one thing only (with
+  pool sizing on, a system that seeds less is told to hold more instances).
+- hybrid-plateau-reads: with `fair_reads = false`: a worker reads jobs up to its plateau batch
+  size and the balancer moves only what is over a plateau (Algorithm 2 as the paper states it;
+  the services' policy before issue 18).
 - hybrid-no-seeding: the reserved node never generates while a spot instance is up.
 - hybrid-no-migration: a preempted response restarts from zero and executing work is never
   rebalanced (the seeding hand-off still migrates: without it there is no seeding to ablate).
@@ -52,18 +54,20 @@ RESERVED_X2 = SystemSpec(
 )
 DISAGG_BAL = SystemSpec("disagg-bal", pool="fixed", seeding="off")
 HYBRID = SystemSpec("hybrid")
-HYBRID_PLATEAU_READS = SystemSpec("hybrid-plateau-reads", fair_reads=False)
 HYBRID_ALL_SPOT = SystemSpec("hybrid-all-spot", pool_headroom=None)
-HYBRID_NO_SEEDING = SystemSpec("hybrid-no-seeding", seeding="off")
-HYBRID_NO_MIGRATION = SystemSpec("hybrid-no-migration", migration=False, balancing=False)
+HYBRID_PLATEAU_READS = replace(HYBRID_ALL_SPOT, name="hybrid-plateau-reads", fair_reads=False)
+HYBRID_NO_SEEDING = replace(HYBRID_ALL_SPOT, name="hybrid-no-seeding", seeding="off")
+HYBRID_NO_MIGRATION = replace(
+    HYBRID_ALL_SPOT, name="hybrid-no-migration", migration=False, balancing=False
+)
 
 SYSTEMS = (
     RESERVED_ONLY,
     RESERVED_X2,
     DISAGG_BAL,
     HYBRID,
-    HYBRID_PLATEAU_READS,
     HYBRID_ALL_SPOT,
+    HYBRID_PLATEAU_READS,
     HYBRID_NO_SEEDING,
     HYBRID_NO_MIGRATION,
 )

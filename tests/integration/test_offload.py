@@ -101,9 +101,11 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
     assert "t_remote_wait_s" in first and first["n_prem_recommended"] > 0
     assert rows[1]["t_seed_s"] == pytest.approx(first["t_seed_next_s"])
     assert run["t_seed_s"] is not None and run["n_prem_recommended"] > 0
-    # the pool a scaler should hold: N_prem times the spec's headroom, rounded up
+    # the pool a scaler should hold: the mean N_prem of the last 3 steps times the headroom
     headroom = RunSpec.model_validate(spec).pool_headroom
-    assert run["preemptible_wanted"] == max(1, math.ceil(run["n_prem_recommended"] * headroom))
+    recent = [row["n_prem_recommended"] for row in rows[-3:]]
+    wanted = max(1, math.ceil(sum(recent) / len(recent) * headroom))
+    assert run["preemptible_wanted"] == wanted, (run, recent)
 
 
 def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_model):

@@ -6,7 +6,12 @@ import pytest
 
 from services.core.balancer import WorkerLoad, releases
 from services.core.plateau import PlateauEstimator
-from services.core.seeding import SeedingController, pool_target, recommended_pool_size
+from services.core.seeding import (
+    PoolSizer,
+    SeedingController,
+    pool_target,
+    recommended_pool_size,
+)
 
 
 def test_t_seed_grows_while_the_trainer_waits_and_shrinks_once_it_does_not():
@@ -58,6 +63,16 @@ def test_the_pool_a_scaler_should_hold_is_n_prem_with_headroom():
     assert pool_target(4.1, 1.0) == 5  # rounded up: a fraction of an instance is one instance
     assert pool_target(0.2, 1.25) == 1  # at least one: seeding needs somewhere to hand off
     assert pool_target(math.inf, 1.25) is None  # no step trained yet: hold what the cloud gives
+
+
+def test_the_pool_follows_the_mean_n_prem_of_the_last_steps():
+    sizer = PoolSizer(headroom=1.0, window=3)
+    assert sizer.after_step(math.inf) is None  # nothing known yet
+    assert sizer.after_step(4.0) == 4
+    assert sizer.after_step(6.0) == 5
+    assert sizer.after_step(5.5) == 6  # mean 5.17, rounded up
+    assert sizer.after_step(2.0) == 5  # 6.0, 5.5, 2.0: the first step has left the window
+    assert sizer.after_step(math.inf) == 5  # a step with no training time changes nothing
 
 
 def test_balancer_releases_exactly_the_surplus():
