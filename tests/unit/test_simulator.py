@@ -168,3 +168,19 @@ def test_the_reserved_pool_is_recalled_when_every_spot_instance_is_gone(gone_at_
 def test_a_recall_happens_when_the_pool_dies_after_the_seeding_window():
     recalls = [run(HYBRID, [(0.0, 4), (t, 0)], steps=4).totals.recalls for t in (115.0, 155.0)]
     assert all(recalls), recalls  # both land after a seeding window (mid-rollout: steps take ~40 s)
+
+
+def test_the_hybrid_holds_the_pool_the_coordinator_asks_for():
+    """Offered more instances than N_prem asks for (the 14B step is bound by training), the
+    hybrid hands the surplus back between steps (losing no work) and pays less;
+    hybrid-all-spot keeps them all."""
+    offered = [(0.0, 12)]
+    sized, every = (
+        Simulation(paper_14b(), system, offered, seed=3, max_steps=5).run()
+        for system in (HYBRID, HYBRID_ALL_SPOT)
+    )
+    assert sized.totals.scaled_in > 0 and every.totals.scaled_in == 0
+    assert sized.wanted is not None and sized.wanted < 12
+    held = [summarize(sim)["mean_pool_instances"] for sim in (sized, every)]
+    assert held[0] < held[1] == pytest.approx(12, rel=0.05)
+    assert sized.totals.generated == sized.totals.trained  # nothing lost to a hand-back
