@@ -117,6 +117,7 @@ def chaos_options(args: argparse.Namespace):
         start_s=args.start_hours * 3600,
         sigterm_fraction=args.sigterm_fraction,
         grace_s=args.grace_s,
+        follow_wanted=not getattr(args, "hold_all_offered", False),  # an `up` flag
     )
 
 

@@ -91,6 +91,12 @@ def _add_up(sub: Subparsers) -> None:
     )
     add_spec_flags(p)
     _add_chaos_options(p, required=False)
+    p.add_argument(
+        "--hold-all-offered",
+        action="store_true",
+        help="with --trace: hold every worker the trace offers (default: no more than the "
+        "coordinator's preemptible_wanted, as a scaler should)",
+    )
     p.set_defaults(func=cmd_up)
 
 

@@ -155,7 +155,11 @@ def up(
         client = CoordinatorClient(deployment.coordinator_url, api_token)
         run["id"] = client.submit(json.loads(spec.model_dump_json()))
         if chaos:
-            runner = ChaosRunner(deployment, targets, chaos.sigterm_fraction, spec.seed)
+            # the scaler: no more workers than the coordinator wants (`run` follows the run)
+            wanted = (lambda: run.get("preemptible_wanted")) if chaos.follow_wanted else None
+            runner = ChaosRunner(
+                deployment, targets, chaos.sigterm_fraction, spec.seed, wanted=wanted
+            )
             runner.start()
         run = follow_supervised(client, deployment, run, supervisor, guard)
         if runner:

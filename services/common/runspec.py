@@ -117,6 +117,20 @@ class RunSpec(BaseModel):
         "among the workers serving or loading its version, and the balancer evens executing "
         "requests out (False: a worker reads up to its plateau batch size, as in the paper).",
     )
+    seeding_wait_share: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="T_seed grows while the trainer waits for groups after the seeding window "
+        "longer than this share of its compute time, and shrinks below it.",
+    )
+    seeding_backoff: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="Share of the seeding window dropped after a step whose trainer waited "
+        "less than seeding_wait_share (a longer window only delays training).",
+    )
     pool_headroom: float = Field(
         1.1,
         ge=1.0,

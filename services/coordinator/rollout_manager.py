@@ -95,7 +95,9 @@ class RunManager:
         self.collector = DeltaCollector(
             r, run_id, spec, self.memory_gate.runs, self.tokenizer, self.stop_ids, self.task
         )
-        self.seeding = SeedingController()
+        self.seeding = SeedingController(
+            wait_share=spec.seeding_wait_share, backoff=spec.seeding_backoff
+        )
         self.pool = PoolSizer(spec.pool_headroom)
 
     async def run(self) -> None:

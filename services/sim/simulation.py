@@ -24,6 +24,7 @@ from services.common.messages import (
     ReleaseReason,
     RequestLease,
 )
+from services.common.runspec import RunSpec
 from services.core.balancer import WorkerLoad, equal_caps, read_cap, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
 from services.core.seeding import PoolSizer, SeedingController, recall
@@ -67,8 +68,13 @@ class Simulation(StepProtocol):
         self.pool_sizer = (
             PoolSizer(headroom) if system.pool == "trace" and headroom is not None else None
         )
+        defaults = RunSpec.model_fields
         self.seeding = SeedingController(
-            t_seed_s=t_seed[system.seeding], eta=scenario.seeding_eta, max_seed_s=1e9
+            t_seed_s=t_seed[system.seeding],
+            eta=scenario.seeding_eta,
+            wait_share=defaults["seeding_wait_share"].default,
+            backoff=defaults["seeding_backoff"].default,
+            max_seed_s=1e9,
         )
         for i in range(scenario.reserved_engines * system.reserved_nodes):
             engine = SimEngine(scenario.reserved_engine)

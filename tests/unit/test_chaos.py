@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from services.cli.chaos import plan
+from services.cli.chaos import held, plan
 from services.common.traces import TraceError, TracePoint, load_trace, worker_targets
 
 TRACES = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "traces"
@@ -32,6 +32,12 @@ def test_plan_starts_or_picks_victims_with_the_mix():
     assert sorted(change.sigterm) == ["a", "b", "c", "d"] and not change.sigkill
     change = plan(["a", "b"], 1, rng, 0.0)
     assert len(change.sigkill) == 1 and not change.sigterm
+
+
+def test_a_scaler_holds_what_is_offered_and_no_more_than_is_wanted():
+    assert held(offered=8, wanted=None) == 8  # nothing asked yet: hold what the cloud gives
+    assert held(8, 5) == 5
+    assert held(3, 5) == 3  # the cloud offers fewer than wanted
 
 
 def test_bad_traces_are_refused_with_the_line(tmp_path):
