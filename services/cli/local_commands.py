@@ -32,6 +32,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"--worker-env: {exc}", file=sys.stderr)
         return 2
+    error = _dataset_usage_error(args)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
     model = Path(args.model) if args.model else DEFAULT_HOME / "models" / f"{args.task}-base"
     try:
         spec = spec_from_args(args, model=str(model.resolve()))
@@ -81,6 +85,25 @@ def _up_usage_error(args: argparse.Namespace) -> str | None:
     if args.port is not None and not _port_free(args.port):
         # else another service on it could answer for our coordinator
         return f"--port {args.port}: in use on 127.0.0.1"
+    return None
+
+
+def _dataset_usage_error(args: argparse.Namespace) -> str | None:
+    """With --dataset: the run's task is `dataset` (the --task flag's default is a built-in) and
+    a file's path absolute (the coordinator reads it); None, or what is wrong."""
+    if args.dataset is None:
+        return None
+    if not args.model:
+        return (
+            "spotrl up --dataset needs --model: the base model spotrl up builds knows only the "
+            "arithmetic task"
+        )
+    from services.common.runspec import RunSpec
+
+    if args.task == RunSpec.model_fields["task"].default:
+        args.task = "dataset"
+    if Path(args.dataset).exists():
+        args.dataset = str(Path(args.dataset).resolve())
     return None
 
 

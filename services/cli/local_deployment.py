@@ -39,6 +39,7 @@ class DeploymentConfig:
     redis_appendonly: bool = False  # the append-only file, as compose runs it
     redis_maxmemory_mb: int = 1024  # Redis refuses writes past this (noeviction); 0: no limit
     dump_rollouts: bool = True  # the trainer writes each step's groups to work_dir/rollouts
+    reward_modules: list[str] = field(default_factory=list)  # the coordinator's allow list
 
 
 class LocalDeployment:
@@ -111,7 +112,11 @@ class LocalDeployment:
             root = self.work_dir / ("weights" if i == 0 else f"weights-{i + 1}")
             ws_env = settings_env(WeightStoreSettings, port=port, root=root)
             self._service(name, "services.weightstore.main", env | ws_env, port)
-        co_env = settings_env(CoordinatorSettings, port=co_port)
+        co_env = settings_env(
+            CoordinatorSettings,
+            port=co_port,
+            reward_modules=",".join(self.config.reward_modules) or None,
+        )
         self._service("coordinator", "services.coordinator.main", env | co_env, co_port)
         tr_env = settings_env(
             TrainerSettings,

@@ -49,6 +49,7 @@ def migration_totals(rows: list[dict]) -> dict[str, int]:
 def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
     rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
+    step_s = [row["step_s"] for row in rows if "step_s" in row]
     return {
         "run_id": run["id"],
         "state": run["state"],
@@ -56,7 +57,9 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
         "groups_incomplete": run["groups_incomplete"],
-        "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,
+        "reward_errors": sum(row.get("reward_errors") or 0 for row in rows),
+        "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,  # rollout windows only
+        "step_s_mean": sum(step_s) / len(step_s) if step_s else None,  # whole steps
         "migrations": migration_totals(rows),
         "t_seed_s_last": next((r["t_seed_s"] for r in reversed(rows) if "t_seed_s" in r), None),
         "n_prem_recommended": run.get("n_prem_recommended"),
@@ -128,6 +131,8 @@ def up(
     targets = chaos.targets(preemptible) if chaos else []
     if targets:
         preemptible = targets[0][1]
+    # who runs `spotrl up` is the operator: the reward it names may be imported
+    reward_module = spec.reward_module()
     config = DeploymentConfig(
         run_dir,
         reserved=reserved,
@@ -138,6 +143,7 @@ def up(
         engine=engine,
         extra_env=chaos.worker_env() if chaos else {},
         worker_env=worker_env or {},
+        reward_modules=[reward_module] if reward_module else [],
     )
     deployment = LocalDeployment(config)
     console.print(f"starting services (logs in {run_dir / 'logs'})", soft_wrap=True)

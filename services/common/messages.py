@@ -83,6 +83,9 @@ class Job(Message, frozen=True, kw_only=True):
     remaining_tokens: Annotated[int, msgspec.Meta(ge=1)]
     temperature: Annotated[float, msgspec.Meta(ge=0.0)]  # 0 = greedy
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # sample among the k likeliest; 0 = all
+    # > 1 penalises the prompt's and response's tokens (logits > 0 divided, < 0 multiplied)
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
     seed: int  # per-request sampling seed
     stop_token_ids: list[int] = []
     # run with nothing beside it: the request was running when a worker crashed, so a crash it

@@ -5,13 +5,22 @@ Validation lives here, so the API and the CLI reject the same things with the sa
 
 import codecs
 import json
+import re
 import stat
+import string
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 RunState = Literal["queued", "running", "stalled", "succeeded", "failed", "cancelled"]
 FINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -20,8 +29,28 @@ LIVE_STATES = ("running", "stalled")
 
 
 MAX_PATH_CHARS = 4096
+# a prompt template or system prompt: a longer one, even in JSON's 12-byte escapes, would make a
+# body over the API's default limit (64 KiB, a 413) rather than a clear 422
+MAX_TEXT_CHARS = 4096
 CONFIG_MAX_BYTES = 16 * 1024 * 1024  # a model's config.json
 READ_BLOCK_BYTES = 1024 * 1024
+
+
+# The rewards a spec names without code; the functions are in services/common/tasks/rewards.py.
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "regex_match", "boxed_match")
+# A user reward: `module.path:function`, importable where the coordinator runs.
+USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+# Fields that only a `dataset` run reads: a built-in task has its own and refuses others.
+DATASET_FIELDS = (
+    "dataset_split",
+    "prompt_field",
+    "answer_field",
+    "prompt_template",
+    "reward",
+    "answer_regex",
+    "reward_tolerance",
+)
+MAX_FORMAT_DIGITS = 4  # widths and precisions in a prompt template: at most 9999
 
 
 class ModelFolderError(ValueError):
@@ -74,9 +103,32 @@ def check_text_file(path: str, max_bytes: int) -> None:
         raise TaskFileError(f"{name} grew past the limit of {max_bytes} bytes")
 
 
+def template_fields(template: str) -> list[str]:
+    """The row fields a prompt template names; ValueError unless it is a format string over
+    plain field names (`{question}`, `{price:.2f}`): no positional, attribute or index fields,
+    no nested or huge widths."""
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"not a valid format string: {exc}") from None
+    names = []
+    for _, name, spec, _ in parts:
+        if name is None:
+            continue
+        if not name or name.isdigit():
+            raise ValueError("a positional field ({} or {0}): name a row field, e.g. {question}")
+        if "." in name or "[" in name:
+            raise ValueError("attribute or index fields ({a.b}, {a[0]}): name a row field")
+        if spec and ("{" in spec or re.search(rf"\d{{{MAX_FORMAT_DIGITS + 1},}}", spec)):
+            raise ValueError("format specs may not nest fields or exceed a width of 9999")
+        names.append(name)
+    return names
+
+
 class RunSpec(BaseModel):
     # JSON has no NaN or Infinity: a spec with them is refused, never stored
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # populate_by_name: a field with an old name (kl_coef, clip_range) is also set by its own
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     name: str = Field("", max_length=200, description="Free text shown in listings.")
     model: str = Field(
@@ -84,7 +136,12 @@ class RunSpec(BaseModel):
         max_length=MAX_PATH_CHARS,
         description="Local Hugging Face model folder to train.",
     )
-    task: Literal["arithmetic", "math"] = Field("arithmetic", description="Built-in task.")
+    task: Literal["arithmetic", "math", "dataset"] = Field(
+        "arithmetic",
+        description="Where prompts and rewards come from: a built-in (arithmetic: generated "
+        "sums, exact match; math: GSM8K rows, their final number checked by math_verify) "
+        "or `dataset` (the run's own file and reward, below; chosen when `dataset` is set).",
+    )
     task_path: str | None = Field(
         None,
         min_length=1,
@@ -92,17 +149,167 @@ class RunSpec(BaseModel):
         description="JSONL file for the math task (UTF-8, at most the coordinator's "
         "max_task_file_bytes).",
     )
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PATH_CHARS,
+        description="The run's prompts: a .jsonl or .parquet file on the services' shared "
+        "storage, or a name the `datasets` library loads (where it is installed).",
+    )
+    dataset_split: str = Field(
+        "train", min_length=1, max_length=200, description="Split of a `datasets` dataset."
+    )
+    prompt_field: str = Field(
+        "prompt", min_length=1, max_length=200, description="Row field holding the prompt."
+    )
+    answer_field: str = Field(
+        "answer",
+        min_length=1,
+        max_length=200,
+        description="Row field holding the reference answer the reward compares against.",
+    )
+    prompt_template: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TEXT_CHARS,
+        description="Python format string over the row's fields, e.g. '{question}\\nAnswer:' "
+        "(named fields only; None: the prompt field as it is).",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Wrap each prompt as a user message in the model's chat template, with the "
+        "generation prompt after it (tokenizer_config.json or chat_template.jinja must have "
+        "one).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TEXT_CHARS,
+        description="System message before the prompt, with chat_template.",
+    )
+    shuffle: bool = Field(
+        True,
+        description="Prompts in a shuffled order seeded by `seed`, shuffled again on each pass "
+        "over the rows (False: the file's order, from the first row again after the last).",
+    )
+    reward: str = Field(
+        "exact_match",
+        min_length=1,
+        max_length=400,
+        description="Reward of a `dataset` run: exact_match, numeric_match (within "
+        "reward_tolerance), regex_match (answer_regex's first group, then exact), boxed_match "
+        "(math_verify), or module:function(prompt, response, example) -> float from a module "
+        "on the coordinator's reward_modules allow list (example: the row, a dict).",
+    )
+    answer_regex: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1000,
+        description="regex_match: the pattern whose first group (else whole match, the last "
+        "one in the response) is the response's answer.",
+    )
+    reward_tolerance: float = Field(
+        1e-6, ge=0.0, le=1e9, description="numeric_match: largest absolute difference scored 1."
+    )
+    reward_timeout_s: float = Field(
+        5.0,
+        gt=0.0,
+        le=600.0,
+        description="A reward call that takes longer scores 0 and is counted (reward_errors).",
+    )
     group_size: int = Field(8, ge=1, le=256, description="Responses per prompt (n).")
     prompts_per_step: int = Field(16, ge=1, le=8192, description="Prompts per RL step (B).")
-    steps: int = Field(20, ge=1, le=1_000_000, description="RL steps (optimizer steps).")
+    steps: int = Field(
+        20,
+        ge=1,
+        le=1_000_000,
+        description="RL steps: each samples a batch and takes num_iterations optimizer steps "
+        "on it.",
+    )
     max_new_tokens: int = Field(8, ge=1, le=131072, description="Response token budget.")
     temperature: float = Field(
         1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 = greedy."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    learning_rate: float = Field(1e-4, gt=0.0, lt=1.0, description="Adam learning rate.")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="KL-to-initial-policy coefficient.")
-    clip_range: float = Field(0.2, gt=0.0, le=10.0, description="PPO ratio clip epsilon.")
+    top_k: int = Field(
+        0, ge=0, le=1_000_000, description="Sample among the k likeliest tokens (0: all)."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="Penalise tokens already in the prompt or response: their positive logits "
+        "divided by it, negative ones multiplied (> 1: fewer repeats; 1: off), as transformers "
+        "and vLLM do.",
+    )
+    learning_rate: float = Field(1e-4, gt=0.0, lt=1.0, description="AdamW learning rate.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    weight_decay: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="AdamW (decoupled) weight decay, not applied to biases and norm weights.",
+    )
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning rate over the run's optimizer steps (steps x num_iterations), "
+        "after warmup_steps: constant, or a straight line (linear) or half a cosine (cosine) "
+        "down to 0 at the last; `constant` takes no warmup, `constant_with_warmup` does.",
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Optimizer steps of linear warmup from 0 to learning_rate (the first is at "
+        "0, as in transformers).",
+    )
+    max_grad_norm: float = Field(
+        1.0,
+        ge=0.0,
+        le=1e6,
+        description="Clip each optimizer step's gradient to this global norm (0: no clipping).",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        le=100.0,
+        validation_alias=AliasChoices("beta", "kl_coef"),
+        description="Coefficient of the KL to the initial policy (k3 estimator, per token; 0: "
+        "no reference model). Was kl_coef, still accepted.",
+    )
+    epsilon: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        validation_alias=AliasChoices("epsilon", "clip_range"),
+        description="PPO ratio clip: ratios outside [1 - epsilon, 1 + epsilon_high] are "
+        "clipped. Was clip_range, still accepted.",
+    )
+    epsilon_high: float | None = Field(
+        None, gt=0.0, le=10.0, description="Upper clip (DAPO: 0.28; None: epsilon)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantage = reward - its group's mean, divided by the std of the group's "
+        "rewards (group), of all the step's rewards (batch), or not at all (none); the std is "
+        "the sample std (n - 1), plus 1e-4.",
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "grpo",
+        description="Aggregation of the token losses over the step: grpo (each response's "
+        "token mean, averaged over responses), dapo (token sum / the step's token count), "
+        "dr_grpo (token sum / (responses x max_new_tokens)), bnpo (each micro-batch's token "
+        "mean, weighted by its share of the responses: it depends on micro_batch_size).",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps on each step's batch (TRL's mu): the first at the "
+        "sampling policy, each later one on the same responses with the ratio to the rollout's "
+        "logprobs, clipped by epsilon.",
+    )
     micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per backward pass.")
     weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of published weights; auto: bfloat16 on GPU, else float32."
@@ -157,7 +364,7 @@ class RunSpec(BaseModel):
         "in groups_quarantined) or fail the run.",
     )
 
-    @field_validator("model", "task_path")
+    @field_validator("model", "task_path", "dataset")
     @classmethod
     def _no_nul_in_paths(cls, value: str | None) -> str | None:
         if value is not None and "\x00" in value:
@@ -165,10 +372,68 @@ class RunSpec(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _check_schedule(self) -> "RunSpec":
+        if self.lr_scheduler_type == "constant" and self.warmup_steps > 0:
+            raise ValueError(
+                "lr_scheduler_type 'constant' has no warmup (as in transformers): use "
+                "'constant_with_warmup' with warmup_steps"
+            )
+        return self
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_is_built_in_or_a_function(cls, value: str) -> str:
+        if value in BUILTIN_REWARDS or USER_REWARD.fullmatch(value):
+            return value
+        raise ValueError(
+            f"reward must be one of {', '.join(BUILTIN_REWARDS)}, or module.path:function"
+        )
+
+    @field_validator("answer_regex")
+    @classmethod
+    def _regex_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc.msg}") from None
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_names_fields(cls, value: str | None) -> str | None:
+        if value is not None:
+            template_fields(value)
+        return value
+
+    @model_validator(mode="after")
     def _check_task_path(self) -> "RunSpec":
         if self.task_path is not None and self.task != "math":
             raise ValueError("task_path is only used by the math task")
+        if self.dataset is not None:
+            if "task" in self.model_fields_set and self.task != "dataset":
+                raise ValueError(f"dataset is not used by the built-in task {self.task!r}")
+            self.task = "dataset"
+        elif self.task == "dataset":
+            raise ValueError("task 'dataset' needs a dataset")
+        else:  # a built-in task has its own fields and reward
+            fields = type(self).model_fields
+            for name in DATASET_FIELDS:
+                if getattr(self, name) != fields[name].default:
+                    raise ValueError(
+                        f"{name} is only used with a dataset (task {self.task!r} has its own)"
+                    )
+        if self.reward == "regex_match" and self.answer_regex is None:
+            raise ValueError("reward regex_match needs answer_regex")
+        if self.answer_regex is not None and self.reward != "regex_match":
+            raise ValueError("answer_regex is only used by reward regex_match")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt is only used with chat_template")
         return self
+
+    def reward_module(self) -> str | None:
+        """The module a user reward (`module:function`) imports; None for a built-in."""
+        return None if self.reward in BUILTIN_REWARDS else self.reward.partition(":")[0]
 
     def check_task_file(self, max_bytes: int) -> None:
         """Raise TaskFileError unless `task_path` (when given) is a readable UTF-8 file of at

@@ -51,6 +51,8 @@ class StepRow(msgspec.Struct, kw_only=True):
     workers_reserved: int | None = None  # alive reserved workers when the step started
     workers_preemptible: int | None = None  # alive preemptible workers when it started
     groups_quarantined: int | None = None  # groups dropped: a request crashed too many workers
+    reward_errors: int | None = None  # responses whose reward raised, timed out or was not a
+    # finite number: each scored 0
     redis_mem_mib: float | None = None  # Redis used memory at the end of the rollout, MiB
     stream_lengths: dict[str, int] | None = None  # entries of the run's streams, by name
 
@@ -71,6 +73,11 @@ class StepRow(msgspec.Struct, kw_only=True):
     train_wait_s: float | None = None  # of train_s, idle waiting for groups after seeding
     seed_wait_s: float | None = None  # of train_s, waiting for the reserved pool's seeding
     publish_s: float | None = None  # exporting and committing the version to the weight store
+    train_compute_s: float | None = None  # of train_s, backward passes and optimizer steps
+    checkpoint_s: float | None = None  # of train_s, the step blocked on a checkpoint (copying the
+    # state; the write itself runs in the background)
+    step_s: float | None = None  # wall time of the whole step in the trainer: from the
+    # announce of the version that generated it to the commit of the version trained on it
     groups_incomplete: int | None = None  # groups that came with another number of responses
     trainer_resumed: bool | None = None  # the version was committed by a restarted trainer,
     # from its checkpoint (the row's other training fields are from before the restart)

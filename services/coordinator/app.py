@@ -70,6 +70,9 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
                 settings.stall_after_s,
                 settings.redis_memory_limit_mb,
                 settings.redis_memory_high,
+                reward_modules=settings.reward_modules,
+                reward_processes=settings.reward_processes,
+                limits=settings.dataset_limits(),
             )
             await manager.run()
         except RunStopped as exc:

@@ -1,5 +1,6 @@
 """Collecting a run's token deltas into the current step's request table: one read of the deltas
-stream at a time, applied by `core.collect.apply_batches`, finished responses decoded and scored,
+stream at a time, applied by `core.collect.apply_batches`, finished responses decoded and scored
+(`reward_runner.py`: a reward that fails scores 0 and is counted in the step's reward_errors),
 and the outcome written in one MULTI with the acknowledgement of what was read.
 
 It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
@@ -9,6 +10,7 @@ It does not drive steps (queueing, seeding, balancing, stall and dead-worker che
 import asyncio
 import logging
 import time
+from collections import Counter as Tally
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
@@ -24,9 +26,10 @@ from services.common.redis_streams import (
     while_out_of_memory,
 )
 from services.common.runspec import RunSpec
-from services.common.tasks import Example, Task
+from services.common.tasks import Example
 from services.coordinator.migration import count_migrations, fence
 from services.coordinator.quarantine import report_poison
+from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectOutcome, CollectRules, apply_batches
@@ -43,7 +46,7 @@ DELTA_BATCH = 256
 
 class DeltaCollector:
     """Reads the run's deltas (first, after `replay`, those read before a restart and never
-    acknowledged) and scores finished responses with the run's task."""
+    acknowledged) and scores finished responses with the run's reward."""
 
     def __init__(
         self,
@@ -53,10 +56,11 @@ class DeltaCollector:
         runs: RunStore,
         tokenizer: Tokenizer,
         stop_ids: list[int],
-        task: Task,
+        rewards: RewardRunner,
     ) -> None:
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
-        self.tokenizer, self.stop_ids, self.task = tokenizer, stop_ids, task
+        self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
+        self.reward_errors = 0  # of the current step (`start_step`): calls that scored 0
         self.rules = CollectRules.for_run(spec)
         self.deltas = StreamConsumer(
             r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
@@ -71,19 +75,42 @@ class DeltaCollector:
         """Read first the deltas read before a restart and never acknowledged."""
         self.deltas.replay()
 
-    def score(
+    def start_step(self) -> None:
+        self.reward_errors = 0
+
+    def decode(self, table: RequestTable, rids: list[str]) -> list[str]:
+        """The finished responses' texts, stop tokens left out (CPU-bound: in a thread)."""
+        stop = set(self.stop_ids)
+        return self.tokenizer.decode_batch(
+            [[t for t in table.requests[rid].token_ids if t not in stop] for rid in rids]
+        )
+
+    async def score(
         self, table: RequestTable, rids: list[str], examples: list[Example]
     ) -> dict[str, float]:
-        """Decode and score finished responses (synchronous: run it in a thread)."""
-        stop = set(self.stop_ids)
-        states = [table.requests[rid] for rid in rids]
-        texts = self.tokenizer.decode_batch(
-            [[t for t in s.token_ids if t not in stop] for s in states]
-        )
-        return {  # float(): a task may score with an int or a bool
-            s.request_id: float(self.task.reward(text, examples[s.prompt_index]))
-            for s, text in zip(states, texts, strict=True)
-        }
+        """Decode and score finished responses, off the event loop; count failed rewards."""
+        if not rids:
+            return {}
+        texts = await asyncio.to_thread(self.decode, table, rids)
+        calls = [
+            (examples[table.requests[rid].prompt_index], t)
+            for rid, t in zip(rids, texts, strict=True)
+        ]
+        outcomes = await self.rewards.score(calls)
+        failed = [o for o in outcomes if o.error]
+        if failed:
+            self.reward_errors += len(failed)
+            kinds = Tally(o.error for o in failed)
+            log.warning(
+                "run %s step %d: %d of %d rewards scored 0 (%s; first: %s)",
+                self.run_id,
+                table.step,
+                len(failed),
+                len(outcomes),
+                ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())),
+                failed[0].detail,
+            )
+        return {rid: o.value for rid, o in zip(rids, outcomes, strict=True)}
 
     async def collect(
         self, table: RequestTable, store: StepStore, examples: list[Example], block_ms: int
@@ -96,8 +123,8 @@ class DeltaCollector:
         if not read.entries:
             return
         outcome = apply_batches(table, [batch for _, batch in read.messages], self.rules)
-        if outcome.finished:  # decoding and scoring off the event loop
-            table.score(await asyncio.to_thread(self.score, table, outcome.finished, examples))
+        if outcome.finished:
+            table.score(await self.score(table, outcome.finished, examples))
         groups = table.completed_groups(outcome.finished)
         staged = StagedWrites()
         self._stage_outcome(staged, table, store, outcome, groups)

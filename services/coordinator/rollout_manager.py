@@ -5,6 +5,10 @@ writing each read's outcome in one MULTI is `delta_collector.py` (decided by
 `core.collect.apply_batches`); seeding and balancing `scheduling.py`; the step's metrics row and
 the T_seed and N_prem update (`core.seeding.after_step`) `step_record.py`.
 
+The run's task (its dataset read and checked, `common.tasks`) is loaded when the run starts, off
+the event loop, and its reward runner (`reward_runner.py`: reward processes for a reward that may
+hang) lives as long as the run.
+
 It does not train and does not move weights: step s starts when the trainer has committed weight
 version s, and the run ends when version `steps` is committed. During a step it watches for a
 stall (no worker able to serve the step: `stall_watch.py`) and for poison requests (a request
@@ -20,6 +24,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +37,13 @@ from services.common.messages import Heartbeat
 from services.common.redis_streams import ensure_group
 from services.common.run_state import committed_version, ensure_live
 from services.common.runspec import RunSpec
-from services.common.tasks import Example, load_task
+from services.common.tasks import DatasetLimits, Example, Task, task_for_spec
+from services.common.tasks.chat import PromptEncoder
+from services.common.tasks.reward_choice import RewardChoice
 from services.coordinator.delta_collector import DeltaCollector
 from services.coordinator.memory import MemoryGate
 from services.coordinator.migration import reclaim_dead_workers
+from services.coordinator.reward_runner import open_runner
 from services.coordinator.scheduling import (
     CAP_TTL_S,
     StepScheduler,
@@ -76,6 +84,11 @@ def stop_token_ids(model_dir: Path) -> list[int]:
 
 
 class RunManager:
+    # set by `run`, which loads them off the event loop
+    task: Task
+    prompts: PromptEncoder
+    collector: DeltaCollector
+
     def __init__(
         self,
         r: aioredis.Redis,
@@ -84,24 +97,55 @@ class RunManager:
         stall_after_s: float = 3.0,
         memory_limit_mb: int = 0,
         memory_high: float = 0.85,
+        reward_modules: Sequence[str] = (),
+        reward_processes: int = 1,
+        limits: DatasetLimits | None = None,
     ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
         self.stall = StallWatch(r, run_id, stall_after_s, spec.stall_timeout_s)
         self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
-        model_dir = Path(spec.model)
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.stop_ids = stop_token_ids(model_dir)
-        self.task = load_task(spec.task, spec.task_path)
-        self.collector = DeltaCollector(
-            r, run_id, spec, self.memory_gate.runs, self.tokenizer, self.stop_ids, self.task
-        )
+        self.model_dir = Path(spec.model)
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.stop_ids = stop_token_ids(self.model_dir)
+        self.reward_modules, self.reward_processes = reward_modules, reward_processes
+        self.limits = limits or DatasetLimits()
         self.seeding = SeedingController(
             wait_share=spec.seeding_wait_share, backoff=spec.seeding_backoff
         )
         self.pool = PoolSizer(spec.pool_headroom)
 
+    def _load(self) -> tuple[Task, PromptEncoder]:
+        """The run's task and prompt encoder (blocking: a dataset is read and checked)."""
+        spec = self.spec
+        # checked at submit too; the allow list may have changed since the run was queued
+        RewardChoice.from_spec(spec).check_allowed(self.reward_modules)
+        task = task_for_spec(spec, self.limits)
+        prompts = PromptEncoder(
+            self.model_dir, self.tokenizer, spec.chat_template, spec.system_prompt
+        )
+        return task, prompts
+
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
+        self.task, self.prompts = await asyncio.to_thread(self._load)
+        rewards = await open_runner(
+            self.task.reward_choice, self.spec.reward_timeout_s, self.reward_processes
+        )
+        try:
+            self.collector = DeltaCollector(
+                self.r,
+                self.run_id,
+                self.spec,
+                self.memory_gate.runs,
+                self.tokenizer,
+                self.stop_ids,
+                rewards,
+            )
+            await self._run_steps()
+        finally:
+            await rewards.close()
+
+    async def _run_steps(self) -> None:
         await self.collector.start()
         await self.stall.start()
         step = await self._wait_version(0)
@@ -129,7 +173,9 @@ class RunManager:
         """Queue the step (or resume it after a restart), collect until every group is
         published, record what it took."""
         examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
-        table = self._table(step, examples)
+        prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
+        table = self._table(step, prompt_ids)
+        self.collector.start_step()
         store = StepStore(self.r, self.run_id, step)
         beats = await heartbeats(self.r)
         began = await self._queue(table, store, beats)
@@ -152,7 +198,7 @@ class RunManager:
             window,
         )
         finished = [rid for rid, req in table.requests.items() if req.done]
-        table.score(self.collector.score(table, finished, examples))
+        table.score(await self.collector.score(table, finished, examples))
         await self._collect_all(table, store, sched, examples)
         await sched.finish()
         await self.stall.resume(step)
@@ -166,7 +212,9 @@ class RunManager:
             train_compute_s=math.nan,
             train_wait_s=math.nan,
         )
-        await record_rollout(self.r, self.run_id, table, times, window, pools)
+        await record_rollout(
+            self.r, self.run_id, table, times, window, pools, self.collector.reward_errors
+        )
         # kept until the next version is committed (a restart before then finds the step
         # complete); the TTL covers a coordinator that dies before it deletes them
         await self.r.expire(jobs, JOBS_TTL_S)
@@ -182,19 +230,21 @@ class RunManager:
             ),
         )
 
-    def _table(self, step: int, examples: list[Example]) -> RequestTable:
+    def _table(self, step: int, prompt_ids: list[list[int]]) -> RequestTable:
         spec = self.spec
         return RequestTable(
             self.run_id,
             step,
             step,
-            [self.tokenizer.encode(e.prompt).ids for e in examples],
+            prompt_ids,
             spec.group_size,
             spec.max_new_tokens,
             spec.temperature,
             spec.top_p,
             spec.seed,
             [] if spec.ignore_eos else self.stop_ids,
+            top_k=spec.top_k,
+            repetition_penalty=spec.repetition_penalty,
         )
 
     async def _queue(

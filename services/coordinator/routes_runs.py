@@ -11,6 +11,9 @@ from services.common import keys, timeline
 from services.common.runspec import ModelFolderError, RunSpec, TaskFileError
 from services.common.service import Auth, errors
 from services.common.step_metrics import StepRow
+from services.common.tasks import RewardChoice, TaskError, task_for_spec
+from services.common.tasks.chat import has_chat_template, no_template_error
+from services.coordinator.reward_runner import check_loads
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
@@ -46,6 +49,37 @@ def over_step_caps(spec: RunSpec, max_requests: int, max_tokens: int) -> list[di
     return found
 
 
+def field_error(field: str, exc: Exception) -> list[dict[str, Any]]:
+    """One validation error (FastAPI's shape) on a field of the spec."""
+    return [{"loc": ("body", field), "msg": str(exc), "type": "value_error"}]
+
+
+async def task_problems(
+    spec: RunSpec, settings: CoordinatorSettings, loads: asyncio.Semaphore
+) -> list[dict[str, Any]]:
+    """Validation errors for a spec's task, cheapest check first: a reward module not on the
+    allow list, a chat template the model lacks, a dataset that does not load (read and checked
+    off the event loop, `loads` at a time), a reward that does not import (in a reward process:
+    never in this one)."""
+    choice = RewardChoice.from_spec(spec)
+    try:
+        choice.check_allowed(settings.reward_modules)
+    except TaskError as exc:
+        return field_error("reward", exc)
+    if spec.chat_template and not await asyncio.to_thread(has_chat_template, spec.model):
+        return field_error("chat_template", no_template_error(spec.model))
+    try:
+        async with loads:
+            await asyncio.to_thread(task_for_spec, spec, settings.dataset_limits())
+    except TaskError as exc:
+        return field_error("dataset" if spec.task == "dataset" else "task_path", exc)
+    try:
+        await check_loads(choice)
+    except TaskError as exc:
+        return field_error("reward", exc)
+    return []
+
+
 def check_files(spec: RunSpec, max_task_file_bytes: int) -> None:
     """Every file a spec names is there and readable (ModelFolderError, TaskFileError)."""
     spec.check_model_folder()
@@ -55,6 +89,7 @@ def check_files(spec: RunSpec, max_task_file_bytes: int) -> None:
 def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
     write, read = auth.write, auth.read
+    dataset_loads = asyncio.Semaphore(1)  # a dataset check holds its rows in memory
     read_one = {**auth.read_errors, **errors(404)}
 
     async def public(run_id: str) -> RunPublic:
@@ -99,7 +134,9 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
     )
     async def submit(spec: RunSpec) -> RunCreated:
         """Queue a run. Refused: a step over the coordinator's caps (422), a model folder or
-        task file that is missing, unreadable, too large or not UTF-8 (400)."""
+        task file that is missing, unreadable, too large or not UTF-8 (400), a task that does
+        not load: a dataset, a reward module not on the allow list or that does not import, a
+        chat template the model lacks (422)."""
         too_big = over_step_caps(spec, settings.max_step_requests, settings.max_step_tokens)
         if too_big:
             raise RequestValidationError(too_big)
@@ -107,6 +144,9 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
             await asyncio.to_thread(check_files, spec, settings.max_task_file_bytes)
         except (ModelFolderError, TaskFileError) as exc:
             raise HTTPException(400, str(exc)) from None
+        problems = await task_problems(spec, settings, dataset_loads)
+        if problems:
+            raise RequestValidationError(problems)
         run_id = await store.submit(spec)
         return RunCreated(id=run_id, state="queued")
 

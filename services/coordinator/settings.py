@@ -1,6 +1,11 @@
-from pydantic import Field
+from typing import Annotated
 
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
+
+from services.common.runspec import USER_REWARD
 from services.common.settings import CommonSettings
+from services.common.tasks.dataset_files import DatasetLimits
 
 
 class CoordinatorSettings(CommonSettings):
@@ -34,7 +39,28 @@ class CoordinatorSettings(CommonSettings):
         256 * 1024 * 1024,
         ge=1,
         le=2**40,
-        description="Largest task file (task_path) a run spec may name.",
+        description="Largest task file (task_path) or dataset file (Parquet: its data "
+        "uncompressed too) a run spec may name.",
+    )
+    max_dataset_rows: int = Field(
+        1_000_000, ge=1, le=10**9, description="Most rows a run's dataset may have."
+    )
+    max_prompt_chars: int = Field(
+        65_536, ge=1, le=2**24, description="Longest prompt of a dataset row (after its template)."
+    )
+    reward_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Modules whose functions a run spec may name as its reward "
+        "(module:function), comma-separated; the operator makes them importable (PYTHONPATH). "
+        "Empty: built-in rewards only.",
+    )
+    reward_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes that run a reward that may hang (a user function, regex_match, "
+        "boxed_match), each killed and started again when a call takes longer than the spec's "
+        "reward_timeout_s.",
     )
     audit_ttl_s: int = Field(
         600,
@@ -64,3 +90,17 @@ class CoordinatorSettings(CommonSettings):
         description="A worker gone (no heartbeat) this long is dropped from the worker list, "
         "with its control stream and crash report: churn over days does not pile up.",
     )
+
+    @field_validator("reward_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [m.strip() for m in value.split(",") if m.strip()]
+        if isinstance(value, list):
+            for module in value:
+                if not isinstance(module, str) or not USER_REWARD.fullmatch(f"{module}:f"):
+                    raise ValueError("reward_modules: comma-separated module.path names")
+        return value
+
+    def dataset_limits(self) -> DatasetLimits:
+        return DatasetLimits(self.max_task_file_bytes, self.max_dataset_rows, self.max_prompt_chars)

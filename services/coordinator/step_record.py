@@ -51,8 +51,10 @@ async def record_rollout(
     times: StepTimes,
     window: float,
     pools: dict[str, int],
+    reward_errors: int = 0,
 ) -> None:
-    """The step's rollout is over: its metrics row, gauges, event and log line."""
+    """The step's rollout is over: its metrics row, gauges, event and log line.
+    `reward_errors`: its reward calls that failed and scored 0."""
     step = table.step
     rollout_s = times.rollout_end - times.started
     ROLLOUT_S.observe(rollout_s)
@@ -80,6 +82,7 @@ async def record_rollout(
             workers_reserved=pools["reserved"],
             workers_preemptible=pools["preemptible"],
             groups_quarantined=len(table.quarantined),
+            reward_errors=reward_errors,
             redis_mem_mib=round((await RedisMemory(r).read()).used_mib, 1),
             stream_lengths=await stream_lengths(r, run_streams(run_id, step)),
         ),
@@ -94,13 +97,15 @@ async def record_rollout(
         reward_mean=mean_reward,
         tokens=tokens,
         rollout_s=rollout_s,
+        reward_errors=reward_errors,
     )
     log.info(
-        "step %d: rollout done in %.2fs, %d tokens, reward %.3f",
+        "step %d: rollout done in %.2fs, %d tokens, reward %.3f (%d reward errors)",
         step,
         rollout_s,
         tokens,
         mean_reward,
+        reward_errors,
     )
 
 

@@ -71,10 +71,13 @@ class RequestTable:
         top_p: float,
         seed: int,
         stop_token_ids: list[int],
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
     ) -> None:
         self.run_id, self.step, self.version = run_id, step, version
         self.group_size = group_size
         self.temperature, self.top_p = temperature, top_p
+        self.top_k, self.repetition_penalty = top_k, repetition_penalty
         self.stop_token_ids = stop_token_ids
         self.requests: dict[str, RequestState] = {}
         self.prompts = prompts
@@ -111,6 +114,8 @@ class RequestTable:
             remaining_tokens=max(1, r.remaining),
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
             seed=r.seed,
             stop_token_ids=self.stop_token_ids,
             isolate=bool(r.crashed_on),

@@ -1,67 +1,138 @@
-"""GRPO, as pure tensor functions: group-normalised advantages and the token-level clipped
-policy objective with an optional KL penalty to the initial policy (the low-variance "k3"
-estimator). No model, no I/O: the trainer loop feeds them tensors.
+"""GRPO as pure tensor functions, with the names and formulas of TRL's GRPOTrainer (docs/trl.md):
+advantages (`scale_rewards`), the token-level clipped objective (`epsilon`, `epsilon_high`) with
+an optional penalty to the reference policy (`beta`, the "k3" KL estimator), and the token-loss
+aggregations (`loss_type`). No model, no I/O: the policy feeds them tensors.
 
-Loss aggregation is "sequence mean of token means" divided by a constant number of sequences
-per step, so that micro-batches can be backpropagated as their groups arrive and the summed
-gradient equals that of one big batch.
+Every aggregation is written as one micro-batch's share of the step's loss, so that the step's
+loss is the sum of its micro-batches' shares: the trainer backpropagates micro-batches as their
+groups arrive and the summed gradient is that of the whole step. What a share divides by comes
+from `StepSize`; the policy module says when its `tokens` is only known at the end of the step.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+ScaleRewards = Literal["group", "batch", "none"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+STD_EPS = 1e-4  # added to the std before dividing by it (TRL's)
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """(r - mean) / (std + eps) within one group; all zeros when every reward is equal."""
+
+def sample_std(values: Sequence[float]) -> float:
+    """Standard deviation with Bessel's correction (divided by n - 1, as TRL's); 0 for fewer
+    than two values."""
+    if len(values) < 2:
+        return 0.0
+    return float(torch.tensor(values, dtype=torch.float64).std(unbiased=True))
+
+
+def group_advantages(
+    rewards: Sequence[float], scale_rewards: ScaleRewards = "group"
+) -> list[float]:
+    """Each reward minus its group's mean, divided by (the group's sample std + 1e-4) under
+    "group". Under "batch" the division by the step's std is left to `batch_scale`; "none"
+    leaves the centred rewards as they are. A group of equal rewards has zero advantages."""
     t = torch.tensor(rewards, dtype=torch.float64)
-    if len(rewards) < 2:
-        return [0.0] * len(rewards)
-    std = t.std(unbiased=False)
-    if std < eps:
-        return [0.0] * len(rewards)
-    return ((t - t.mean()) / (std + eps)).tolist()
+    centred = t - t.mean() if len(rewards) else t
+    if scale_rewards == "group":
+        centred = centred / (sample_std(rewards) + STD_EPS)
+    return centred.tolist()
+
+
+def batch_scale(rewards: Sequence[float]) -> float:
+    """What "batch" multiplies the centred rewards by: 1 / (the sample std of all the step's
+    rewards + 1e-4)."""
+    return 1.0 / (sample_std(rewards) + STD_EPS)
+
+
+def step_advantages(
+    groups: Sequence[Sequence[float]], scale_rewards: ScaleRewards
+) -> list[list[float]]:
+    """The advantages of a whole step's groups of rewards at once."""
+    out = [group_advantages(g, scale_rewards) for g in groups]
+    if scale_rewards == "batch":
+        scale = batch_scale([r for g in groups for r in g])
+        out = [[a * scale for a in g] for g in out]
+    return out
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """The step-wide sizes the aggregations divide by."""
+
+    sequences: int  # responses the step trains on: prompts_per_step x group_size
+    max_new_tokens: int  # the response budget (dr_grpo's constant)
+    tokens: float  # response tokens in the step (dapo)
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, size: StepSize
+) -> torch.Tensor:
+    """One micro-batch's share of the step's loss, from its [N, T] token losses.
+
+    grpo: each response's token mean, averaged over the step's responses. bnpo: the
+    micro-batch's token mean, weighted by its share of the step's responses (TRL: the local
+    batch's token mean over the accumulation steps; it depends on the micro-batch size).
+    dr_grpo: the step's token sum over responses x max_new_tokens. dapo: the step's token sum
+    over the step's token count."""
+    masked = per_token * mask
+    if loss_type == "grpo":
+        lengths = mask.sum(dim=1).clamp(min=1.0)
+        return (masked.sum(dim=1) / lengths).sum() / size.sequences
+    if loss_type == "bnpo":
+        share = per_token.shape[0] / size.sequences
+        return share * masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return masked.sum() / (size.sequences * size.max_new_tokens)
+    if loss_type == "dapo":
+        return masked.sum() / max(size.tokens, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
 @dataclass
 class LossParts:
-    loss: torch.Tensor  # scalar to backpropagate
-    policy: float
-    kl: float
-    clip_fraction: float
+    loss: torch.Tensor  # the micro-batch's share of the step's loss, to backpropagate
+    policy: float  # mean over responses of each one's token-mean policy loss
+    kl: float  # the same mean of the k3 KL to the reference (0 without one)
+    clip_fraction: float  # share of tokens whose clipped term was taken
     tokens: int
 
 
 def grpo_loss(
     logprobs: torch.Tensor,  # [N, T] log pi_theta(token) for response tokens
-    old_logprobs: torch.Tensor,  # [N, T] log pi_old(token), from rollout
+    old_logprobs: torch.Tensor,  # [N, T] log pi_old(token): the rollout's sampling logprobs
     advantages: torch.Tensor,  # [N]
     mask: torch.Tensor,  # [N, T] 1 on response tokens
-    clip_range: float,
-    sequences_per_step: int,
+    size: StepSize,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,  # None: epsilon
+    loss_type: LossType = "grpo",
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
+    beta: float = 0.0,
 ) -> LossParts:
+    """Token loss -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) with r the ratio to the
+    old policy, plus beta x k3 KL to the reference, aggregated by `loss_type`."""
+    high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    policy_tokens = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - epsilon, 1.0 + high) * adv)
+    per_token = policy_tokens
     kl_tokens = torch.zeros_like(per_token)
-    if ref_logprobs is not None and kl_coef > 0:
+    if ref_logprobs is not None and beta > 0:
         log_ratio = ref_logprobs - logprobs
         kl_tokens = torch.exp(log_ratio) - log_ratio - 1.0
-        per_token = per_token + kl_coef * kl_tokens
-    lengths = mask.sum(dim=1).clamp(min=1.0)
-    per_sequence = (per_token * mask).sum(dim=1) / lengths
-    loss = per_sequence.sum() / sequences_per_step
+        per_token = per_token + beta * kl_tokens
+    loss = aggregate(per_token, mask, loss_type, size)
     with torch.no_grad():
         n_tokens = int(mask.sum().item())
-        clip_frac = (((unclipped - clipped).abs() > 1e-9).to(mask.dtype) * mask).sum() / max(
-            1, n_tokens
-        )
-        policy = ((-torch.minimum(unclipped, clipped) * mask).sum(1) / lengths).mean()
+        lengths = mask.sum(dim=1).clamp(min=1.0)
+        clipped = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + high) & (adv > 0))
+        clip_frac = (clipped.to(mask.dtype) * mask).sum() / max(1, n_tokens)
+        policy = ((policy_tokens * mask).sum(1) / lengths).mean()
         kl = ((kl_tokens * mask).sum(1) / lengths).mean()
     return LossParts(loss, float(policy), float(kl), float(clip_frac), n_tokens)
 
@@ -69,7 +140,9 @@ def grpo_loss(
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | prefix) for t in [0, T-1): shape [N, T-1]."""
+    """log p(input_ids[:, t+1] | prefix) for t in [0, T-1): shape [N, T-1]. The logits are
+    divided by the temperature and nothing else (no top-k, top-p or repetition penalty), as
+    TRL computes its training logprobs."""
     scaled = logits[:, :-1].float()
     if temperature > 0:
         scaled = scaled / temperature

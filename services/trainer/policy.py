@@ -1,14 +1,30 @@
-"""The trained policy: a Hugging Face causal LM, its optimizer and the frozen reference copy.
-Synchronous torch code; the trainer loop runs it in a thread.
+"""The trained policy: a Hugging Face causal LM, its optimizer and LR schedule, and the frozen
+reference copy (only when `beta` > 0). Synchronous torch code; the trainer loop runs it in a
+thread: `accumulate()` as the step's groups arrive, `optimizer_step()` once per RL step.
 
-`accumulate()` backpropagates the groups it is given at once (micro-batch pipelining: groups are
-trained as they arrive); `optimizer_step()` applies the summed gradient once per RL step.
+Micro-batch pipelining: `accumulate()` backpropagates the groups it is given at once, so that
+training overlaps the rollout. Each micro-batch's loss is its share of the step's (grpo.py), and
+two quantities of the step are known only once all its groups are in: the std of its rewards
+(`scale_rewards="batch"`) and its token count (`loss_type="dapo"`). Each is a single factor on
+the gradient (the std's on the policy term, the count's on the whole loss), so the pipelined
+micro-batches use the centred rewards and the provisional token count responses x
+max_new_tokens, and `optimizer_step()` multiplies the summed gradient by the factors: exact, up
+to float rounding. The one case a factor cannot fix is the batch std with a KL term (the std
+scales the policy term, not the KL): then the step's backward
+waits for `optimizer_step()` ("deferred": no pipelining). grpo, dr_grpo and bnpo under group or
+no scaling need nothing at the end.
+
+`num_iterations` > 1: after the step's first optimizer step, `optimizer_step()` runs the step's
+micro-batches again, once per further iteration, each followed by an optimizer step; the ratio
+is always to the rollout's logprobs (the policy that sampled), as TRL's second and later
+iterations use the logprobs from before the first.
 """
 
 import copy
 import json
+import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,39 +34,64 @@ from safetensors.torch import load_file, save_file
 from services.common.messages import Group
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow
-from services.trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from services.trainer.grpo import (
+    LossParts,
+    StepSize,
+    batch_scale,
+    group_advantages,
+    grpo_loss,
+    token_logprobs,
+)
+from services.trainer.optim import build_optimizer, build_scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARD_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class Row:
+    """One response to train on."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # the rollout's, one per response token
+    advantage: float  # centred reward, divided by its group's std under scale_rewards="group"
+
+
 @dataclass
-class StepStats:
+class PassStats:
+    """What one pass over the step's responses trained."""
+
     sequences: int = 0
     tokens: int = 0
-    policy_loss: float = 0.0
+    policy_loss: float = 0.0  # sums over sequences
     kl: float = 0.0
     clip_fraction: float = 0.0
-    rewards: list[float] = field(default_factory=list)
 
-    def add(self, parts, n_seq: int) -> None:
+    def add(self, parts: LossParts, n_seq: int) -> None:
         self.policy_loss += parts.policy * n_seq
         self.kl += parts.kl * n_seq
         self.clip_fraction += parts.clip_fraction * n_seq
         self.sequences += n_seq
         self.tokens += parts.tokens
 
-    def summary(self, grad_norm: float) -> StepRow:
-        """The training fields of the step's metrics row."""
-        n = max(1, self.sequences)
-        return StepRow(
-            policy_loss=self.policy_loss / n,
-            kl=self.kl / n,
-            clip_fraction=self.clip_fraction / n,
-            grad_norm=grad_norm,
-            trained_sequences=self.sequences,
-            trained_tokens=self.tokens,
-        )
+    def mean(self, total: float) -> float:
+        return total / max(1, self.sequences)
+
+
+def step_row(passes: list[PassStats], grad_norms: list[float]) -> StepRow:
+    """The training fields of a step's metrics row: losses, clip fraction and gradient norm are
+    means over its optimizer steps (num_iterations of them); sequences and tokens are the
+    step's, counted once."""
+    n = len(passes)
+    return StepRow(
+        policy_loss=sum(p.mean(p.policy_loss) for p in passes) / n,
+        kl=sum(p.mean(p.kl) for p in passes) / n,
+        clip_fraction=sum(p.mean(p.clip_fraction) for p in passes) / n,
+        grad_norm=sum(grad_norms) / len(grad_norms),
+        trained_sequences=passes[0].sequences,
+        trained_tokens=passes[0].tokens,
+    )
 
 
 class Policy:
@@ -67,42 +108,68 @@ class Policy:
             raise ValueError("models with tied embeddings are not supported; untie them first")
         self.model.train()
         self.ref = None
-        if spec.kl_coef > 0:
+        if spec.beta > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.learning_rate, betas=(0.9, 0.99), weight_decay=0.0
-        )
+        self.optimizer = build_optimizer(self.model, spec)
+        self.scheduler = build_scheduler(self.optimizer, spec)
         self.pad_id = self.model.config.pad_token_id or 0
-        self.stats = StepStats()
+        # backward waits for optimizer_step: the batch std scales the policy term, not the KL
+        self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
+        self._keeps_rows = self.deferred or spec.num_iterations > 1
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self.stats = PassStats()  # the step's first pass
+        self.batches: list[list[Row]] = []  # its micro-batches, kept for a later pass
+        self.rewards: list[float] = []
+        self.tokens = 0
+
+    def _size(self, exact: bool) -> StepSize:
+        """The step's sizes; with `exact` False, the provisional token count of a pipelined
+        micro-batch."""
+        n = self.spec.prompts_per_step * self.spec.group_size
+        budget = self.spec.max_new_tokens
+        return StepSize(n, budget, self.tokens if exact else n * budget)
 
     def accumulate(self, groups: list[Group]) -> None:
-        rows = []  # (prompt_ids, response_ids, old_logprobs, advantage)
+        """Take these groups into the step; backpropagate them now unless deferred."""
+        rows = []
         for g in groups:
-            advantages = group_advantages([r.reward for r in g.responses])
-            self.stats.rewards.extend(r.reward for r in g.responses)
+            rewards = [r.reward for r in g.responses]
+            self.rewards.extend(rewards)
+            advantages = group_advantages(rewards, self.spec.scale_rewards)
             for resp, adv in zip(g.responses, advantages, strict=True):
                 if resp.token_ids:
-                    rows.append((g.prompt_ids, resp.token_ids, resp.logprobs, adv))
-        per_step = self.spec.prompts_per_step * self.spec.group_size
+                    rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv))
+        self.tokens += sum(len(r.response_ids) for r in rows)
         mb = self.spec.micro_batch_size
-        for start in range(0, len(rows), mb):
-            self._backward(rows[start : start + mb], per_step)
+        batches = [rows[start : start + mb] for start in range(0, len(rows), mb)]
+        if self._keeps_rows:
+            self.batches.extend(batches)
+        if not self.deferred:
+            size = self._size(exact=False)
+            for batch in batches:
+                self._backward(batch, size, 1.0, self.stats)
 
-    def _backward(self, rows: list, sequences_per_step: int) -> None:
-        width = max(len(p) + len(r) for p, r, _, _ in rows)
+    def _backward(
+        self, rows: list[Row], size: StepSize, adv_scale: float, stats: PassStats
+    ) -> None:
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
         n = len(rows)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((n, width), dtype=torch.long)
         mask = torch.zeros((n, width - 1))
         old = torch.zeros((n, width - 1))
-        for i, (prompt, resp, logps, _) in enumerate(rows):
-            seq = prompt + resp
+        for i, r in enumerate(rows):
+            seq = r.prompt_ids + r.response_ids
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
             # logits at position t predict token t+1: the response starts at len(prompt)
-            mask[i, len(prompt) - 1 : len(seq) - 1] = 1
-            old[i, len(prompt) - 1 : len(seq) - 1] = torch.tensor(logps[: len(resp)])
-        adv = torch.tensor([a for _, _, _, a in rows], dtype=torch.float32)
+            mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1
+            old[i, len(r.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(
+                r.logprobs[: len(r.response_ids)]
+            )
+        adv = torch.tensor([r.advantage * adv_scale for r in rows], dtype=torch.float32)
         ids, attn = ids.to(self.device), attn.to(self.device)
         temperature = self.spec.temperature
         logits = self.model(input_ids=ids, attention_mask=attn).logits
@@ -117,39 +184,75 @@ class Policy:
             old.to(self.device),
             adv.to(self.device),
             mask.to(self.device),
-            self.spec.clip_range,
-            sequences_per_step,
-            ref_logp,
-            self.spec.kl_coef,
+            size,
+            epsilon=self.spec.epsilon,
+            epsilon_high=self.spec.epsilon_high,
+            loss_type=self.spec.loss_type,
+            ref_logprobs=ref_logp,
+            beta=self.spec.beta,
         )
         parts.loss.backward()
-        self.stats.add(parts, n)
+        stats.add(parts, n)
 
     def optimizer_step(self) -> StepRow:
-        """Apply the step's summed gradient; what the step trained (its metrics row's training
-        fields)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        """Finish the step's gradient and apply it, then take the step's further iterations;
+        what the step trained (its metrics row's training fields)."""
+        adv_scale = batch_scale(self.rewards) if self.spec.scale_rewards == "batch" else 1.0
+        exact = self._size(exact=True)
+        if self.deferred:
+            for batch in self.batches:
+                self._backward(batch, exact, adv_scale, self.stats)
+        else:
+            factor = adv_scale
+            if self.spec.loss_type == "dapo" and exact.tokens > 0:
+                factor *= self._size(exact=False).tokens / exact.tokens
+            self._scale_gradient(factor)
+            self.stats.policy_loss *= adv_scale  # it was measured with the centred rewards
+        passes, grad_norms = [self.stats], [self._apply()]
+        for _ in range(self.spec.num_iterations - 1):
+            stats = PassStats()
+            for batch in self.batches:
+                self._backward(batch, exact, adv_scale, stats)
+            passes.append(stats)
+            grad_norms.append(self._apply())
+        self._new_step()
+        return step_row(passes, grad_norms)
+
+    def _scale_gradient(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def _apply(self) -> float:
+        """Clip the gradient, step the optimizer and the schedule, clear the gradient; the norm
+        before clipping."""
+        limit = self.spec.max_grad_norm or math.inf  # 0: no clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.stats.summary(float(grad_norm))
-        self.stats = StepStats()
-        return out
+        return float(grad_norm)
 
     def state(self) -> dict:
         """Everything a resumed trainer needs besides the data position: weights (fp32),
-        optimizer moments and the RNG."""
+        optimizer moments, the LR schedule's position and the RNG."""
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "rng": rng,
         }
 
     def load_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:  # a checkpoint from before schedules: the schedule's start
+            self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])

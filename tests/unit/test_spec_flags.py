@@ -58,9 +58,9 @@ def test_flags_take_types_choices_and_switches_from_the_spec():
         up_args(
             "--micro-batch-size",
             "4",
-            "--kl-coef",
+            "--beta",
             "0.05",
-            "--clip-range",
+            "--epsilon",
             "0.1",
             "--top-p",
             "0.9",
@@ -77,7 +77,7 @@ def test_flags_take_types_choices_and_switches_from_the_spec():
         ),
         model="/m",
     )
-    assert (spec.micro_batch_size, spec.kl_coef, spec.clip_range, spec.top_p) == (4, 0.05, 0.1, 0.9)
+    assert (spec.micro_batch_size, spec.beta, spec.epsilon, spec.top_p) == (4, 0.05, 0.1, 0.9)
     assert (spec.weight_dtype, spec.migration, spec.ignore_eos) == ("bfloat16", False, True)
     assert (spec.on_poison, spec.task, spec.task_path) == ("fail_run", "math", "q.jsonl")
     with pytest.raises(SystemExit):

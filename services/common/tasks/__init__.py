@@ -1,10 +1,23 @@
-"""Verifiable tasks: where prompts come from and how a response is scored.
+"""Verifiable tasks: where prompts come from (a dataset's rows, or generated ones) and how a
+response is scored (a built-in reward, or a user function the deployment allows).
 
 A task is deterministic given (seed, step): the coordinator and a restarted coordinator draw the
 same prompts for the same step.
 """
 
-from services.common.tasks.base import Example, Task, TaskError
-from services.common.tasks.registry import TASK_NAMES, load_task
+from services.common.tasks.base import Example, PromptSource, TaskError
+from services.common.tasks.dataset_files import DatasetLimits
+from services.common.tasks.registry import TASK_NAMES, Task, load_task, task_for_spec
+from services.common.tasks.reward_choice import RewardChoice
 
-__all__ = ["TASK_NAMES", "Example", "Task", "TaskError", "load_task"]
+__all__ = [
+    "TASK_NAMES",
+    "DatasetLimits",
+    "Example",
+    "PromptSource",
+    "RewardChoice",
+    "Task",
+    "TaskError",
+    "load_task",
+    "task_for_spec",
+]

@@ -1,7 +1,8 @@
-"""Multi-digit addition with an exact-match reward: `37+58=` -> `95`.
+"""Multi-digit addition, `37+58=` -> `95`: the rows of the embedded default's dataset, generated
+per step instead of read from a file, scored with the built-in exact match.
 
-The built-in task of the embedded default. Small models learn its format in seconds, and the
-reward is exact, so improvement under RL is easy to see.
+Small models learn its format in seconds, and the reward is exact, so improvement under RL is
+easy to see.
 """
 
 import random
@@ -9,8 +10,8 @@ import random
 from services.common.tasks.base import Example
 
 
-class ArithmeticTask:
-    name = "arithmetic"
+class ArithmeticRows:
+    """A PromptSource of generated sums; each row is {"prompt", "answer", "a", "b"}."""
 
     def __init__(self, digits: int = 2) -> None:
         self.low = 0
@@ -18,14 +19,12 @@ class ArithmeticTask:
 
     def _example(self, rng: random.Random) -> Example:
         a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
-        return Example(prompt=f"{a}+{b}=", answer=str(a + b))
+        prompt, answer = f"{a}+{b}=", str(a + b)
+        return Example(prompt, answer, {"prompt": prompt, "answer": answer, "a": a, "b": b})
 
     def examples(self, seed: int, step: int, count: int) -> list[Example]:
         rng = random.Random(f"arithmetic:{seed}:{step}")
         return [self._example(rng) for _ in range(count)]
-
-    def reward(self, response: str, example: Example) -> float:
-        return 1.0 if response.strip() == example.answer else 0.0
 
     def corpus(self, seed: int, count: int, label_noise: float) -> list[str]:
         """Texts whose answers are zero-padded to the left with probability `label_noise`.

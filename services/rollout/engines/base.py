@@ -24,7 +24,9 @@ class TokenEvent:
     lease: int
     offset: int  # position of this token in the response
     token_id: int
-    logprob: float  # under the sampling distribution (after temperature)
+    # under the distribution it was drawn from: after the repetition penalty, temperature, top-k
+    # and top-p (renormalised over the tokens they keep)
+    logprob: float
     finish_reason: FinishReason | None  # set on the request's last token
 
 

@@ -1,7 +1,8 @@
 """The vLLM engine: vLLM's async engine (`AsyncLLM`) behind the worker's `Engine` interface.
 
 - Each job is one vLLM request on token ids (prompt + collected prefix), streamed in deltas with
-  the sampled token's logprob after temperature (`logprobs_mode="processed_logprobs"`, as the
+  the sampled token's logprob under the distribution it was drawn from: after the repetition
+  penalty, temperature, top-k and top-p (`logprobs_mode="processed_logprobs"`, as the
   transformers engine reports it). The engine's EOS is ignored: the job's stop tokens decide.
 - Abort cancels the request's stream, which aborts it inside vLLM and frees its slot.
 - A new weight version is reloaded in place from the pulled safetensors folder
@@ -212,6 +213,8 @@ class VLLMEngine:
             max_tokens=job.remaining_tokens,
             temperature=job.temperature,
             top_p=job.top_p,
+            top_k=job.top_k,  # 0: off
+            repetition_penalty=job.repetition_penalty,
             seed=continuation_seed(job.seed, len(job.prefix_ids)),
             stop_token_ids=list(job.stop_token_ids),
             ignore_eos=True,

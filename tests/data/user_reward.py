@@ -1,0 +1,28 @@
+"""Reward functions of the user-task tests (`tests.data.user_reward:...`, importable from the
+repository root, where the tests start the coordinator): what an operator would put on the
+coordinator's allow list (SPOTRL_REWARD_MODULES)."""
+
+import math
+import os
+import time
+
+
+def sum_is_right(prompt: str, response: str, example: dict) -> float:
+    """1.0 when the response is the row's `total`: the rows are sums the tiny model knows."""
+    return 1.0 if response.strip() == str(example["total"]) else 0.0
+
+
+def misbehaves(prompt: str, response: str, example: dict) -> float:
+    """Fails the way the row's `kind` says: raise, hang, nan, text, exit; else 1.0."""
+    kind = example.get("kind")
+    if kind == "raise":
+        raise ValueError("the reward raised on purpose")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "nan":
+        return math.nan
+    if kind == "text":
+        return "1"  # type: ignore[return-value]
+    if kind == "exit":
+        os._exit(3)
+    return 1.0

@@ -1,0 +1,110 @@
+"""Sampling knobs (top_k, repetition_penalty) from the run spec to the job to the transformers
+engine's draw: the same filters as transformers, logprobs of the distribution drawn from, and old
+job messages still decode."""
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from services.common.messages import Job, MalformedMessage
+from services.core.request_table import RequestTable
+from services.rollout.engines.hf import keep_likeliest, penalise_repeats, sample_token
+
+
+def test_top_k_1_is_greedy():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    for seed in range(20):
+        token, logprob = sample_token(logits, 1.0, 1.0, seed, 0, top_k=1)
+        assert token == int(logits.argmax()) and logprob == 0.0  # all the mass on one token
+
+
+def test_top_k_draws_among_the_k_likeliest_with_renormalised_logprobs():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    draws = {sample_token(logits, 1.0, 1.0, s, 0, top_k=2) for s in range(60)}
+    assert {t for t, _ in draws} == {0, 1}
+    kept = torch.log_softmax(logits[:2], -1)
+    for token, logprob in draws:
+        assert logprob == pytest.approx(kept[token].item(), abs=1e-6)
+
+
+def test_top_k_and_top_p_keep_what_transformers_keeps():
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(40, generator=gen) * 3
+        for top_k, top_p in ((5, 1.0), (0, 0.7), (8, 0.5)):
+            scores = logits.unsqueeze(0)
+            if top_k:
+                scores = TopKLogitsWarper(top_k)(None, scores)
+            if top_p < 1.0:
+                scores = TopPLogitsWarper(top_p)(None, scores)
+            theirs = torch.log_softmax(scores[0], -1)
+            ours = keep_likeliest(torch.log_softmax(logits, -1), top_k, top_p)
+            assert torch.equal(ours.isfinite(), theirs.isfinite())
+            assert torch.allclose(ours[ours.isfinite()], theirs[theirs.isfinite()], atol=1e-5)
+
+
+def test_repetition_penalty_is_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(30, generator=torch.Generator().manual_seed(2))
+    context = [3, 7, 7, 12, 29]
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([context]), logits.unsqueeze(0))
+    assert torch.allclose(penalise_repeats(logits, context, 1.3), theirs[0])
+    assert torch.equal(penalise_repeats(logits, context, 1.0), logits)
+
+
+def test_repetition_penalty_lowers_a_seen_tokens_probability():
+    logits = torch.tensor([2.0, 1.5, -0.5, 0.0])
+    seen = [0, 2]  # one positive logit, one negative
+    for token in seen:
+        plain = torch.log_softmax(logits, -1)[token]
+        penalised = torch.log_softmax(penalise_repeats(logits, seen, 2.0), -1)[token]
+        assert penalised < plain
+    # the draw's logprob is under the penalised distribution
+    token, logprob = sample_token(logits, 1.0, 1.0, 0, 0, repetition_penalty=2.0, context=seen)
+    expected = torch.log_softmax(penalise_repeats(logits, seen, 2.0), -1)[token]
+    assert logprob == pytest.approx(expected.item())
+    # greedy follows the penalised logits: token 0 is no longer the likeliest
+    assert sample_token(logits, 0.0, 1.0, 0, 0, repetition_penalty=2.0, context=seen)[0] == 1
+
+
+def test_the_request_table_puts_the_knobs_in_every_job():
+    table = RequestTable(
+        "r", 0, 0, [[1, 2]], 2, 4, 1.0, 0.9, 0, [], top_k=20, repetition_penalty=1.1
+    )
+    for job in table.initial_jobs():
+        assert (job.top_k, job.repetition_penalty, job.top_p) == (20, 1.1, 0.9)
+        assert Job.decode(job.encode()) == job
+
+
+def old_job(**fields) -> bytes:
+    """A job as a coordinator from before top_k and repetition_penalty encoded it."""
+    base = {
+        "run_id": "r",
+        "request_id": "0:0:0",
+        "lease": 0,
+        "version": 0,
+        "prompt_ids": [1],
+        "remaining_tokens": 2,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": 3,
+    }
+    return msgspec.msgpack.encode(base | fields)
+
+
+def test_jobs_without_the_knobs_decode_with_them_off():
+    job = Job.decode(old_job())
+    assert (job.top_k, job.repetition_penalty) == (0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"top_k": -1}, {"repetition_penalty": 0.0}, {"repetition_penalty": math.nan}]
+)
+def test_job_knobs_are_bounded(bad):
+    with pytest.raises(MalformedMessage):
+        Job.decode(old_job(**bad))
