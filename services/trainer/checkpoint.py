@@ -4,15 +4,24 @@ RNG) after the optimizer step that made weight version `step`, plus the data pos
 A checkpoint is written to a scratch folder, renamed into place, and only then named in the
 `LATEST` file (itself replaced atomically): a trainer killed while writing one resumes from the
 previous one. The newest `keep` are kept.
+
+`BackgroundWriter` writes them off the training path: the step blocks only while the state is
+copied (`snapshot`), and the write, the fsync and the rename happen in a thread of their own, at
+most one at a time. Which steps are checkpointed is `due`'s call (every K steps or T seconds).
 """
 
+import concurrent.futures
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,3 +72,64 @@ class Checkpoints:
         for old in sorted(self.root.glob("step-*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return Checkpoint(step, final)
+
+
+def due(step: int, last_step: int, last_s: float, now_s: float, every: int, every_s: float) -> bool:
+    """Whether the state after `step` (a weight version) is checkpointed: `every` steps after
+    the last checkpoint, or `every_s` seconds after it."""
+    return step - last_step >= every or (step > last_step and now_s - last_s >= every_s)
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of a state (nested dicts, lists and tuples of tensors and plain values) that the
+    training of the next steps does not change: every tensor cloned to the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
+class BackgroundWriter:
+    """Writes checkpoints in a thread, one at a time; `submit` refuses while one is in flight
+    (the step is checkpointed later, once due again)."""
+
+    def __init__(self, ckpts: Checkpoints) -> None:
+        self.ckpts = ckpts
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending: concurrent.futures.Future | None = None
+        self.written = -1  # the step of the newest checkpoint this writer finished
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def submit(self, step: int, state: dict, meta: dict) -> bool:
+        if self.busy:
+            return False
+        self._collect()
+        self._pending = self._pool.submit(self.ckpts.save, step, state, meta)
+        return True
+
+    def _collect(self) -> None:
+        """The outcome of the last write: a failed one is logged, and training goes on (the
+        weights are safe in the weight store; a resumed trainer takes them from there)."""
+        if self._pending is None or not self._pending.done():
+            return
+        try:
+            self.written = self._pending.result().step
+        except Exception:
+            log.exception("a background checkpoint failed")
+        self._pending = None
+
+    def wait(self) -> None:
+        """Block until the write in flight is done (at exit, before a final checkpoint)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+            self._collect()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)

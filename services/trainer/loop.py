@@ -27,7 +27,7 @@ from services.common.run_state import RunStopped, active_run, committed_version,
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, record_step
 from services.common.weights import WeightClient
-from services.trainer.checkpoint import Checkpoints
+from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due, snapshot
 from services.trainer.intake import StepIntake
 from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
@@ -65,6 +65,8 @@ class TrainerLoop:
         self.versions = VersionPublisher(r, self.weights, settings.work_dir)
         self.status: dict = {"run_id": None, "step": None, "state": "idle"}
         self.weights_of = 0  # the version the policy's weights are
+        self.announced_at = time.monotonic()  # when the newest version was announced
+        self.checkpointed = (0, time.monotonic())  # (step, time) of the newest checkpoint
 
     async def forever(self) -> None:
         while True:
@@ -106,14 +108,20 @@ class TrainerLoop:
         else:
             step = await self._resume(run_id, policy, ckpts, version)
         self.weights_of = step
+        self.announced_at = time.monotonic()
+        latest = ckpts.latest()
+        self.checkpointed = (latest.step if latest else step, time.monotonic())
+        writer = BackgroundWriter(ckpts)
         try:
             while step < spec.steps:
                 await ensure_live(self.r, run_id)
                 self.status = {"run_id": run_id, "step": step, "state": "training"}
-                await self._train_step(run_id, spec, policy, step, ckpts, groups)
+                await self._train_step(run_id, spec, policy, step, writer, groups)
                 step += 1
         finally:
-            # at exit too (SIGTERM cancels this task): the state of the newest version
+            # at exit too (SIGTERM cancels this task): the state of the newest version, once
+            # the write in flight (if any) is done
+            writer.close()
             latest = ckpts.latest()
             if latest is None or latest.step < self.weights_of:
                 ckpts.save(self.weights_of, policy.state(), {"run_id": run_id, "at_exit": True})
@@ -173,25 +181,26 @@ class TrainerLoop:
         spec: RunSpec,
         policy,
         step: int,
-        ckpts: Checkpoints,
+        writer: BackgroundWriter,
         groups: StreamConsumer[Group],
     ) -> None:
         """One RL step: wait for the seeding, take and train on the step's groups, then step
-        the optimizer, commit and announce the version, and record what the step took."""
+        the optimizer, checkpoint when due, commit and announce the version, and record what
+        the step took."""
         started = time.monotonic()
         seed_wait_s = await self._wait_seeding(run_id, step)
         intake = StepIntake(run_id, step, spec.prompts_per_step, spec.group_size)
-        wait_s = await self._take_groups(run_id, policy, intake, groups)
+        wait_s, compute_s = await self._take_groups(run_id, policy, intake, groups)
         WAIT_S.inc(wait_s)
         await ledger.write_step(self.r, run_id, step, intake.ledger)
         if self.settings.rollouts_dir is not None:
             folder = self.settings.rollouts_dir / run_id
             await asyncio.to_thread(write_rollouts, folder, step, intake.kept)
+        t0 = time.monotonic()
         stats = await asyncio.to_thread(policy.optimizer_step)
+        compute_s += time.monotonic() - t0
         self.weights_of = step + 1
-        if (step + 1) % self.settings.checkpoint_every == 0:
-            meta = {"run_id": run_id, "last_group": intake.last_entry}
-            await asyncio.to_thread(ckpts.save, step + 1, policy.state(), meta)
+        checkpoint_s = await self._checkpoint(run_id, policy, step + 1, writer, intake)
         train_s = time.monotonic() - started
         publish_s = await self.versions.commit(run_id, policy, step + 1)
         await self._retire(groups.stream, intake.entry_ids)
@@ -204,12 +213,31 @@ class TrainerLoop:
             train_wait_s=wait_s,
             seed_wait_s=seed_wait_s,
             publish_s=publish_s,
+            train_compute_s=compute_s,
+            checkpoint_s=checkpoint_s,
+            step_s=time.monotonic() - self.announced_at,
             groups_incomplete=intake.ledger.incomplete,
         )
         # the row is complete before the version is announced: the coordinator reads it then
         await record_step(self.r, run_id, step, row)
         await self.versions.announce(run_id, step + 1)
+        self.announced_at = time.monotonic()
         await self._report(run_id, step, intake, row)
+
+    async def _checkpoint(
+        self, run_id: str, policy, version: int, writer: BackgroundWriter, intake: StepIntake
+    ) -> float:
+        """Checkpoint the state of `version` when due and no write is in flight: the step waits
+        only for the copy; the seconds it waited."""
+        last_step, last_s = self.checkpointed
+        every, every_s = self.settings.checkpoint_every, self.settings.checkpoint_every_s
+        if writer.busy or not due(version, last_step, last_s, time.monotonic(), every, every_s):
+            return 0.0
+        t0 = time.monotonic()
+        state = await asyncio.to_thread(lambda: snapshot(policy.state()))
+        writer.submit(version, state, {"run_id": run_id, "last_group": intake.last_entry})
+        self.checkpointed = (version, time.monotonic())
+        return time.monotonic() - t0
 
     async def _take_groups(
         self,
@@ -217,10 +245,11 @@ class TrainerLoop:
         policy,
         intake: StepIntake,
         groups: StreamConsumer[Group],
-    ) -> float:
+    ) -> tuple[float, float]:
         """Read groups and train on those the step takes until it has B; the seconds spent
-        waiting for new groups (replaying those read before a restart is no wait)."""
-        wait_s = 0.0
+        waiting for new groups (replaying those read before a restart is no wait) and those
+        spent training on them."""
+        wait_s = compute_s = 0.0
         last_check = time.monotonic()
         while intake.missing > 0:
             t0 = time.monotonic()
@@ -237,8 +266,10 @@ class TrainerLoop:
             good = intake.take(read)
             await groups.park(read, keys.parked_stream(run_id), "groups")
             if good:
+                t0 = time.monotonic()
                 await asyncio.to_thread(policy.accumulate, good)
-        return wait_s
+                compute_s += time.monotonic() - t0
+        return wait_s, compute_s
 
     async def _count_trained(self, run_id: str, step: int, intake: StepIntake) -> None:
         state = keys.trainer_state(run_id)

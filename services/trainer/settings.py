@@ -11,7 +11,17 @@ class TrainerSettings(CommonSettings):
     device: str = Field("cpu", description="torch device for training, e.g. cpu or cuda.")
     poll_s: float = Field(0.1, gt=0, le=60, description="Idle poll of the active run.")
     checkpoint_every: int = Field(
-        1, ge=1, le=100000, description="Checkpoint the trainer every K steps (and at exit)."
+        10,
+        ge=1,
+        le=100000,
+        description="Checkpoint the trainer's state (optimizer moments, RNG) every K steps, in "
+        "the background, and at exit; the weights of every step are in the weight store.",
+    )
+    checkpoint_every_s: float = Field(
+        300.0,
+        gt=0,
+        le=30 * 86400,
+        description="Also checkpoint once this many seconds passed since the last checkpoint.",
     )
     keep_checkpoints: int = Field(2, ge=1, le=100, description="Newest checkpoints kept.")
     rollouts_dir: Path | None = Field(

@@ -35,7 +35,12 @@ def deployment_config(tmp_path_factory) -> DeploymentConfig:
         preemptible=2,
         worker_slots=16,
         flush_tokens=1,
-        extra_env={"SPOTRL_STEP_DELAY_MS": "120", "SPOTRL_OBSERVE_S": "0.5"},
+        # the trainer checkpoints every step (in the background) until a restart says otherwise
+        extra_env={
+            "SPOTRL_STEP_DELAY_MS": "120",
+            "SPOTRL_OBSERVE_S": "0.5",
+            "SPOTRL_CHECKPOINT_EVERY": "1",
+        },
         redis_appendonly=True,
     )
 

@@ -40,3 +40,49 @@ def test_policy_state_round_trips(tmp_path, tiny_model):
     for (na, pa), (nb, pb) in pairs:
         assert na == nb and torch.equal(pa, pb)
     assert b.optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_due_every_k_steps_or_t_seconds():
+    from services.trainer.checkpoint import due
+
+    assert not due(3, last_step=0, last_s=0.0, now_s=10.0, every=10, every_s=300.0)
+    assert due(10, last_step=0, last_s=0.0, now_s=10.0, every=10, every_s=300.0)
+    assert due(3, last_step=0, last_s=0.0, now_s=300.0, every=10, every_s=300.0)
+    # the time rule never checkpoints the same version twice
+    assert not due(3, last_step=3, last_s=0.0, now_s=900.0, every=10, every_s=300.0)
+
+
+def test_a_snapshot_does_not_move_with_training():
+    from services.trainer.checkpoint import snapshot
+
+    w = torch.zeros(3)
+    state = {"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w * 2}}, "groups": [1]}}
+    copy = snapshot(state)
+    w += 1.0
+    state["optimizer"]["state"][0]["exp_avg"] += 5.0
+    assert torch.equal(copy["model"]["w"], torch.zeros(3))
+    assert torch.equal(copy["optimizer"]["state"][0]["exp_avg"], torch.zeros(3))
+    assert copy["optimizer"]["groups"] == [1]
+
+
+def test_the_background_writer_writes_one_at_a_time(tmp_path):
+    import threading
+
+    from services.trainer.checkpoint import BackgroundWriter
+
+    ckpts = Checkpoints(tmp_path, keep=3)
+    gate = threading.Event()
+    save = ckpts.save
+
+    def slow_save(step, state, meta):
+        gate.wait(10)
+        return save(step, state, meta)
+
+    ckpts.save = slow_save  # type: ignore[method-assign]
+    writer = BackgroundWriter(ckpts)
+    assert writer.submit(1, {"w": torch.ones(1)}, {})
+    assert writer.busy and not writer.submit(2, {"w": torch.ones(1)}, {})  # one in flight
+    assert ckpts.latest() is None  # the caller did not wait for the write
+    gate.set()
+    writer.close()
+    assert ckpts.latest().step == 1 and writer.written == 1

@@ -139,8 +139,15 @@ function render(run, rows, tl) {
   );
   draw(
     "trainer",
-    [line("train (incl. waits)", COLORS.reserved), line("waiting for groups", COLORS.preemptible)],
-    perStep(rows, "train_s", "train_wait_s"),
+    [
+      line("whole step", "#344054"),
+      line("rollout", COLORS.preemptible),
+      line("trainer waiting", "#b43b3b", { dash: [4, 4] }),
+      line("train compute", COLORS.reserved),
+      line("checkpoint", COLORS.fourth),
+      line("publish", COLORS.third),
+    ],
+    perStep(rows, "step_s", "rollout_s", "train_wait_s", "train_compute_s", "checkpoint_s", "publish_s"),
   );
   draw(
     "redis",
