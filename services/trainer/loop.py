@@ -148,6 +148,8 @@ class TrainerLoop:
         if ckpt is None or ckpt.step < version:
             # behind the announced version: take that version's weights, what workers hold
             await self.versions.take(run_id, policy, version)
+            if hasattr(policy, "schedule_at"):  # a benchmark's stand-in has no schedule
+                policy.schedule_at(version)
             log.warning(
                 "run %s: resumed at version %d from the weight store (checkpoint: %s)",
                 run_id,

@@ -257,6 +257,17 @@ class Policy:
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
+    def schedule_at(self, version: int) -> None:
+        """Put the learning-rate schedule where it is after `version` RL steps (a trainer that
+        resumed from the weight store, its checkpoint older or missing)."""
+        done = version * self.spec.num_iterations
+        sched = self.scheduler
+        sched.last_epoch = done
+        groups = self.optimizer.param_groups
+        for group, base, factor in zip(groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+            group["lr"] = base * factor(done)
+        sched._last_lr = [group["lr"] for group in groups]  # what get_last_lr() answers
+
     def load_weights(self, folder: Path) -> None:
         """Take the weights of a committed version (a folder `export` wrote)."""
         tensors: dict[str, torch.Tensor] = {}

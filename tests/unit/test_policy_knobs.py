@@ -206,3 +206,17 @@ def test_the_lr_schedule_resumes_from_the_policy_state(tiny_model):
         assert b.optimizer.param_groups[0]["lr"] == pytest.approx(a.optimizer.param_groups[0]["lr"])
         ones_step(a), ones_step(b)
     assert b.optimizer.param_groups[0]["lr"] < spec.learning_rate / 2  # past the middle
+
+
+def test_a_trainer_resumed_from_the_weight_store_takes_up_the_schedule(tiny_model):
+    from services.common.runspec import RunSpec
+    from services.trainer.policy import Policy
+
+    spec = RunSpec(model=str(tiny_model), steps=10, num_iterations=2, lr_scheduler_type="linear")
+    policy = Policy(tiny_model, spec)
+    policy.schedule_at(4)  # 8 of 20 optimizer steps done
+    assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * (1 - 8 / 20))
+    assert policy.scheduler.get_last_lr()[0] == pytest.approx(1e-4 * (1 - 8 / 20))
+    policy.optimizer.step()  # no gradients: nothing moves
+    policy.scheduler.step()
+    assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * (1 - 9 / 20))
