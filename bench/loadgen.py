@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import shutil
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,13 @@ DIGIT_IDS = tuple(range(len(SPECIALS), len(SPECIALS) + 10))  # what InstantEngin
 WEIGHTS_FILE = "model.safetensors"
 CENSUS_BATCH = 1000  # MEMORY USAGE commands per round trip
 RECANCEL_S = 0.5  # a task not gone this long after a cancel is cancelled again
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (it was free a moment ago)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ---- a model folder without a model ----
@@ -241,7 +249,12 @@ class LoadWorker(Supervised):
         self.spawn("heartbeat", w.heartbeat_forever)
 
     async def kill(self) -> None:
-        """Gone like SIGKILL: nothing flushed or released; its heartbeat expires."""
+        """Gone like SIGKILL: nothing flushed or released; its heartbeat expires. Its Redis
+        connections are cut first, and new ones lead nowhere: a task that swallows the cancel
+        (redis-py's wait_for on Python 3.11 can) must not go on flushing tokens and finish the
+        jobs the coordinator has to take back, as a killed process could not."""
+        self.r.connection_pool.connection_kwargs["port"] = closed_port()
+        await self.r.connection_pool.disconnect()
         await self.cancel()
         await self.r.aclose()
 
