@@ -23,6 +23,13 @@ def run_version(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:version"
 
 
+def version_announced(run_id: str) -> str:
+    """Stream of one entry: the trainer adds one as it announces a version (in the transaction
+    that sets `run_version`), so a service waiting for a version blocks on it rather than
+    polling; `run_version` stays the truth."""
+    return f"{PREFIX}:run:{run_id}:version:announced"
+
+
 def run_digests(run_id: str) -> str:
     """Hash: weight version -> content digest (services.common.weights.content_digest) of the
     files the trainer commits as that version, written before the version is committed and

@@ -67,18 +67,18 @@ async def read_group(
     group: str,
     consumer: str,
     count: int,
-    block_ms: int,
+    block_ms: int | None,
     start: str = ">",
 ) -> list[Entry]:
     """Read up to `count` new entries for `consumer` (with `start="0"`: the entries it was given
-    before and has not acknowledged); [] on timeout or while the stream or its group does not
-    exist yet (or no longer exists)."""
+    before and has not acknowledged), waiting up to `block_ms` for one (None: not at all); []
+    on timeout or while the stream or its group does not exist yet (or no longer exists)."""
     try:
         reply = await r.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
     except ResponseError as exc:
         if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
             raise
-        await asyncio.sleep(block_ms / 1000)
+        await asyncio.sleep((block_ms or 0) / 1000)
         return []
     return read_entries(reply)
 
@@ -162,7 +162,7 @@ class StreamConsumer(Generic[M]):
         """Read the entries given to this consumer and never acknowledged again, from the first."""
         self.replaying, self._replayed = True, "0"
 
-    async def read(self, count: int, block_ms: int) -> Read[M]:
+    async def read(self, count: int, block_ms: int | None) -> Read[M]:
         start = self._replayed if self.replaying else ">"
         entries = await with_reconnect(
             lambda: read_group(

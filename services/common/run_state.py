@@ -8,7 +8,7 @@ its weights were taken over. Either may race a cancel: a run in a final state is
 import redis.asyncio as aioredis
 
 from services.common import keys
-from services.common.redis_streams import text
+from services.common.redis_streams import range_entries, text
 from services.common.runspec import LIVE_STATES
 
 
@@ -55,3 +55,20 @@ async def committed_version(r: aioredis.Redis, run_id: str) -> int | None:
     """The newest weight version the trainer committed and announced for the run, or None."""
     raw = await r.get(keys.run_version(run_id))
     return int(raw) if raw is not None else None
+
+
+async def wait_for_version(
+    r: aioredis.Redis, run_id: str, newer_than: int | None, block_ms: int
+) -> int | None:
+    """The run's committed version as soon as it is newer than `newer_than` (None: any), else
+    as it is after `block_ms`. It wakes on the trainer's announcement (a blocking read of
+    `version_announced` from the entry before the version was read, so none is missed); a
+    version set without one is seen at the latest after `block_ms`."""
+    announced = keys.version_announced(run_id)
+    newest = range_entries(await r.xrevrange(announced, count=1))
+    last_id = newest[0][0] if newest else b"0-0"
+    version = await committed_version(r, run_id)
+    if version is not None and (newer_than is None or version > newer_than):
+        return version
+    await r.xread({announced: last_id}, count=1, block=block_ms)
+    return await committed_version(r, run_id)

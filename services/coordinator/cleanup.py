@@ -51,6 +51,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.step_quarantined(run_id, WILD_NUMBER),
             keys.seed_done(run_id, WILD_NUMBER),
             keys.read_cap(run_id, WILD_NUMBER),
+            keys.version_announced(run_id),
         ]
     )
 

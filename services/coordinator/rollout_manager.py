@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 from services.common import keys
 from services.common.messages import Heartbeat
 from services.common.redis_streams import ensure_group
-from services.common.run_state import committed_version, ensure_live
+from services.common.run_state import ensure_live, wait_for_version
 from services.common.runspec import RunSpec
 from services.common.tasks import DatasetLimits, Example, Task, task_for_spec
 from services.common.tasks.chat import PromptEncoder
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
 
 POLL_S = 0.05
+VERSION_WAIT_MS = 500  # a wait for the next version looks at the run this often
 JOBS_TTL_S = 600
 CHECK_S = 0.25  # period of the cancel and dead-worker checks
 
@@ -164,10 +165,9 @@ class RunManager:
         at work meanwhile and needs no worker: no stall is looked for."""
         while True:
             await self._check_running()
-            version = await committed_version(self.r, self.run_id)
+            version = await wait_for_version(self.r, self.run_id, at_least - 1, VERSION_WAIT_MS)
             if version is not None and version >= at_least:
                 return version
-            await asyncio.sleep(POLL_S * 2)
 
     async def _run_step(self, step: int) -> StepDone:
         """Queue the step (or resume it after a restart), collect until every group is

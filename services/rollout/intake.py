@@ -15,7 +15,7 @@ import logging
 from services.common import keys
 from services.common.messages import Job
 from services.common.redis_streams import StreamConsumer, with_reconnect
-from services.common.run_state import active_run, committed_version
+from services.common.run_state import active_run, committed_version, wait_for_version
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
 from services.rollout.presence import register
@@ -34,6 +34,9 @@ class JobIntake:
         self.control = control
         self.loader = loader
         self.jobs: StreamConsumer[Job] | None = None  # of the version loaded
+        # the last read found no job and the worker holds none: the next round waits for a
+        # new version (woken by its announcement) and then reads without waiting
+        self.idle = False
 
     async def run_forever(self) -> None:
         await register(self.ctx.s)
@@ -56,10 +59,14 @@ class JobIntake:
             ctx.state = "idle"
             await asyncio.sleep(IDLE_S)
             return
-        latest = await committed_version(ctx.r, run_id)
+        if self.idle:
+            latest = await wait_for_version(ctx.r, run_id, ctx.version, READ_BLOCK_MS)
+        else:
+            latest = await committed_version(ctx.r, run_id)
         if latest is None:
             await asyncio.sleep(VERSION_WAIT_S)
         elif latest != ctx.version:
+            self.idle = False
             await self.loader.load(run_id, latest)
         elif ctx.paused:  # stepped aside until the next version
             ctx.state = "paused"
@@ -87,7 +94,8 @@ class JobIntake:
             return
         ctx.state = "serving"
         jobs = self._consumer(keys.jobs_stream(run_id, version))
-        read = await jobs.read(free, READ_BLOCK_MS)
+        read = await jobs.read(free, None if self.idle else READ_BLOCK_MS)
+        self.idle = not read.messages and ctx.busy == 0
         for entry_id, job in read.messages:
             ctx.inbox.put(entry_id, job)
         await jobs.park(read, keys.parked_stream(run_id), "jobs")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from services.rollout.engines.hf import HFEngine, sample_token
+from services.rollout.engines.hf import HFEngine
+from services.rollout.engines.sampling import sample_token
 from tests.conftest import make_job as job
 
 

@@ -10,7 +10,7 @@ import torch
 
 from services.common.messages import Job, MalformedMessage
 from services.core.request_table import RequestTable
-from services.rollout.engines.hf import keep_likeliest, penalise_repeats, sample_token
+from services.rollout.engines.sampling import keep_likeliest, penalise_repeats, sample_token
 
 
 def test_top_k_1_is_greedy():

@@ -5,20 +5,15 @@ batched KV cache for the running set; when requests leave, their rows are droppe
 cache; when requests join, the whole batch is prefilled again (left-padded). That is simple and
 exact, fine for small models and tests; vLLM (`engines/vllm.py`) is the engine for production sizes.
 
-Sampling is reproducible: the token at response position k of a request is drawn with a
-generator seeded by (request seed, k), so a continuation on another worker (prompt + collected
-prefix) draws what an uninterrupted generation would have drawn for the same logits. It applies,
-in vLLM's order, the repetition penalty (over the prompt and the response so far), then greedy
-or the temperature, top-k and top-p; each token's logprob is under the distribution it was drawn
-from (renormalised over what top-k and top-p keep), as vLLM's "processed_logprobs" are.
+Sampling (`sampling.py`) is reproducible by (request seed, response position), so a
+continuation on another worker (prompt + collected prefix) draws what an uninterrupted
+generation would have drawn for the same logits; a decode step draws its rows as one batch.
 
 The model runs in a worker thread (`step`, `load`), so the event loop stays free; only the task
 that drives the engine calls it.
 """
 
 import asyncio
-import math
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,60 +21,20 @@ import torch
 
 from services.common.messages import FinishReason, Job
 from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.sampling import Draw, sample_rows
 
 
-def penalise_repeats(
-    logits: torch.Tensor, context: Collection[int], penalty: float
-) -> torch.Tensor:
-    """The repetition penalty of transformers and vLLM: the logit of every token in `context`
-    divided by `penalty` where positive, multiplied by it where negative."""
-    if penalty == 1.0 or not context:
-        return logits
-    seen = torch.tensor(sorted(set(context)), dtype=torch.long, device=logits.device)
-    scores = logits[seen]
-    return logits.index_copy(0, seen, torch.where(scores > 0, scores / penalty, scores * penalty))
-
-
-def keep_likeliest(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Log-probs renormalised over the tokens top-k keeps (ties with the k-th included), then
-    over those top-p keeps of these (the fewest likeliest whose mass reaches top_p); -inf
-    elsewhere."""
-    if 0 < top_k < logp.numel():
-        kth = torch.topk(logp, top_k).values[-1]
-        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), dim=-1)
-    if top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        p = sorted_logp.exp()
-        dropped = order[torch.cumsum(p, 0) - p >= top_p]
-        logp = torch.log_softmax(logp.index_fill(0, dropped, -math.inf), dim=-1)
-    return logp
-
-
-def sample_token(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    position: int,
-    *,
-    top_k: int = 0,
-    repetition_penalty: float = 1.0,
-    context: Collection[int] = (),
-) -> tuple[int, float]:
-    """Draw one token from a row of logits, `context` being the tokens before it (prompt and
-    response); returns (token, its logprob under the distribution it was drawn from; greedy:
-    under the penalised logits)."""
-    logits = penalise_repeats(logits.float(), context, repetition_penalty)
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logp))
-        return token, float(logp[token])
-    logp = keep_likeliest(torch.log_softmax(logits / temperature, dim=-1), top_k, top_p)
-    # The generator lives on the CPU, so the draw is drawn there too: the same token on every
-    # device (a continuation on another worker, CPU or CUDA, reproduces the draw exactly).
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF)
-    token = int(torch.multinomial(logp.exp().cpu(), 1, generator=gen))
-    return token, float(logp[token])
+def draw_of(seq: Sequence) -> Draw:
+    job = seq.job
+    return Draw(
+        job.temperature,
+        job.top_p,
+        job.seed,
+        seq.offset,
+        job.top_k,
+        job.repetition_penalty,
+        seq.context if job.repetition_penalty != 1.0 else (),
+    )
 
 
 class HFEngine:
@@ -172,21 +127,11 @@ class HFEngine:
             logits = self._decode(ids)
         else:
             logits = self._prefill(ids)
+        seqs = [self.seqs[rid] for rid in ids]
+        draws = [draw_of(seq) for seq in seqs]
         events = []
-        for row, rid in enumerate(ids):
-            seq = self.seqs[rid]
-            job = seq.job
-            offset = seq.offset
-            token, logprob = sample_token(
-                logits[row],
-                job.temperature,
-                job.top_p,
-                job.seed,
-                offset,
-                top_k=job.top_k,
-                repetition_penalty=job.repetition_penalty,
-                context=seq.context if job.repetition_penalty != 1.0 else (),
-            )
+        for rid, seq, (token, logprob) in zip(ids, seqs, sample_rows(logits, draws), strict=True):
+            job, offset = seq.job, seq.offset
             seq.generated.append(token)
             reason: FinishReason | None = None
             if token in job.stop_token_ids:
