@@ -6,15 +6,17 @@ Blocking file and socket work: the weight client runs these in threads.
 """
 
 import asyncio
+import contextlib
 import hashlib
 import http.client
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from services.common.weight_contract import WeightTransferError, content_digest
+from services.common.weight_contract import FileEntry, WeightTransferError, content_digest
 
 UPLOAD_BLOCK = 1024 * 1024  # bytes read at a time to hash or upload a file
 STREAM_BLOCK = 4 * 1024 * 1024  # bytes read at a time from a range response
@@ -55,8 +57,37 @@ def read_complete(dest: Path) -> dict:
     return done if isinstance(done, dict) else {}
 
 
-def write_complete(folder: Path, version: int, digest: str) -> None:
-    (folder / COMPLETE).write_text(json.dumps({"version": version, "digest": digest}))
+def write_complete(
+    folder: Path, version: int, digest: str, files: dict[str, str] | None = None
+) -> None:
+    """Mark a folder pulled whole: its version, content digest and each file's sha256."""
+    marker = {"version": version, "digest": digest, "files": files or {}}
+    (folder / COMPLETE).write_text(json.dumps(marker))
+
+
+def reusable(folder: Path | None, entries: list[FileEntry]) -> dict[str, Path]:
+    """The files of `entries` that `folder`, an earlier version pulled whole, holds with the
+    same content (its marker's sha256, and the size on disk agrees), by name."""
+    if folder is None:
+        return {}
+    files = read_complete(folder).get("files")
+    if not isinstance(files, dict):
+        return {}
+    same = {}
+    for entry in entries:
+        path = folder / entry.name
+        with contextlib.suppress(OSError):
+            if files.get(entry.name) == entry.sha256 and path.stat().st_size == entry.size:
+                same[entry.name] = path
+    return same
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` with `src`'s content: a hard link where the file system allows, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def fetch_range(
@@ -81,7 +112,7 @@ def fetch_range(
         resp = conn.getresponse()
         if resp.status not in (200, 206):
             raise WeightTransferError(f"{url}: {resp.status} {resp.read(500)!r}")
-        view = memoryview(bytearray(STREAM_BLOCK))
+        view = memoryview(bytearray(min(STREAM_BLOCK, end - start + 1)))
         offset = start
         fd = os.open(path, os.O_WRONLY)
         try:

@@ -38,7 +38,9 @@ from services.common.weight_files import (
     UPLOAD_BLOCK,
     FolderFiles,
     fetch_range,
+    link_or_copy,
     read_complete,
+    reusable,
     scan_folder,
     sha256_file,
     write_complete,
@@ -56,7 +58,7 @@ tls_context = functools.cache(httpx.create_ssl_context)
 class PullResult:
     folder: Path
     version: int
-    bytes: int
+    bytes: int  # downloaded (files reused from an earlier version not counted)
     seconds: float
     digest: str  # content digest of the files pulled
 
@@ -129,19 +131,23 @@ class WeightClient:
         self, http, base: str, local: FolderFiles, model: str, version: int, metadata: dict
     ) -> Manifest:
         prefix = f"{base}/v1/models/{model}/versions/{version}"
-        entries: list[FileEntry] = []
-        for path in local.files:
 
-            async def content(p: Path = path):
-                with open(p, "rb") as fh:
+        async def put(path: Path) -> httpx.Response:
+            async def content():
+                with open(path, "rb") as fh:
                     while block := fh.read(UPLOAD_BLOCK):
                         yield block
 
-            resp = await http.put(
+            return await http.put(
                 f"{prefix}/files/{path.name}",
                 content=content(),
                 headers={"x-sha256": local.sha256[path.name]},
             )
+
+        # the files at once: most are small, and one at a time each costs a round trip
+        answers = await asyncio.gather(*(put(path) for path in local.files))
+        entries: list[FileEntry] = []
+        for path, resp in zip(local.files, answers, strict=True):
             if resp.status_code == 409:
                 return await self._already_committed(http, prefix, local, model, version)
             if resp.status_code != 200:
@@ -220,10 +226,13 @@ class WeightClient:
         dest: Path,
         attempts: int = 6,
         expect_digest: str | None = None,
+        reuse: Path | None = None,
     ) -> PullResult:
         """Download and verify a version into `dest`, retrying over replicas with backoff.
         With `expect_digest`, a replica serving other content is skipped (nothing of it is
-        downloaded); WeightConflict when every replica does."""
+        downloaded); WeightConflict when every replica does. Files that `reuse` (an earlier
+        version pulled whole) holds with the same sha256 are linked from it, not downloaded:
+        a new version changes the weights, rarely the config or the tokenizer."""
         done = read_complete(dest)
         cached = done.get("version") == version and expect_digest in (None, done.get("digest"))
         if cached:
@@ -236,7 +245,7 @@ class WeightClient:
                 if base in conflicts:
                     continue  # versions are immutable: that replica will not change its mind
                 try:
-                    return await self._pull_from(base, model, version, dest, expect_digest)
+                    return await self._pull_from(base, model, version, dest, expect_digest, reuse)
                 except WeightConflict as exc:
                     conflicts[base] = last_error = exc
                     log.error("pull %s v%d from %s refused: %s", model, version, base, exc)
@@ -249,7 +258,13 @@ class WeightClient:
         raise WeightTransferError(f"pull {model} v{version} failed: {last_error}")
 
     async def _pull_from(
-        self, base: str, model: str, version: int, dest: Path, expect_digest: str | None
+        self,
+        base: str,
+        model: str,
+        version: int,
+        dest: Path,
+        expect_digest: str | None,
+        reuse: Path | None,
     ) -> PullResult:
         started = time.monotonic()
         async with self._http(60.0) as http:
@@ -272,9 +287,14 @@ class WeightClient:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         gate = asyncio.Semaphore(self.parallel)
-        jobs, whole_file_checks = [], []
+        jobs, whole_file_checks, fetched = [], [], 0
+        same = reusable(reuse, manifest.files)
         for entry in manifest.files:
             path = partial / entry.name
+            if entry.name in same:
+                link_or_copy(same[entry.name], path)
+                continue
+            fetched += entry.size
             with open(path, "wb") as fh:
                 fh.truncate(entry.size)
             url = f"{base}/v1/models/{model}/versions/{version}/files/{entry.name}"
@@ -291,10 +311,10 @@ class WeightClient:
             got = await asyncio.to_thread(sha256_file, partial / entry.name)
             if got != entry.sha256:
                 raise WeightTransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
-        write_complete(partial, version, digest)
+        write_complete(partial, version, digest, {e.name: e.sha256 for e in manifest.files})
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(partial, dest)
-        return PullResult(dest, version, manifest.total_bytes(), time.monotonic() - started, digest)
+        return PullResult(dest, version, fetched, time.monotonic() - started, digest)
 
     @staticmethod
     async def _fetch_range(

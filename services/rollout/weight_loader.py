@@ -43,7 +43,8 @@ class VersionLoader:
         ctx = self.ctx
         ctx.state = "loading"
         started = time.monotonic()
-        result = await self._pull(run_id, version)
+        previous = ctx.version  # its folder lends the new version the files they share
+        result = await self._pull(run_id, version, previous)
         if result is None:
             ctx.version = None
             await asyncio.sleep(RETRY_S)
@@ -59,10 +60,10 @@ class VersionLoader:
         PULL_S.observe(took_s)
         PULL_BYTES.inc(result.bytes)
         log.info("loaded %s v%d (%d bytes) in %.2fs", run_id, version, result.bytes, took_s)
-        if version > 0:
-            await asyncio.to_thread(shutil.rmtree, self._folder(run_id, version - 1), True)
+        if previous is not None and previous != version:
+            await asyncio.to_thread(shutil.rmtree, self._folder(run_id, previous), True)
 
-    async def _pull(self, run_id: str, version: int) -> PullResult | None:
+    async def _pull(self, run_id: str, version: int, previous: int | None) -> PullResult | None:
         """The pulled version, or None when it cannot be loaded (yet)."""
         # Only the content the trainer announced with the version is ever loaded.
         digest = text(await self.ctx.r.hget(keys.run_digests(run_id), version))
@@ -70,7 +71,8 @@ class VersionLoader:
         try:
             if digest is None:
                 raise WeightConflict(run_id, version, "was announced without a digest")
-            return await self.weights.pull(run_id, version, dest, expect_digest=digest)
+            reuse = self._folder(run_id, previous) if previous is not None else None
+            return await self.weights.pull(run_id, version, dest, expect_digest=digest, reuse=reuse)
         except WeightConflict as exc:
             log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
         except WeightTransferError as exc:

@@ -111,7 +111,9 @@ class VersionPublisher:
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(keys.run_digests(run_id), version, digest)
             pipe.set(keys.run_version(run_id), version)
-            pipe.xadd(keys.version_announced(run_id), {"version": version}, maxlen=1)
+            pipe.xadd(
+                keys.version_announced(run_id), {"version": version}, maxlen=1, approximate=False
+            )
             if version >= 2:
                 pipe.hdel(keys.run_digests(run_id), version - 2)
             await pipe.execute()

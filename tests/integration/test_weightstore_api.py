@@ -109,6 +109,30 @@ def test_client_uploads_and_pulls_a_folder_verified(store, tmp_path):
     assert not (tmp_path / "dst.partial").exists()
 
 
+def test_a_pull_takes_the_files_an_earlier_version_shares_from_its_folder(store, tmp_path):
+    """Only what changed moves: v1 shares config.json with v0, so a pull of v1 beside v0's
+    folder downloads the weights alone and links the config; the result is v1, verified."""
+    url, _ = store
+    client = WeightClient([url], TOKEN)
+    for version, weights in ((0, b"a" * 5000), (1, b"b" * 7000)):
+        src = tmp_path / f"src{version}"
+        src.mkdir()
+        (src / "config.json").write_text('{"same": true}')
+        (src / "model.safetensors").write_bytes(weights)
+        asyncio.run(client.upload_folder(src, "m5", version))
+    v0 = asyncio.run(client.pull("m5", 0, tmp_path / "v0"))
+    assert v0.bytes == 5000 + 14
+    v1 = asyncio.run(client.pull("m5", 1, tmp_path / "v1", reuse=v0.folder))
+    assert v1.bytes == 7000  # the config came from v0's folder
+    assert (v1.folder / "model.safetensors").read_bytes() == b"b" * 7000
+    assert (v1.folder / "config.json").read_text() == '{"same": true}'
+    # a file whose size no longer agrees with the marker is not trusted: downloaded again
+    (v1.folder / "config.json").write_text("{}")
+    again = asyncio.run(client.pull("m5", 0, tmp_path / "v0-again", reuse=v1.folder))
+    assert again.bytes == 5000 + 14
+    assert (again.folder / "config.json").read_text() == '{"same": true}'
+
+
 def test_a_store_with_protected_reads_serves_its_files_to_the_token_only(tmp_path):
     """With SPOTRL_PROTECT_READS the file ranges need the token too: a pull with it works, one
     without it fails and leaves nothing behind."""

@@ -108,3 +108,39 @@ def test_jobs_without_the_knobs_decode_with_them_off():
 def test_job_knobs_are_bounded(bad):
     with pytest.raises(MalformedMessage):
         Job.decode(old_job(**bad))
+
+
+def test_a_row_draws_the_same_token_alone_and_in_any_batch():
+    """A continuation on another worker runs beside other requests: its draw must not depend
+    on them. Plain rows (drawn as one batch) and filtered ones (drawn one by one) alike."""
+    from services.rollout.engines.sampling import Draw, sample_rows
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 40, generator=gen) * 3
+    draws = [
+        Draw(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9, seed=i, position=i)
+        if i % 5
+        else Draw(1.0, 1.0, i, i, top_k=5, repetition_penalty=1.3, context=[1, 2, 3])
+        for i in range(12)
+    ]
+    together = sample_rows(logits, draws)
+    alone = [sample_rows(logits[i : i + 1], [d])[0] for i, d in enumerate(draws)]
+    reversed_batch = sample_rows(logits.flip(0), draws[::-1])[::-1]
+    assert together == alone == reversed_batch
+    for (token, logprob), d, row in zip(together, draws, logits, strict=True):
+        if d.temperature == 0:
+            assert token == int(row.argmax())
+        assert math.isfinite(logprob) and logprob <= 0.0
+
+
+def test_draws_follow_the_distribution():
+    """The inverse-CDF draw over (seed, position) hashes samples the softmax: token
+    frequencies over many seeds match the probabilities."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    counts = torch.zeros(4)
+    for seed in range(4000):
+        token, logprob = sample_token(logits, 1.0, 1.0, seed, 0)
+        counts[token] += 1
+        assert logprob == pytest.approx(math.log(probs[token].item()), abs=1e-5)
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)

@@ -1,0 +1,50 @@
+"""Waiting for a weight version wakes on the trainer's announcement (a real Redis, the
+trainer's own announce transaction), sees a version announced before the wait began, and
+still sees a version set without an announcement once its block ends."""
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.cli import procs
+from services.common import keys
+from services.common.run_state import wait_for_version
+from services.common.weights import WeightClient
+from services.trainer.versions import VersionPublisher
+
+RUN = "r20260101-000000-wait01"
+NEVER_MS = 120_000  # a wait that ran to its end would fail the test's bound below
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    proc, url = procs.start_redis(tmp_path / "logs", tmp_path / "redis")
+    yield url
+    proc.stop()
+
+
+def test_a_wait_wakes_on_the_announcement_not_on_its_timeout(redis_url, tmp_path):
+    async def scenario():
+        r = aioredis.from_url(redis_url)
+        publisher = VersionPublisher(r, WeightClient(["http://127.0.0.1:9"]), tmp_path)
+        publisher.committed = (0, "d0")
+        await publisher.announce(RUN, 0)
+        # announced before the wait: returned at once
+        assert await wait_for_version(r, RUN, None, NEVER_MS) == 0
+        waiter = asyncio.create_task(wait_for_version(r, RUN, 0, NEVER_MS))
+        await asyncio.sleep(0)  # let it block (it would also see the version if it had not)
+        publisher.committed = (1, "d1")
+        await publisher.announce(RUN, 1)
+        assert await asyncio.wait_for(waiter, 30) == 1
+        # a version set by hand (no announcement) is read once the block ends
+        await r.set(keys.run_version(RUN), 2)
+        assert await wait_for_version(r, RUN, 1, 200) == 2
+        # the announcement stream keeps one entry, however many versions go by
+        for v in range(3, 30):
+            publisher.committed = (v, f"d{v}")
+            await publisher.announce(RUN, v)
+        assert await r.xlen(keys.version_announced(RUN)) == 1
+        await r.aclose()
+
+    asyncio.run(scenario())
