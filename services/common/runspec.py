@@ -293,7 +293,7 @@ class RunSpec(BaseModel):
         "group",
         description="Advantage = reward - its group's mean, divided by the std of the group's "
         "rewards (group), of all the step's rewards (batch), or not at all (none); the std is "
-        "the sample std (n - 1), plus 1e-4.",
+        "the sample std (n - 1), plus 1e-4. TRL's true and false mean group and none.",
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
         "grpo",
@@ -379,6 +379,14 @@ class RunSpec(BaseModel):
                 "'constant_with_warmup' with warmup_steps"
             )
         return self
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_rewards_as_trl(cls, value: object) -> object:
+        """TRL still takes its old booleans: True is "group", False is "none"."""
+        if isinstance(value, bool):
+            return "group" if value else "none"
+        return value
 
     @field_validator("reward")
     @classmethod

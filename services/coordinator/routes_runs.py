@@ -123,6 +123,7 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
             stall_reason=run.get("stall_reason", "") if run["state"] == "stalled" else "",
             stalled_since=float(run["stalled_since"]) if "stalled_since" in run else None,
             groups_quarantined=int(run.get("groups_quarantined", 0)),
+            reward_errors=sum(row.reward_errors or 0 for row in rows),
         )
 
     @router.post(

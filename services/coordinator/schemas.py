@@ -43,6 +43,11 @@ class RunPublic(BaseModel):
     groups_quarantined: int = Field(
         0, description="Groups dropped because one of their requests crashed too many workers."
     )
+    reward_errors: int = Field(
+        0,
+        description="Reward calls of the run that raised, hung or returned no finite number "
+        "(each scored 0).",
+    )
 
 
 class WorkerCreate(BaseModel):

@@ -101,6 +101,7 @@ def test_a_reward_that_raises_hangs_or_returns_nan_scores_zero_and_is_counted(
     run = wait_final(client, deployment, run_id)
     assert run["state"] == "succeeded", run
     assert [row["reward_errors"] for row in client.metrics(run_id)] == [6]
+    assert run["reward_errors"] == 6  # the run's total, as GET /v1/runs/{id} shows it
     rewards = {
         g.prompt_index: [r.reward for r in g.responses] for g in read_groups(deployment, run_id)
     }

@@ -173,3 +173,13 @@ def test_constant_takes_no_warmup():
     with pytest.raises(ValueError, match="constant_with_warmup"):
         RunSpec(model="/m", warmup_steps=3)
     assert RunSpec(model="/m", lr_scheduler_type="constant_with_warmup", warmup_steps=3)
+
+
+def test_scale_rewards_takes_trls_booleans():
+    assert RunSpec(model="/m", scale_rewards=True).scale_rewards == "group"
+    assert RunSpec(model="/m", scale_rewards=False).scale_rewards == "none"
+    assert RunSpec.model_validate_json('{"model": "/m", "scale_rewards": false}').scale_rewards == (
+        "none"
+    )
+    with pytest.raises(ValueError):
+        RunSpec(model="/m", scale_rewards="std")
