@@ -61,6 +61,14 @@ class ManifestCommit(Manifest):
 
     model_config = ConfigDict(allow_inf_nan=False)
     version: int = Field(0, ge=0, le=MAX_VERSION)
+    reuse_version: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_VERSION,
+        description="A listed file that was not uploaded is taken from this committed version "
+        "of the model, where it has the same name, size and sha256 (a new version rarely "
+        "changes the config or the tokenizer).",
+    )
 
 
 def content_digest(files: Iterable[tuple[str, int, str]]) -> str:

@@ -86,6 +86,8 @@ class WeightClient:
         self.headers = auth_headers(token)
         self.parallel = parallel
         self._next = 0
+        # (replica, model) -> the version this client last committed there, its files' sha256
+        self._uploaded: dict[tuple[str, str], tuple[int, dict[str, str]]] = {}
 
     def _http(self, timeout: float) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -130,7 +132,58 @@ class WeightClient:
     async def _upload_to(
         self, http, base: str, local: FolderFiles, model: str, version: int, metadata: dict
     ) -> Manifest:
+        """Send the files this replica does not hold already in the version we uploaded to it
+        last, then commit, naming that version for the rest; a replica that cannot take them
+        from it (it missed that version) gets them sent too."""
         prefix = f"{base}/v1/models/{model}/versions/{version}"
+        reuse, unchanged = self._unchanged(base, model, local, version)
+        entries: dict[str, FileEntry] = {
+            p.name: FileEntry(name=p.name, size=p.stat().st_size, sha256=local.sha256[p.name])
+            for p in local.files
+            if p.name in unchanged
+        }
+        sent = await self._put_files(
+            http, prefix, local, [p for p in local.files if p.name not in unchanged]
+        )
+        if sent is None:
+            return await self._already_committed(http, prefix, local, model, version)
+        entries |= sent
+        resp = await self._commit(
+            http, prefix, [entries[p.name] for p in local.files], metadata, reuse
+        )
+        if resp.status_code == 400 and unchanged:
+            sent = await self._put_files(
+                http, prefix, local, [p for p in local.files if p.name in unchanged]
+            )
+            if sent is None:
+                return await self._already_committed(http, prefix, local, model, version)
+            entries |= sent
+            resp = await self._commit(
+                http, prefix, [entries[p.name] for p in local.files], metadata, None
+            )
+        if resp.status_code == 409:
+            return await self._already_committed(http, prefix, local, model, version)
+        if resp.status_code != 201:
+            raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
+        self._uploaded[base, model] = (version, dict(local.sha256))
+        return parse_answer(Manifest, resp, f"commit v{version}")
+
+    def _unchanged(
+        self, base: str, model: str, local: FolderFiles, version: int
+    ) -> tuple[int | None, set[str]]:
+        """The version this client last committed to the replica before `version`, and the
+        files of `local` it had with the same content."""
+        earlier = self._uploaded.get((base, model))
+        if earlier is None or earlier[0] >= version:
+            return None, set()
+        return earlier[0], {n for n, sha in local.sha256.items() if earlier[1].get(n) == sha}
+
+    @staticmethod
+    async def _put_files(
+        http, prefix: str, local: FolderFiles, paths: list[Path]
+    ) -> dict[str, FileEntry] | None:
+        """Upload `paths` at once (most are small: one at a time, each costs a round trip);
+        the store's entry of each, or None if the version is committed already."""
 
         async def put(path: Path) -> httpx.Response:
             async def content():
@@ -144,27 +197,26 @@ class WeightClient:
                 headers={"x-sha256": local.sha256[path.name]},
             )
 
-        # the files at once: most are small, and one at a time each costs a round trip
-        answers = await asyncio.gather(*(put(path) for path in local.files))
-        entries: list[FileEntry] = []
-        for path, resp in zip(local.files, answers, strict=True):
+        answers = await asyncio.gather(*(put(path) for path in paths))
+        entries = {}
+        for path, resp in zip(paths, answers, strict=True):
             if resp.status_code == 409:
-                return await self._already_committed(http, prefix, local, model, version)
+                return None
             if resp.status_code != 200:
                 raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
-            entries.append(parse_answer(FileEntry, resp, f"upload {path.name}"))
+            entries[path.name] = parse_answer(FileEntry, resp, f"upload {path.name}")
+        return entries
+
+    @staticmethod
+    async def _commit(
+        http, prefix: str, entries: list[FileEntry], metadata: dict, reuse: int | None
+    ) -> httpx.Response:
         try:
-            commit = ManifestCommit(files=entries, metadata=metadata)
+            commit = ManifestCommit(files=entries, metadata=metadata, reuse_version=reuse)
         except ValidationError as exc:
-            raise WeightTransferError(f"commit v{version}: {brief(exc)}") from exc
-        resp = await http.post(
-            f"{prefix}/commit", json=commit.model_dump(mode="json", include={"files", "metadata"})
-        )
-        if resp.status_code == 409:
-            return await self._already_committed(http, prefix, local, model, version)
-        if resp.status_code != 201:
-            raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
-        return parse_answer(Manifest, resp, f"commit v{version}")
+            raise WeightTransferError(f"commit {prefix}: {brief(exc)}") from exc
+        body = commit.model_dump(mode="json", include={"files", "metadata", "reuse_version"})
+        return await http.post(f"{prefix}/commit", json=body)
 
     @staticmethod
     async def _already_committed(

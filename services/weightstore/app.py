@@ -104,7 +104,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
 
     @app.post(COMMIT, response_model=Manifest, status_code=201, **write)
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
-        committed = storage.commit(model, version, manifest)
+        committed = storage.commit(model, version, manifest, manifest.reuse_version)
         COMMITS.inc()
         discard_staging(model)
         log.info(

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from services.common.weight_contract import NAME_RE, FileEntry, Manifest
+from services.common.weight_files import link_or_copy
 
 MANIFEST = "manifest.json"
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -142,11 +143,16 @@ class WeightStorage:
             name=name, size=size, sha256=got, block_size=BLOCK_BYTES, block_sha256=block_hashes
         )
 
-    def commit(self, model: str, version: int, manifest: Manifest) -> Manifest:
-        """Make a version visible, all or nothing."""
+    def commit(
+        self, model: str, version: int, manifest: Manifest, reuse_version: int | None = None
+    ) -> Manifest:
+        """Make a version visible, all or nothing. Listed files not uploaded are taken from
+        committed `reuse_version` where it holds them with the same content."""
         if self.is_committed(model, version):
             raise Conflict(f"{model} version {version} is already committed")
         staging = self._staging(model, version)
+        if reuse_version is not None:
+            self._take_unchanged(model, reuse_version, staging, manifest)
         problems = []
         for entry in manifest.files:
             path = staging / entry.name
@@ -185,6 +191,27 @@ class WeightStorage:
             raise Conflict(f"{model} version {version} is already committed") from exc
         self._apply_retention(model)
         return final
+
+    def _take_unchanged(
+        self, model: str, reuse_version: int, staging: Path, manifest: Manifest
+    ) -> None:
+        """Link into `staging` each listed file it lacks that committed `reuse_version` has
+        with the same name, size and sha256, with the sidecars an upload would have left."""
+        if not self.is_committed(model, reuse_version):
+            return  # the missing files stay missing: the commit says which
+        earlier = {e.name: e for e in self.manifest(model, reuse_version).files}
+        for entry in manifest.files:
+            old = earlier.get(entry.name)
+            path = staging / entry.name
+            if old is None or path.exists() or (old.size, old.sha256) != (entry.size, entry.sha256):
+                continue
+            staging.mkdir(parents=True, exist_ok=True)
+            try:
+                link_or_copy(self.committed_dir(model, reuse_version) / entry.name, path)
+            except OSError:  # retention took that version meanwhile: the file stays missing
+                continue
+            (staging / f".{entry.name}.sha256").write_text(old.sha256)
+            (staging / f".{entry.name}.blocks").write_text(json.dumps(old.block_sha256 or []))
 
     @staticmethod
     def _first_missing(folder: Path) -> Path | None:

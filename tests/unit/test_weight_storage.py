@@ -121,3 +121,24 @@ def test_block_hashes_cover_the_file(tmp_path):
         hasher.update(data[i : i + 77])
     expected = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
     assert hasher.finish() == expected
+
+
+def test_a_commit_takes_unchanged_files_from_the_version_it_names(tmp_path):
+    """A new version rarely changes the config: the client sends the weights alone and names
+    the version to take the rest from. Only a file with the same name, size and sha256 is
+    taken; any other stays missing and the commit says so."""
+    store = WeightStorage(tmp_path, keep=3)
+    config = put(store, "m", 1, "config.json", b'{"a": 1}')
+    weights = put(store, "m", 1, "w.bin", b"one" * 1000)
+    store.commit("m", 1, manifest(config, weights))
+    new_weights = put(store, "m", 2, "w.bin", b"two" * 1000)
+    listed = config.model_copy(update={"block_size": None, "block_sha256": []})
+    committed = store.commit("m", 2, manifest(listed, new_weights), reuse_version=1)
+    assert store.file_path("m", 2, "config.json").read_bytes() == b'{"a": 1}'
+    assert committed.files[0].block_sha256 == config.block_sha256  # as if uploaded
+    other = listed.model_copy(update={"sha256": hashlib.sha256(b"{}").hexdigest(), "size": 2})
+    with pytest.raises(StorageError, match="config.json: not uploaded"):
+        store.commit("m", 3, manifest(other, put(store, "m", 3, "w.bin", b"three")), 2)
+    with pytest.raises(StorageError, match="not uploaded"):  # no such version to take from
+        store.commit("m", 3, manifest(listed, put(store, "m", 3, "w.bin", b"three")), 7)
+    assert store.versions("m") == [1, 2]
