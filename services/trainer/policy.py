@@ -121,6 +121,7 @@ class Policy:
     def _new_step(self) -> None:
         self.stats = PassStats()  # the step's first pass
         self.batches: list[list[Row]] = []  # its micro-batches, kept for a later pass
+        self.waiting: list[Row] = []  # rows short of a full micro-batch
         self.rewards: list[float] = []
         self.tokens = 0
 
@@ -142,8 +143,19 @@ class Policy:
                 if resp.token_ids:
                     rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv))
         self.tokens += sum(len(r.response_ids) for r in rows)
+        # full micro-batches only: the rest waits for the next groups (or the step's end), so
+        # a step of B x n responses makes ceil(B x n / micro_batch_size) passes however its
+        # groups arrive
+        self.waiting.extend(rows)
         mb = self.spec.micro_batch_size
-        batches = [rows[start : start + mb] for start in range(0, len(rows), mb)]
+        full = len(self.waiting) // mb * mb
+        batches = [self.waiting[start : start + mb] for start in range(0, full, mb)]
+        del self.waiting[:full]
+        self._take(batches)
+
+    def _take(self, batches: list[list[Row]]) -> None:
+        """Keep micro-batches for a later pass where needed; backpropagate them now unless
+        deferred."""
         if self._keeps_rows:
             self.batches.extend(batches)
         if not self.deferred:
@@ -197,6 +209,9 @@ class Policy:
     def optimizer_step(self) -> StepRow:
         """Finish the step's gradient and apply it, then take the step's further iterations;
         what the step trained (its metrics row's training fields)."""
+        if self.waiting:
+            batch, self.waiting = self.waiting, []
+            self._take([batch])
         adv_scale = batch_scale(self.rewards) if self.spec.scale_rewards == "batch" else 1.0
         exact = self._size(exact=True)
         if self.deferred:

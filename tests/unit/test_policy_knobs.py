@@ -220,3 +220,29 @@ def test_a_trainer_resumed_from_the_weight_store_takes_up_the_schedule(tiny_mode
     policy.optimizer.step()  # no gradients: nothing moves
     policy.scheduler.step()
     assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * (1 - 9 / 20))
+
+
+def test_micro_batches_are_full_however_the_groups_arrive(tiny_model):
+    """Rows short of a micro-batch wait for the next read (or the step's end): a step of 12
+    responses in micro-batches of 5 makes 3 passes (5, 5, 2) whether its groups come at once or
+    one by one, with the same gradient."""
+    grads = []
+    for reads in ([slice(0, 3)], [slice(0, 1), slice(1, 2), slice(2, 3)]):
+        policy = Policy(tiny_model, knobs(tiny_model, micro_batch_size=5))
+        groups = make_groups(policy)
+        sizes: list[int] = []
+        backward = policy._backward
+
+        def counted(rows, *args, _sizes=sizes, _backward=backward, **kwargs):
+            _sizes.append(len(rows))
+            return _backward(rows, *args, **kwargs)
+
+        policy._backward = counted
+        seen = applied_gradients(policy)
+        for read in reads:
+            policy.accumulate(groups[read])
+        policy.optimizer_step()
+        assert sizes == [5, 5, 2]
+        grads.append(seen[0])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
