@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 
 from services.common import keys
 from services.common.messages import Heartbeat
-from services.common.redis_streams import ensure_group
+from services.common.redis_streams import ensure_group, with_reconnect
 from services.common.run_state import ensure_live, wait_for_version
 from services.common.runspec import RunSpec
 from services.common.tasks import DatasetLimits, Example, Task, task_for_spec
@@ -165,7 +165,10 @@ class RunManager:
         at work meanwhile and needs no worker: no stall is looked for."""
         while True:
             await self._check_running()
-            version = await wait_for_version(self.r, self.run_id, at_least - 1, VERSION_WAIT_MS)
+            version = await with_reconnect(
+                lambda: wait_for_version(self.r, self.run_id, at_least - 1, VERSION_WAIT_MS),
+                "committed version",
+            )
             if version is not None and version >= at_least:
                 return version
 

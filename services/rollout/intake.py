@@ -59,10 +59,14 @@ class JobIntake:
             ctx.state = "idle"
             await asyncio.sleep(IDLE_S)
             return
+        # through an outage: a round that raised would register the worker again, which the
+        # coordinator refuses while its Redis is away too
         if self.idle:
-            latest = await wait_for_version(ctx.r, run_id, ctx.version, READ_BLOCK_MS)
+            latest = await with_reconnect(
+                lambda: wait_for_version(ctx.r, run_id, ctx.version, READ_BLOCK_MS), "version"
+            )
         else:
-            latest = await committed_version(ctx.r, run_id)
+            latest = await with_reconnect(lambda: committed_version(ctx.r, run_id), "version")
         if latest is None:
             await asyncio.sleep(VERSION_WAIT_S)
         elif latest != ctx.version:
