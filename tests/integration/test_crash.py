@@ -106,8 +106,10 @@ def test_trainer_killed_mid_step_resumes_from_its_checkpoint(deployment, client,
         deployment.restart("trainer", kill=kill, settings={"SPOTRL_CHECKPOINT_EVERY": every})
         wait_past(rdb, run_id, step)
     check_run(deployment, client, rdb, run_id, body)
-    log = (deployment.log_dir / "trainer.log").read_text()
-    assert log.count("at exit") >= 2  # the SIGTERM, and the end of the run
+    trainer_log = deployment.log_dir / "trainer.log"
+    # the SIGTERM, and the end of the run: the trainer writes that one after the run is over
+    wait_until(lambda: trainer_log.read_text().count("at exit") >= 2, "no checkpoint at exit", 30)
+    log = trainer_log.read_text()
     assert "from the weight store (checkpoint: step" in log
     assert log.count("resumed at") + log.count("resumed after") >= 2  # once from a checkpoint
     assert "from its checkpoint" in log
