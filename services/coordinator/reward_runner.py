@@ -8,6 +8,7 @@ is counted (`spotrl_coordinator_reward_errors_total{kind}`, and per step by the 
 reward that cannot be loaded at all is an error (RewardLoadError).
 """
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -147,7 +148,7 @@ class RewardProcess:
         return out
 
 
-class RewardRunner:
+class RewardRunner(abc.ABC):
     """Scores calls with a run's reward; `open_runner` builds the right one."""
 
     async def score(self, calls: Sequence[Call]) -> list[Outcome]:
@@ -157,10 +158,11 @@ class RewardRunner:
                 ERRORS[outcome.error].inc()
         return outcomes
 
+    @abc.abstractmethod
     async def _score(self, calls: Sequence[Call]) -> list[Outcome]:
-        raise NotImplementedError
+        """One outcome per call, in order."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027  (most runners start nothing)
         """Stop what it started."""
 
 

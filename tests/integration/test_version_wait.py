@@ -33,7 +33,10 @@ def test_a_wait_wakes_on_the_announcement_not_on_its_timeout(redis_url, tmp_path
         # announced before the wait: returned at once
         assert await wait_for_version(r, RUN, None, NEVER_MS) == 0
         waiter = asyncio.create_task(wait_for_version(r, RUN, 0, NEVER_MS))
-        await asyncio.sleep(0)  # let it block (it would also see the version if it had not)
+        # announce only once the wait is blocked in Redis: it must wake on the announcement
+        while (await r.info("clients"))["blocked_clients"] < 1:
+            assert not waiter.done(), "the wait returned before any announcement"
+            await asyncio.wait([waiter], timeout=0.01)
         publisher.committed = (1, "d1")
         await publisher.announce(RUN, 1)
         assert await asyncio.wait_for(waiter, 30) == 1
