@@ -44,28 +44,38 @@ class Conflict(StorageError):
     status = 409
 
 
-class BlockHasher:
-    """sha256 of each consecutive `block` bytes of a stream."""
+class FileHasher:
+    """sha256 of a stream and of each consecutive `block` bytes of it, in one pass while the
+    stream fits in one block (most files do: then the two are the same hash)."""
 
     def __init__(self, block: int) -> None:
-        self.block, self.filled, self.current = block, 0, hashlib.sha256()
+        self.block, self.size, self.filled = block, 0, 0
+        self.current = hashlib.sha256()  # of the block being filled
+        self.whole: hashlib._Hash | None = None  # of the stream, from its second block on
         self.done: list[str] = []
 
     def update(self, data: bytes) -> None:
         view = memoryview(data)
+        self.size += len(view)
         while view:
-            take = min(len(view), self.block - self.filled)
-            self.current.update(view[:take])
-            self.filled += take
-            view = view[take:]
-            if self.filled == self.block:
+            if self.filled == self.block:  # a second block begins: hash the stream apart
+                if self.whole is None:
+                    self.whole = self.current.copy()
                 self.done.append(self.current.hexdigest())
                 self.current, self.filled = hashlib.sha256(), 0
+            take = min(len(view), self.block - self.filled)
+            self.current.update(view[:take])
+            if self.whole is not None:
+                self.whole.update(view[:take])
+            self.filled += take
+            view = view[take:]
 
-    def finish(self) -> list[str]:
+    def finish(self) -> tuple[str, list[str]]:
+        """The stream's sha256 and its blocks' (none for an empty stream)."""
         if self.filled:
             self.done.append(self.current.hexdigest())
-        return self.done
+        whole = self.whole if self.whole is not None else self.current
+        return whole.hexdigest(), self.done
 
 
 def check_name(kind: str, name: str) -> str:
@@ -116,17 +126,13 @@ class WeightStorage:
         made = self._first_missing(staging)
         staging.mkdir(parents=True, exist_ok=True)
         part = staging / f".{name}.part"
-        digest = hashlib.sha256()
-        blocks = BlockHasher(BLOCK_BYTES)
-        size = 0
+        hasher = FileHasher(BLOCK_BYTES)
         try:
             with open(part, "wb") as fh:
                 async for chunk in chunks:
                     fh.write(chunk)
-                    digest.update(chunk)
-                    blocks.update(chunk)
-                    size += len(chunk)
-            got = digest.hexdigest()
+                    hasher.update(chunk)
+            got, block_hashes = hasher.finish()
             if sha256 is not None and sha256.lower() != got:
                 raise StorageError(f"{name}: sha256 of the bytes received is {got}, not {sha256}")
             os.replace(part, staging / name)
@@ -137,10 +143,13 @@ class WeightStorage:
         finally:
             part.unlink(missing_ok=True)
         (staging / f".{name}.sha256").write_text(got)
-        block_hashes = blocks.finish()
         (staging / f".{name}.blocks").write_text(json.dumps(block_hashes))
         return FileEntry(
-            name=name, size=size, sha256=got, block_size=BLOCK_BYTES, block_sha256=block_hashes
+            name=name,
+            size=hasher.size,
+            sha256=got,
+            block_size=BLOCK_BYTES,
+            block_sha256=block_hashes,
         )
 
     def commit(

@@ -112,15 +112,19 @@ def test_staging_of_a_replica_gone_is_discarded_once_stale(tmp_path):
     alive.commit("m", 2, manifest(entry))
 
 
-def test_block_hashes_cover_the_file(tmp_path):
-    from services.weightstore.storage import BlockHasher
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 2000, 2560])
+@pytest.mark.parametrize("piece", [1, 77, 1000, 4096])
+def test_the_file_and_block_hashes_are_those_of_the_bytes(size, piece):
+    """One pass while the file fits a block; the whole-file hash apart from the second block."""
+    from services.weightstore.storage import FileHasher
 
-    data = bytes(range(256)) * 10
-    hasher = BlockHasher(1000)
-    for i in range(0, len(data), 77):
-        hasher.update(data[i : i + 77])
+    data = (bytes(range(256)) * 11)[:size]
+    hasher = FileHasher(1000)
+    for i in range(0, len(data), piece):
+        hasher.update(data[i : i + piece])
     expected = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
-    assert hasher.finish() == expected
+    assert hasher.finish() == (hashlib.sha256(data).hexdigest(), expected)
+    assert hasher.size == size
 
 
 def test_a_commit_takes_unchanged_files_from_the_version_it_names(tmp_path):
