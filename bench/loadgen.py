@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from services.cli import procs
 from services.common import keys
@@ -376,15 +376,12 @@ class NullPolicy:
     def load_weights(self, folder: Path) -> None:
         self.steps = int(load_file(Path(folder) / WEIGHTS_FILE)["step"][0])
 
-    def export(self, folder: Path) -> Path:
-        folder = Path(folder)
-        _remove_tree(folder)
-        folder.mkdir(parents=True)
+    def export_files(self) -> dict[str, bytes]:
         weights = torch.full((4,), float(self.steps))
-        save_file({"step": weights}, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+        files = {WEIGHTS_FILE: save({"step": weights}, metadata={"format": "pt"})}
         for name in ("config.json", "tokenizer.json"):
-            (folder / name).write_bytes((self.model_dir / name).read_bytes())
-        return folder
+            files[name] = (self.model_dir / name).read_bytes()
+        return files
 
 
 class TrainerStandIn(Supervised):

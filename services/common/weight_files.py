@@ -1,6 +1,6 @@
-"""The local side of a weight transfer: hashing the files of a folder (what an upload sends),
-copying one byte range of a file the weight store serves into a local file (what a pull is made
-of), and the marker written last into a folder pulled whole.
+"""The local side of a weight transfer: hashing the files of a version (what an upload sends,
+from a folder or from memory), copying one byte range of a file the weight store serves into a
+local file (what a pull is made of), and the marker written last into a folder pulled whole.
 
 Blocking file and socket work: the weight client runs these in threads.
 """
@@ -32,20 +32,40 @@ def sha256_file(path: Path) -> str:
 
 
 @dataclass
-class FolderFiles:
-    """The files of a local folder as a version of it lists them, hashed once."""
+class VersionFiles:
+    """The files of a version as an upload sends them, each hashed once: by name (in name
+    order), its bytes in memory or the local file that holds them."""
 
-    files: list[Path]
+    content: dict[str, bytes | Path]
     sha256: dict[str, str]  # file name -> sha256
     digest: str  # content digest of the version they make
 
+    def size(self, name: str) -> int:
+        data = self.content[name]
+        return len(data) if isinstance(data, bytes) else data.stat().st_size
 
-async def scan_folder(folder: Path) -> FolderFiles:
+
+def _version_files(content: dict[str, bytes | Path], sha: dict[str, str]) -> VersionFiles:
+    ordered = dict(sorted(content.items()))
+    files = VersionFiles(ordered, {name: sha[name] for name in ordered}, "")
+    files.digest = content_digest((n, files.size(n), files.sha256[n]) for n in ordered)
+    return files
+
+
+async def scan_folder(folder: Path) -> VersionFiles:
     """Hash every file of `folder` (the files an upload of it sends)."""
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
-    sha = {p.name: await asyncio.to_thread(sha256_file, p) for p in files}
-    digest = content_digest((p.name, p.stat().st_size, sha[p.name]) for p in files)
-    return FolderFiles(files, sha, digest)
+    files = {p.name: p for p in Path(folder).iterdir() if p.is_file()}
+    sha = {name: await asyncio.to_thread(sha256_file, p) for name, p in files.items()}
+    return _version_files(dict(files), sha)
+
+
+async def hash_files(content: dict[str, bytes]) -> VersionFiles:
+    """Hash files held in memory (one thread hop for them all)."""
+
+    def hashes() -> dict[str, str]:
+        return {name: hashlib.sha256(data).hexdigest() for name, data in content.items()}
+
+    return _version_files(dict(content), await asyncio.to_thread(hashes))
 
 
 def read_complete(dest: Path) -> dict:

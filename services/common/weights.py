@@ -36,7 +36,7 @@ from services.common.weight_contract import (
 )
 from services.common.weight_files import (
     UPLOAD_BLOCK,
-    FolderFiles,
+    VersionFiles,
     fetch_range,
     link_or_copy,
     read_complete,
@@ -102,16 +102,16 @@ class WeightClient:
 
     # ---- upload ----
     async def upload_folder(
-        self,
-        folder: Path,
-        model: str,
-        version: int,
-        metadata: dict | None = None,
-        scanned: FolderFiles | None = None,
+        self, folder: Path, model: str, version: int, metadata: dict | None = None
+    ) -> Manifest:
+        """Upload and commit a folder's files as a version (see `upload`)."""
+        return await self.upload(await scan_folder(folder), model, version, metadata)
+
+    async def upload(
+        self, local: VersionFiles, model: str, version: int, metadata: dict | None = None
     ) -> Manifest:
         """Upload and commit a version on every replica; fails only if no replica has it.
         A replica holding the version with other content raises WeightConflict at once."""
-        local = scanned or await scan_folder(folder)
         committed, errors = None, []
         async with self._http(60.0) as http:
             for base in self.urls:
@@ -130,7 +130,7 @@ class WeightClient:
         return committed
 
     async def _upload_to(
-        self, http, base: str, local: FolderFiles, model: str, version: int, metadata: dict
+        self, http, base: str, local: VersionFiles, model: str, version: int, metadata: dict
     ) -> Manifest:
         """Send the files this replica does not hold already in the version we uploaded to it
         last, then commit, naming that version for the rest; a replica that cannot take them
@@ -138,28 +138,28 @@ class WeightClient:
         prefix = f"{base}/v1/models/{model}/versions/{version}"
         reuse, unchanged = self._unchanged(base, model, local, version)
         entries: dict[str, FileEntry] = {
-            p.name: FileEntry(name=p.name, size=p.stat().st_size, sha256=local.sha256[p.name])
-            for p in local.files
-            if p.name in unchanged
+            name: FileEntry(name=name, size=local.size(name), sha256=local.sha256[name])
+            for name in local.content
+            if name in unchanged
         }
         sent = await self._put_files(
-            http, prefix, local, [p for p in local.files if p.name not in unchanged]
+            http, prefix, local, [name for name in local.content if name not in unchanged]
         )
         if sent is None:
             return await self._already_committed(http, prefix, local, model, version)
         entries |= sent
         resp = await self._commit(
-            http, prefix, [entries[p.name] for p in local.files], metadata, reuse
+            http, prefix, [entries[n] for n in local.content], metadata, reuse
         )
         if resp.status_code == 400 and unchanged:
             sent = await self._put_files(
-                http, prefix, local, [p for p in local.files if p.name in unchanged]
+                http, prefix, local, [name for name in local.content if name in unchanged]
             )
             if sent is None:
                 return await self._already_committed(http, prefix, local, model, version)
             entries |= sent
             resp = await self._commit(
-                http, prefix, [entries[p.name] for p in local.files], metadata, None
+                http, prefix, [entries[n] for n in local.content], metadata, None
             )
         if resp.status_code == 409:
             return await self._already_committed(http, prefix, local, model, version)
@@ -169,7 +169,7 @@ class WeightClient:
         return parse_answer(Manifest, resp, f"commit v{version}")
 
     def _unchanged(
-        self, base: str, model: str, local: FolderFiles, version: int
+        self, base: str, model: str, local: VersionFiles, version: int
     ) -> tuple[int | None, set[str]]:
         """The version this client last committed to the replica before `version`, and the
         files of `local` it had with the same content."""
@@ -180,31 +180,33 @@ class WeightClient:
 
     @staticmethod
     async def _put_files(
-        http, prefix: str, local: FolderFiles, paths: list[Path]
+        http, prefix: str, local: VersionFiles, names: list[str]
     ) -> dict[str, FileEntry] | None:
-        """Upload `paths` at once (most are small: one at a time, each costs a round trip);
-        the store's entry of each, or None if the version is committed already."""
+        """Upload the files `names` at once (most are small: one at a time, each costs a round
+        trip); the store's entry of each, or None if the version is committed already."""
 
-        async def put(path: Path) -> httpx.Response:
-            async def content():
+        async def put(name: str) -> httpx.Response:
+            data = local.content[name]
+
+            async def blocks(path: Path):
                 with open(path, "rb") as fh:
                     while block := fh.read(UPLOAD_BLOCK):
                         yield block
 
             return await http.put(
-                f"{prefix}/files/{path.name}",
-                content=content(),
-                headers={"x-sha256": local.sha256[path.name]},
+                f"{prefix}/files/{name}",
+                content=data if isinstance(data, bytes) else blocks(data),
+                headers={"x-sha256": local.sha256[name]},
             )
 
-        answers = await asyncio.gather(*(put(path) for path in paths))
+        answers = await asyncio.gather(*(put(name) for name in names))
         entries = {}
-        for path, resp in zip(paths, answers, strict=True):
+        for name, resp in zip(names, answers, strict=True):
             if resp.status_code == 409:
                 return None
             if resp.status_code != 200:
-                raise WeightTransferError(f"upload {path.name}: {resp.status_code} {resp.text}")
-            entries[path.name] = parse_answer(FileEntry, resp, f"upload {path.name}")
+                raise WeightTransferError(f"upload {name}: {resp.status_code} {resp.text}")
+            entries[name] = parse_answer(FileEntry, resp, f"upload {name}")
         return entries
 
     @staticmethod
@@ -220,7 +222,7 @@ class WeightClient:
 
     @staticmethod
     async def _already_committed(
-        http, prefix: str, local: FolderFiles, model: str, version: int
+        http, prefix: str, local: VersionFiles, model: str, version: int
     ) -> Manifest:
         """The store has the version: ours (an earlier attempt) only with our content digest."""
         manifest = read_manifest(await http.get(f"{prefix}/manifest"), f"v{version}")

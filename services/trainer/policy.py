@@ -21,19 +21,18 @@ iterations use the logprobs from before the first.
 """
 
 import copy
-import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from services.common.messages import Group
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow
+from services.trainer.export import DTYPES, companion_files, weight_files, write_files
 from services.trainer.grpo import (
     LossParts,
     StepSize,
@@ -43,9 +42,6 @@ from services.trainer.grpo import (
     token_logprobs,
 )
 from services.trainer.optim import build_optimizer, build_scheduler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHARD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -116,6 +112,7 @@ class Policy:
         # backward waits for optimizer_step: the batch std scales the policy term, not the KL
         self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
         self._keeps_rows = self.deferred or spec.num_iterations > 1
+        self._companions: tuple[str, dict[str, bytes]] | None = None  # (dtype, files) exported
         self._new_step()
 
     def _new_step(self) -> None:
@@ -293,11 +290,9 @@ class Policy:
             {k: v.to(own[k].device, own[k].dtype) for k, v in tensors.items()}, strict=True
         )
 
-    def export(self, folder: Path) -> Path:
-        """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
-        folder = Path(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+    def export_files(self) -> dict[str, bytes]:
+        """The current weights as the files of a Hugging Face folder (safetensors shards in the
+        published dtype, and the model folder's config and tokenizer), in memory."""
         dtype_name = self.spec.weight_dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.startswith("cuda") else "float32"
@@ -305,29 +300,10 @@ class Policy:
         tensors = {
             k: v.detach().to("cpu", dtype).contiguous() for k, v in self.model.state_dict().items()
         }
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, start=1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, folder / fname, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
-            index = {"metadata": {}, "weight_map": weight_map}
-            (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-        for src in self.model_dir.iterdir():
-            if src.is_file() and not src.name.startswith("model") and src.suffix != ".safetensors":
-                shutil.copy2(src, folder / src.name)
-        config = json.loads((folder / "config.json").read_text())
-        config["torch_dtype"] = config["dtype"] = dtype_name
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
-        return folder
+        if self._companions is None or self._companions[0] != dtype_name:
+            self._companions = (dtype_name, companion_files(self.model_dir, dtype_name))
+        return weight_files(tensors) | self._companions[1]
+
+    def export(self, folder: Path) -> Path:
+        """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
+        return write_files(self.export_files(), folder)

@@ -22,7 +22,7 @@ from services.common.redis_streams import text
 from services.common.retry import retry
 from services.common.run_state import RunStopped, set_if_live
 from services.common.weight_contract import WeightConflict, WeightTransferError
-from services.common.weight_files import scan_folder
+from services.common.weight_files import hash_files
 from services.common.weights import WeightClient
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,7 @@ class VersionPublisher:
         already in the store is ours only with that digest, else the run fails. The seconds
         it took."""
         t0 = time.monotonic()
-        folder = self.work_dir / run_id / f"v{version}"
-        await asyncio.to_thread(policy.export, folder)
-        local = await scan_folder(folder)
+        local = await hash_files(await asyncio.to_thread(policy.export_files))
         earlier = text(await self.r.hget(keys.run_digests(run_id), version))
         # an attempt before a restart exported other weights as this version: if that commit
         # landed, train on from exactly what the workers will pull (versions are immutable)
@@ -61,7 +59,6 @@ class VersionPublisher:
             await self._stored_digest(run_id, version) == earlier
         ):
             await self.take(run_id, policy, version, earlier)
-            await asyncio.to_thread(shutil.rmtree, folder, True)
             self.committed = (version, earlier)
             log.warning("run %s: version %d was already committed; took it", run_id, version)
             return time.monotonic() - t0
@@ -70,9 +67,7 @@ class VersionPublisher:
         async def upload() -> WeightConflict | None:
             """One attempt; a conflict is returned, not raised: trying again cannot fix it."""
             try:
-                await self.weights.upload_folder(
-                    folder, run_id, version, {"run_id": run_id}, scanned=local
-                )
+                await self.weights.upload(local, run_id, version, {"run_id": run_id})
             except WeightConflict as exc:
                 return exc
             return None
@@ -85,7 +80,6 @@ class VersionPublisher:
             first_delay_s=FIRST_RETRY_S,
             max_delay_s=MAX_RETRY_S,
         )
-        await asyncio.to_thread(shutil.rmtree, folder, True)
         if conflict is not None:
             await fail_run(self.r, run_id, str(conflict))
         self.committed = (version, local.digest)

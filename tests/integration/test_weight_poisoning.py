@@ -221,6 +221,9 @@ class WeightsOnly:
     def __init__(self, payload: bytes) -> None:
         self.payload, self.loaded = payload, None
 
+    def export_files(self) -> dict[str, bytes]:
+        return {"model.safetensors": self.payload}
+
     def export(self, folder):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "model.safetensors").write_bytes(self.payload)

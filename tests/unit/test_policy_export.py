@@ -36,3 +36,30 @@ def test_bf16_weights_load_into_the_engine(tiny_model, tmp_path):
     engine.load_weights(tiny_model)
     engine.load_weights(folder)  # a reload from bf16 files into the fp32 engine
     assert next(engine.model.parameters()).dtype == torch.float32
+
+
+def test_weights_exported_in_memory_are_the_folder_a_loader_reads(tiny_model, tmp_path):
+    """A version is uploaded from memory: the same files, bytes and content digest as the
+    folder, which loads back into a policy with the same weights."""
+    import asyncio
+
+    from services.common.weight_files import hash_files, scan_folder
+    from services.trainer.export import weight_files
+
+    policy = Policy(tiny_model, RunSpec(model=str(tiny_model)))
+    files = policy.export_files()
+    folder = policy.export(tmp_path / "v")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert asyncio.run(hash_files(files)).digest == asyncio.run(scan_folder(folder)).digest
+    other = Policy(tiny_model, RunSpec(model=str(tiny_model), seed=1))
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(1.0)
+    other.load_weights(folder)
+    for a, b in zip(policy.model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # a model bigger than a shard is written as numbered shards and their index
+    tensors = {k: v.detach() for k, v in policy.model.state_dict().items()}
+    sharded = weight_files(tensors, limit=max(t.numel() * 4 for t in tensors.values()))
+    assert "model.safetensors.index.json" in sharded and "model.safetensors" not in sharded
+    assert len(sharded) > 2
