@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -112,23 +111,16 @@ def died_reason(exc: ProcessDied) -> str:
     return f"{first.rstrip(':')}: {headline}" if headline else first.rstrip(":")
 
 
-@dataclass(frozen=True)
-class LocalSizing:
-    slots: int  # a worker's
-    trainer_threads: int
-    worker_threads: int
-
-
-def local_sizing(spec: RunSpec, reserved: int, preemptible: int, cores: int) -> LocalSizing:
-    """A local deployment's worker slots and torch threads. Slots: a whole step at once (B x n,
+def local_sizing(spec: RunSpec, preemptible: int, cores: int) -> tuple[int, int]:
+    """A local deployment's worker slots and trainer threads. Slots: a whole step at once (B x n,
     64 to 1024): the hf engine prefills the running set again whenever a request joins, so one
     wave is its cheapest, and the read cap still shares a step among workers. Threads: with no
     preemptible worker the trainer and the reserved workers take turns (a step is synchronous),
-    so the trainer may use two cores, and so may a lone reserved worker; beside preemptible
-    workers, which generate while it trains, one each."""
+    so the trainer may use two cores; beside preemptible workers, which generate while it
+    trains, one."""
     slots = min(max(spec.prompts_per_step * spec.group_size, 64), 1024)
-    turns = preemptible == 0 and cores >= 2
-    return LocalSizing(slots, 2 if turns else 1, 2 if turns and reserved == 1 else 1)
+    trainer_threads = 2 if preemptible == 0 and cores >= 2 else 1
+    return slots, trainer_threads
 
 
 def up(
@@ -154,12 +146,11 @@ def up(
         preemptible = targets[0][1]
     # who runs `spotrl up` is the operator: the reward it names may be imported
     reward_module = spec.reward_module()
-    sizing = local_sizing(spec, reserved, preemptible, os.cpu_count() or 1)
+    slots, trainer_threads = local_sizing(spec, preemptible, os.cpu_count() or 1)
     config = DeploymentConfig(
         run_dir,
-        worker_slots=sizing.slots,
-        trainer_threads=sizing.trainer_threads,
-        worker_threads=sizing.worker_threads,
+        worker_slots=slots,
+        trainer_threads=trainer_threads,
         reserved=reserved,
         preemptible=preemptible,
         api_token=api_token,
