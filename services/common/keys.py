@@ -82,6 +82,12 @@ def seed_done(run_id: str, step: int) -> str:
     return f"{PREFIX}:run:{run_id}:seed_done:{step}"
 
 
+def seeding_over(run_id: str) -> str:
+    """Stream of one entry: the coordinator adds one as it sets a step's `seed_done` (in one
+    transaction), so the trainer waiting for it blocks on it rather than polling."""
+    return f"{PREFIX}:run:{run_id}:seeding:over"
+
+
 def read_cap(run_id: str, step: int) -> str:
     """String: the most requests of the step one worker should hold (`core.balancer.read_cap`),
     kept current by the coordinator; absent: a worker reads up to its plateau."""

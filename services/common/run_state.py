@@ -5,11 +5,16 @@ The coordinator moves a run between running and stalled and fails it; the traine
 its weights were taken over. Either may race a cancel: a run in a final state is never changed.
 """
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import redis.asyncio as aioredis
 
 from services.common import keys
 from services.common.redis_streams import range_entries, text
 from services.common.runspec import LIVE_STATES
+
+T = TypeVar("T")
 
 
 class RunStopped(Exception):
@@ -57,18 +62,35 @@ async def committed_version(r: aioredis.Redis, run_id: str) -> int | None:
     return int(raw) if raw is not None else None
 
 
+async def wait_announced(
+    r: aioredis.Redis, stream: str, look: Callable[[], Awaitable[T | None]], block_ms: int
+) -> T | None:
+    """`look()` as soon as it answers (not None), else what it answers after `block_ms`.
+    It wakes on an entry added to `stream`, the one-entry stream beside the state it looks at:
+    the blocking read starts from the entry before the first look, so none added after it is
+    missed; a state set without an entry is seen at the latest after `block_ms`."""
+    newest = range_entries(await r.xrevrange(stream, count=1))
+    last_id = newest[0][0] if newest else b"0-0"
+    found = await look()
+    if found is not None:
+        return found
+    await r.xread({stream: last_id}, count=1, block=block_ms)
+    return await look()
+
+
 async def wait_for_version(
     r: aioredis.Redis, run_id: str, newer_than: int | None, block_ms: int
 ) -> int | None:
     """The run's committed version as soon as it is newer than `newer_than` (None: any), else
-    as it is after `block_ms`. It wakes on the trainer's announcement (a blocking read of
-    `version_announced` from the entry before the version was read, so none is missed); a
-    version set without one is seen at the latest after `block_ms`."""
-    announced = keys.version_announced(run_id)
-    newest = range_entries(await r.xrevrange(announced, count=1))
-    last_id = newest[0][0] if newest else b"0-0"
-    version = await committed_version(r, run_id)
-    if version is not None and (newer_than is None or version > newer_than):
-        return version
-    await r.xread({announced: last_id}, count=1, block=block_ms)
-    return await committed_version(r, run_id)
+    as it is after `block_ms`, woken by the trainer's announcement (`version_announced`)."""
+
+    async def newer() -> int | None:
+        version = await committed_version(r, run_id)
+        return (
+            version
+            if version is not None and (newer_than is None or version > newer_than)
+            else None
+        )
+
+    found = await wait_announced(r, keys.version_announced(run_id), newer, block_ms)
+    return found if found is not None else await committed_version(r, run_id)

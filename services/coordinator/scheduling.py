@@ -195,7 +195,12 @@ class StepScheduler:
                 WorkerControl(action="pause", run_id=self.run_id, version=self.step),
             )
         self.seeded_out, self.seed_end = True, self.clock()
-        await self.r.set(keys.seed_done(self.run_id, self.step), self.seed_end, ex=3600)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.set(keys.seed_done(self.run_id, self.step), self.seed_end, ex=3600)
+            pipe.xadd(
+                keys.seeding_over(self.run_id), {"step": self.step}, maxlen=1, approximate=False
+            )
+            await pipe.execute()
         if reserved:
             log.info(
                 "step %d: seeding window over after %.2fs; %d reserved workers step aside",

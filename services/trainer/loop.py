@@ -21,9 +21,16 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import keys, ledger, timeline
+from services.common.compute import compute
 from services.common.messages import Group
 from services.common.redis_streams import StreamConsumer, ensure_group, with_reconnect
-from services.common.run_state import RunStopped, active_run, committed_version, ensure_live
+from services.common.run_state import (
+    RunStopped,
+    active_run,
+    committed_version,
+    ensure_live,
+    wait_announced,
+)
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, record_step
 from services.common.weights import WeightClient
@@ -41,6 +48,7 @@ LAST_WAIT_S = Gauge("spotrl_trainer_last_wait_seconds", "Seconds idle for groups
 LOSS = Gauge("spotrl_trainer_policy_loss", "Policy loss of the newest step")
 READ_BLOCK_MS = 100  # one read of the groups stream waits this long for new groups
 CHECK_S = 0.5  # while waiting for groups, the run's state is checked this often
+SEED_WAIT_MS = 200  # a wait for the seeding window's end checks the run's state this often
 
 
 def default_policy(model_dir: Path, spec: RunSpec, device: str) -> Any:
@@ -90,7 +98,7 @@ class TrainerLoop:
         spec = RunSpec.model_validate_json(raw_spec)
         self.status = {"run_id": run_id, "step": 0, "state": "loading"}
         factory = self.policy_factory or default_policy
-        policy = await asyncio.to_thread(factory, Path(spec.model), spec, self.settings.device)
+        policy = await compute(factory, Path(spec.model), spec, self.settings.device)
         groups_stream = keys.groups_stream(run_id)
         await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
         # first the groups read before a restart and never acknowledged, then new ones
@@ -134,7 +142,7 @@ class TrainerLoop:
         version; the step to train next."""
         ckpt = ckpts.latest()
         if ckpt is not None:
-            policy.load_state(await asyncio.to_thread(ckpt.load))
+            policy.load_state(await compute(ckpt.load))
         if ckpt is not None and ckpt.step == version + 1:
             # step `version` was trained and checkpointed; its version was never announced (a
             # commit of it before the crash is taken only with the digest recorded for it)
@@ -199,7 +207,7 @@ class TrainerLoop:
             folder = self.settings.rollouts_dir / run_id
             await asyncio.to_thread(write_rollouts, folder, step, intake.kept)
         t0 = time.monotonic()
-        stats = await asyncio.to_thread(policy.optimizer_step)
+        stats = await compute(policy.optimizer_step)
         compute_s += time.monotonic() - t0
         self.weights_of = step + 1
         checkpoint_s = await self._checkpoint(run_id, policy, step + 1, writer, intake)
@@ -236,7 +244,7 @@ class TrainerLoop:
         if writer.busy or not due(version, last_step, last_s, time.monotonic(), every, every_s):
             return 0.0
         t0 = time.monotonic()
-        state = await asyncio.to_thread(lambda: snapshot(policy.state()))
+        state = await compute(lambda: snapshot(policy.state()))
         writer.submit(version, state, {"run_id": run_id, "last_group": intake.last_entry})
         self.checkpointed = (version, time.monotonic())
         return time.monotonic() - t0
@@ -269,7 +277,7 @@ class TrainerLoop:
             await groups.park(read, keys.parked_stream(run_id), "groups")
             if good:
                 t0 = time.monotonic()
-                await asyncio.to_thread(policy.accumulate, good)
+                await compute(policy.accumulate, good)
                 compute_s += time.monotonic() - t0
         return wait_s, compute_s
 
@@ -308,7 +316,11 @@ class TrainerLoop:
         """The reserved pool generates first (it shares this hardware): wait for it to step
         aside before consuming groups."""
         started = time.monotonic()
-        while not await self.r.exists(keys.seed_done(run_id, step)):
+        done = keys.seed_done(run_id, step)
+
+        async def over() -> bool | None:
+            return True if await self.r.exists(done) else None
+
+        while not await wait_announced(self.r, keys.seeding_over(run_id), over, SEED_WAIT_MS):
             await ensure_live(self.r, run_id)
-            await asyncio.sleep(0.02)
         return time.monotonic() - started

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
 from services.common import keys, timeline
+from services.common.compute import compute
 from services.common.redis_streams import text
 from services.common.retry import retry
 from services.common.run_state import RunStopped, set_if_live
@@ -51,7 +52,7 @@ class VersionPublisher:
         already in the store is ours only with that digest, else the run fails. The seconds
         it took."""
         t0 = time.monotonic()
-        local = await hash_files(await asyncio.to_thread(policy.export_files))
+        local = await hash_files(await compute(policy.export_files))
         earlier = text(await self.r.hget(keys.run_digests(run_id), version))
         # an attempt before a restart exported other weights as this version: if that commit
         # landed, train on from exactly what the workers will pull (versions are immutable)
@@ -126,5 +127,5 @@ class VersionPublisher:
             await self.weights.pull(run_id, version, folder, expect_digest=digest)
         except WeightConflict as exc:
             await fail_run(self.r, run_id, str(exc))
-        await asyncio.to_thread(policy.load_weights, folder)
+        await compute(policy.load_weights, folder)
         await asyncio.to_thread(shutil.rmtree, folder, True)

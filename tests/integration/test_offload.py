@@ -5,6 +5,7 @@ steps aside, and its requests continue on the preemptible pool as seeds."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,7 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         "SPOTRL_STEP_DELAY_MS": "20",
         "SPOTRL_STEP_DELAY_PER_REQUEST_MS": "20",
         "SPOTRL_HEARTBEAT_S": "0.2",
+        "SPOTRL_HEARTBEAT_TTL_S": "30",  # the first worker is stopped a while (below), not dead
         "SPOTRL_SLOTS": "24",
     }
     with Deployment(
@@ -142,7 +144,19 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
             "the first worker did not read every job of step 0",
             120,
         )
-        dep.add_worker("preemptible", SLOTS="24")
+        # the first worker waits, stopped, until the second has loaded v0: a second worker
+        # takes seconds to start and load, and step 0 must not end before it can take work
+        first = dep.procs["rollout-preemptible-1"]
+        first.popen.send_signal(signal.SIGSTOP)
+        try:
+            second = dep.add_worker("preemptible", SLOTS="24")
+            wait_until(
+                lambda: r.sismember(keys.worker_loads(run_id, second.name), 0),
+                "the second worker never loaded v0",
+                120,
+            )
+        finally:
+            first.popen.send_signal(signal.SIGCONT)
         run = wait_final(client, dep, run_id, timeout_s=300)
         assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
         audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))

@@ -1,6 +1,7 @@
 """Waiting for a weight version wakes on the trainer's announcement (a real Redis, the
 trainer's own announce transaction), sees a version announced before the wait began, and
-still sees a version set without an announcement once its block ends."""
+still sees a version set without an announcement once its block ends. The trainer's wait for
+a step's seeding to end wakes the same way on the coordinator's `seed_done`."""
 
 import asyncio
 
@@ -11,6 +12,9 @@ from services.cli import procs
 from services.common import keys
 from services.common.run_state import wait_for_version
 from services.common.weights import WeightClient
+from services.coordinator.scheduling import StepScheduler
+from services.trainer.loop import TrainerLoop
+from services.trainer.settings import TrainerSettings
 from services.trainer.versions import VersionPublisher
 
 RUN = "r20260101-000000-wait01"
@@ -33,10 +37,7 @@ def test_a_wait_wakes_on_the_announcement_not_on_its_timeout(redis_url, tmp_path
         # announced before the wait: returned at once
         assert await wait_for_version(r, RUN, None, NEVER_MS) == 0
         waiter = asyncio.create_task(wait_for_version(r, RUN, 0, NEVER_MS))
-        # announce only once the wait is blocked in Redis: it must wake on the announcement
-        while (await r.info("clients"))["blocked_clients"] < 1:
-            assert not waiter.done(), "the wait returned before any announcement"
-            await asyncio.wait([waiter], timeout=0.01)
+        await blocked(r, waiter)  # announce only then: it must wake on the announcement
         publisher.committed = (1, "d1")
         await publisher.announce(RUN, 1)
         assert await asyncio.wait_for(waiter, 30) == 1
@@ -48,6 +49,38 @@ def test_a_wait_wakes_on_the_announcement_not_on_its_timeout(redis_url, tmp_path
             publisher.committed = (v, f"d{v}")
             await publisher.announce(RUN, v)
         assert await r.xlen(keys.version_announced(RUN)) == 1
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+async def blocked(r, waiter: asyncio.Task) -> None:
+    """Return once `waiter` blocks in Redis (failing if it ends first)."""
+    while (await r.info("clients"))["blocked_clients"] < 1:
+        assert not waiter.done(), "the wait returned before it was woken"
+        await asyncio.wait([waiter], timeout=0.01)
+
+
+def test_the_trainer_wakes_when_the_coordinator_ends_seeding(redis_url, tmp_path, monkeypatch):
+    """The coordinator's end of a step's seeding window (its own code) wakes the trainer's
+    wait, which would otherwise look again only after NEVER_MS; a window ended before the wait
+    is seen at once; the wake-up stream keeps one entry."""
+    monkeypatch.setattr("services.trainer.loop.SEED_WAIT_MS", NEVER_MS)
+
+    async def scenario():
+        r = aioredis.from_url(redis_url)
+        await r.hset(keys.run(RUN), "state", "running")
+        settings = TrainerSettings(redis_url=redis_url, work_dir=tmp_path / "t")
+        trainer = TrainerLoop(settings, r)
+        seeding = [StepScheduler(r, RUN, step, "jobs", float("inf"), 0.0) for step in range(3)]
+        await seeding[0].finish()
+        await asyncio.wait_for(trainer._wait_seeding(RUN, 0), 30)
+        waiter = asyncio.create_task(trainer._wait_seeding(RUN, 1))
+        await blocked(r, waiter)
+        await seeding[1].finish()
+        await asyncio.wait_for(waiter, 30)
+        await seeding[2].finish()
+        assert await r.xlen(keys.seeding_over(RUN)) == 1
         await r.aclose()
 
     asyncio.run(scenario())

@@ -220,6 +220,7 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.step_quarantined(run_id, 3),
         keys.seed_done(run_id, 3),
         keys.version_announced(run_id),
+        keys.seeding_over(run_id),
     ]
     kept = [
         keys.run(run_id),

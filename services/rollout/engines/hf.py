@@ -13,12 +13,12 @@ The model runs in a worker thread (`step`, `load`), so the event loop stays free
 that drives the engine calls it.
 """
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from services.common.compute import compute
 from services.common.messages import FinishReason, Job
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import Draw, sample_rows
@@ -53,10 +53,10 @@ class HFEngine:
 
     # ---- the Engine interface ----
     async def load(self, folder: Path) -> None:
-        await asyncio.to_thread(self.load_weights, folder)
+        await compute(self.load_weights, folder)
 
     async def step(self) -> list[TokenEvent]:
-        return await asyncio.to_thread(self.decode) if self.seqs else []
+        return await compute(self.decode) if self.seqs else []
 
     def tokens_left(self, request_id: str) -> int:
         seq = self.seqs.get(request_id)
