@@ -6,18 +6,20 @@ A checkpoint is written to a scratch folder, renamed into place, and only then n
 previous one. The newest `keep` are kept.
 
 `BackgroundWriter` writes them off the training path: the step blocks only while the state is
-copied (`snapshot`), and the write, the fsync and the rename happen in a thread of their own, at
-most one at a time. Which steps are checkpointed is `due`'s call (every K steps or T seconds).
+serialized to memory (`serialize`, on the trainer's compute thread: torch work on any other
+thread slows the compute thread's for the rest of the process, see services/common/compute.py),
+and the write, the fsync and the rename happen in a thread of their own, at most one at a time.
+Which steps are checkpointed is `due`'s call (every K steps or T seconds).
 """
 
 import concurrent.futures
+import io
 import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -52,13 +54,15 @@ class Checkpoints:
             return None
         return Checkpoint(int(name.removeprefix("step-")), folder)
 
-    def save(self, step: int, state: dict, meta: dict) -> Checkpoint:
+    def save(self, step: int, state: dict | bytes, meta: dict) -> Checkpoint:
+        """Write a state (or its `serialize`d bytes) as the checkpoint of `step`."""
+        data = state if isinstance(state, bytes) else serialize(state)
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"step-{step:08d}"
         scratch = self.root / f".{name}.partial"
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir()
-        torch.save(state, scratch / "state.pt")
+        (scratch / "state.pt").write_bytes(data)
         (scratch / "meta.json").write_text(json.dumps({"step": step, **meta}))
         for path in (scratch / "state.pt", scratch / "meta.json"):
             with open(path, "rb") as fh:
@@ -80,16 +84,12 @@ def due(step: int, last_step: int, last_s: float, now_s: float, every: int, ever
     return step - last_step >= every or (step > last_step and now_s - last_s >= every_s)
 
 
-def snapshot(state: Any) -> Any:
-    """A copy of a state (nested dicts, lists and tuples of tensors and plain values) that the
-    training of the next steps does not change: every tensor cloned to the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(snapshot(v) for v in state)
-    return state
+def serialize(state: dict) -> bytes:
+    """A state as the bytes of its `state.pt`: a copy that the next steps' training does not
+    change."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 class BackgroundWriter:
@@ -106,7 +106,7 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._pending is not None and not self._pending.done()
 
-    def submit(self, step: int, state: dict, meta: dict) -> bool:
+    def submit(self, step: int, state: bytes, meta: dict) -> bool:
         if self.busy:
             return False
         self._collect()

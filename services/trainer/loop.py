@@ -34,7 +34,7 @@ from services.common.run_state import (
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, record_step
 from services.common.weights import WeightClient
-from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due, snapshot
+from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due, serialize
 from services.trainer.intake import StepIntake
 from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
@@ -238,13 +238,13 @@ class TrainerLoop:
         self, run_id: str, policy, version: int, writer: BackgroundWriter, intake: StepIntake
     ) -> float:
         """Checkpoint the state of `version` when due and no write is in flight: the step waits
-        only for the copy; the seconds it waited."""
+        only for the state to be serialized; the seconds it waited."""
         last_step, last_s = self.checkpointed
         every, every_s = self.settings.checkpoint_every, self.settings.checkpoint_every_s
         if writer.busy or not due(version, last_step, last_s, time.monotonic(), every, every_s):
             return 0.0
         t0 = time.monotonic()
-        state = await compute(lambda: snapshot(policy.state()))
+        state = await compute(lambda: serialize(policy.state()))
         writer.submit(version, state, {"run_id": run_id, "last_group": intake.last_entry})
         self.checkpointed = (version, time.monotonic())
         return time.monotonic() - t0

@@ -52,14 +52,17 @@ def test_due_every_k_steps_or_t_seconds():
     assert not due(3, last_step=3, last_s=0.0, now_s=900.0, every=10, every_s=300.0)
 
 
-def test_a_snapshot_does_not_move_with_training():
-    from services.trainer.checkpoint import snapshot
+def test_a_serialized_state_does_not_move_with_training(tmp_path):
+    """The step serializes the state; training goes on while the bytes are written, and the
+    checkpoint holds the state as it was."""
+    from services.trainer.checkpoint import serialize
 
     w = torch.zeros(3)
     state = {"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w * 2}}, "groups": [1]}}
-    copy = snapshot(state)
+    data = serialize(state)
     w += 1.0
     state["optimizer"]["state"][0]["exp_avg"] += 5.0
+    copy = Checkpoints(tmp_path).save(4, data, {}).load()
     assert torch.equal(copy["model"]["w"], torch.zeros(3))
     assert torch.equal(copy["optimizer"]["state"][0]["exp_avg"], torch.zeros(3))
     assert copy["optimizer"]["groups"] == [1]
@@ -68,7 +71,7 @@ def test_a_snapshot_does_not_move_with_training():
 def test_the_background_writer_writes_one_at_a_time(tmp_path):
     import threading
 
-    from services.trainer.checkpoint import BackgroundWriter
+    from services.trainer.checkpoint import BackgroundWriter, serialize
 
     ckpts = Checkpoints(tmp_path, keep=3)
     gate = threading.Event()
@@ -80,8 +83,8 @@ def test_the_background_writer_writes_one_at_a_time(tmp_path):
 
     ckpts.save = slow_save  # type: ignore[method-assign]
     writer = BackgroundWriter(ckpts)
-    assert writer.submit(1, {"w": torch.ones(1)}, {})
-    assert writer.busy and not writer.submit(2, {"w": torch.ones(1)}, {})  # one in flight
+    assert writer.submit(1, serialize({"w": torch.ones(1)}), {})
+    assert writer.busy and not writer.submit(2, serialize({"w": torch.ones(2)}), {})  # in flight
     assert ckpts.latest() is None  # the caller did not wait for the write
     gate.set()
     writer.close()
