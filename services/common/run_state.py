@@ -63,16 +63,20 @@ async def committed_version(r: aioredis.Redis, run_id: str) -> int | None:
 
 
 async def wait_announced(
-    r: aioredis.Redis, stream: str, look: Callable[[], Awaitable[T | None]], block_ms: int
-) -> T | None:
-    """`look()` as soon as it answers (not None), else what it answers after `block_ms`.
+    r: aioredis.Redis,
+    stream: str,
+    look: Callable[[], Awaitable[T]],
+    ready: Callable[[T], bool],
+    block_ms: int,
+) -> T:
+    """`look()` as soon as its answer is `ready`, else what it answers after `block_ms`.
     It wakes on an entry added to `stream`, the one-entry stream beside the state it looks at:
     the blocking read starts from the entry before the first look, so none added after it is
     missed; a state set without an entry is seen at the latest after `block_ms`."""
     newest = range_entries(await r.xrevrange(stream, count=1))
     last_id = newest[0][0] if newest else b"0-0"
     found = await look()
-    if found is not None:
+    if ready(found):
         return found
     await r.xread({stream: last_id}, count=1, block=block_ms)
     return await look()
@@ -84,13 +88,9 @@ async def wait_for_version(
     """The run's committed version as soon as it is newer than `newer_than` (None: any), else
     as it is after `block_ms`, woken by the trainer's announcement (`version_announced`)."""
 
-    async def newer() -> int | None:
-        version = await committed_version(r, run_id)
-        return (
-            version
-            if version is not None and (newer_than is None or version > newer_than)
-            else None
-        )
+    def newer(version: int | None) -> bool:
+        return version is not None and (newer_than is None or version > newer_than)
 
-    found = await wait_announced(r, keys.version_announced(run_id), newer, block_ms)
-    return found if found is not None else await committed_version(r, run_id)
+    return await wait_announced(
+        r, keys.version_announced(run_id), lambda: committed_version(r, run_id), newer, block_ms
+    )

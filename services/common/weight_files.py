@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -41,22 +42,24 @@ class VersionFiles:
     digest: str  # content digest of the version they make
 
     def size(self, name: str) -> int:
-        data = self.content[name]
-        return len(data) if isinstance(data, bytes) else data.stat().st_size
+        return _size(self.content[name])
 
 
-def _version_files(content: dict[str, bytes | Path], sha: dict[str, str]) -> VersionFiles:
+def _size(content: bytes | Path) -> int:
+    return len(content) if isinstance(content, bytes) else content.stat().st_size
+
+
+def _version_files(content: Mapping[str, bytes | Path], sha: dict[str, str]) -> VersionFiles:
     ordered = dict(sorted(content.items()))
-    files = VersionFiles(ordered, {name: sha[name] for name in ordered}, "")
-    files.digest = content_digest((n, files.size(n), files.sha256[n]) for n in ordered)
-    return files
+    digest = content_digest((n, _size(c), sha[n]) for n, c in ordered.items())
+    return VersionFiles(ordered, {n: sha[n] for n in ordered}, digest)
 
 
 async def scan_folder(folder: Path) -> VersionFiles:
     """Hash every file of `folder` (the files an upload of it sends)."""
     files = {p.name: p for p in Path(folder).iterdir() if p.is_file()}
     sha = {name: await asyncio.to_thread(sha256_file, p) for name, p in files.items()}
-    return _version_files(dict(files), sha)
+    return _version_files(files, sha)
 
 
 async def hash_files(content: dict[str, bytes]) -> VersionFiles:
@@ -65,7 +68,7 @@ async def hash_files(content: dict[str, bytes]) -> VersionFiles:
     def hashes() -> dict[str, str]:
         return {name: hashlib.sha256(data).hexdigest() for name, data in content.items()}
 
-    return _version_files(dict(content), await asyncio.to_thread(hashes))
+    return _version_files(content, await asyncio.to_thread(hashes))
 
 
 def read_complete(dest: Path) -> dict:

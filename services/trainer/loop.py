@@ -317,10 +317,8 @@ class TrainerLoop:
         aside before consuming groups."""
         started = time.monotonic()
         done = keys.seed_done(run_id, step)
-
-        async def over() -> bool | None:
-            return True if await self.r.exists(done) else None
-
-        while not await wait_announced(self.r, keys.seeding_over(run_id), over, SEED_WAIT_MS):
+        while not await wait_announced(
+            self.r, keys.seeding_over(run_id), lambda: self.r.exists(done), bool, SEED_WAIT_MS
+        ):
             await ensure_live(self.r, run_id)
         return time.monotonic() - started

@@ -112,7 +112,11 @@ class Policy:
         # backward waits for optimizer_step: the batch std scales the policy term, not the KL
         self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
         self._keeps_rows = self.deferred or spec.num_iterations > 1
-        self._companions: tuple[str, dict[str, bytes]] | None = None  # (dtype, files) exported
+        # what a published version holds: its weights in this dtype, beside these files
+        self.weight_dtype = spec.weight_dtype
+        if self.weight_dtype == "auto":
+            self.weight_dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        self._companions = companion_files(self.model_dir, self.weight_dtype)
         self._new_step()
 
     def _new_step(self) -> None:
@@ -293,16 +297,11 @@ class Policy:
     def export_files(self) -> dict[str, bytes]:
         """The current weights as the files of a Hugging Face folder (safetensors shards in the
         published dtype, and the model folder's config and tokenizer), in memory."""
-        dtype_name = self.spec.weight_dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if self.device.startswith("cuda") else "float32"
-        dtype = DTYPES[dtype_name]
+        dtype = DTYPES[self.weight_dtype]
         tensors = {
             k: v.detach().to("cpu", dtype).contiguous() for k, v in self.model.state_dict().items()
         }
-        if self._companions is None or self._companions[0] != dtype_name:
-            self._companions = (dtype_name, companion_files(self.model_dir, dtype_name))
-        return weight_files(tensors) | self._companions[1]
+        return weight_files(tensors) | self._companions
 
     def export(self, folder: Path) -> Path:
         """Write the current weights as a Hugging Face folder (safetensors shards + config)."""

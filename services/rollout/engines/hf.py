@@ -9,8 +9,8 @@ Sampling (`sampling.py`) is reproducible by (request seed, response position), s
 continuation on another worker (prompt + collected prefix) draws what an uninterrupted
 generation would have drawn for the same logits; a decode step draws its rows as one batch.
 
-The model runs in a worker thread (`step`, `load`), so the event loop stays free; only the task
-that drives the engine calls it.
+The model runs on the process's compute thread (`step`, `load`; services/common/compute.py), so
+the event loop stays free; only the task that drives the engine calls it.
 """
 
 from pathlib import Path
