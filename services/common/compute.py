@@ -3,10 +3,11 @@
 torch's CPU kernels run on an OpenMP team that belongs to the thread that calls them.
 `asyncio.to_thread` hands each call to whichever thread of the default pool is free, so a
 service that computes through it grows a team per pool thread, and the teams get in each
-other's way for the rest of the process (libgomp throttles its spin-waits once it manages more
-threads than there are cores): on this 2-core machine, with 2 threads, an hf engine generation
-took 1.6x as long through `asyncio.to_thread` (bench/compute_thread.py), and so did a trainer
-step after a single `torch.save` on another thread. Every torch call of a service (the
+other's way for the rest of the process (likely libgomp throttling its spin-waits once it
+manages more threads than there are cores; not checked in its source): on this 2-core machine,
+with 2 threads, an hf engine generation took 1.6x as long through `asyncio.to_thread`
+(bench/compute_thread.py), and a trainer step ~2x as long after a single `torch.save` on
+another thread. Every torch call of a service (the
 engine's steps and loads, the trainer's passes, optimizer steps, exports and checkpoint
 serialization) goes through `compute()`, so one team does it all.
 """
