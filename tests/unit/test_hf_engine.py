@@ -69,6 +69,33 @@ def test_continuation_equals_uninterrupted_generation(engine_and_model):
         assert head + rest["x"] == full["x"]
 
 
+def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(engine_and_model):
+    """A GRPO group's samples share their prompt: the engine prefills it once and copies its
+    cache rows, and each sample draws exactly what it draws running alone."""
+    engine, _ = engine_and_model
+    jobs = [job(f"g{i}", PROMPTS["a"], 5, temperature=1.0, seed=i) for i in range(6)]
+    jobs += [job(f"h{i}", PROMPTS["c"], 4, temperature=1.0, seed=10 + i) for i in range(3)]
+    jobs.append(job("k", PROMPTS["a"], 3, prefix=[20, 21], temperature=1.0, seed=7))
+    alone = {}
+    for j in jobs:
+        alone |= run_to_end(engine, joins={0: [j]})
+    rows = []
+    model_forward = engine.model.forward
+
+    def counting_forward(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return model_forward(*args, **kwargs)
+
+    engine.model.forward = counting_forward
+    try:
+        together = run_to_end(engine, joins={0: jobs})
+    finally:
+        del engine.model.forward
+    assert together == alone
+    assert rows[0] == 3  # the prefill: prompt a, prompt c, and prompt a + a prefix
+    assert len({tuple(t) for rid, t in together.items() if rid.startswith("g")}) > 1
+
+
 def test_abort_frees_the_slot(engine_and_model):
     engine, _ = engine_and_model
     engine.add(job("a", PROMPTS["a"], 10))

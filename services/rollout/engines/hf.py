@@ -2,8 +2,10 @@
 
 `HFEngine` batches continuously: requests join and leave between decode steps. It keeps one
 batched KV cache for the running set; when requests leave, their rows are dropped from the
-cache; when requests join, the whole batch is prefilled again (left-padded). That is simple and
-exact, fine for small models and tests; vLLM (`engines/vllm.py`) is the engine for production sizes.
+cache; when requests join, the whole batch is prefilled again (left-padded), each distinct
+context once (the n samples of a GRPO group share their prompt: one row of prefill, its cache
+rows copied n times). That is simple and exact, fine for small models and tests; vLLM
+(`engines/vllm.py`, with its prefix cache) is the engine for production sizes.
 
 Sampling (`sampling.py`) is reproducible by (request seed, response position), so a
 continuation on another worker (prompt + collected prefix) draws what an uninterrupted
@@ -144,11 +146,15 @@ class HFEngine:
         return events
 
     def _prefill(self, ids: list[str]) -> torch.Tensor:
-        contexts = [self.seqs[rid].context for rid in ids]
+        """Prefill the running set: each distinct context once (a GRPO group's n samples share
+        their prompt), its cache rows then copied to every request that holds it."""
+        rows_of: dict[tuple[int, ...], int] = {}
+        row = [rows_of.setdefault(tuple(self.seqs[rid].context), len(rows_of)) for rid in ids]
+        contexts = list(rows_of)
         width = max(len(c) for c in contexts)
         pad = self.model.config.pad_token_id or 0
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(ids), width), dtype=torch.long)
+        input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(contexts), width), dtype=torch.long)
         for i, c in enumerate(contexts):
             input_ids[i, width - len(c) :] = torch.tensor(c)
             attn[i, width - len(c) :] = 1
@@ -163,9 +169,13 @@ class HFEngine:
             past_key_values=cache,
             use_cache=True,
         )
-        self._cache, self._cache_ids = out.past_key_values, ids
-        self._attn, self._positions = attn, positions[:, -1]
-        return out.logits[:, -1]
+        cache = out.past_key_values
+        index = torch.tensor(row)
+        if len(contexts) < len(ids):
+            cache.batch_select_indices(index.to(self.device))
+        self._cache, self._cache_ids = cache, ids
+        self._attn, self._positions = attn[index], positions[index, -1]
+        return out.logits[index.to(self.device), -1]
 
     def _decode(self, ids: list[str]) -> torch.Tensor:
         if ids != self._cache_ids:  # some requests left: keep only the rows still running
