@@ -78,6 +78,20 @@ class FileHasher:
         return whole.hexdigest(), self.done
 
 
+def write_hashes(staging: Path, name: str, sha256: str, blocks: list[str]) -> None:
+    """Keep what the store computed over an uploaded file's bytes beside it, for the commit."""
+    (staging / f".{name}.hashes").write_text(json.dumps({"sha256": sha256, "blocks": blocks}))
+
+
+def read_hashes(staging: Path, name: str) -> tuple[str | None, list[str]]:
+    """The sha256 and block hashes `write_hashes` kept; (None, []) where there are none."""
+    try:
+        kept = json.loads((staging / f".{name}.hashes").read_text())
+    except (OSError, ValueError):
+        return None, []
+    return kept.get("sha256"), kept.get("blocks") or []
+
+
 def check_name(kind: str, name: str) -> str:
     if not NAME_RE.match(name) or name == MANIFEST:
         raise StorageError(f"invalid {kind} name {name!r}: use letters, digits, '.', '_', '-'")
@@ -142,8 +156,7 @@ class WeightStorage:
             raise
         finally:
             part.unlink(missing_ok=True)
-        (staging / f".{name}.sha256").write_text(got)
-        (staging / f".{name}.blocks").write_text(json.dumps(block_hashes))
+        write_hashes(staging, name, got, block_hashes)
         return FileEntry(
             name=name,
             size=hasher.size,
@@ -160,9 +173,11 @@ class WeightStorage:
         if self.is_committed(model, version):
             raise Conflict(f"{model} version {version} is already committed")
         staging = self._staging(model, version)
-        if reuse_version is not None:
-            self._take_unchanged(model, reuse_version, staging, manifest)
-        problems = []
+        # every sha256 a committed manifest lists is that of bytes this store received (here
+        # or, for a file taken from `reuse_version`, for that version): a version's content
+        # digest is computed from them; block hashes always come from the store too
+        known = self._take_unchanged(model, reuse_version, staging, manifest)
+        problems, files = [], []
         for entry in manifest.files:
             path = staging / entry.name
             if not path.is_file():
@@ -172,22 +187,16 @@ class WeightStorage:
                 problems.append(
                     f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}"
                 )
-            # every sha256 a committed manifest lists is that of the bytes this store received:
-            # a version's content digest is computed from them
-            sha_file = staging / f".{entry.name}.sha256"
-            if not sha_file.is_file() or sha_file.read_text() != entry.sha256:
+            sha256, hashes = known.get(entry.name) or read_hashes(staging, entry.name)
+            if sha256 != entry.sha256:
                 problems.append(f"{entry.name}: sha256 differs from the manifest")
-        if problems:
-            raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
-        files = []
-        for entry in manifest.files:  # block hashes always come from what this store received
-            sidecar = staging / f".{entry.name}.blocks"
-            hashes = json.loads(sidecar.read_text()) if sidecar.is_file() else []
             files.append(
                 entry.model_copy(
                     update={"block_size": BLOCK_BYTES if hashes else None, "block_sha256": hashes}
                 )
             )
+        if problems:
+            raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
         final = manifest.model_copy(update={"model": model, "version": version, "files": files})
         listed = {e.name for e in manifest.files}
         for extra in staging.iterdir():
@@ -202,25 +211,30 @@ class WeightStorage:
         return final
 
     def _take_unchanged(
-        self, model: str, reuse_version: int, staging: Path, manifest: Manifest
-    ) -> None:
+        self, model: str, reuse_version: int | None, staging: Path, manifest: Manifest
+    ) -> dict[str, tuple[str, list[str]]]:
         """Link into `staging` each listed file it lacks that committed `reuse_version` has
-        with the same name, size and sha256, with the sidecars an upload would have left."""
-        if not self.is_committed(model, reuse_version):
-            return  # the missing files stay missing: the commit says which
+        with the same name, size and sha256; the sha256 and block hashes of each file linked,
+        as that version's manifest lists them."""
+        if reuse_version is None or not self.is_committed(model, reuse_version):
+            return {}  # the missing files stay missing: the commit says which
         earlier = {e.name: e for e in self.manifest(model, reuse_version).files}
+        taken = {}
         for entry in manifest.files:
             old = earlier.get(entry.name)
-            path = staging / entry.name
-            if old is None or path.exists() or (old.size, old.sha256) != (entry.size, entry.sha256):
+            if old is None or (old.size, old.sha256) != (entry.size, entry.sha256):
                 continue
+            if (staging / f".{entry.name}.hashes").exists():
+                continue  # uploaded: the upload is what this version holds
+            path = staging / entry.name
             staging.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)  # linked by an attempt that was refused
             try:
                 link_or_copy(self.committed_dir(model, reuse_version) / entry.name, path)
             except OSError:  # retention took that version meanwhile: the file stays missing
                 continue
-            (staging / f".{entry.name}.sha256").write_text(old.sha256)
-            (staging / f".{entry.name}.blocks").write_text(json.dumps(old.block_sha256 or []))
+            taken[entry.name] = (old.sha256, old.block_sha256 or [])
+        return taken
 
     @staticmethod
     def _first_missing(folder: Path) -> Path | None:

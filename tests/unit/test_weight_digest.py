@@ -56,7 +56,7 @@ def test_manifest_digest_ignores_metadata_and_block_hashes_and_matches_the_folde
 def test_commit_refuses_a_file_whose_sha256_was_never_checked(tmp_path):
     store = WeightStorage(tmp_path, keep=3)
     entry = asyncio.run(store.write_file("m", 1, "a.bin", chunks(b"x"), None))
-    (tmp_path / "m" / "staging" / "local" / "1" / ".a.bin.sha256").unlink()
+    (tmp_path / "m" / "staging" / "local" / "1" / ".a.bin.hashes").unlink()
     with pytest.raises(StorageError, match="sha256 differs"):
         store.commit("m", 1, Manifest(files=[entry]))
     assert store.versions("m") == []

@@ -146,3 +146,24 @@ def test_a_commit_takes_unchanged_files_from_the_version_it_names(tmp_path):
     with pytest.raises(StorageError, match="not uploaded"):  # no such version to take from
         store.commit("m", 3, manifest(listed, put(store, "m", 3, "w.bin", b"three")), 7)
     assert store.versions("m") == [1, 2]
+
+
+def test_a_commit_refused_after_taking_files_can_be_made_again(tmp_path):
+    """The files a refused commit took from the earlier version stay in staging with no hashes
+    of their own: the next commit takes them again, with that version's hashes."""
+    store = WeightStorage(tmp_path, keep=3)
+    config = put(store, "m", 1, "config.json", b'{"a": 1}')
+    store.commit("m", 1, manifest(config, put(store, "m", 1, "w.bin", b"one" * 1000)))
+    listed = config.model_copy(update={"block_size": None, "block_sha256": []})
+    weights = put(store, "m", 2, "w.bin", b"two" * 1000)
+    missing = weights.model_copy(update={"name": "extra.bin"})
+    with pytest.raises(StorageError, match="extra.bin: not uploaded"):
+        store.commit("m", 2, manifest(listed, weights, missing), reuse_version=1)
+    committed = store.commit("m", 2, manifest(listed, weights), reuse_version=1)
+    assert committed.files[0].sha256 == config.sha256
+    assert committed.files[0].block_sha256 == config.block_sha256
+    assert sorted(p.name for p in store.committed_dir("m", 2).iterdir()) == [
+        "config.json",
+        "manifest.json",
+        "w.bin",
+    ]
