@@ -176,13 +176,19 @@ class TrainerLoop:
         if pending:
             await self._retire(stream, [cast(bytes, p["message_id"]) for p in pending])
 
-    async def _retire(self, stream: str, entry_ids: list[bytes]) -> None:
-        """The groups trained into a committed version: acknowledged and deleted at once."""
-        if not entry_ids:
+    async def _retire(
+        self, stream: str, entry_ids: list[bytes], also: Callable[[Any], None] | None = None
+    ) -> None:
+        """The groups trained into a committed version: acknowledged and deleted at once, in
+        one transaction with what `also` stages on it."""
+        if not entry_ids and also is None:
             return
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.xack(stream, keys.TRAINER_GROUP, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
+            if entry_ids:
+                pipe.xack(stream, keys.TRAINER_GROUP, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+            if also is not None:
+                also(pipe)
             await pipe.execute()
 
     async def _train_step(
@@ -202,19 +208,19 @@ class TrainerLoop:
         intake = StepIntake(run_id, step, spec.prompts_per_step, spec.group_size)
         wait_s, compute_s = await self._take_groups(run_id, policy, intake, groups)
         WAIT_S.inc(wait_s)
-        await ledger.write_step(self.r, run_id, step, intake.ledger)
-        if self.settings.rollouts_dir is not None:
-            folder = self.settings.rollouts_dir / run_id
-            await asyncio.to_thread(write_rollouts, folder, step, intake.kept)
         t0 = time.monotonic()
-        stats = await compute(policy.optimizer_step)
+        # what the step took is kept while the optimizer steps (another thread, and Redis)
+        stats, _ = await asyncio.gather(
+            compute(policy.optimizer_step), self._keep_intake(run_id, step, intake)
+        )
         compute_s += time.monotonic() - t0
         self.weights_of = step + 1
         checkpoint_s = await self._checkpoint(run_id, policy, step + 1, writer, intake)
         train_s = time.monotonic() - started
         publish_s = await self.versions.commit(run_id, policy, step + 1)
-        await self._retire(groups.stream, intake.entry_ids)
-        await self._count_trained(run_id, step, intake)
+        await self._retire(
+            groups.stream, intake.entry_ids, self._count_trained(run_id, step, intake)
+        )
         STEP_S.observe(train_s)
         STEPS.inc()
         row = msgspec.structs.replace(
@@ -281,11 +287,24 @@ class TrainerLoop:
                 compute_s += time.monotonic() - t0
         return wait_s, compute_s
 
-    async def _count_trained(self, run_id: str, step: int, intake: StepIntake) -> None:
-        state = keys.trainer_state(run_id)
-        await self.r.hincrby(state, "groups_incomplete", intake.ledger.incomplete)
-        await self.r.hincrby(state, "groups_trained", intake.trained)
-        await self.r.hset(state, "steps_trained", step + 1)
+    async def _keep_intake(self, run_id: str, step: int, intake: StepIntake) -> None:
+        """The step's ledger in Redis and, with `rollouts_dir`, its groups on disk."""
+        await ledger.write_step(self.r, run_id, step, intake.ledger)
+        if self.settings.rollouts_dir is not None:
+            folder = self.settings.rollouts_dir / run_id
+            await asyncio.to_thread(write_rollouts, folder, step, intake.kept)
+
+    @staticmethod
+    def _count_trained(run_id: str, step: int, intake: StepIntake) -> Callable[[Any], None]:
+        """What a trained step adds to the trainer's state, staged on a pipeline."""
+
+        def stage(pipe) -> None:
+            state = keys.trainer_state(run_id)
+            pipe.hincrby(state, "groups_incomplete", intake.ledger.incomplete)
+            pipe.hincrby(state, "groups_trained", intake.trained)
+            pipe.hset(state, "steps_trained", step + 1)
+
+        return stage
 
     async def _report(self, run_id: str, step: int, intake: StepIntake, row: StepRow) -> None:
         """The step's gauges, timeline event and log line."""
