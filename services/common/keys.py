@@ -30,6 +30,14 @@ def version_announced(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:version:announced"
 
 
+def run_manifests(run_id: str) -> str:
+    """Hash: weight version -> the manifest (JSON) the weight store answered the trainer's
+    commit of it with, announced with the version, so that a worker pulls the version without
+    asking the store for its manifest first (it checks the manifest against the digest all the
+    same). Kept for the newest two versions; a version missing here is asked of the store."""
+    return f"{PREFIX}:run:{run_id}:manifests"
+
+
 def run_digests(run_id: str) -> str:
     """Hash: weight version -> content digest (services.common.weights.content_digest) of the
     files the trainer commits as that version, written before the version is committed and

@@ -281,17 +281,25 @@ class WeightClient:
         attempts: int = 6,
         expect_digest: str | None = None,
         reuse: Path | None = None,
+        manifest: Manifest | None = None,
     ) -> PullResult:
         """Download and verify a version into `dest`, retrying over replicas with backoff.
         With `expect_digest`, a replica serving other content is skipped (nothing of it is
         downloaded); WeightConflict when every replica does. Files that `reuse` (an earlier
         version pulled whole) holds with the same sha256 are linked from it, not downloaded:
-        a new version changes the weights, rarely the config or the tokenizer."""
+        a new version changes the weights, rarely the config or the tokenizer. `manifest`, the
+        version's manifest as announced, spares the first attempt asking a replica for it
+        (checked against `expect_digest` the same; every later attempt asks)."""
         done = read_complete(dest)
         cached = done.get("version") == version and expect_digest in (None, done.get("digest"))
         if cached:
             return PullResult(dest, version, 0, 0.0, done.get("digest", ""))
         shutil.rmtree(dest, ignore_errors=True)
+        if manifest is not None and expect_digest not in (None, manifest_digest(manifest)):
+            log.warning(
+                "%s v%d: the manifest announced is not of its digest; asking", model, version
+            )
+            manifest = None
         last_error: Exception | None = None
         conflicts: dict[str, WeightConflict] = {}
         for attempt in range(attempts):
@@ -299,13 +307,16 @@ class WeightClient:
                 if base in conflicts:
                     continue  # versions are immutable: that replica will not change its mind
                 try:
-                    return await self._pull_from(base, model, version, dest, expect_digest, reuse)
+                    return await self._pull_from(
+                        base, model, version, dest, expect_digest, reuse, manifest
+                    )
                 except WeightConflict as exc:
                     conflicts[base] = last_error = exc
                     log.error("pull %s v%d from %s refused: %s", model, version, base, exc)
                 except (httpx.HTTPError, WeightTransferError, OSError) as exc:
                     last_error = exc
                     log.warning("pull %s v%d from %s failed: %s", model, version, base, exc)
+                manifest = None  # the replicas' own from now on
             if len(conflicts) == len(self.urls):
                 raise next(iter(conflicts.values()))
             await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
@@ -319,11 +330,13 @@ class WeightClient:
         dest: Path,
         expect_digest: str | None,
         reuse: Path | None,
+        manifest: Manifest | None = None,
     ) -> PullResult:
         started = time.monotonic()
-        async with self._http(60.0) as http:
-            resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
-        manifest = read_manifest(resp, f"{model} v{version}")
+        if manifest is None:
+            async with self._http(60.0) as http:
+                resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
+            manifest = read_manifest(resp, f"{model} v{version}")
         named = (manifest.model, manifest.version)
         if named != (model, version):
             raise WeightTransferError(f"asked for {model} v{version}, the manifest names {named}")

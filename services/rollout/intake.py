@@ -72,6 +72,12 @@ class JobIntake:
         elif latest != ctx.version:
             self.idle = False
             await self.loader.load(run_id, latest)
+            if ctx.version == latest and not ctx.crashed:
+                # its jobs are queued already: read them now, after the orders (a pause may
+                # have come meanwhile), without looking at the run and its version again
+                await self.control.read()
+                if not ctx.paused:
+                    await self._read_jobs(run_id, latest)
         elif ctx.paused:  # stepped aside until the next version
             ctx.state = "paused"
             await asyncio.sleep(VERSION_WAIT_S)

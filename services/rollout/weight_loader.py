@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 
 from prometheus_client import Counter, Histogram
+from pydantic import ValidationError
 
 from services.common import keys
 from services.common.redis_streams import text
+from services.common.retry import brief
+from services.common.weight_contract import Manifest
 from services.common.weights import (
     PullResult,
     WeightClient,
@@ -32,6 +35,18 @@ PULL_S = Histogram(
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
+
+
+def announced_manifest(raw: bytes | None) -> Manifest | None:
+    """The manifest announced with a version; None where there is none or it does not parse
+    (the store is asked for it then)."""
+    if raw is None:
+        return None
+    try:
+        return Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("announced manifest ignored: %s", brief(exc))
+        return None
 
 
 class VersionLoader:
@@ -66,13 +81,24 @@ class VersionLoader:
     async def _pull(self, run_id: str, version: int, previous: int | None) -> PullResult | None:
         """The pulled version, or None when it cannot be loaded (yet)."""
         # Only the content the trainer announced with the version is ever loaded.
-        digest = text(await self.ctx.r.hget(keys.run_digests(run_id), version))
+        async with self.ctx.r.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.run_digests(run_id), version)
+            pipe.hget(keys.run_manifests(run_id), version)
+            raw_digest, raw_manifest = await pipe.execute()
+        digest = text(raw_digest)
         dest = self._folder(run_id, version)
         try:
             if digest is None:
                 raise WeightConflict(run_id, version, "was announced without a digest")
             reuse = self._folder(run_id, previous) if previous is not None else None
-            return await self.weights.pull(run_id, version, dest, expect_digest=digest, reuse=reuse)
+            return await self.weights.pull(
+                run_id,
+                version,
+                dest,
+                expect_digest=digest,
+                reuse=reuse,
+                manifest=announced_manifest(raw_manifest),
+            )
         except WeightConflict as exc:
             log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
         except WeightTransferError as exc:

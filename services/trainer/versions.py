@@ -22,7 +22,7 @@ from services.common.compute import compute
 from services.common.redis_streams import text
 from services.common.retry import retry
 from services.common.run_state import RunStopped, set_if_live
-from services.common.weight_contract import WeightConflict, WeightTransferError
+from services.common.weight_contract import Manifest, WeightConflict, WeightTransferError
 from services.common.weight_files import hash_files
 from services.common.weights import WeightClient
 
@@ -46,6 +46,7 @@ class VersionPublisher:
     def __init__(self, r: aioredis.Redis, weights: WeightClient, work_dir: Path) -> None:
         self.r, self.weights, self.work_dir = r, weights, work_dir
         self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
+        self.manifest: Manifest | None = None  # what the store answered that commit with
 
     async def commit(self, run_id: str, policy: Any, version: int) -> float:
         """Commit the policy's weights as `version`, recording their digest first; a version
@@ -60,30 +61,29 @@ class VersionPublisher:
             await self._stored_digest(run_id, version) == earlier
         ):
             await self.take(run_id, policy, version, earlier)
-            self.committed = (version, earlier)
+            self.committed, self.manifest = (version, earlier), None
             log.warning("run %s: version %d was already committed; took it", run_id, version)
             return time.monotonic() - t0
         await self.r.hset(keys.run_digests(run_id), version, local.digest)
 
-        async def upload() -> WeightConflict | None:
+        async def upload() -> WeightConflict | Manifest:
             """One attempt; a conflict is returned, not raised: trying again cannot fix it."""
             try:
-                await self.weights.upload(local, run_id, version, {"run_id": run_id})
+                return await self.weights.upload(local, run_id, version, {"run_id": run_id})
             except WeightConflict as exc:
                 return exc
-            return None
 
         # until a replica has it: a weight store may be restarting
-        conflict = await retry(
+        answer = await retry(
             upload,
             f"run {run_id}: commit of v{version}",
             (WeightTransferError,),
             first_delay_s=FIRST_RETRY_S,
             max_delay_s=MAX_RETRY_S,
         )
-        if conflict is not None:
-            await fail_run(self.r, run_id, str(conflict))
-        self.committed = (version, local.digest)
+        if isinstance(answer, WeightConflict):
+            await fail_run(self.r, run_id, str(answer))
+        self.committed, self.manifest = (version, local.digest), answer
         return time.monotonic() - t0
 
     async def _stored_digest(self, run_id: str, version: int) -> str | None:
@@ -98,19 +98,23 @@ class VersionPublisher:
         )
 
     async def announce(self, run_id: str, version: int) -> None:
-        """Publish `version` with its digest in one transaction: a reader that sees the version
-        finds its digest. Digests older than the one before are dropped."""
+        """Publish `version` with its digest (and the store's manifest of it, where this
+        trainer committed it) in one transaction: a reader that sees the version finds its
+        digest. Digests and manifests older than the one before are dropped."""
         committed, digest = self.committed or (None, "")
         if committed != version:
             raise RuntimeError(f"announcing v{version}, but the last commit was v{committed}")
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(keys.run_digests(run_id), version, digest)
+            if self.manifest is not None:
+                pipe.hset(keys.run_manifests(run_id), version, self.manifest.model_dump_json())
             pipe.set(keys.run_version(run_id), version)
             pipe.xadd(
                 keys.version_announced(run_id), {"version": version}, maxlen=1, approximate=False
             )
             if version >= 2:
                 pipe.hdel(keys.run_digests(run_id), version - 2)
+                pipe.hdel(keys.run_manifests(run_id), version - 2)
             await pipe.execute()
         VERSION.set(version)
         log.info("run %s: version %d committed and announced (%s)", run_id, version, digest[:16])

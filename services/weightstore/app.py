@@ -44,6 +44,7 @@ class ShardResponse(FileResponse):
 
 BYTES_IN = Counter("spotrl_weightstore_bytes_received_total", "Bytes uploaded")
 COMMITS = Counter("spotrl_weightstore_commits_total", "Versions committed")
+MANIFESTS = Counter("spotrl_weightstore_manifests_served_total", "Manifests served")
 
 
 def build_app(settings: WeightStoreSettings) -> FastAPI:
@@ -130,7 +131,9 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest, **read)
     async def manifest(model: Name, version: Version) -> Manifest:
-        return storage.manifest(model, version)
+        served = storage.manifest(model, version)
+        MANIFESTS.inc()
+        return served
 
     @app.get(
         "/v1/models/{model}/versions/{version}/files/{name}",

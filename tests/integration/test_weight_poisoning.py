@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from services.cli import procs
 from services.common import keys
 from services.common.run_state import RunStopped
+from services.common.weight_contract import Manifest, manifest_digest
 from services.common.weights import (
     WeightClient,
     WeightConflict,
@@ -250,12 +251,19 @@ def test_trainer_takes_only_its_own_earlier_commit(stores, redis_url, tmp_path):
         await loop.versions.commit(run_id, retrained, 1)
         assert retrained.loaded == b"one"
         await loop.versions.announce(run_id, 1)
+        # taken, not committed by this trainer: announced without a manifest (pulls ask)
+        assert not await r.hexists(keys.run_manifests(run_id), 1)
         for version in (2, 3):
             await loop.versions.commit(run_id, WeightsOnly(b"%d" % version), version)
             await loop.versions.announce(run_id, version)
         assert int(await r.get(keys.run_version(run_id))) == 3
         assert sorted(int(v) for v in await r.hkeys(digests)) == [2, 3]  # trimmed
         assert (await r.hget(digests, 3)).decode() == await loop.weights.stored_digest(run_id, 3)
+        # the store's manifest of each version it committed is announced with it
+        manifests = keys.run_manifests(run_id)
+        assert sorted(int(v) for v in await r.hkeys(manifests)) == [2, 3]  # trimmed
+        announced = Manifest.model_validate_json(await r.hget(manifests, 3))
+        assert manifest_digest(announced) == (await r.hget(digests, 3)).decode()
 
         # resuming from the store takes only the content recorded for the version
         await r.hset(digests, 3, "0" * 64)

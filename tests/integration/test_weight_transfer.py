@@ -187,3 +187,40 @@ def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_m
         assert set().union(*(loads(w) for w in workers)) >= set(range(spec["steps"]))
         for worker in workers:
             assert max(loads(worker)) > killed_at, (worker, loads(worker), killed_at)
+
+
+def manifest_gets(store) -> float:
+    """How many manifests the store served, from its own /metrics."""
+    import httpx
+
+    text = httpx.get(f"{store.url}/metrics").text
+    (line,) = [
+        x for x in text.splitlines() if x.startswith("spotrl_weightstore_manifests_served_total ")
+    ]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_pull_with_the_announced_manifest_asks_the_store_for_none(tmp_path):
+    """The trainer announces the manifest the store answered its commit with: a worker pulls
+    the version with it and asks the store for the files only. A manifest that is not of the
+    announced digest is not used: the store's own is asked for, and the pull is the same."""
+    from services.common.weight_contract import manifest_digest
+
+    store = start_store(tmp_path / "s")
+    try:
+        src = make_folder(tmp_path / "src", 100_000)
+        client = WeightClient([store.url])
+        manifest = asyncio.run(client.upload_folder(src, "m", 0))
+        digest = manifest_digest(manifest)
+        before = manifest_gets(store)
+        got = asyncio.run(
+            client.pull("m", 0, tmp_path / "a", expect_digest=digest, manifest=manifest)
+        )
+        assert got.digest == digest and manifest_gets(store) == before
+        other = manifest.model_copy(update={"files": manifest.files[:1]})
+        got = asyncio.run(client.pull("m", 0, tmp_path / "b", expect_digest=digest, manifest=other))
+        assert got.digest == digest and manifest_gets(store) == before + 1
+        src_bytes = (src / "model.safetensors").read_bytes()
+        assert (got.folder / "model.safetensors").read_bytes() == src_bytes
+    finally:
+        store.stop()
