@@ -169,13 +169,13 @@ class HFEngine:
             past_key_values=cache,
             use_cache=True,
         )
-        cache = out.past_key_values
-        index = torch.tensor(row)
+        cache, index = out.past_key_values, torch.tensor(row)
+        on_device = index.to(self.device)
         if len(contexts) < len(ids):
-            cache.batch_select_indices(index.to(self.device))
+            cache.batch_select_indices(on_device)
         self._cache, self._cache_ids = cache, ids
         self._attn, self._positions = attn[index], positions[index, -1]
-        return out.logits[index.to(self.device), -1]
+        return out.logits[on_device, -1]
 
     def _decode(self, ids: list[str]) -> torch.Tensor:
         if ids != self._cache_ids:  # some requests left: keep only the rows still running
