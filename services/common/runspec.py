@@ -311,6 +311,31 @@ class RunSpec(BaseModel):
         "logprobs, clipped by epsilon.",
     )
     micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per backward pass.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description="Cut micro-batches by tokens (prompt + response; a longer sequence makes "
+        "one alone) instead of by micro_batch_size, each packed into one row without padding. "
+        "None: micro_batch_size sequences, padded.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="Response tokens whose logits the trainer computes at once (recomputed "
+        "in the backward pass when there are more): bounds the [tokens x vocab] memory.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead "
+        "of keeping them (less memory for long responses, ~1/3 more compute).",
+    )
+    train_precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Trainer compute: bfloat16 autocast over float32 weights and optimizer "
+        "state, or float32; auto: bfloat16 on GPU, float32 on CPU.",
+    )
     weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of published weights; auto: bfloat16 on GPU, else float32."
     )

@@ -148,3 +148,46 @@ def token_logprobs(
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def response_logprobs(
+    hidden: torch.Tensor,  # [M, H] the model's last hidden states, flattened
+    head_weight: torch.Tensor,  # [V, H] the LM head
+    head_bias: torch.Tensor | None,
+    positions: torch.Tensor,  # [N, T] where in `hidden` the state predicting each token sits
+    targets: torch.Tensor,  # [N, T] the tokens
+    mask: torch.Tensor,  # [N, T] 1 where there is a token
+    temperature: float,
+    chunk_tokens: int,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """log p(targets) from the hidden states at `positions`, [N, T] (0 where `mask` is 0), as
+    `token_logprobs` computes them from full logits: the LM head runs at the response's
+    positions only, and `chunk_tokens` of them at a time, each chunk's logits recomputed in the
+    backward pass instead of kept, so that no [tokens x vocab] tensor of the whole micro-batch
+    is ever held (`softcap`: the model's final logit soft-capping, where it has one)."""
+    where = mask.bool()
+    states = hidden[positions[where]]
+    wanted = targets[where]
+
+    def chunk_logprobs(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(h, head_weight, head_bias).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if temperature > 0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+    if states.shape[0] <= chunk_tokens:
+        picked = chunk_logprobs(states, wanted)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        picked = torch.cat(
+            [
+                checkpoint(chunk_logprobs, h, t, use_reentrant=False)
+                for h, t in zip(states.split(chunk_tokens), wanted.split(chunk_tokens), strict=True)
+            ]
+        )
+    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
+    return out.masked_scatter(where, picked)

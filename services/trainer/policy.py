@@ -18,11 +18,18 @@ no scaling need nothing at the end.
 micro-batches again, once per further iteration, each followed by an optimizer step; the ratio
 is always to the rollout's logprobs (the policy that sampled), as TRL's second and later
 iterations use the logprobs from before the first.
+
+A pass (batching.py, grpo.response_logprobs): micro-batches of `micro_batch_size` sequences,
+padded, or, with `max_tokens_per_micro_batch`, cut by tokens and packed into one row without
+padding; the decoder's last hidden states, then the LM head at the response's positions only,
+`logprob_chunk_tokens` at a time. Compute in bfloat16 autocast where `train_precision` says so
+(weights and optimizer state stay float32); decoder layers checkpointed with
+`gradient_checkpointing`.
 """
 
+import contextlib
 import copy
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,62 +39,17 @@ from safetensors.torch import load_file
 from services.common.messages import Group
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow
+from services.trainer.batching import MicroBatch, Row, cut_by_count, cut_by_tokens, packed, padded
 from services.trainer.export import DTYPES, companion_files, weight_files, write_files
 from services.trainer.grpo import (
-    LossParts,
     StepSize,
     batch_scale,
     group_advantages,
     grpo_loss,
-    token_logprobs,
+    response_logprobs,
 )
 from services.trainer.optim import build_optimizer, build_scheduler
-
-
-@dataclass(frozen=True)
-class Row:
-    """One response to train on."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]  # the rollout's, one per response token
-    advantage: float  # centred reward, divided by its group's std under scale_rewards="group"
-
-
-@dataclass
-class PassStats:
-    """What one pass over the step's responses trained."""
-
-    sequences: int = 0
-    tokens: int = 0
-    policy_loss: float = 0.0  # sums over sequences
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-
-    def add(self, parts: LossParts, n_seq: int) -> None:
-        self.policy_loss += parts.policy * n_seq
-        self.kl += parts.kl * n_seq
-        self.clip_fraction += parts.clip_fraction * n_seq
-        self.sequences += n_seq
-        self.tokens += parts.tokens
-
-    def mean(self, total: float) -> float:
-        return total / max(1, self.sequences)
-
-
-def step_row(passes: list[PassStats], grad_norms: list[float]) -> StepRow:
-    """The training fields of a step's metrics row: losses, clip fraction and gradient norm are
-    means over its optimizer steps (num_iterations of them); sequences and tokens are the
-    step's, counted once."""
-    n = len(passes)
-    return StepRow(
-        policy_loss=sum(p.mean(p.policy_loss) for p in passes) / n,
-        kl=sum(p.mean(p.kl) for p in passes) / n,
-        clip_fraction=sum(p.mean(p.clip_fraction) for p in passes) / n,
-        grad_norm=sum(grad_norms) / len(grad_norms),
-        trained_sequences=passes[0].sequences,
-        trained_tokens=passes[0].tokens,
-    )
+from services.trainer.stats import PassStats, step_row
 
 
 class Policy:
@@ -103,6 +65,14 @@ class Policy:
         if getattr(self.model.config, "tie_word_embeddings", False):
             raise ValueError("models with tied embeddings are not supported; untie them first")
         self.model.train()
+        if spec.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        # bfloat16 compute over float32 weights and optimizer state (autocast), or float32
+        precision = spec.train_precision
+        if precision == "auto":
+            precision = "bfloat16" if device.startswith("cuda") else "float32"
+        self.autocast = precision == "bfloat16"
+        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         self.ref = None
         if spec.beta > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -146,13 +116,16 @@ class Policy:
         self.tokens += sum(len(r.response_ids) for r in rows)
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
         # a step of B x n responses makes ceil(B x n / micro_batch_size) passes however its
-        # groups arrive
+        # groups arrive (by tokens: as many as cutting all its rows in order makes)
         self.waiting.extend(rows)
-        mb = self.spec.micro_batch_size
-        full = len(self.waiting) // mb * mb
-        batches = [self.waiting[start : start + mb] for start in range(0, full, mb)]
-        del self.waiting[:full]
+        batches, self.waiting = self._cut(self.waiting, final=False)
         self._take(batches)
+
+    def _cut(self, rows: list[Row], final: bool) -> tuple[list[list[Row]], list[Row]]:
+        budget = self.spec.max_tokens_per_micro_batch
+        if budget is not None:
+            return cut_by_tokens(rows, budget, final)
+        return cut_by_count(rows, self.spec.micro_batch_size, final)
 
     def _take(self, batches: list[list[Row]]) -> None:
         """Keep micro-batches for a later pass where needed; backpropagate them now unless
@@ -167,36 +140,22 @@ class Policy:
     def _backward(
         self, rows: list[Row], size: StepSize, adv_scale: float, stats: PassStats
     ) -> None:
-        width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-        n = len(rows)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width - 1))
-        old = torch.zeros((n, width - 1))
-        for i, r in enumerate(rows):
-            seq = r.prompt_ids + r.response_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
-            # logits at position t predict token t+1: the response starts at len(prompt)
-            mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1
-            old[i, len(r.prompt_ids) - 1 : len(seq) - 1] = torch.tensor(
-                r.logprobs[: len(r.response_ids)]
-            )
+        # packed (no padding) when micro-batches are cut by tokens, else padded
+        if self.spec.max_tokens_per_micro_batch is not None:
+            batch = packed(rows)
+        else:
+            batch = padded(rows, self.pad_id)
         adv = torch.tensor([r.advantage * adv_scale for r in rows], dtype=torch.float32)
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        temperature = self.spec.temperature
-        logits = self.model(input_ids=ids, attention_mask=attn).logits
-        logp = token_logprobs(logits, ids, temperature)
+        logp = self._logprobs(self.model, batch)
         ref_logp = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logits = self.ref(input_ids=ids, attention_mask=attn).logits
-                ref_logp = token_logprobs(ref_logits, ids, temperature)
+                ref_logp = self._logprobs(self.ref, batch)
         parts = grpo_loss(
             logp,
-            old.to(self.device),
+            batch.old_logprobs.to(self.device),
             adv.to(self.device),
-            mask.to(self.device),
+            batch.mask.to(self.device),
             size,
             epsilon=self.spec.epsilon,
             epsilon_high=self.spec.epsilon_high,
@@ -205,14 +164,45 @@ class Policy:
             beta=self.spec.beta,
         )
         parts.loss.backward()
-        stats.add(parts, n)
+        stats.add(parts, len(rows))
+
+    def _logprobs(self, model, batch: MicroBatch) -> torch.Tensor:
+        """[N, T] logprobs of the micro-batch's response tokens under `model`: its decoder's
+        last hidden states, then the LM head at the response's positions only, in chunks
+        (grpo.response_logprobs)."""
+        dev = self.device
+        precision = (
+            torch.autocast(torch.device(dev).type, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        with precision:
+            out = model.base_model(
+                input_ids=batch.input_ids.to(dev),
+                attention_mask=_to(batch.attention_mask, dev),
+                position_ids=_to(batch.position_ids, dev),
+                use_cache=False,
+            )
+            hidden = out.last_hidden_state
+            head = model.get_output_embeddings()
+            return response_logprobs(
+                hidden.reshape(-1, hidden.shape[-1]),
+                head.weight,
+                head.bias,
+                batch.positions.to(dev),
+                batch.targets.to(dev),
+                batch.mask.to(dev),
+                self.spec.temperature,
+                self.spec.logprob_chunk_tokens,
+                self.softcap,
+            )
 
     def optimizer_step(self) -> StepRow:
         """Finish the step's gradient and apply it, then take the step's further iterations;
         what the step trained (its metrics row's training fields)."""
         if self.waiting:
-            batch, self.waiting = self.waiting, []
-            self._take([batch])
+            batches, self.waiting = self._cut(self.waiting, final=True)
+            self._take(batches)
         adv_scale = batch_scale(self.rewards) if self.spec.scale_rewards == "batch" else 1.0
         exact = self._size(exact=True)
         if self.deferred:
@@ -306,3 +296,7 @@ class Policy:
     def export(self, folder: Path) -> Path:
         """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
         return write_files(self.export_files(), folder)
+
+
+def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
