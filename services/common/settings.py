@@ -49,6 +49,14 @@ class CommonSettings(BaseSettings):
     )
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
+    gpu_memory_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Share of the GPU's memory this service may allocate (torch's per-process "
+        "fraction, set before its first allocation), for services that share a GPU, as a "
+        "reserved node's trainer and rollout workers do. None: no bound.",
+    )
     max_body_bytes: int = Field(
         64 * 1024,
         ge=1024,

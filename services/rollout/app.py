@@ -13,6 +13,7 @@ import torch
 from fastapi import FastAPI
 
 from services.common import keys
+from services.common.gpu import bound_gpu_memory
 from services.common.http_limits import guard_input
 from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
@@ -54,6 +55,7 @@ async def leave_with_notice(
 
 def build_app(settings: RolloutSettings) -> FastAPI:
     torch.set_num_threads(settings.torch_threads)
+    bound_gpu_memory(settings.gpu_memory_share, settings.device)  # before the first allocation
     tasks = BackgroundTasks()
     r = connect(settings.redis_url)
     worker = RolloutWorker(settings, r)

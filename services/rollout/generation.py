@@ -58,13 +58,17 @@ class Generator:
 
     def _admit(self) -> None:
         """Start the jobs read, in order. A job marked `isolate` runs with nothing beside it:
-        it waits for the engine to empty, and nothing starts while it runs."""
+        it waits for the engine to empty, and nothing starts while it runs. A job the engine
+        has no memory for yet waits for running ones to finish."""
         ctx = self.ctx
         waiting = []
         for entry_id, job in ctx.inbox.take_all():
             if job.run_id != ctx.run_id or job.version != ctx.version:
                 continue
             if ctx.buffer.isolated_running or (job.isolate and ctx.engine.active):
+                waiting.append((entry_id, job))
+                continue
+            if not ctx.engine.fits(job):  # no room in the engine's memory yet
                 waiting.append((entry_id, job))
                 continue
             ctx.engine.add(job)

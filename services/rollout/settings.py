@@ -37,6 +37,14 @@ class RolloutSettings(CommonSettings):
         None, description="No CUDA graphs / compilation (default: on CPU only)."
     )
     slots: int = Field(64, ge=1, le=4096, description="Most requests generated at once.")
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 30,
+        description="hf engine: most token positions its KV cache may hold (running requests x "
+        "the longest one's prompt + budget); a job that does not fit waits for room, one larger "
+        "than the whole bound runs alone. None: bounded by slots only.",
+    )
     flush_tokens: int = Field(4, ge=1, le=4096, description="Flush deltas every N decode steps.")
     flush_ms: int = Field(100, ge=1, le=60000, description="...or after this many milliseconds.")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="Heartbeat period.")

@@ -5,6 +5,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
+from services.common.gpu import bound_gpu_memory
 from services.common.http_limits import guard_input
 from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
@@ -14,6 +15,7 @@ from services.trainer.settings import TrainerSettings
 
 def build_app(settings: TrainerSettings) -> FastAPI:
     torch.set_num_threads(settings.torch_threads)
+    bound_gpu_memory(settings.gpu_memory_share, settings.device)  # before the first allocation
     tasks = BackgroundTasks()
     r = connect(settings.redis_url)
     loop = TrainerLoop(settings, r)

@@ -135,3 +135,27 @@ def test_top_p_keeps_only_the_nucleus():
     logits = torch.tensor([10.0, 9.0, -10.0, -10.0])
     seen = {sample_token(logits, 1.0, 0.5, seed=s, position=0)[0] for s in range(50)}
     assert seen == {0}
+
+
+def test_a_job_waits_for_room_in_a_bounded_kv_cache(tiny_model):
+    """With `kv_cache_tokens`, the engine takes a job only while the running set, each grown
+    to its whole budget, fits (rows x the longest); one larger than the bound runs alone."""
+    engine = HFEngine(kv_cache_tokens=40)
+    engine.load_weights(tiny_model)
+    small = [job(f"s{i}", PROMPTS["a"], 6) for i in range(4)]  # 4 + 6 = 10 positions each
+    for j in small:
+        assert engine.fits(j)
+        engine.add(j)
+    extra = job("x", PROMPTS["b"], 5)
+    assert not engine.fits(extra)  # 5 rows x 10 > 40
+    wide = job("w", PROMPTS["c"], 44)  # 50 positions: more than the whole bound
+    assert not engine.fits(wide)
+    run_to_end(engine)
+    assert engine.fits(extra) and engine.fits(wide)  # an empty engine takes anything
+    engine.add(wide)
+    assert not engine.fits(extra)
+
+
+def test_an_unbounded_engine_fits_every_job(engine_and_model):
+    engine, _ = engine_and_model
+    assert engine.kv_cache_tokens is None and engine.fits(job("a", PROMPTS["a"], 10_000))

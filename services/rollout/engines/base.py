@@ -62,6 +62,10 @@ class Engine(Protocol):
 
     def add(self, job: Job) -> None: ...
 
+    def fits(self, job: Job) -> bool:
+        """Whether `job` can start now without the engine outgrowing its memory bound (it
+        waits otherwise); an engine that manages its own memory always says yes."""
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its slot; no event of it follows. False if unknown."""
 

@@ -17,4 +17,4 @@ def make_engine(settings: "RolloutSettings") -> Engine:
         return VLLMEngine(VLLMOptions.from_settings(settings))
     from services.rollout.engines.hf import HFEngine
 
-    return HFEngine(settings.device, settings.slots)
+    return HFEngine(settings.device, settings.slots, settings.kv_cache_tokens)

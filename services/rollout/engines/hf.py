@@ -26,6 +26,11 @@ from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import Draw, sample_rows
 
 
+def cache_tokens(job: Job) -> int:
+    """The most KV-cache positions a request takes: its context and its whole budget."""
+    return len(job.prompt_ids) + len(job.prefix_ids) + job.remaining_tokens
+
+
 def draw_of(seq: Sequence) -> Draw:
     job = seq.job
     return Draw(
@@ -42,9 +47,11 @@ def draw_of(seq: Sequence) -> Draw:
 class HFEngine:
     name = "hf"
 
-    def __init__(self, device: str = "cpu", slots: int = 64) -> None:
+    def __init__(self, device: str = "cpu", slots: int = 64, kv_cache_tokens: int | None = None):
         self.device = device
         self.capacity = slots
+        # the KV cache's bound in token positions: rows x the longest context (left-padded)
+        self.kv_cache_tokens = kv_cache_tokens
         self.model: Any = None  # a transformers causal LM, once loaded
         self.seqs: dict[str, Sequence] = {}
         self._cache: Any = None  # a transformers DynamicCache of the running set
@@ -99,6 +106,15 @@ class HFEngine:
     @property
     def active(self) -> int:
         return len(self.seqs)
+
+    def fits(self, job: Job) -> bool:
+        """Whether the running set and `job`, each grown to its whole budget, stay within
+        `kv_cache_tokens` (the cache is left-padded: rows x the longest); a job larger than
+        the whole bound fits an empty engine only."""
+        if self.kv_cache_tokens is None or not self.seqs:
+            return True
+        longest = max(cache_tokens(job), *(cache_tokens(s.job) for s in self.seqs.values()))
+        return (len(self.seqs) + 1) * longest <= self.kv_cache_tokens
 
     def add(self, job: Job) -> None:
         if self.model is None:

@@ -167,6 +167,9 @@ class VLLMEngine:
     def active(self) -> int:
         return len(self.seqs)
 
+    def fits(self, job: Job) -> bool:
+        return True  # vLLM schedules within its own KV cache: a request that does not fit waits
+
     def add(self, job: Job) -> None:
         if self.llm is None:
             raise RuntimeError("no weights loaded")

@@ -1,0 +1,20 @@
+"""A service's share of a GPU that other services use too: on a reserved node the trainer and
+the rollout workers share the same GPUs, and nothing else keeps one of them from taking the
+memory the other needs (a worker's KV cache grew until the trainer died of out-of-memory).
+
+torch's per-process memory fraction caps what this process's caching allocator takes: set once,
+before the first allocation. Without CUDA there is nothing to bound.
+"""
+
+
+def bound_gpu_memory(share: float | None, device: str) -> bool:
+    """Cap this process's allocations on `device` at `share` of its memory; whether a cap was
+    set (None, or no CUDA device: nothing to do)."""
+    if share is None or not device.startswith("cuda"):
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
+    return True
