@@ -144,3 +144,25 @@ def test_draws_follow_the_distribution():
         counts[token] += 1
         assert logprob == pytest.approx(math.log(probs[token].item()), abs=1e-5)
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_row_draws_on_cuda_what_it_draws_on_the_cpu():
+    """A continuation may land on a worker with another device: the same (seed, position)
+    draws the same token from the same logits on CUDA as on the CPU, a batch at once."""
+    from services.rollout.engines.sampling import Draw, sample_rows
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 1000, generator=gen) * 3
+    draws = [
+        Draw(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9, seed=i, position=i)
+        if i % 5
+        else Draw(1.0, 1.0, i, i, top_k=5, repetition_penalty=1.3, context=[1, 2, 3])
+        for i in range(64)
+    ]
+    cpu = sample_rows(logits, draws)
+    cuda = sample_rows(logits.to("cuda"), draws)
+    assert [t for t, _ in cuda] == [t for t, _ in cpu]
+    for (_, a), (_, b) in zip(cuda, cpu, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
