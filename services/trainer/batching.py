@@ -41,7 +41,6 @@ class MicroBatch:
     targets: torch.Tensor  # [N, T] the response tokens
     mask: torch.Tensor  # [N, T] 1 on response tokens, 0 on the padding of short responses
     old_logprobs: torch.Tensor  # [N, T] the rollout's logprobs
-    advantages: torch.Tensor  # [N]
 
     @property
     def padding_tokens(self) -> int:
@@ -112,7 +111,7 @@ def padded(rows: list[Row], pad_id: int) -> MicroBatch:
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
     tables = _response_tables(rows, (i * width for i in range(len(rows))))
-    return MicroBatch(ids, attn, None, *tables, _advantages(rows))
+    return MicroBatch(ids, attn, None, *tables)
 
 
 def packed(rows: list[Row]) -> MicroBatch:
@@ -125,8 +124,4 @@ def packed(rows: list[Row]) -> MicroBatch:
         ids.extend(r.prompt_ids + r.response_ids)
         pos.extend(range(r.tokens))
     tables = _response_tables(rows, starts)
-    return MicroBatch(torch.tensor([ids]), None, torch.tensor([pos]), *tables, _advantages(rows))
-
-
-def _advantages(rows: list[Row]) -> torch.Tensor:
-    return torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+    return MicroBatch(torch.tensor([ids]), None, torch.tensor([pos]), *tables)
