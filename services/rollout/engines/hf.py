@@ -52,6 +52,7 @@ class HFEngine:
         self.capacity = slots
         # the KV cache's bound in token positions: rows x the longest context (left-padded)
         self.kv_cache_tokens = kv_cache_tokens
+        self._longest: int | None = None  # the running set's longest cache_tokens (None: stale)
         self.model: Any = None  # a transformers causal LM, once loaded
         self.seqs: dict[str, Sequence] = {}
         self._cache: Any = None  # a transformers DynamicCache of the running set
@@ -113,21 +114,27 @@ class HFEngine:
         the whole bound fits an empty engine only."""
         if self.kv_cache_tokens is None or not self.seqs:
             return True
-        longest = max(cache_tokens(job), *(cache_tokens(s.job) for s in self.seqs.values()))
+        if self._longest is None:
+            self._longest = max(cache_tokens(s.job) for s in self.seqs.values())
+        longest = max(self._longest, cache_tokens(job))
         return (len(self.seqs) + 1) * longest <= self.kv_cache_tokens
 
     def add(self, job: Job) -> None:
         if self.model is None:
             raise RuntimeError("no weights loaded")
         self.seqs[job.request_id] = Sequence(job)
+        if self._longest is not None:
+            self._longest = max(self._longest, cache_tokens(job))
         self._drop_cache()
 
     def abort(self, request_id: str) -> bool:
+        self._longest = None
         return self.seqs.pop(request_id, None) is not None
 
     def abort_all(self) -> list[str]:
         out = list(self.seqs)
         self.seqs.clear()
+        self._longest = None
         self._drop_cache()
         return out
 
@@ -159,6 +166,7 @@ class HFEngine:
             events.append(TokenEvent(rid, job.lease, offset, token, logprob, reason))
             if reason is not None:
                 del self.seqs[rid]
+                self._longest = None
         return events
 
     def _prefill(self, ids: list[str]) -> torch.Tensor:
