@@ -110,19 +110,27 @@ def test_job_knobs_are_bounded(bad):
         Job.decode(old_job(**bad))
 
 
-def test_a_row_draws_the_same_token_alone_and_in_any_batch():
-    """A continuation on another worker runs beside other requests: its draw must not depend
-    on them. Plain rows (drawn as one batch) and filtered ones (drawn one by one) alike."""
-    from services.rollout.engines.sampling import Draw, sample_rows
+def mixed_draws(n: int):
+    """Draws of every kind: temperatures 1, 0.7 and 0 (greedy), top-p, and every fifth with
+    top-k and a repetition penalty (drawn row by row)."""
+    from services.rollout.engines.sampling import Draw
 
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(12, 40, generator=gen) * 3
-    draws = [
+    return [
         Draw(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9, seed=i, position=i)
         if i % 5
         else Draw(1.0, 1.0, i, i, top_k=5, repetition_penalty=1.3, context=[1, 2, 3])
-        for i in range(12)
+        for i in range(n)
     ]
+
+
+def test_a_row_draws_the_same_token_alone_and_in_any_batch():
+    """A continuation on another worker runs beside other requests: its draw must not depend
+    on them. Plain rows (drawn as one batch) and filtered ones (drawn one by one) alike."""
+    from services.rollout.engines.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 40, generator=gen) * 3
+    draws = mixed_draws(12)
     together = sample_rows(logits, draws)
     alone = [sample_rows(logits[i : i + 1], [d])[0] for i, d in enumerate(draws)]
     reversed_batch = sample_rows(logits.flip(0), draws[::-1])[::-1]
@@ -151,16 +159,11 @@ def test_draws_follow_the_distribution():
 def test_a_row_draws_on_cuda_what_it_draws_on_the_cpu():
     """A continuation may land on a worker with another device: the same (seed, position)
     draws the same token from the same logits on CUDA as on the CPU, a batch at once."""
-    from services.rollout.engines.sampling import Draw, sample_rows
+    from services.rollout.engines.sampling import sample_rows
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 1000, generator=gen) * 3
-    draws = [
-        Draw(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9, seed=i, position=i)
-        if i % 5
-        else Draw(1.0, 1.0, i, i, top_k=5, repetition_penalty=1.3, context=[1, 2, 3])
-        for i in range(64)
-    ]
+    draws = mixed_draws(64)
     cpu = sample_rows(logits, draws)
     cuda = sample_rows(logits.to("cuda"), draws)
     assert [t for t, _ in cuda] == [t for t, _ in cpu]
