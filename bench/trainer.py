@@ -114,7 +114,7 @@ def run_variant(args, variant: str) -> dict:
     import torch
 
     from services.common.runspec import RunSpec
-    from services.trainer.batching import padded
+    from services.trainer.batching import Row, cut_by_count, padded
     from services.trainer.policy import Policy
 
     torch.set_num_threads(args.threads)
@@ -151,12 +151,10 @@ def run_variant(args, variant: str) -> dict:
         seconds.append(time.perf_counter() - started)
         rows = [(g.prompt_ids, r.token_ids) for g in groups for r in g.responses]
         tokens += sum(len(p) + len(r) for p, r in rows)
-        if variant.startswith("padded"):  # the padding the padded layout carries
-            from services.trainer.batching import Row
-
+        if variant.startswith("padded"):  # the padding the trainer's padded layout carries
             all_rows = [Row(p, r, [0.0] * len(r), 0.0) for p, r in rows]
-            for start in range(0, len(all_rows), args.micro_batch_size):
-                batch = padded(all_rows[start : start + args.micro_batch_size], 0)
+            for rows_of_batch in cut_by_count(all_rows, args.micro_batch_size, final=True)[0]:
+                batch = padded(rows_of_batch, 0)
                 padding += batch.padding_tokens
                 positions += batch.input_ids.numel()
     if device.startswith("cuda"):

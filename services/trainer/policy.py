@@ -68,10 +68,7 @@ class Policy:
         if spec.gradient_checkpointing:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         # bfloat16 compute over float32 weights and optimizer state (autocast), or float32
-        precision = spec.train_precision
-        if precision == "auto":
-            precision = "bfloat16" if device.startswith("cuda") else "float32"
-        self.autocast = precision == "bfloat16"
+        self.autocast = auto_dtype(spec.train_precision, device) == "bfloat16"
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         self.ref = None
         if spec.beta > 0:
@@ -83,9 +80,7 @@ class Policy:
         self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
         self._keeps_rows = self.deferred or spec.num_iterations > 1
         # what a published version holds: its weights in this dtype, beside these files
-        self.weight_dtype = spec.weight_dtype
-        if self.weight_dtype == "auto":
-            self.weight_dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        self.weight_dtype = auto_dtype(spec.weight_dtype, device)
         self._companions = companion_files(self.model_dir, self.weight_dtype)
         self._new_step()
 
@@ -300,3 +295,10 @@ class Policy:
 
 def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+def auto_dtype(choice: str, device: str) -> str:
+    """A dtype setting's value, "auto" being bfloat16 on a GPU and float32 elsewhere."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device.startswith("cuda") else "float32"
