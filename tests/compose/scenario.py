@@ -32,6 +32,9 @@ FILES = ("docker-compose.yml", "docker-compose.hostnet.yml")
 MODEL = "/models/arithmetic-base"
 PRIVATE = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
 FINAL = {"succeeded", "failed", "cancelled"}
+# Long enough that the run outlasts the scale-up, the kill and the trainer's restart on a fast
+# machine: a step here takes ~0.4 s, and those events take ~10-20 s of the run.
+STEPS = 120
 
 
 def say(msg: str) -> None:
@@ -205,7 +208,7 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
     summary["duplicated"] = audit["duplicated"]
 
 
-def run_scenario(work: Path, steps: int = 30) -> dict:
+def run_scenario(work: Path, steps: int = STEPS) -> dict:
     summary: dict = {}
     t0 = time.monotonic()
     engine = DockerEngine()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.compose.engine import EngineUnavailable, compose_binary, missing_tools
-from tests.compose.scenario import run_scenario
+from tests.compose.scenario import STEPS, run_scenario
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1500)]
 SUMMARY = Path(os.environ.get("SPOTRL_COMPOSE_SUMMARY", ".spotrl/test-compose.json"))
@@ -33,7 +33,7 @@ def test_compose_up_runs_scales_survives_kills_and_leaves_nothing(tmp_path):
     SUMMARY.parent.mkdir(parents=True, exist_ok=True)
     SUMMARY.write_text(json.dumps(summary) + "\n")
     assert summary["state"] == "succeeded", summary
-    assert summary["steps"] == 30, summary
+    assert summary["steps"] == STEPS, summary
     assert summary["reward_last"] > summary["reward_first"], summary
     assert summary["workers_max"] >= 2, summary
     assert summary["killed"] == 1 and summary["lost"] == 0 and summary["duplicated"] == 0, summary
