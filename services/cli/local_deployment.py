@@ -33,6 +33,7 @@ class DeploymentConfig:
     engine: str = "hf"  # rollout backend: hf or vllm
     flush_tokens: int = 4
     trainer_threads: int = 1
+    trainer_ranks: int = 1  # the trainer as N ranks (torchrun, FSDP2 on gloo here)
     worker_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
     worker_env: dict[str, str] = field(default_factory=dict)  # for the rollout workers only
@@ -123,6 +124,7 @@ class LocalDeployment:
             port=tr_port,
             work_dir=self.work_dir / "trainer",
             rollouts_dir=self.rollouts_dir if self.config.dump_rollouts else None,
+            trainer_ranks=self.config.trainer_ranks,
         )
         self._service(
             "trainer",

@@ -5,6 +5,7 @@ Each process gets its own log file, its environment (SPOTRL_* settings, thread c
 stopped with SIGTERM, then SIGKILL after a grace period.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -66,9 +67,12 @@ class Proc:
             self.popen.wait(5)
 
     def kill(self) -> None:
+        """SIGKILL to the process and everything it started (its own session: a trainer's
+        torchrun agent and its ranks die together)."""
         self.stopped_on_purpose = True
         if self.alive():
-            self.popen.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(5)
 
 

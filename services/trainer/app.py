@@ -9,6 +9,7 @@ from services.common.gpu import bound_gpu_memory
 from services.common.http_limits import guard_input
 from services.common.redis_streams import connect
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.trainer import ranks
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 
@@ -24,7 +25,8 @@ def build_app(settings: TrainerSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         tasks.start("trainer", loop.forever)
         yield
-        await tasks.stop()
+        await tasks.stop()  # a run's checkpoint at exit, with every rank
+        ranks.release()  # uvicorn re-raises the SIGTERM once this returns: no later chance
         await r.aclose()
 
     app = FastAPI(title="spotrl trainer", version="1", lifespan=lifespan)

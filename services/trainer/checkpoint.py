@@ -3,12 +3,14 @@ RNG) after the optimizer step that made weight version `step`, plus the data pos
 
 A checkpoint is written to a scratch folder, renamed into place, and only then named in the
 `LATEST` file (itself replaced atomically): a trainer killed while writing one resumes from the
-previous one. The newest `keep` are kept.
+previous one. The newest `keep` are kept. What the folder holds is the policy's business
+(`snapshot` writes it, `restore` reads it: one `state.pt`, or a sharded trainer's
+torch.distributed.checkpoint files); `meta.json` is written last.
 
-`BackgroundWriter` writes them off the training path: the step blocks only while the state is
-serialized to memory (`serialize`, on the trainer's compute thread: torch work on any other
-thread slows the compute thread's for the rest of the process, see services/common/compute.py),
-and the write, the fsync and the rename happen in a thread of their own, at most one at a time.
+`BackgroundWriter` writes them off the training path: the step blocks only while the policy
+copies its state (`snapshot`, on the trainer's compute thread: torch work on any other thread
+slows the compute thread's for the rest of the process, see services/common/compute.py), and
+the write, the fsync and the rename happen in a thread of their own, at most one at a time.
 Which steps are checkpointed is `due`'s call (every K steps or T seconds).
 """
 
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,17 +29,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
+STATE_FILE = "state.pt"  # a single process's state, torch.save'd
+META_FILE = "meta.json"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     step: int  # the weight version this state is (training resumes at this step)
     folder: Path
 
-    def load(self) -> dict:
-        return torch.load(self.folder / "state.pt", map_location="cpu", weights_only=False)
-
     @property
     def meta(self) -> dict:
-        return json.loads((self.folder / "meta.json").read_text())
+        return json.loads((self.folder / META_FILE).read_text())
 
 
 class Checkpoints:
@@ -50,23 +54,28 @@ class Checkpoints:
         except FileNotFoundError:
             return None
         folder = self.root / name
-        if not (folder / "state.pt").is_file():
+        if not (folder / META_FILE).is_file():
             return None
         return Checkpoint(int(name.removeprefix("step-")), folder)
 
-    def save(self, step: int, state: dict | bytes, meta: dict) -> Checkpoint:
-        """Write a state (or its `serialize`d bytes) as the checkpoint of `step`."""
-        data = state if isinstance(state, bytes) else serialize(state)
+    def scratch(self, step: int) -> Path:
+        """The empty folder the checkpoint of `step` is written to before `commit`."""
         self.root.mkdir(parents=True, exist_ok=True)
+        folder = self.root / f".step-{step:08d}.partial"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        return folder
+
+    def commit(self, step: int, meta: dict) -> Checkpoint:
+        """Make what was written to `scratch(step)` the checkpoint of `step`: its files on disk,
+        then renamed into place and named in LATEST."""
         name = f"step-{step:08d}"
         scratch = self.root / f".{name}.partial"
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir()
-        (scratch / "state.pt").write_bytes(data)
-        (scratch / "meta.json").write_text(json.dumps({"step": step, **meta}))
-        for path in (scratch / "state.pt", scratch / "meta.json"):
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+        (scratch / META_FILE).write_text(json.dumps({"step": step, **meta}))
+        for path in sorted(scratch.rglob("*")):
+            if path.is_file():
+                with open(path, "rb") as fh:
+                    os.fsync(fh.fileno())
         final = self.root / name
         shutil.rmtree(final, ignore_errors=True)
         os.rename(scratch, final)
@@ -76,6 +85,14 @@ class Checkpoints:
         for old in sorted(self.root.glob("step-*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return Checkpoint(step, final)
+
+    def save(
+        self, step: int, snapshot: Callable[[Path], Callable[[], None]], meta: dict
+    ) -> Checkpoint:
+        """Write the checkpoint of `step` now: `snapshot(folder)` (a policy's) copies the state
+        and returns the function that writes it to `folder`."""
+        snapshot(self.scratch(step))()
+        return self.commit(step, meta)
 
 
 def due(step: int, last_step: int, last_s: float, now_s: float, every: int, every_s: float) -> bool:
@@ -92,6 +109,22 @@ def serialize(state: dict) -> bytes:
     return buffer.getvalue()
 
 
+def snapshot_of(state: dict, folder: Path) -> Callable[[], None]:
+    """A single process's state, copied now (`serialize`); the function returned writes it to
+    `folder` as its `state.pt`."""
+    data = serialize(state)
+
+    def write() -> None:
+        (Path(folder) / STATE_FILE).write_bytes(data)
+
+    return write
+
+
+def read_state(folder: Path) -> dict:
+    """The state a `snapshot_of` wrote."""
+    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
 class BackgroundWriter:
     """Writes checkpoints in a thread, one at a time; `submit` refuses while one is in flight
     (the step is checkpointed later, once due again)."""
@@ -106,12 +139,18 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._pending is not None and not self._pending.done()
 
-    def submit(self, step: int, state: bytes, meta: dict) -> bool:
+    def submit(self, step: int, write: Callable[[], None], meta: dict) -> bool:
+        """Finish the checkpoint of `step` in the thread: `write()` (what a policy's `snapshot`
+        returned for `ckpts.scratch(step)`), then the commit."""
         if self.busy:
             return False
         self._collect()
-        self._pending = self._pool.submit(self.ckpts.save, step, state, meta)
+        self._pending = self._pool.submit(self._write, step, write, meta)
         return True
+
+    def _write(self, step: int, write: Callable[[], None], meta: dict) -> Checkpoint:
+        write()
+        return self.ckpts.commit(step, meta)
 
     def _collect(self) -> None:
         """The outcome of the last write: a failed one is logged, and training goes on (the

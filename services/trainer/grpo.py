@@ -68,7 +68,11 @@ class StepSize:
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, size: StepSize
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: LossType,
+    size: StepSize,
+    whole: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """One micro-batch's share of the step's loss, from its [N, T] token losses.
 
@@ -76,14 +80,18 @@ def aggregate(
     micro-batch's token mean, weighted by its share of the step's responses (TRL: the local
     batch's token mean over the accumulation steps; it depends on the micro-batch size).
     dr_grpo: the step's token sum over responses x max_new_tokens. dapo: the step's token sum
-    over the step's token count."""
+    over the step's token count.
+
+    `whole`: (responses, tokens) of the micro-batch when these rows are only a part of it (a
+    rank's share): every aggregation but bnpo is a sum over responses, and bnpo's share of a part
+    divides by the whole micro-batch's sizes, so the parts' shares add up to the whole's."""
     masked = per_token * mask
     if loss_type == "grpo":
         lengths = mask.sum(dim=1).clamp(min=1.0)
         return (masked.sum(dim=1) / lengths).sum() / size.sequences
     if loss_type == "bnpo":
-        share = per_token.shape[0] / size.sequences
-        return share * masked.sum() / mask.sum().clamp(min=1.0)
+        rows, tokens = whole or (per_token.shape[0], mask.sum().item())
+        return (rows / size.sequences) * masked.sum() / max(tokens, 1.0)
     if loss_type == "dr_grpo":
         return masked.sum() / (size.sequences * size.max_new_tokens)
     if loss_type == "dapo":
@@ -112,6 +120,7 @@ def grpo_loss(
     loss_type: LossType = "grpo",
     ref_logprobs: torch.Tensor | None = None,
     beta: float = 0.0,
+    whole: tuple[int, int] | None = None,  # the micro-batch's sizes, these rows a part of it
 ) -> LossParts:
     """Token loss -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) with r the ratio to the
     old policy, plus beta x k3 KL to the reference, aggregated by `loss_type`."""
@@ -126,7 +135,7 @@ def grpo_loss(
         log_ratio = ref_logprobs - logprobs
         kl_tokens = torch.exp(log_ratio) - log_ratio - 1.0
         per_token = per_token + beta * kl_tokens
-    loss = aggregate(per_token, mask, loss_type, size)
+    loss = aggregate(per_token, mask, loss_type, size, whole)
     with torch.no_grad():
         n_tokens = int(mask.sum().item())
         lengths = mask.sum(dim=1).clamp(min=1.0)

@@ -34,7 +34,7 @@ from services.common.run_state import (
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow, record_step
 from services.common.weights import WeightClient
-from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due, serialize
+from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due
 from services.trainer.intake import StepIntake
 from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
@@ -52,7 +52,12 @@ SEED_WAIT_MS = 200  # a wait for the seeding window's end checks the run's state
 
 
 def default_policy(model_dir: Path, spec: RunSpec, device: str) -> Any:
-    """The run's policy: a Hugging Face model (imported only when a run needs it)."""
+    """The run's policy: a Hugging Face model (imported only when a run needs it), sharded over
+    the ranks when the trainer runs as several (ranks.py)."""
+    from services.trainer import ranks
+
+    if ranks.world_size() > 1:
+        return ranks.lead(model_dir, spec, device)
     from services.trainer.policy import Policy
 
     return Policy(model_dir, spec, device)
@@ -132,7 +137,8 @@ class TrainerLoop:
             writer.close()
             latest = ckpts.latest()
             if latest is None or latest.step < self.weights_of:
-                ckpts.save(self.weights_of, policy.state(), {"run_id": run_id, "at_exit": True})
+                meta = {"run_id": run_id, "at_exit": True}
+                ckpts.save(self.weights_of, policy.snapshot, meta)
                 log.info("run %s: checkpointed version %d at exit", run_id, self.weights_of)
         self.status = {"run_id": run_id, "step": step, "state": "done"}
         log.info("run %s: trained %d steps", run_id, step)
@@ -142,7 +148,7 @@ class TrainerLoop:
         version; the step to train next."""
         ckpt = ckpts.latest()
         if ckpt is not None:
-            policy.load_state(await compute(ckpt.load))
+            await compute(policy.restore, ckpt.folder)
         if ckpt is not None and ckpt.step == version + 1:
             # step `version` was trained and checkpointed; its version was never announced (a
             # commit of it before the crash is taken only with the digest recorded for it)
@@ -250,8 +256,8 @@ class TrainerLoop:
         if writer.busy or not due(version, last_step, last_s, time.monotonic(), every, every_s):
             return 0.0
         t0 = time.monotonic()
-        state = await compute(lambda: serialize(policy.state()))
-        writer.submit(version, state, {"run_id": run_id, "last_group": intake.last_entry})
+        write = await compute(policy.snapshot, writer.ckpts.scratch(version))
+        writer.submit(version, write, {"run_id": run_id, "last_group": intake.last_entry})
         self.checkpointed = (version, time.monotonic())
         return time.monotonic() - t0
 

@@ -30,6 +30,7 @@ padding; the decoder's last hidden states, then the LM head at the response's po
 import contextlib
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,10 @@ from services.common.messages import Group
 from services.common.runspec import RunSpec
 from services.common.step_metrics import StepRow
 from services.trainer.batching import MicroBatch, Row, cut_by_count, cut_by_tokens, packed, padded
+from services.trainer.checkpoint import read_state, snapshot_of
 from services.trainer.export import DTYPES, companion_files, weight_files, write_files
 from services.trainer.grpo import (
+    LossParts,
     StepSize,
     batch_scale,
     group_advantages,
@@ -61,18 +64,22 @@ class Policy:
         self.device = device
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model = model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`
-        if getattr(self.model.config, "tie_word_embeddings", False):
+        if getattr(model.config, "tie_word_embeddings", False):
             raise ValueError("models with tied embeddings are not supported; untie them first")
-        self.model.train()
+        model = model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`
+        model.train()
         if spec.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         # bfloat16 compute over float32 weights and optimizer state (autocast), or float32
         self.autocast = auto_dtype(spec.train_precision, device) == "bfloat16"
-        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.ref = None
+        self.ref_scorer = None
         if spec.beta > 0:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_scorer = self._place(ResponseScorer(self.ref, spec, self.softcap))
+        self.model = model
+        self.scorer = self._place(ResponseScorer(model, spec, self.softcap))
         self.optimizer = build_optimizer(self.model, spec)
         self.scheduler = build_scheduler(self.optimizer, spec)
         self.pad_id = self.model.config.pad_token_id or 0
@@ -132,21 +139,38 @@ class Policy:
             for batch in batches:
                 self._backward(batch, size, 1.0, self.stats)
 
+    def _place(self, scorer: "ResponseScorer") -> "ResponseScorer":
+        """Where the model's parameters live: whole on this process here; sharded over the
+        ranks in sharded.py."""
+        return scorer
+
     def _backward(
         self, rows: list[Row], size: StepSize, adv_scale: float, stats: PassStats
     ) -> None:
+        parts = self._loss(rows, size, adv_scale)
+        parts.loss.backward()
+        stats.add(parts, len(rows))
+
+    def _loss(
+        self,
+        rows: list[Row],
+        size: StepSize,
+        adv_scale: float,
+        whole: tuple[int, int] | None = None,
+    ) -> LossParts:
+        """The loss of these rows (all of a micro-batch, or with `whole` a part of one)."""
         # packed (no padding) when micro-batches are cut by tokens, else padded
         if self.spec.max_tokens_per_micro_batch is not None:
             batch = packed(rows)
         else:
             batch = padded(rows, self.pad_id)
         adv = torch.tensor([r.advantage * adv_scale for r in rows], dtype=torch.float32)
-        logp = self._logprobs(self.model, batch)
+        logp = self._logprobs(self.scorer, batch)
         ref_logp = None
-        if self.ref is not None:
+        if self.ref_scorer is not None:
             with torch.no_grad():
-                ref_logp = self._logprobs(self.ref, batch)
-        parts = grpo_loss(
+                ref_logp = self._logprobs(self.ref_scorer, batch)
+        return grpo_loss(
             logp,
             batch.old_logprobs.to(self.device),
             adv.to(self.device),
@@ -157,14 +181,11 @@ class Policy:
             loss_type=self.spec.loss_type,
             ref_logprobs=ref_logp,
             beta=self.spec.beta,
+            whole=whole,
         )
-        parts.loss.backward()
-        stats.add(parts, len(rows))
 
-    def _logprobs(self, model, batch: MicroBatch) -> torch.Tensor:
-        """[N, T] logprobs of the micro-batch's response tokens under `model`: its decoder's
-        last hidden states, then the LM head at the response's positions only, in chunks
-        (grpo.response_logprobs)."""
+    def _logprobs(self, scorer: "ResponseScorer", batch: MicroBatch) -> torch.Tensor:
+        """[N, T] logprobs of the micro-batch's response tokens under the scorer's model."""
         dev = self.device
         precision = (
             torch.autocast(torch.device(dev).type, dtype=torch.bfloat16)
@@ -172,24 +193,13 @@ class Policy:
             else contextlib.nullcontext()
         )
         with precision:
-            out = model.base_model(
-                input_ids=batch.input_ids.to(dev),
-                attention_mask=_to(batch.attention_mask, dev),
-                position_ids=_to(batch.position_ids, dev),
-                use_cache=False,
-            )
-            hidden = out.last_hidden_state
-            head = model.get_output_embeddings()
-            return response_logprobs(
-                hidden.reshape(-1, hidden.shape[-1]),
-                head.weight,
-                head.bias,
+            return scorer(
+                batch.input_ids.to(dev),
+                _to(batch.attention_mask, dev),
+                _to(batch.position_ids, dev),
                 batch.positions.to(dev),
                 batch.targets.to(dev),
                 batch.mask.to(dev),
-                self.spec.temperature,
-                self.spec.logprob_chunk_tokens,
-                self.softcap,
             )
 
     def optimizer_step(self) -> StepRow:
@@ -217,7 +227,11 @@ class Policy:
             passes.append(stats)
             grad_norms.append(self._apply())
         self._new_step()
-        return step_row(passes, grad_norms)
+        return step_row(self._gather(passes), grad_norms)
+
+    def _gather(self, passes: list[PassStats]) -> list[PassStats]:
+        """What the passes measured, over every process that trained a part of them."""
+        return passes
 
     def _scale_gradient(self, factor: float) -> None:
         if factor == 1.0:
@@ -234,7 +248,8 @@ class Policy:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        full = getattr(grad_norm, "full_tensor", None)  # a sharded model's norm is a DTensor
+        return float(full() if full else grad_norm)
 
     def state(self) -> dict:
         """Everything a resumed trainer needs besides the data position: weights (fp32),
@@ -248,6 +263,15 @@ class Policy:
             "scheduler": self.scheduler.state_dict(),
             "rng": rng,
         }
+
+    def snapshot(self, folder: Path) -> Callable[[], None]:
+        """Take a copy of the state now, for a checkpoint in `folder` (an empty scratch folder);
+        the function returned writes it there, on any thread, while training goes on."""
+        return snapshot_of(self.state(), folder)
+
+    def restore(self, folder: Path) -> None:
+        """Take the state of a checkpoint that `snapshot` wrote."""
+        self.load_state(read_state(folder))
 
     def load_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -291,6 +315,49 @@ class Policy:
     def export(self, folder: Path) -> Path:
         """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
         return write_files(self.export_files(), folder)
+
+
+class ResponseScorer(torch.nn.Module):
+    """A causal LM's logprobs of response tokens, as one module: the decoder's last hidden
+    states, then the LM head at the response's positions only, in chunks
+    (grpo.response_logprobs). One module, so that a sharded model's root is this one: its
+    forward gathers the embeddings and the LM head, which the head's chunks use directly."""
+
+    def __init__(self, lm: torch.nn.Module, spec: RunSpec, softcap: float | None) -> None:
+        super().__init__()
+        self.lm: Any = lm  # a transformers causal LM
+        self.temperature = spec.temperature
+        self.chunk_tokens = spec.logprob_chunk_tokens
+        self.softcap = softcap
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        targets: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        out = self.lm.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state
+        head = self.lm.get_output_embeddings()
+        return response_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            head.weight,
+            head.bias,
+            positions,
+            targets,
+            mask,
+            self.temperature,
+            self.chunk_tokens,
+            self.softcap,
+        )
 
 
 def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:

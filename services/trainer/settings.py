@@ -9,6 +9,13 @@ class TrainerSettings(CommonSettings):
     port: int = Field(8300, ge=0, le=65535, description="HTTP port (health, metrics, status).")
     work_dir: Path = Field(Path(".spotrl/trainer"), description="Scratch folder for exports.")
     device: str = Field("cpu", description="torch device for training, e.g. cpu or cuda.")
+    trainer_ranks: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Train on this many ranks on this machine (torchrun, FSDP2): one per GPU "
+        "with device cuda, processes on gloo with cpu. Rank 0 is the service.",
+    )
     poll_s: float = Field(0.1, gt=0, le=60, description="Idle poll of the active run.")
     checkpoint_every: int = Field(
         10,

@@ -15,12 +15,12 @@ class PassStats:
     tokens: int = 0
     policy_loss: float = 0.0  # sums over sequences
     kl: float = 0.0
-    clip_fraction: float = 0.0
+    clipped_tokens: float = 0.0
 
     def add(self, parts: LossParts, n_seq: int) -> None:
         self.policy_loss += parts.policy * n_seq
         self.kl += parts.kl * n_seq
-        self.clip_fraction += parts.clip_fraction * n_seq
+        self.clipped_tokens += parts.clip_fraction * parts.tokens
         self.sequences += n_seq
         self.tokens += parts.tokens
 
@@ -31,12 +31,12 @@ class PassStats:
 def step_row(passes: list[PassStats], grad_norms: list[float]) -> StepRow:
     """The training fields of a step's metrics row: losses, clip fraction and gradient norm are
     means over its optimizer steps (num_iterations of them); sequences and tokens are the
-    step's, counted once."""
+    step's, counted once. Losses are means over sequences, the clip fraction over tokens."""
     n = len(passes)
     return StepRow(
         policy_loss=sum(p.mean(p.policy_loss) for p in passes) / n,
         kl=sum(p.mean(p.kl) for p in passes) / n,
-        clip_fraction=sum(p.mean(p.clip_fraction) for p in passes) / n,
+        clip_fraction=sum(p.clipped_tokens / max(1, p.tokens) for p in passes) / n,
         grad_norm=sum(grad_norms) / len(grad_norms),
         trained_sequences=passes[0].sequences,
         trained_tokens=passes[0].tokens,

@@ -1,0 +1,161 @@
+"""The policy over N ranks (torchrun): FSDP2 (`fully_shard` per decoder layer, then the whole
+model), each rank training its share of every micro-batch.
+
+Every rank holds the same bookkeeping as a single-process `Policy` (ranks.py hands each rank
+the same calls with the same groups, so each cuts the same micro-batches); only the passes
+differ: rank r trains rows r, r + N, ... of each micro-batch, and the gradients are summed
+over the ranks. Every aggregation of grpo.py is a sum over responses once bnpo is told the
+whole micro-batch's sizes, so the summed gradient is the single process's, up to float
+rounding (tests/integration/test_trainer_ranks.py). A rank with no row of a micro-batch
+still runs a pass, weighted 0: FSDP's all-gathers and reduce-scatters are collective.
+
+Weights leave as a full state dict gathered to rank 0 (exports); a committed version comes in
+on rank 0 and is broadcast; checkpoints are torch.distributed.checkpoint folders, every rank
+writing its shards in the background (`dcp.async_save` on a process group of its own, so that
+the write's collectives never meet the training's).
+"""
+
+import datetime
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from services.common.runspec import RunSpec
+from services.trainer.batching import Row
+from services.trainer.checkpoint import serialize
+from services.trainer.export import DTYPES, weight_files
+from services.trainer.grpo import StepSize
+from services.trainer.policy import Policy, ResponseScorer
+from services.trainer.stats import PassStats
+
+EXTRA_FILE = "extra.pt"  # the schedule's position and rank 0's RNG, beside the DCP files
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class ShardedPolicy(Policy):
+    def __init__(self, model_dir: Path, spec: RunSpec, device: str) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(torch.device(device).type, (self.world,))
+        # checkpoint writes run their collectives in a thread: on a group of their own
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2))
+        self._writing: Callable[[], None] | None = None
+        super().__init__(model_dir, spec, device)
+
+    def _place(self, scorer: ResponseScorer) -> ResponseScorer:
+        """Each decoder layer a unit, then the scorer (embeddings, final norm, LM head)."""
+        layers = getattr(scorer.lm.base_model, "layers", None)
+        for layer in layers if isinstance(layers, torch.nn.ModuleList) else []:
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(scorer, mesh=self.mesh)
+        return scorer
+
+    def _backward(
+        self, rows: list[Row], size: StepSize, adv_scale: float, stats: PassStats
+    ) -> None:
+        mine = rows[self.rank :: self.world]
+        # FSDP averages the ranks' gradients (gloo cannot pre-scale a sum): x world to sum them
+        weight = float(self.world)
+        if not mine:  # a pass all the same, weighted 0
+            mine, weight = rows[:1], 0.0
+        whole = (len(rows), sum(len(r.response_ids) for r in rows))
+        parts = self._loss(mine, size, adv_scale, whole)
+        (parts.loss * weight).backward()
+        if weight:
+            stats.add(parts, len(mine))
+
+    def _gather(self, passes: list[PassStats]) -> list[PassStats]:
+        fields = ("sequences", "tokens", "policy_loss", "kl", "clipped_tokens")
+        sums = torch.tensor(
+            [[float(getattr(p, f)) for f in fields] for p in passes], dtype=torch.float64
+        )
+        dist.all_reduce(sums)  # a CPU tensor: gloo (cpu:gloo beside cuda:nccl on GPUs)
+        return [
+            PassStats(int(row[0]), int(row[1]), float(row[2]), float(row[3]), float(row[4]))
+            for row in sums.tolist()
+        ]
+
+    # weights in and out: full state dicts, on rank 0
+
+    def load_weights(self, folder: Path) -> None:
+        """Rank 0 reads the version's files and broadcasts them; the other ranks' `folder` is
+        not read."""
+        from safetensors.torch import load_file
+
+        tensors: dict[str, Any] = {}
+        if self.rank == 0:
+            for path in sorted(Path(folder).glob("*.safetensors")):
+                tensors.update({k: v.float() for k, v in load_file(path).items()})
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, tensors, options=options)
+
+    def export_files(self) -> dict[str, bytes]:
+        """The full weights, gathered to rank 0, as a version's files; {} on the other ranks."""
+        full: dict[str, Any] = get_model_state_dict(self.model, options=FULL)
+        if self.rank != 0:
+            return {}
+        dtype = DTYPES[self.weight_dtype]
+        tensors = {k: v.to(dtype).contiguous() for k, v in full.items()}
+        return weight_files(tensors) | self._companions
+
+    # checkpoints: torch.distributed.checkpoint
+
+    def _sharded_state(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+
+    def snapshot(self, folder: Path) -> Callable[[], None]:
+        """Every rank stages a copy of its shards now and writes them to `folder` (rank 0
+        created it; it must be storage every rank sees) in the background. Rank 0's function
+        returns once every rank's shards and the metadata are written; the other ranks wait
+        for their write before their next snapshot or restore."""
+        self.finish_writes()
+        extra = serialize({"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()})
+        future = cast(
+            Future,
+            dcp.async_save(
+                self._sharded_state(), checkpoint_id=str(folder), process_group=self.ckpt_group
+            ),
+        )
+
+        def write() -> None:
+            future.result()
+            if self.rank == 0:
+                (Path(folder) / EXTRA_FILE).write_bytes(extra)
+
+        if self.rank != 0:
+            self._writing = write
+        return write
+
+    def finish_writes(self) -> None:
+        if self._writing is not None:
+            write, self._writing = self._writing, None
+            write()
+
+    def restore(self, folder: Path) -> None:
+        self.finish_writes()
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=str(folder), process_group=self.ckpt_group)
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        extra = torch.load(Path(folder) / EXTRA_FILE, map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"])
+
+    def state(self) -> dict:
+        raise NotImplementedError("a sharded policy's state is written by snapshot()")
