@@ -33,7 +33,7 @@ class DeploymentConfig:
     engine: str = "hf"  # rollout backend: hf or vllm
     flush_tokens: int = 4
     trainer_threads: int = 1
-    trainer_ranks: int = 1  # the trainer as N ranks (torchrun, FSDP2 on gloo here)
+    trainer_ranks: int | None = None  # N ranks (torchrun, FSDP2); None: SPOTRL_TRAINER_RANKS
     worker_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
     worker_env: dict[str, str] = field(default_factory=dict)  # for the rollout workers only
