@@ -121,14 +121,33 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     beta: float = 0.0,
     whole: tuple[int, int] | None = None,  # the micro-batch's sizes, these rows a part of it
+    stale: torch.Tensor | None = None,  # [N, T] True where an older version made the token
+    behaviour_cap: float = 2.0,
 ) -> LossParts:
     """Token loss -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) with r the ratio to the
-    old policy, plus beta x k3 KL to the reference, aggregated by `loss_type`."""
+    old policy, plus beta x k3 KL to the reference, aggregated by `loss_type`.
+
+    `stale` tokens (sampled by weights older than those the step trains from: asynchronous
+    rollout) take decoupled PPO's objective (Hilton et al. 2021, "Batch size-invariance for
+    policy optimization"; AReaL, Fu et al. 2025): their ratio r is to the proximal policy, the
+    weights this step trains from (in value the current ones: the pass is the step's first),
+    and the behaviour policy that sampled them enters only as an importance weight
+    pi_prox / pi_behaviour, detached and truncated at `behaviour_cap`, so that a token the old
+    weights found unlikely cannot dominate the step. Every other token is as before: with no
+    stale token the loss is the synchronous one, bit for bit."""
     high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    old, weight = old_logprobs, None
+    if stale is not None:
+        prox = logprobs.detach()
+        old = torch.where(stale, prox, old_logprobs)
+        behaviour = torch.exp(prox - old_logprobs).clamp(max=behaviour_cap)
+        weight = torch.where(stale, behaviour, torch.ones_like(prox))
+    ratio = torch.exp(logprobs - old)
     adv = advantages.unsqueeze(1)
     policy_tokens = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - epsilon, 1.0 + high) * adv)
+    if weight is not None:
+        policy_tokens = policy_tokens * weight
     per_token = policy_tokens
     kl_tokens = torch.zeros_like(per_token)
     if ref_logprobs is not None and beta > 0:

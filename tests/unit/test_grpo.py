@@ -58,3 +58,38 @@ def test_token_logprobs_align_with_next_tokens():
     out = token_logprobs(logits, ids, temperature=1.0)
     expected = torch.log_softmax(logits[0, 1], -1)[3]
     assert out.shape == (1, 3) and out[0, 1] == pytest.approx(expected.item())
+
+
+def _loss_and_grad(logp0, old, adv, mask, **kw):
+    logp = logp0.clone().requires_grad_(True)
+    size = StepSize(sequences=logp.shape[0], max_new_tokens=logp.shape[1], tokens=mask.sum())
+    parts = grpo_loss(logp, old, adv, mask, size, **kw)
+    parts.loss.backward()
+    return parts, logp.grad
+
+
+def test_no_stale_token_is_the_synchronous_loss_bit_for_bit():
+    torch.manual_seed(0)
+    logp, old = -torch.rand(3, 5), -torch.rand(3, 5)
+    adv, mask = torch.randn(3), torch.ones(3, 5)
+    sync, g_sync = _loss_and_grad(logp, old, adv, mask)
+    fresh, g_fresh = _loss_and_grad(logp, old, adv, mask, stale=torch.zeros(3, 5, dtype=torch.bool))
+    assert torch.equal(sync.loss, fresh.loss) and torch.equal(g_sync, g_fresh)
+    assert sync.clip_fraction == fresh.clip_fraction
+
+
+def test_a_stale_token_is_weighted_by_its_truncated_behaviour_ratio_and_never_clipped():
+    # one response of 3 tokens: the first sampled by the current weights, the other two by older
+    # ones that found them 1.5x and 10x less likely than the current weights do
+    logp = torch.log(torch.tensor([[0.5, 0.6, 0.4]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.4, 0.04]]))
+    stale = torch.tensor([[False, True, True]])
+    adv, mask = torch.tensor([2.0]), torch.ones(1, 3)
+    parts, grad = _loss_and_grad(logp, behaviour, adv, mask, stale=stale, behaviour_cap=2.0)
+    # grpo: d loss / d logp_t = -w_t x A / (tokens x responses); r = 1 on every token
+    expected = -torch.tensor([[1.0, 1.5, 2.0]]) * 2.0 / 3
+    assert torch.allclose(grad, expected, atol=1e-6)
+    assert parts.clip_fraction == 0.0  # the 10x behaviour ratio is weighted, not clipped
+    # without the correction the same tokens would be clipped away (r = 10 > 1.2)
+    plain, plain_grad = _loss_and_grad(logp, behaviour, adv, mask)
+    assert plain_grad[0, 2] == 0.0 and plain.clip_fraction > 0
