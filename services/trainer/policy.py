@@ -24,7 +24,8 @@ padded, or, with `max_tokens_per_micro_batch`, cut by tokens and packed into one
 padding; the decoder's last hidden states, then the LM head at the response's positions only,
 `logprob_chunk_tokens` at a time. Compute in bfloat16 autocast where `train_precision` says so
 (weights and optimizer state stay float32); decoder layers checkpointed with
-`gradient_checkpointing`.
+`gradient_checkpointing`. The forward is one module (`ResponseScorer`), which sharded.py shards
+over N ranks.
 """
 
 import contextlib
