@@ -36,6 +36,6 @@ def build_app(settings: TrainerSettings) -> FastAPI:
 
     @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
     async def status() -> dict:
-        return loop.status
+        return {**loop.status, "ranks": ranks.world_size(), "device": settings.device}
 
     return app

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -106,6 +107,8 @@ def test_a_two_rank_trainer_killed_mid_step_resumes_from_its_checkpoint(
     check_run(deployment, client, rdb, run_id, body)
     log = (deployment.log_dir / "trainer.log").read_text()
     assert log.count("from its checkpoint") >= 2, log[-3000:]
+    status = httpx.get(f"{deployment.trainer_url}/v1/status", timeout=5).json()
+    assert status["ranks"] == 2, status
     assert "at exit" in log
     # the checkpoints are the two ranks' shards (torch.distributed.checkpoint)
     ckpts = deployment.work_dir / "trainer" / run_id / "checkpoints"
