@@ -1,6 +1,7 @@
-"""What reached the trainer, checked against what a run should have produced: every (step,
-prompt) group once, each with exactly n finished responses. A group dropped by quarantine (one
-of its requests crashed too many workers) is counted on its own, not as lost.
+"""What reached the trainer, checked against what a run should have produced: every (step, prompt)
+group once, each with exactly n finished responses, and how many versions behind its step the
+oldest trained token was generated (`max_staleness`: 0 in a synchronous run). A group dropped by
+quarantine (one of its requests crashed too many workers) is counted on its own, not as lost.
 
 It reads the trained ledger (services.common.ledger): one compact record per step written by the
 trainer, which outlives the groups themselves (deleted once their step is committed)."""
@@ -23,6 +24,7 @@ def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = No
     steps = spec.steps if steps is None else steps
     n = spec.group_size
     complete = duplicated = quarantined = tokens = 0
+    staleness: int | None = None  # the most versions a trained token lagged its step by
     for step in range(steps):
         rec = records.get(step)
         if rec is None:
@@ -34,6 +36,8 @@ def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = No
         complete += min(rec["responses"], len(trained) * n)
         duplicated += max(0, rec["responses"] - len(trained) * n) + rec["duplicates"] * n
         tokens += rec["tokens"]
+        if rec.get("oldest_version") is not None:
+            staleness = max(staleness or 0, step - rec["oldest_version"])
     expected = (steps * spec.prompts_per_step - quarantined) * n
     return {
         "expected_responses": expected,
@@ -42,4 +46,5 @@ def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = No
         "duplicated": duplicated,
         "groups_quarantined": quarantined,
         "tokens": tokens,
+        "max_staleness": staleness,
     }

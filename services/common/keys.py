@@ -75,6 +75,12 @@ def request_logprobs(run_id: str, step: int, request_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:step:{step}:logprobs:{request_id}"
 
 
+def request_versions(run_id: str, step: int, request_id: str) -> str:
+    """String: which weight version generated those tokens, as (offset, version) runs, packed
+    int32 pairs: one pair per version a response was generated under."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:versions:{request_id}"
+
+
 def step_published(run_id: str, step: int) -> str:
     """Set of prompt indices whose group was handed to the trainer."""
     return f"{PREFIX}:run:{run_id}:step:{step}:published"

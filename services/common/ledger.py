@@ -4,7 +4,8 @@ step that trained on them is committed, so Redis memory is bounded by the step, 
 
 A record is a few hundred bytes whatever the step's size: which prompts were trained and which
 dropped (bitmaps), how many responses and tokens, how many groups came twice (and were not
-trained twice), how many were incomplete, and a sha256 over the trained token ids. The trainer
+trained twice), how many were incomplete, the oldest weight version that generated a trained
+token, and a sha256 over the trained token ids. The trainer
 writes it once the step's last group is in, before the step's version is committed; a step
 trained again after a restart writes the same record again.
 """
@@ -43,6 +44,7 @@ class StepLedger:
     tokens: int = 0
     duplicates: int = 0  # groups of a prompt already taken this step: never trained twice
     incomplete: int = 0  # groups with another number of responses than n: parked
+    oldest_version: int | None = None  # the oldest weights that generated a trained token
     _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256)
 
     def seen(self, prompt_index: int) -> bool:
@@ -54,6 +56,9 @@ class StepLedger:
         self._hash.update(group.prompt_index.to_bytes(4, "little"))
         for resp in group.responses:
             self.tokens += len(resp.token_ids)
+            for _, version in resp.version_runs:
+                if self.oldest_version is None or version < self.oldest_version:
+                    self.oldest_version = version
             self._hash.update(len(resp.token_ids).to_bytes(4, "little"))
             self._hash.update(array("i", resp.token_ids).tobytes())
 
@@ -65,6 +70,7 @@ class StepLedger:
             "tokens": self.tokens,
             "duplicates": self.duplicates,
             "incomplete": self.incomplete,
+            "oldest_version": self.oldest_version,
             "sha256": self._hash.hexdigest(),
         }
 

@@ -149,6 +149,9 @@ class Response(Message, frozen=True, kw_only=True):
     reward: float
     finish_reason: FinishReason
     leases: int = 1  # how many leases (1 + migrations) produced it
+    # the weight version of each token, as (offset, version) runs: the version generated the
+    # tokens from its offset to the next run's; [] from a coordinator that did not record them
+    version_runs: list[tuple[NonNegative, NonNegative]] = []
 
 
 class Group(Message, frozen=True, kw_only=True):

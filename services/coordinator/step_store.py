@@ -1,14 +1,14 @@
-"""The durable copy of one step's request table, so that a coordinator killed mid-step (or cut
-off by a Redis restart) picks the step up where it was.
+"""The durable copy of one step's request table, so that a coordinator killed mid-step (or cut off
+by a Redis restart) picks the step up where it was.
 
 What is kept, per step: whether its jobs were queued (and when), each request's lease, finish
-reason and the workers that crashed running it, its tokens and logprobs (appended as packed
-arrays: a flush costs the new tokens only), the groups already handed to the trainer and those
-quarantined (dropped: a request of theirs crashed too many workers). The coordinator stages
-these writes in the same MULTI as the jobs it queues, the groups it publishes and the deltas it
-acknowledges, so each batch lands whole or not at all; a batch that did not land is read again
-from the coordinator's pending deltas, and applying it again changes nothing that landed
-(offsets make deltas idempotent).
+reason and the workers that crashed running it, its tokens, their logprobs and the weight versions
+that generated them (appended as packed arrays: a flush costs the new tokens only), the groups
+already handed to the trainer and those quarantined (dropped: a request of theirs crashed too many
+workers). The coordinator stages these writes in the same MULTI as the jobs it queues, the groups
+it publishes and the deltas it acknowledges, so each batch lands whole or not at all; a batch that
+did not land is read again from the coordinator's pending deltas, and applying it again changes
+nothing that landed (offsets make deltas idempotent).
 """
 
 from array import array
@@ -50,6 +50,7 @@ class StepStore:
         self.quarantined = keys.step_quarantined(run_id, step)
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
+        self.saved_runs: dict[str, int] = {}  # version runs of each request already in Redis
         self.saved_state: dict[str, str] = {}  # each request's "lease|finish|crashed" in Redis
         self.expiring = False  # the request table's key has its TTL
 
@@ -58,6 +59,9 @@ class StepStore:
 
     def _logprob_key(self, rid: str) -> str:
         return keys.request_logprobs(self.run_id, self.step, rid)
+
+    def _version_key(self, rid: str) -> str:
+        return keys.request_versions(self.run_id, self.step, rid)
 
     async def _packed(self, key: str) -> bytes:
         """A packed array as stored (b"" while absent)."""
@@ -83,9 +87,12 @@ class StepStore:
             self.saved_state[rid] = raw.decode()
             tokens = await self._packed(self._token_key(rid))
             logprobs = await self._packed(self._logprob_key(rid))
+            runs = array("i", await self._packed(self._version_key(rid))).tolist()
             req.token_ids = array("i", tokens).tolist()
             req.logprobs = array("d", logprobs).tolist()
+            req.version_runs = list(zip(runs[::2], runs[1::2], strict=True))
             self.saved_len[rid] = len(req.token_ids)
+            self.saved_runs[rid] = len(req.version_runs)
         for p in await self.r.smembers(self.quarantined):
             table.quarantine(int(p))
         done = {int(p) for p in await self.r.smembers(self.published)}
@@ -115,12 +122,17 @@ class StepStore:
             n = len(req.token_ids)
             if n < saved:  # restarted from zero (migration off)
                 saved = 0
-                pipe.delete(self._token_key(rid), self._logprob_key(rid))
+                pipe.delete(self._token_key(rid), self._logprob_key(rid), self._version_key(rid))
             if n > saved:
                 keys_, values = (new_keys, new_values) if saved == 0 else (grown_keys, grown_values)
                 keys_ += [self._token_key(rid), self._logprob_key(rid)]
                 values += [_tokens(req.token_ids[saved:]), _logprobs(req.logprobs[saved:])]
+                runs = req.version_runs[self.saved_runs.get(rid, 0) if saved else 0 :]
+                if runs:
+                    keys_.append(self._version_key(rid))
+                    values.append(_tokens([x for run in runs for x in run]))
             self.saved_len[rid] = n
+            self.saved_runs[rid] = len(req.version_runs)
         if states:
             pipe.hset(self.state, mapping=states)
         if new_keys or grown_keys:
@@ -146,7 +158,7 @@ class StepStore:
         """Every key of this step's copy."""
         out = [self.meta, self.state, self.published, self.quarantined]
         for rid in self.saved_len:
-            out += [self._token_key(rid), self._logprob_key(rid)]
+            out += [self._token_key(rid), self._logprob_key(rid), self._version_key(rid)]
         return out
 
     async def expire_soon(self, ttl_s: int = 600) -> None:

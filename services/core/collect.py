@@ -60,7 +60,7 @@ def apply_batches(
     tokens_before, quarantined_before = table.tokens_appended, set(table.quarantined)
     for batch in batches:
         for item in batch.items:
-            applied = table.apply(item)
+            applied = table.apply(item, batch.version)
             out.applied[applied.value] += 1
             if applied in (Applied.APPENDED, Applied.FINISHED):
                 out.changed.add(item.request_id)

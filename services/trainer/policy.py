@@ -115,7 +115,8 @@ class Policy:
             advantages = group_advantages(rewards, self.spec.scale_rewards)
             for resp, adv in zip(g.responses, advantages, strict=True):
                 if resp.token_ids:
-                    rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv))
+                    stale = stale_tokens(resp.version_runs, len(resp.token_ids), g.version)
+                    rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale))
         self.tokens += sum(len(r.response_ids) for r in rows)
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
         # a step of B x n responses makes ceil(B x n / micro_batch_size) passes however its
@@ -183,6 +184,7 @@ class Policy:
             ref_logprobs=ref_logp,
             beta=self.spec.beta,
             whole=whole,
+            stale=None if batch.stale is None else batch.stale.to(self.device),
         )
 
     def _logprobs(self, scorer: "ResponseScorer", batch: MicroBatch) -> torch.Tensor:
@@ -359,6 +361,19 @@ class ResponseScorer(torch.nn.Module):
             self.chunk_tokens,
             self.softcap,
         )
+
+
+def stale_tokens(runs: list[tuple[int, int]], n: int, version: int) -> list[bool] | None:
+    """Which of a response's `n` tokens weights older than `version` generated, from its
+    (offset, version) runs; None when none did (every token of a synchronous step)."""
+    if all(v >= version for _, v in runs):
+        return None
+    out = [False] * n
+    for i, (start, v) in enumerate(runs):
+        end = runs[i + 1][0] if i + 1 < len(runs) else n
+        if v < version:
+            out[start:end] = [True] * (end - start)
+    return out
 
 
 def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ def spec(model, **over):
 def check_exact(deployment, run_id, body) -> None:
     audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
     assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert audit["max_staleness"] == 0, audit
     groups = read_groups(deployment, run_id)
     assert sorted((g.step, g.prompt_index) for g in groups) == [
         (s, p) for s in range(body["steps"]) for p in range(PROMPTS)

@@ -88,6 +88,7 @@ def check_run(deployment, client, rdb, run_id: str, body: dict) -> None:
     assert run["state"] == "succeeded", run["error"]
     audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
     assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert audit["max_staleness"] == 0, audit  # every token by its step's version
     assert int(rdb.hget(keys.trainer_state(run_id), "steps_trained")) == body["steps"]
     assert run["groups_incomplete"] == 0
 

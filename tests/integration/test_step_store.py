@@ -1,10 +1,11 @@
-"""The durable copy of a step's request table (services/coordinator/step_store.py) against a
-real redis-server: what a coordinator staged is what a new coordinator restores after a restart
-(tokens, logprobs, leases, finish reasons, crashes, groups published or dropped), staged writes
-append only what is new, and a finished step's copy expires."""
+"""The durable copy of a step's request table (services/coordinator/step_store.py) against a real
+redis-server: what a coordinator staged is what a new coordinator restores after a restart (tokens,
+logprobs, their versions, leases, finish reasons, crashes, groups published or dropped), staged
+writes append only what is new, and a finished step's copy expires."""
 
 import asyncio
 
+from services.common import keys
 from services.common.messages import DeltaItem
 from services.common.redis_streams import connect
 from services.coordinator.step_store import StepStore
@@ -56,7 +57,7 @@ async def stage(r, store: StepStore, table: RequestTable, rids, queued_at=None, 
 
 def snapshot(table: RequestTable) -> dict:
     return {
-        rid: (r.token_ids, r.logprobs, r.lease, r.finish_reason, r.crashed_on)
+        rid: (r.token_ids, r.logprobs, r.version_runs, r.lease, r.finish_reason, r.crashed_on)
         for rid, r in table.requests.items()
     }
 
@@ -70,7 +71,7 @@ def test_a_restarted_coordinator_restores_the_step_as_it_was_staged(empty_redis_
         for rid in ("3:0:0", "3:0:1"):
             table.apply(delta(rid, 0, [5, 6], finish="stop"))
         table.apply(delta("3:2:0", 0, [7, 8]))
-        table.apply(delta("3:2:0", 2, [9]))
+        table.apply(delta("3:2:0", 2, [9]), version=STEP + 1)  # a newer version went on
         table.note_crash("3:2:1", 0, "worker-a")
         table.migrate("3:2:1", "crash")  # lease 1, runs isolated from now on
         table.apply(delta("3:2:1", 0, [4], lease=1))
@@ -93,6 +94,7 @@ def test_a_restarted_coordinator_restores_the_step_as_it_was_staged(empty_redis_
         assert sorted(restored.unfinished()) == ["3:2:0", "3:2:1"]
         assert restored.unfinished_count == 2
         assert restored.job("3:2:0").prefix_ids == [7, 8, 9]  # continues where it was
+        assert restored.requests["3:2:0"].version_runs == [(0, STEP), (2, STEP + 1)]
         assert restored.job("3:2:1").isolate
 
     asyncio.run(scenario())
@@ -117,14 +119,17 @@ def test_each_staging_appends_only_the_new_tokens_and_a_restart_from_zero_replac
         r = connect(empty_redis_url)
         table, store = new_table(max_new_tokens=8), StepStore(r, RUN, STEP)
         await stage(r, store, table, [], queued_at=1.0)
-        for offset, tokens in ((0, [1, 2]), (2, [3]), (1, [2, 3, 4])):  # the last one repeats
-            table.apply(delta("3:1:0", offset, tokens))
+        # the last delta repeats a token, and its new one comes from a newer version
+        for offset, tokens, version in ((0, [1, 2], 3), (2, [3], 3), (1, [2, 3, 4], 4)):
+            table.apply(delta("3:1:0", offset, tokens), version)
             await stage(r, store, table, ["3:1:0"])
-        table.apply(delta("3:1:1", 0, [9, 9, 9]))
+        table.apply(delta("3:1:1", 0, [9, 9, 9]), version=2)
         await stage(r, store, table, ["3:1:1"])
         table.migrate("3:1:1", "death", keep_tokens=False)  # migration off: starts over
         table.apply(delta("3:1:1", 0, [6], lease=1))
         await stage(r, store, table, ["3:1:1"])
+        versions = keys.request_versions(RUN, STEP, "3:1:0")
+        assert len(await r.get(versions)) == 2 * 2 * 4  # two runs of two int32s, appended
 
         restored = new_table(max_new_tokens=8)
         await StepStore(r, RUN, STEP).restore(restored)
@@ -133,6 +138,8 @@ def test_each_staging_appends_only_the_new_tokens_and_a_restart_from_zero_replac
         assert restored.requests["3:1:0"].logprobs == table.requests["3:1:0"].logprobs
         assert restored.requests["3:1:1"].token_ids == [6]
         assert restored.requests["3:1:1"].lease == 1
+        assert restored.requests["3:1:0"].version_runs == [(0, 3), (3, 4)]
+        assert restored.requests["3:1:1"].version_runs == [(0, STEP)]  # the old runs replaced
 
     asyncio.run(scenario())
 

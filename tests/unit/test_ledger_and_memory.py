@@ -1,5 +1,7 @@
 """The trained ledger's compact records and the Redis memory brake: pure parts."""
 
+import msgspec
+
 from services.common.ledger import StepLedger, bitmap_members
 from services.common.messages import Group, Response
 from services.coordinator.memory import MIB, MemoryReading, pressure
@@ -56,3 +58,17 @@ def test_pressure_brakes_over_the_high_mark_only_with_a_limit():
     assert reason is not None
     assert "850 MiB" in reason and "85%" in reason and "1000 MiB" in reason
     assert "maxmemory" in reason  # says what to do
+
+
+def test_the_ledger_keeps_the_oldest_version_that_generated_a_trained_token():
+    led = StepLedger()
+    led.add(group(0, [[1, 2]]))  # no runs recorded: says nothing
+    assert led.record()["oldest_version"] is None
+    g = group(1, [[1, 2, 3]])
+    runs = [(0, 4), (2, 5)]
+    led.add(
+        msgspec.structs.replace(
+            g, responses=[msgspec.structs.replace(g.responses[0], version_runs=runs)]
+        )
+    )
+    assert led.record()["oldest_version"] == 4

@@ -127,3 +127,19 @@ def test_a_delta_that_repeats_and_overruns_is_cut_to_what_fits():
     assert t.apply(delta("0:0:0", 1, [2, 3, 4, 5, 6])) is Applied.FINISHED
     r = t.requests["0:0:0"]
     assert r.token_ids == [1, 2, 3, 4] and len(r.logprobs) == 4 and r.finish_reason == "length"
+
+
+def test_every_token_keeps_the_version_that_generated_it():
+    t = table(max_new=6)
+    t.apply(delta("0:0:0", 0, [5, 6]))  # the table's version (0)
+    t.apply(delta("0:0:0", 2, [7]), version=0)
+    t.apply(delta("0:0:0", 1, [6, 7, 8]), version=1)  # repeats two tokens: only 8 is new
+    t.migrate("0:0:0", "preemption")  # a continuation, on a worker with a newer version
+    t.apply(delta("0:0:0", 4, [9, 0], lease=1, finished=True, reason="stop"), version=2)
+    assert t.requests["0:0:0"].version_runs == [(0, 0), (3, 1), (4, 2)]
+    t.apply(delta("0:0:1", 0, [1, 2]), version=3)
+    t.migrate("0:0:1", "death", keep_tokens=False)  # starts over: its old runs go too
+    t.apply(delta("0:0:1", 0, [3], lease=1, finished=True, reason="stop"), version=4)
+    t.score({"0:0:0": 1.0, "0:0:1": 0.0})
+    group = t.group_message(0)
+    assert [r.version_runs for r in group.responses] == [[(0, 0), (3, 1), (4, 2)], [(0, 4)]]

@@ -127,3 +127,27 @@ def test_bfloat16_autocast_stays_near_float32(tiny_model, long_tailed_rows):
     assert loss16 == pytest.approx(loss32, rel=0.02, abs=1e-3)
     a, b = torch.cat([g.flatten() for g in g32]), torch.cat([g.flatten() for g in g16])
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+
+
+def test_stale_tokens_come_from_the_version_runs():
+    from services.trainer.policy import stale_tokens
+
+    assert stale_tokens([], 4, version=3) is None  # runs not recorded: nothing is stale
+    assert stale_tokens([(0, 3)], 4, version=3) is None  # a synchronous step
+    assert stale_tokens([(0, 2), (2, 3), (3, 1)], 5, version=3) == [1, 1, 0, 1, 1]
+
+
+def test_stale_rows_take_the_decoupled_loss_fresh_rows_the_synchronous_one(
+    tiny_model, long_tailed_rows
+):
+    import dataclasses
+
+    policy = Policy(tiny_model, spec_for(tiny_model))
+    _, base = gradient(policy, long_tailed_rows)
+    fresh = [dataclasses.replace(r, stale=[False] * len(r.response_ids)) for r in long_tailed_rows]
+    _, same = gradient(policy, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(base, same, strict=True))
+    stale = [dataclasses.replace(r, stale=[True] * len(r.response_ids)) for r in long_tailed_rows]
+    for layout in ({}, {"max_tokens_per_micro_batch": 1000}):
+        _, moved = gradient(Policy(tiny_model, spec_for(tiny_model, **layout)), stale)
+        assert any(not torch.allclose(a, b) for a, b in zip(base, moved, strict=True))
