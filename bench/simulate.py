@@ -8,7 +8,9 @@ pool, with ablations. docs/simulation.md explains the models and the results.
 
 Prints a table, then as its LAST line a JSON object: `systems` (name -> throughput_tok_s,
 tokens_per_dollar, mean_step_s, idle fractions, token accounting, ...),
-`hybrid_vs_reserved_throughput`, `hybrid_vs_reserved_cost_efficiency`, `seeding_gain`, ...
+`hybrid_vs_reserved_throughput`, `hybrid_vs_reserved_cost_efficiency`, `seeding_gain`,
+`async_k1_vs_hybrid_throughput`, `async_k2_vs_hybrid_throughput` (hybrid-async-k1/k2, bounded-
+staleness asynchronous RL, against the synchronous hybrid), ...
 """
 
 import argparse
@@ -42,6 +44,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def print_table(result: dict) -> None:
+    head = f"{'system':22s} {'tok/s':>8s} {'tok/$':>9s} {'step s':>7s} {'$/h':>7s} {'steps':>5s}"
+    print(f"{head} {'pool':>5s} {'idle':>5s}")
+    for name, s in result["systems"].items():
+        idle = s["pool_idle_frac"]
+        print(
+            f"{name:22s} {s['throughput_tok_s']:8.0f} {s['tokens_per_dollar']:9.0f} "
+            f"{s['mean_step_s'] or 0:7.0f} {s['cost_per_h']:7.1f} {s['steps']:5d} "
+            f"{s['mean_pool_instances']:5.1f} {'-' if idle is None else f'{idle:5.2f}':>5s}"
+        )
+    for k in (1, 2):
+        ratio = result[f"async_k{k}_vs_hybrid_throughput"]
+        cost = result[f"async_k{k}_vs_hybrid_cost_efficiency"]
+        if ratio and cost:
+            print(f"hybrid-async-k{k} vs hybrid: throughput {ratio:.3f}x, tokens/$ {cost:.3f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -66,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "wall_s": round(time.monotonic() - began, 1),
     }
-    print(f"{'system':22s} {'tok/s':>8s} {'tok/$':>9s} {'step s':>7s} {'$/h':>7s} {'steps':>5s}")
-    for name, s in result["systems"].items():
-        print(
-            f"{name:22s} {s['throughput_tok_s']:8.0f} {s['tokens_per_dollar']:9.0f} "
-            f"{s['mean_step_s'] or 0:7.0f} {s['cost_per_h']:7.1f} {s['steps']:5d}"
-        )
+    print_table(result)
     if args.plot:
         plot_throughput(comparison, args.plot, f"{scenario.name} on {args.trace.name}")
         print(f"plot: {args.plot}")

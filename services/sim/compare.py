@@ -91,6 +91,19 @@ class Comparison:
                 "hybrid-all-spot", "hybrid-plateau-reads", "throughput_tok_s"
             ),
             "pool_sizing_cost_gain": self.ratio("hybrid", "hybrid-all-spot", "tokens_per_dollar"),
+            # bounded-staleness asynchronous RL (k = 1, 2) against the synchronous hybrid
+            "async_k1_vs_hybrid_throughput": self.ratio(
+                "hybrid-async-k1", "hybrid", "throughput_tok_s"
+            ),
+            "async_k2_vs_hybrid_throughput": self.ratio(
+                "hybrid-async-k2", "hybrid", "throughput_tok_s"
+            ),
+            "async_k1_vs_hybrid_cost_efficiency": self.ratio(
+                "hybrid-async-k1", "hybrid", "tokens_per_dollar"
+            ),
+            "async_k2_vs_hybrid_cost_efficiency": self.ratio(
+                "hybrid-async-k2", "hybrid", "tokens_per_dollar"
+            ),
             "hybrid_balance_migrations_per_step": self.summaries.get("hybrid", {}).get(
                 "balance_migrations_per_step"
             ),

@@ -9,12 +9,18 @@ window, the trainer's micro-batches and version commits. The step protocol is th
 jobs wait in one queue that instances holding the step's version read up to their plateau batch
 size; finished groups go to the trainer in completion order; the trainer commits version v+1,
 and every instance pulls it.
+
+With `SystemSpec.max_staleness` k > 0 (asynchronous RL) up to k + 1 steps are in flight: step s
+is queued once version s - k is committed, an instance holding version v reads the jobs of the
+steps s with v >= s - k (oldest step first), and a committed version is pulled in the background
+while the instance keeps generating (no drain). k = 0 is the synchronous protocol above.
 """
 
 import heapq
 import itertools
 import math
 import random
+from typing import TypeVar
 
 from services.common.messages import (
     DeltaBatch,
@@ -33,6 +39,8 @@ from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.steps import StepProtocol
 from services.sim.systems import SystemSpec
+
+T = TypeVar("T")
 
 QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
 
@@ -54,7 +62,12 @@ class Simulation(StepProtocol):
         self.totals = Totals()
         self.instances: dict[str, Instance] = {}
         self.version = 0  # latest committed weights
-        self.cur: StepState | None = None
+        self.cur: StepState | None = None  # the oldest step in flight: the one the trainer takes
+        self.inflight: dict[int, StepState] = {}  # steps queued and not committed, oldest first
+        self.max_lag = 0  # the most a job's step was ahead of its instance's weights at start
+        self.resuming = False  # the reserved engines are switching to rollout (a recall)
+        self.trainer_back_s = 0.0  # asynchronous RL: the node switches back to training until
+        self.busy_mark = (0.0, 0.0)  # asynchronous RL: rollout busy seconds at the last commit
         self.records: list[StepRecord] = []
         self.spot_timeline: list[tuple[float, int]] = []  # the trace: instances offered
         self.available = 0  # instances the cloud offers now
@@ -93,7 +106,7 @@ class Simulation(StepProtocol):
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def run(self) -> "Simulation":
-        self.start_step(0)
+        self.start_steps()
         while self.now < self.horizon_s and not self.finished():
             busy = [i for i in self.instances.values() if i.engine.running]
             t = min(
@@ -134,29 +147,68 @@ class Simulation(StepProtocol):
         """Jobs wait, the reserved pool stepped aside and was not recalled, and no preemptible
         worker is alive: the step waits for the trace to bring an instance back. The recall
         (`core.seeding.recall`) makes this 0 by construction: it is counted as a check."""
-        st = self.cur
-        return bool(
-            st
-            and st.queue
-            and st.seeded_out
-            and not st.recalled
+        if self.system.max_staleness:
+            return self.stalled_async()
+        waiting = any(
+            st.queue and st.seeded_out and not st.recalled for st in self.inflight.values()
+        )
+        return waiting and not any(i.has_heartbeat for i in self.pool_instances())
+
+    def stalled_async(self) -> bool:
+        """Asynchronous RL: jobs wait, no preemptible worker is alive, and the reserved node
+        neither generates nor has anything to train (then it is recalled: 0 by construction)."""
+        return (
+            any(st.queue for st in self.inflight.values())
             and not any(i.has_heartbeat for i in self.pool_instances())
+            and not (self.resuming or self.reserved_generating() or self.trainer_has_work())
         )
 
     def recall_reserved(self) -> None:
         """No preemptible instance is left after the seeding window: the reserved engines
         resume the step (after a switch), as the coordinator's `StepScheduler` orders them."""
-        st = self.cur
-        if st is None or st.recalled or st.rollout_end_s is not None:
+        if self.system.max_staleness:
+            self.recall_async()
+            return
+        for st in list(self.inflight.values()):
+            if st.recalled or st.rollout_end_s is not None:
+                continue
+            n_pool = sum(1 for i in self.pool_instances() if i.has_heartbeat)
+            if recall(st.seeded_out, n_pool, st.table.unfinished_count):
+                self.recall_for(st)
+
+    def recall_for(self, st: StepState) -> None:
+        st.recalled = True
+        self.totals.recalls += 1
+        self.resuming = True
+        self.totals.reserved_switch_s += self.sc.resume_s
+        self.at(self.now + self.sc.resume_s, "recalled", st.step)
+
+    def recall_async(self) -> None:
+        """Asynchronous RL: the reserved node trains; when no preemptible instance is alive,
+        jobs wait and the trainer has nothing to do, its engines resume (after a switch) and
+        generate, the oldest step first, while the trainer waits (they share the GPUs); they
+        step aside again once the oldest step's rollout is complete (`step_aside_async`)."""
+        if self.resuming or self.reserved_generating() or self.trainer_has_work():
             return
         n_pool = sum(1 for i in self.pool_instances() if i.has_heartbeat)
-        if recall(st.seeded_out, n_pool, st.table.unfinished_count):
+        waiting = [st for st in self.inflight.values() if st.rollout_end_s is None]
+        if not any(recall(st.seeded_out, n_pool, st.table.unfinished_count) for st in waiting):
+            return
+        for st in waiting:
             st.recalled = True
-            self.totals.recalls += 1
-            self.totals.reserved_switch_s += self.sc.resume_s
-            self.at(self.now + self.sc.resume_s, "recalled", st.step)
+        self.recall_for(waiting[0])
+
+    def reserved_generating(self) -> bool:
+        return any(not i.paused for i in self.reserved())
 
     def on_recalled(self, step: int) -> None:
+        self.resuming = False
+        if self.system.max_staleness:
+            if not self.trainer_has_work():  # (else the switch back would follow at once)
+                for inst in self.reserved():
+                    inst.version, inst.paused = self.version, False
+            self.train_next()
+            return
         if self.cur is None or self.cur.step != step:
             return
         for inst in self.reserved():
@@ -212,8 +264,34 @@ class Simulation(StepProtocol):
 
     def pull(self, inst: Instance) -> None:
         inst.state = "pulling"
-        pulling = sum(1 for i in self.instances.values() if i.state == "pulling")
-        self.at(self.now + self.sc.transfer.pull_s(pulling), "pulled", (inst.name, self.version))
+        self.at(self.now + self.pull_s(), "pulled", (inst.name, self.version))
+
+    def pull_s(self) -> float:
+        """A pull started now: the weight store's egress is shared by every pull under way."""
+        pulling = sum(
+            1
+            for i in self.instances.values()
+            if i.state == "pulling" or (i.fetching and i.state == "up")
+        )
+        return self.sc.transfer.pull_s(pulling)
+
+    def fetch(self, inst: Instance) -> None:
+        """Asynchronous RL: pull the latest version in the background; the instance keeps
+        generating its running requests with the weights it holds."""
+        inst.fetching = True
+        self.at(self.now + self.pull_s(), "fetched", (inst.name, self.version))
+
+    def on_fetched(self, payload: tuple[str, int]) -> None:
+        """The pull is loaded: the instance switches to it between two decode steps and its
+        running requests continue under it (no drain, no restart)."""
+        name, version = payload
+        inst = self.instances[name]
+        inst.fetching = False
+        if inst.state != "up":
+            return  # preempted (or told to go) meanwhile
+        inst.version = version
+        if version < self.version:
+            self.fetch(inst)  # a newer version was committed meanwhile
 
     def on_pulled(self, payload: tuple[str, int]) -> None:
         name, version = payload
@@ -221,10 +299,13 @@ class Simulation(StepProtocol):
         if inst.state != "pulling":
             return  # preempted while pulling
         inst.version = version
-        if version < self.version:
-            self.pull(inst)  # a newer version was committed meanwhile
-        else:
+        if version >= self.version:
             inst.state = "up"
+        elif self.system.max_staleness:
+            inst.state = "up"  # it may serve the steps its version is recent enough for
+            self.fetch(inst)
+        else:
+            self.pull(inst)  # a newer version was committed meanwhile
 
     def preempt(self, inst: Instance) -> None:
         self.totals.preemptions += 1
@@ -236,15 +317,19 @@ class Simulation(StepProtocol):
             return
         held, items = [], []
         for rid in list(inst.engine.running):
+            st = self.step_of(rid)
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
             flushed = tokens - tokens % self.sc.flush_tokens
             self.totals.lost_unflushed += tokens - flushed
-            items.append(self.delta(rid, run.lease, run.offset, flushed, finished=False))
+            items.append((st, self.delta(st, rid, run.lease, run.offset, flushed, False)))
             held.append((rid, run.lease))
-        if items:  # what it flushed before it died
+        for st, step_items in self.by_step(items):  # what it flushed before it died
             self.collect(
-                DeltaBatch(worker_id=inst.name, version=self.step_in_flight.step, items=items)
+                st,
+                DeltaBatch(
+                    worker_id=inst.name, version=self.held_version(inst, st), items=step_items
+                ),
             )
         self.on_gone(inst.name)
         if held:
@@ -261,26 +346,63 @@ class Simulation(StepProtocol):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def takers(self) -> list[Instance]:
-        step = self.cur.step if self.cur else -1
-        return [
-            i
-            for i in self.instances.values()
-            if i.state == "up" and i.version == step and not i.paused
-        ]
+    def step_of(self, rid: str) -> StepState:
+        """The step in flight that request `rid` belongs to."""
+        for st in self.inflight.values():
+            if rid in st.lengths:
+                return st
+        raise KeyError(f"request {rid} belongs to no step in flight")
+
+    def by_step(self, items: list[tuple[StepState, T]]) -> list[tuple[StepState, list[T]]]:
+        """`items` grouped by their step, oldest step first, each in its order."""
+        out: dict[int, tuple[StepState, list[T]]] = {}
+        for st, item in items:
+            out.setdefault(st.step, (st, []))[1].append(item)
+        return [out[step] for step in sorted(out)]
+
+    def held_version(self, inst: Instance, st: StepState) -> int:
+        """The weights the instance generated the step's tokens with, as its flush says."""
+        return inst.version if inst.version is not None else st.step
+
+    def takes(self, inst: Instance, st: StepState) -> bool:
+        """Whether the instance may read the step's jobs: up, not stepped aside, holding a
+        version no older than the step minus k (none newer than the step exists while it
+        runs). With k > 0 the reserved engines read only the steps they were recalled for."""
+        k = self.system.max_staleness
+        return (
+            inst.state == "up"
+            and not inst.paused
+            and inst.version is not None
+            and st.step - k <= inst.version <= st.step
+            and (k == 0 or inst.pool != "reserved" or st.recalled)
+        )
+
+    def takers(self, st: StepState) -> list[Instance]:
+        return [i for i in self.instances.values() if self.takes(i, st)]
+
+    def held(self, inst: Instance, st: StepState) -> int:
+        """Requests of the step the instance runs."""
+        if len(self.inflight) == 1:
+            return inst.engine.batch
+        return sum(1 for rid in inst.engine.running if rid in st.lengths)
 
     def dispatch(self) -> None:
         """Ready instances read jobs up to their plateau batch size, as each polls the stream
-        (least loaded first); with `fair_reads`, up to the step's read cap too."""
-        st = self.cur
-        if st is None or not st.queue:
+        (least loaded first), the oldest step's first; with `fair_reads`, up to each step's
+        read cap too."""
+        for st in list(self.inflight.values()):
+            self.dispatch_step(st)
+
+    def dispatch_step(self, st: StepState) -> None:
+        if not st.queue:
             return
-        takers = sorted(self.takers(), key=lambda i: (i.engine.batch, i.name))
-        cap = read_cap(len(st.queue) + sum(i.engine.batch for i in takers), self.serving(st))
+        takers = sorted(self.takers(st), key=lambda i: (i.engine.batch, i.name))
+        held = {i.name: self.held(i, st) for i in takers}
+        cap = read_cap(len(st.queue) + sum(held.values()), self.serving(st))
         for inst in takers:
             room = inst.slots() - inst.engine.batch
             if self.system.fair_reads:
-                room = min(room, cap - inst.engine.batch)
+                room = min(room, cap - held[inst.name])
             for _ in range(max(0, room)):
                 if not st.queue:
                     return
@@ -296,20 +418,29 @@ class Simulation(StepProtocol):
         )
 
     def start_job(self, inst: Instance, job: Job) -> None:
-        tokens = self.step_in_flight.lengths[job.request_id] - len(job.prefix_ids)
+        st = self.step_of(job.request_id)
+        assert inst.version is not None and inst.version >= st.step - self.system.max_staleness
+        self.max_lag = max(self.max_lag, st.step - inst.version)
+        tokens = st.lengths[job.request_id] - len(job.prefix_ids)
         context = len(job.prompt_ids) + len(job.prefix_ids)
         inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
 
     def balance(self) -> None:
-        st = self.cur
-        if st is None or not self.system.balancing or st.rollout_end_s is not None:
+        """Algorithm 2 over the instances that serve some step in flight, with the cooldown of
+        the oldest step still rolling out; a release gives back the oldest requests, of any
+        step, which go back to their steps' queues."""
+        rolling = [st for st in self.inflight.values() if st.rollout_end_s is None]
+        if not self.system.balancing or not rolling:
             return
-        takers = {i.name: i for i in self.takers()}
+        steps = list(self.inflight.values())
+        takers = {
+            i.name: i for i in self.instances.values() if any(self.takes(i, st) for st in steps)
+        }
         loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
         if self.system.fair_reads:
             loads = equal_caps(loads)
-        wanted = releases(loads, len(st.queue))
-        orders, held = st.release_gate.due(wanted, self.now)
+        wanted = releases(loads, sum(len(st.queue) for st in steps))
+        orders, held = rolling[0].release_gate.due(wanted, self.now)
         for at in held:
             self.at(at, "wake")
         for name, count in orders.items():
@@ -321,35 +452,39 @@ class Simulation(StepProtocol):
 
     def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None:
         """The worker flushes and gives back `count` requests (oldest first, as the worker)."""
-        items, released = [], []
+        items = []
         for rid in list(inst.engine.running)[:count]:
+            st = self.step_of(rid)
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
-            items.append(self.delta(rid, run.lease, run.offset, tokens, finished=False))
-            released.append(RequestLease(request_id=rid, lease=run.lease))
-        batch = DeltaBatch(
-            worker_id=inst.name,
-            version=self.step_in_flight.step,
-            items=items,
-            released=released,
-            release_reason=cause,
-        )
-        self.collect(batch)
+            delta = self.delta(st, rid, run.lease, run.offset, tokens, finished=False)
+            items.append((st, (delta, RequestLease(request_id=rid, lease=run.lease))))
+        for st, pairs in self.by_step(items):
+            batch = DeltaBatch(
+                worker_id=inst.name,
+                version=self.held_version(inst, st),
+                items=[d for d, _ in pairs],
+                released=[r for _, r in pairs],
+                release_reason=cause,
+            )
+            self.collect(st, batch)
 
     def migrate(self, rid: str, cause: str, lease: int) -> None:
         """The coordinator reclaims a request of a dead worker (`migration.py`)."""
-        st = self.step_in_flight
+        st = self.step_of(rid)
         before = st.table.tokens_discarded
         job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
         self.totals.discarded += st.table.tokens_discarded - before
         if job is not None:
-            self.queue_continuations({cause: [job]})
+            self.queue_continuations(st, {cause: [job]})
 
-    def delta(self, rid: str, lease: int, offset: int, tokens: int, finished: bool) -> DeltaItem:
+    def delta(
+        self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
+    ) -> DeltaItem:
         """What a worker flushes for one request (token values do not matter here)."""
         reason: FinishReason | None = None
         if finished:
-            full = self.step_in_flight.lengths[rid] >= self.sc.workload.max_response_tokens
+            full = st.lengths[rid] >= self.sc.workload.max_response_tokens
             reason = "length" if full else "stop"
         return DeltaItem(
             request_id=rid,
@@ -361,29 +496,30 @@ class Simulation(StepProtocol):
             finish_reason=reason,
         )
 
-    def collect(self, batch: DeltaBatch) -> None:
-        """The coordinator applies a flush (`collect.apply_batches`, as the services do): the
-        continuations are queued and the groups it completed go to the trainer."""
-        st = self.step_in_flight
+    def collect(self, st: StepState, batch: DeltaBatch) -> None:
+        """The coordinator applies a flush of the step's requests (`collect.apply_batches`, as
+        the services do): the continuations are queued and the groups it completed go to the
+        trainer."""
         before = st.table.tokens_discarded
         outcome = apply_batches(st.table, [batch], self.rules)
         self.totals.discarded += st.table.tokens_discarded - before
-        self.queue_continuations(outcome.released)
+        self.queue_continuations(st, outcome.released)
         groups = st.table.completed_groups(outcome.finished)
         st.table.mark_published(groups)
         for prompt in groups:
-            self.group_done(prompt)
+            self.group_done(st, prompt)
 
-    def queue_continuations(self, released: dict[str, list[Job]]) -> None:
+    def queue_continuations(self, st: StepState, released: dict[str, list[Job]]) -> None:
         for cause, jobs in released.items():
-            self.step_in_flight.queue.extend(jobs)
+            st.queue.extend(jobs)
             self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + len(jobs)
 
     def finish_request(self, inst: Instance, rid: str) -> None:
+        st = self.step_of(rid)
         run, _ = inst.engine.remove(rid)
         tokens = round(run.stop_level - run.join_level)
         self.totals.generated += tokens
-        item = self.delta(rid, run.lease, run.offset, tokens, finished=True)
+        item = self.delta(st, rid, run.lease, run.offset, tokens, finished=True)
         self.collect(
-            DeltaBatch(worker_id=inst.name, version=self.step_in_flight.step, items=[item])
+            st, DeltaBatch(worker_id=inst.name, version=self.held_version(inst, st), items=[item])
         )

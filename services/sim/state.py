@@ -26,6 +26,7 @@ class Instance:
     state: InstanceState = "booting"
     version: int | None = None  # weights held
     paused: bool = False  # a reserved engine that stepped aside for the current step
+    fetching: bool = False  # pulling a newer version in the background (asynchronous RL)
     gone_s: float | None = None
 
     @property
@@ -88,7 +89,8 @@ class StepRecord:
 
 @dataclass
 class Totals:
-    """Token accounting over the run: generated = trained + lost + in flight."""
+    """Token accounting over the run: generated = trained + lost + in flight (the responses
+    collected in the tables of steps not yet committed)."""
 
     generated: int = 0  # decode tokens engines produced
     trained: int = 0  # response tokens of groups the trainer consumed

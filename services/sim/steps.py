@@ -5,15 +5,28 @@ The decisions are the services' own (services/core): the request table and its g
 `seeding.after_step` (Algorithm 1 and N_prem) once the next version is committed, the seeding
 window counted from when the reserved engines hold the step's weights. What is modelled here
 is time: the trainer's micro-batches as groups arrive, one optimizer step, the publication.
+
+With `SystemSpec.max_staleness` k > 0 up to k + 1 steps are in flight (`inflight`): steps 0..k
+are queued at the start and step s + 1 + k when version s + 1 is committed. The trainer takes
+the oldest step's groups only (it is sequential); later steps' groups wait for their turn. The
+reserved node does not seed (window 0): it trains, and generates only when recalled.
 """
 
 import math
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.common.messages import ReleaseReason
 from services.core.request_table import RequestTable, request_id
-from services.core.seeding import PoolSizer, SeedingController, StepTimes, after_step
+from services.core.seeding import (
+    PoolSizer,
+    SeedingController,
+    StepTimes,
+    after_step,
+    recommended_pool_size,
+    train_compute_s,
+)
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -28,7 +41,13 @@ class StepProtocol:
     seed: int
     now: float
     version: int  # latest committed weights
-    cur: StepState | None  # None until `run` starts step 0
+    cur: StepState | None  # the oldest step in flight; None until `run` starts step 0
+    inflight: dict[int, StepState]  # steps queued and not committed, oldest first
+    max_steps: int | None
+    resuming: bool  # the reserved engines are switching to rollout (a recall)
+    trainer_back_s: float  # asynchronous RL: the node switches back to training until then
+    # asynchronous RL: the pool's and the reserved engines' rollout busy seconds at the commit
+    busy_mark: tuple[float, float]
     instances: dict[str, Instance]
     totals: Totals
     seeding: SeedingController
@@ -38,6 +57,8 @@ class StepProtocol:
     if TYPE_CHECKING:
 
         def at(self, t: float, kind: str, payload: object = None) -> None: ...
+        def fetch(self, inst: Instance) -> None: ...
+        def reserved_generating(self) -> bool: ...
         def finished(self) -> bool: ...
         def pool_instances(self) -> list[Instance]: ...
         def pull(self, inst: Instance) -> None: ...
@@ -49,6 +70,13 @@ class StepProtocol:
         """The current step: there is one from `run`'s first `start_step` on."""
         assert self.cur is not None, "no step in flight before run()"
         return self.cur
+
+    def start_steps(self) -> None:
+        """The steps queued at the start: 0 to k (those version 0 is recent enough for)."""
+        self.start_step(0)
+        for step in range(1, self.system.max_staleness + 1):
+            if self.max_steps is None or step < self.max_steps:
+                self.start_step(step)
 
     def start_step(self, step: int) -> None:
         sc = self.sc
@@ -72,7 +100,9 @@ class StepProtocol:
         }
         n_pre = sum(1 for i in self.pool_instances() if i.has_heartbeat)
         window = math.inf if self.system.seeding == "colocated" else self.seeding.window_s(n_pre)
-        self.cur = StepState(
+        if self.system.max_staleness:
+            window = 0.0  # asynchronous: the reserved node trains (it is recalled if need be)
+        st = StepState(
             step,
             table,
             lengths,
@@ -82,14 +112,18 @@ class StepProtocol:
             window,
             n_pre,
         )
-        for inst in self.pool_instances():
-            if inst.state == "up":
-                self.pull(inst)
+        self.inflight[step] = st
+        if self.cur is None or self.cur.step not in self.inflight:
+            self.cur = st
+        if not self.system.max_staleness:  # (asynchronous: pulled at the commit, see swap)
+            for inst in self.pool_instances():
+                if inst.state == "up":
+                    self.pull(inst)
         if window > 0:
             self.totals.reserved_switch_s += sc.resume_s
             self.at(self.now + sc.resume_s, "reserved_ready", step)
         else:
-            self.cur.seeded_out, self.cur.seed_end_s = True, self.now
+            st.seeded_out, st.seed_end_s = True, self.now
             self.at(self.now, "trainer_ready", step)
 
     def reserved(self) -> list[Instance]:
@@ -109,33 +143,65 @@ class StepProtocol:
             return
         for inst in self.reserved():
             self.release(inst, len(inst.engine.running), "seed")
-        self.step_aside()
+        self.step_aside(st)
 
-    def step_aside(self) -> None:
+    def step_aside(self, st: StepState) -> None:
         """The reserved engines stop generating; the node switches to training."""
-        st = self.step_in_flight
         for inst in self.reserved():
             inst.paused = True
         st.seeded_out, st.seed_end_s = True, self.now
         self.totals.reserved_switch_s += self.sc.switch_s
         self.at(self.now + self.sc.switch_s, "trainer_ready", st.step)
 
-    def group_done(self, prompt: int) -> None:
-        st = self.step_in_flight
+    def group_done(self, st: StepState, prompt: int) -> None:
         st.ready_groups.append(prompt)
         if st.table.complete:
             st.rollout_end_s = self.now
             if not st.seeded_out:
-                self.step_aside()  # the reserved node generated to the end (co-located)
+                self.step_aside(st)  # the reserved node generated to the end (co-located)
+        if self.system.max_staleness and self.reserved_generating() and self.oldest_rolled_out():
+            self.step_aside_async()
         self.train_next()
+
+    def step_aside_async(self) -> None:
+        """Asynchronous RL, after a recall: the oldest step's rollout is complete, so the
+        reserved engines give their requests back and the node switches to training."""
+        for inst in self.reserved():
+            self.release(inst, len(inst.engine.running), "seed")
+            inst.paused = True
+        self.totals.reserved_switch_s += self.sc.switch_s
+        self.trainer_back_s = self.now + self.sc.switch_s
+        self.at(self.trainer_back_s, "switched")
+
+    def on_switched(self, _: object) -> None:
+        self.train_next()
+
+    def oldest_rolled_out(self) -> bool:
+        st = self.cur
+        return st is not None and st.step in self.inflight and st.rollout_end_s is not None
+
+    def trainer_has_work(self) -> bool:
+        """Asynchronous RL: the oldest step in flight has all its groups, or is training or
+        being committed: the reserved node is for training."""
+        st = self.cur
+        if st is None or st.step not in self.inflight:
+            return False
+        return st.rollout_end_s is not None or st.training or bool(st.ready_groups)
 
     # -- the trainer ------------------------------------------------------------------------
 
     def on_trainer_ready(self, step: int) -> None:
-        self.step_in_flight.trainer_ready_s = self.now
+        self.inflight[step].trainer_ready_s = self.now
         self.train_next()
 
     def train_next(self) -> None:
+        """Train the next ready group of the oldest step in flight (the trainer is sequential:
+        a later step's groups wait until it is the oldest). Asynchronous RL: not while the
+        reserved engines generate or switch back (they share the node)."""
+        if self.system.max_staleness and (
+            self.resuming or self.reserved_generating() or self.now < self.trainer_back_s
+        ):
+            return
         st = self.step_in_flight
         if st.trainer_ready_s is None or st.training:
             return
@@ -164,7 +230,7 @@ class StepProtocol:
         return self.sc.trainer.tokens_per_s * speedup
 
     def on_trained(self, step: int) -> None:
-        st = self.step_in_flight
+        st = self.inflight[step]
         st.training = False
         st.trained_groups += 1
         if st.trained_groups == len(st.prompt_tokens):
@@ -175,8 +241,9 @@ class StepProtocol:
             self.train_next()
 
     def on_committed(self, step: int) -> None:
-        """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next."""
-        st = self.step_in_flight
+        """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next
+        (with k > 0: step+1+k; the instances swap to the new version in the background)."""
+        st = self.inflight[step]
         rollout_end_s = st.rollout_end_s
         assert rollout_end_s is not None, "the last group completed before the trainer took it"
         self.version = step + 1
@@ -195,6 +262,8 @@ class StepProtocol:
             ),
             adapt=self.system.seeding == "adaptive",
         )
+        if self.system.max_staleness:
+            update = replace(update, n_prem_recommended=self.n_prem_async(st))
         self.records.append(
             StepRecord(
                 step=step,
@@ -211,7 +280,44 @@ class StepProtocol:
                 n_prem_recommended=update.n_prem_recommended,
             )
         )
+        del self.inflight[step]
+        if self.inflight:
+            self.cur = self.inflight[min(self.inflight)]
         if self.pool_sizer is not None:
             self.want(self.pool_sizer.after_step(update.n_prem_recommended))
-        if not self.finished():
-            self.start_step(step + 1)
+        k = self.system.max_staleness
+        if k:
+            self.swap()
+        nxt = step + 1 + k
+        if not self.finished() and (self.max_steps is None or nxt < self.max_steps):
+            self.start_step(nxt)
+        if k:
+            self.train_next()  # the next step's groups may be waiting
+
+    def n_prem_async(self, st: StepState) -> float:
+        """Asynchronous RL: steps overlap, so a step's own rollout time says little. N_prem
+        (`recommended_pool_size`) is taken from the rollout work done since the last commit, about
+        one step's worth: the pool's busy instance-seconds, and the reserved engines' (when
+        recalled), over the step's training compute."""
+        pool_busy = sum(i.engine.busy_s for i in self.instances.values() if i.pool == "preemptible")
+        reserved_busy = self.totals.reserved_rollout_s
+        last_pool, last_reserved = self.busy_mark
+        self.busy_mark = (pool_busy, reserved_busy)
+        return recommended_pool_size(
+            pool_busy - last_pool,
+            1,
+            reserved_busy - last_reserved,
+            len(self.reserved()),
+            train_compute_s(st.train_s, 0.0, 0.0),
+        )
+
+    def swap(self) -> None:
+        """Asynchronous RL: every up instance pulls the new version in the background (one
+        still loading an older one pulls again when it is done); the reserved engines, which
+        share the node with the trainer, hold it at once."""
+        for inst in self.pool_instances():
+            if inst.state == "up" and not inst.fetching:
+                self.fetch(inst)
+        for inst in self.reserved():
+            if not inst.paused:
+                inst.version = self.version
