@@ -156,6 +156,3 @@ class ShardedPolicy(Policy):
         extra = torch.load(Path(folder) / EXTRA_FILE, map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
-
-    def state(self) -> dict:
-        raise NotImplementedError("a sharded policy's state is written by snapshot()")
