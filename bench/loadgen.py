@@ -49,6 +49,7 @@ from services.common.step_metrics import StepRow
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
+from services.trainer.checkpoint import read_state, snapshot_of
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 
@@ -370,11 +371,11 @@ class NullPolicy:
         self.groups = self.sequences = self.tokens = 0
         return stats
 
-    def state(self) -> dict:
-        return {"steps": self.steps}
+    def snapshot(self, folder: Path) -> Callable[[], None]:
+        return snapshot_of({"steps": self.steps}, folder)
 
-    def load_state(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+    def restore(self, folder: Path) -> None:
+        self.steps = int(read_state(folder)["steps"])
 
     def load_weights(self, folder: Path) -> None:
         self.steps = int(load_file(Path(folder) / WEIGHTS_FILE)["step"][0])

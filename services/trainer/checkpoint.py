@@ -61,7 +61,7 @@ class Checkpoints:
     def scratch(self, step: int) -> Path:
         """The empty folder the checkpoint of `step` is written to before `commit`."""
         self.root.mkdir(parents=True, exist_ok=True)
-        folder = self.root / f".step-{step:08d}.partial"
+        folder = self._partial(step)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
         return folder
@@ -69,8 +69,8 @@ class Checkpoints:
     def commit(self, step: int, meta: dict) -> Checkpoint:
         """Make what was written to `scratch(step)` the checkpoint of `step`: its files on disk,
         then renamed into place and named in LATEST."""
-        name = f"step-{step:08d}"
-        scratch = self.root / f".{name}.partial"
+        name = _name(step)
+        scratch = self._partial(step)
         (scratch / META_FILE).write_text(json.dumps({"step": step, **meta}))
         for path in sorted(scratch.rglob("*")):
             if path.is_file():
@@ -86,6 +86,9 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         return Checkpoint(step, final)
 
+    def _partial(self, step: int) -> Path:
+        return self.root / f".{_name(step)}.partial"
+
     def save(
         self, step: int, snapshot: Callable[[Path], Callable[[], None]], meta: dict
     ) -> Checkpoint:
@@ -93,6 +96,10 @@ class Checkpoints:
         and returns the function that writes it to `folder`."""
         snapshot(self.scratch(step))()
         return self.commit(step, meta)
+
+
+def _name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
 def due(step: int, last_step: int, last_s: float, now_s: float, every: int, every_s: float) -> bool:
