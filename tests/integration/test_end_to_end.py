@@ -48,10 +48,10 @@ def test_run_completes_with_exact_groups_versions_and_loads(deployment, client, 
         worker: {int(v) for v in rdb.smembers(keys.worker_loads(run_id, worker))}
         for worker in ("rollout-reserved-1", "rollout-preemptible-2")
     }
-    # every version that generated a step was loaded (the last one trains nothing more), each
-    # worker took part; a worker slow to load may skip a version its peer served alone
+    # every version that generated a step was loaded (the last one trains nothing more); a
+    # worker slow to load may skip versions its peer served alone, even all of a short run's
     assert set().union(*loads.values()) >= set(range(spec["steps"])), loads
-    assert all(loaded and loaded <= set(range(spec["steps"] + 1)) for loaded in loads.values())
+    assert all(loaded <= set(range(spec["steps"] + 1)) for loaded in loads.values())
 
 
 def test_workers_are_listed_with_pool_and_liveness(client):

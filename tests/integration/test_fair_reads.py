@@ -66,11 +66,15 @@ def finish_exact(client: CoordinatorClient, dep: Deployment, run_id: str, spec: 
 
 def test_no_worker_holds_more_than_an_equal_share_at_the_start_of_a_step(tmp_path, tiny_model):
     spec = small_spec(
-        tiny_model, steps=2, prompts_per_step=8, group_size=4, max_new_tokens=12, fair_reads=True
+        tiny_model, steps=3, prompts_per_step=8, group_size=4, max_new_tokens=12, fair_reads=True
     )
     requests = spec["prompts_per_step"] * spec["group_size"]
     share = math.ceil(requests / 4)  # four workers serve every step
-    env = {"SPOTRL_STEP_DELAY_MS": "20", "SPOTRL_HEARTBEAT_S": "0.1"}
+    # a request lasts >= 0.7 s (12 decode steps of 60 ms), several heartbeats: what a worker
+    # holds is seen; and by step 1 or 2 the reserved worker, however slow its first load (3.6 s
+    # once on a loaded CI machine: the step's requests all went to the others), holds the
+    # version when the step starts
+    env = {"SPOTRL_STEP_DELAY_MS": "60", "SPOTRL_HEARTBEAT_S": "0.1"}
     with deployment(tmp_path, 1, 3, env) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
