@@ -98,7 +98,13 @@ class JobIntake:
         ones."""
         ctx = self.ctx
         cap = await self._read_cap(run_id, version)
-        free = min(ctx.s.slots, ctx.plateau.plateau(), cap) - ctx.busy
+        free = min(ctx.s.slots, ctx.plateau.plateau(), ctx.s.slots if cap is None else cap)
+        free -= ctx.busy
+        if cap is None:
+            # no cap yet: the step may not be queued, and a blocked read of many would take
+            # them all the moment it is (the cap comes in the same MULTI); read one at a time
+            # until there is one (with fair reads off there never is)
+            free = min(free, 1)
         if free <= 0:
             await self._wait_for_slot()
             return
@@ -112,13 +118,14 @@ class JobIntake:
         if read.parked:
             await ctx.r.xack(jobs.stream, keys.WORKERS_GROUP, *[p[0] for p in read.parked])
 
-    async def _read_cap(self, run_id: str, version: int) -> int:
-        """The step's read cap, or no cap where the coordinator set none (fair reads off)."""
+    async def _read_cap(self, run_id: str, version: int) -> int | None:
+        """The step's read cap; None where the coordinator set none (fair reads off, or the
+        step not queued yet)."""
         raw = await self.ctx.r.get(keys.read_cap(run_id, version))
         try:
-            return int(raw) if raw is not None else self.ctx.s.slots
+            return int(raw) if raw is not None else None
         except ValueError:
-            return self.ctx.s.slots
+            return None
 
     async def _wait_for_slot(self) -> None:
         """Full: wait for a request to end (or a while, to notice a new version), not poll
