@@ -2,9 +2,10 @@
 
 Kept: the run hash and version, the metrics rows, the events and pool timelines, the trainer's
 state, the workers' load records and parked messages. Deleted at once: the jobs stream of every
-version, the per-step request tables (requests, tokens, logprobs, published and quarantined
-groups, step meta) and the seeding flags. The groups and deltas streams, which audits read
-after a run, stay for `audit_ttl_s` after a success or a failure and go at once after a cancel.
+version, the per-step request tables (requests, tokens, logprobs, versions, published and
+quarantined groups, step meta) and the seeding flags. The groups and deltas streams, which audits
+read after a run, stay for `audit_ttl_s` after a success or a failure and go at once after a
+cancel.
 
 Anything still reading a run when its keys go (a worker, the trainer, the rollout manager) sees
 an absent stream, which the stream helpers read as empty; the scheduler runs this again once the
@@ -47,6 +48,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.step_requests(run_id, WILD_NUMBER),
             keys.request_tokens(run_id, WILD_NUMBER, WILD),
             keys.request_logprobs(run_id, WILD_NUMBER, WILD),
+            keys.request_versions(run_id, WILD_NUMBER, WILD),
             keys.step_published(run_id, WILD_NUMBER),
             keys.step_quarantined(run_id, WILD_NUMBER),
             keys.seed_done(run_id, WILD_NUMBER),

@@ -216,6 +216,7 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.step_requests(run_id, 3),
         keys.request_tokens(run_id, 3, "3:17:2"),
         keys.request_logprobs(run_id, 3, "3:17:2"),
+        keys.request_versions(run_id, 3, "3:17:2"),
         keys.step_published(run_id, 3),
         keys.step_quarantined(run_id, 3),
         keys.seed_done(run_id, 3),
