@@ -124,18 +124,31 @@ def lead(model_dir: Path, spec: RunSpec, device: str) -> Leader:
 
 
 def release() -> None:
-    """Rank 0 is leaving: the followers exit."""
-    if _control is not None:
-        _send("exit", ())
+    """Rank 0 is leaving: the followers exit, and the process groups go while the interpreter
+    is whole (a gloo group left to the interpreter's exit aborts the process: SIGABRT,
+    "terminate called without an active exception", seen in CI)."""
+    global _control
+    if _control is None:
+        return
+    _send("exit", ())
+    _control = None
+    dist.destroy_process_group()
 
 
 def follow() -> None:
     """A follower's life: make rank 0's calls until it leaves."""
-    from services.trainer.sharded import ShardedPolicy
-
     # a SIGTERM (torchrun hands it on) is rank 0's to act on: it checkpoints at exit, with the
     # followers, then releases them; a follower whose rank 0 died exits on the broken broadcast
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _follow()
+    finally:
+        dist.destroy_process_group()
+
+
+def _follow() -> None:
+    from services.trainer.sharded import ShardedPolicy
+
     policy: ShardedPolicy | None = None
     while True:
         name, args = _receive()
@@ -152,4 +165,3 @@ def follow() -> None:
     if policy is not None:
         policy.finish_writes()
     log.info("rank %d: rank 0 left", rank())
-    dist.destroy_process_group()
