@@ -196,9 +196,12 @@ class Policy:
             else contextlib.nullcontext()
         )
         with precision:
+            # no attention mask even when padded: rows are right-padded and attention is causal,
+            # so no token of a sequence sees a pad, and sdpa may take its causal kernels (flash
+            # on a GPU) instead of a masked one; pads' own states are never read
             return scorer(
                 batch.input_ids.to(dev),
-                _to(batch.attention_mask, dev),
+                None,
                 _to(batch.position_ids, dev),
                 batch.positions.to(dev),
                 batch.targets.to(dev),
