@@ -16,5 +16,8 @@ def bound_gpu_memory(share: float | None, device: str) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
+    index = torch.device(device).index  # "cuda" alone: the current device (torch wants a number)
+    torch.cuda.set_per_process_memory_fraction(
+        share, torch.cuda.current_device() if index is None else index
+    )
     return True

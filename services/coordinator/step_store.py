@@ -11,8 +11,8 @@ did not land is read again from the coordinator's pending deltas, and applying i
 nothing that landed (offsets make deltas idempotent).
 """
 
-from array import array
 import weakref
+from array import array
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -161,7 +161,13 @@ class StepStore:
         if new_keys or grown_keys:
             keys_ = new_keys + grown_keys
             pipe.eval(
-                self.append_script, len(keys_), *keys_, len(new_keys), TTL_S, *new_values, *grown_values
+                self.append_script,
+                len(keys_),
+                *keys_,
+                len(new_keys),
+                TTL_S,
+                *new_values,
+                *grown_values,
             )
         if not self.expiring:
             pipe.expire(self.state, TTL_S)
