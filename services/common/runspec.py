@@ -331,6 +331,12 @@ class RunSpec(BaseModel):
         description="Recompute each decoder layer's activations in the backward pass instead "
         "of keeping them (less memory for long responses, ~1/3 more compute).",
     )
+    torch_compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the trainer's model (one graph "
+        "serves them all: fused norms and activations, fewer kernel launches; the first "
+        "passes pay the compile, and a new micro-batch shape may recompile once).",
+    )
     train_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Trainer compute: bfloat16 autocast over float32 weights and optimizer "

@@ -78,7 +78,11 @@ class Policy:
         self.ref_scorer = None
         if spec.beta > 0:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+            if spec.torch_compile:
+                compile_layers(self.ref)
             self.ref_scorer = self._place(ResponseScorer(self.ref, spec, self.softcap))
+        if spec.torch_compile:
+            compile_layers(model)
         self.model = model
         self.scorer = self._place(ResponseScorer(model, spec, self.softcap))
         self.optimizer = build_optimizer(self.model, spec)
@@ -377,6 +381,17 @@ def stale_tokens(runs: list[tuple[int, int]], n: int, version: int) -> list[bool
         if v < version:
             out[start:end] = [True] * (end - start)
     return out
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place: the layers run the same code, so one compiled
+    graph serves all of them (their parameters are its inputs); the embeddings, the LM head's
+    chunks and the loss stay eager."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"torch_compile: {type(model).__name__} has no list of decoder layers")
+    for layer in layers:
+        layer.compile()
 
 
 def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:

@@ -151,3 +151,18 @@ def test_stale_rows_take_the_decoupled_loss_fresh_rows_the_synchronous_one(
     for layout in ({}, {"max_tokens_per_micro_batch": 1000}):
         _, moved = gradient(Policy(tiny_model, spec_for(tiny_model, **layout)), stale)
         assert any(not torch.allclose(a, b) for a, b in zip(base, moved, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over", [{}, {"max_tokens_per_micro_batch": 1000}])
+def test_compiled_layers_give_the_eager_loss_and_gradient(tiny_model, long_tailed_rows, over):
+    """torch_compile: each decoder layer compiled (inductor; padded and packed micro-batches of
+    new shapes) gives eager's loss and gradient, and the layers are compiled ones."""
+    loss_a, grads_a = gradient(Policy(tiny_model, spec_for(tiny_model, **over)), long_tailed_rows)
+    compiled = Policy(tiny_model, spec_for(tiny_model, torch_compile=True, **over))
+    for rows in (long_tailed_rows[:4], long_tailed_rows):  # a second shape: a recompile
+        loss_b, grads_b = gradient(compiled, rows)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.model.layers)
+    assert loss_a == pytest.approx(loss_b, abs=1e-5)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
