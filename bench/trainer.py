@@ -120,6 +120,8 @@ def run_variant(args, variant: str) -> dict:
     torch.set_num_threads(args.threads)
     device = args.device
     over: dict = {"train_precision": "float32" if variant.endswith("fp32") else "auto"}
+    if args.torch_compile and not variant.endswith("fp32"):
+        over["torch_compile"] = True
     if variant.startswith("packed"):
         over["max_tokens_per_micro_batch"] = args.tokens_per_micro_batch
     if variant == "packed-unchunked":
@@ -215,6 +217,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fp32-too", action="store_true")
     parser.add_argument("--unchunked-too", action="store_true")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="torch_compile the bfloat16/auto variants"
+    )
+    parser.add_argument(
+        "--only", default=None, help="comma-separated variants to run (default: all asked for)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # a child process
@@ -229,6 +237,8 @@ def main() -> None:
     params = build_model(args.model, args.shape)
     variants = ["padded", "packed"] + (["padded-fp32"] if args.fp32_too else [])
     variants += ["packed-unchunked"] if args.unchunked_too else []
+    if args.only:
+        variants = [v for v in variants if v in args.only.split(",")]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for round_ in range(args.rounds):
         for variant in variants:
@@ -244,29 +254,50 @@ def main() -> None:
     def tok_s(variant: str) -> float:
         return statistics.fmean(r["tok_s"] for r in results[variant])
 
-    summary = {
-        "tok_s": round(tok_s("packed"), 1),
-        "mfu": round(6 * params * tok_s("packed") / (peak * 1e12), 4),
-        "peak_mem_gib": round(max(r["peak_mem_gib"] for r in results["packed"]), 3),
-        "padding_fraction": round(
-            statistics.fmean(r["padding_fraction"] for r in results["padded"]), 3
-        ),
-        "packed_vs_padded": round(tok_s("packed") / tok_s("padded"), 3),
-        "padded_tok_s": round(tok_s("padded"), 1),
-        "padded_peak_mem_gib": round(max(r["peak_mem_gib"] for r in results["padded"]), 3),
+    def peak_mem(variant: str) -> float:
+        return round(max(r["peak_mem_gib"] for r in results[variant]), 3)
+
+    def mfu(variant: str) -> float:
+        return round(6 * params * tok_s(variant) / (peak * 1e12), 4)
+
+    summary: dict = {}
+    if "packed" in results:
+        summary |= {
+            "tok_s": round(tok_s("packed"), 1),
+            "mfu": mfu("packed"),
+            "peak_mem_gib": peak_mem("packed"),
+        }
+    if "padded" in results:
+        summary |= {
+            "padding_fraction": round(
+                statistics.fmean(r["padding_fraction"] for r in results["padded"]), 3
+            ),
+            "padded_tok_s": round(tok_s("padded"), 1),
+            "padded_mfu": mfu("padded"),
+            "padded_peak_mem_gib": peak_mem("padded"),
+        }
+    if "packed" in results and "padded" in results:
+        summary["packed_vs_padded"] = round(tok_s("packed") / tok_s("padded"), 3)
+    if "padded-fp32" in results:
+        summary["fp32_tok_s"] = round(tok_s("padded-fp32"), 1)
+        summary["fp32_mfu"] = mfu("padded-fp32")
+        summary["fp32_peak_mem_gib"] = peak_mem("padded-fp32")
+        if "padded" in results:
+            summary["bf16_vs_fp32"] = round(tok_s("padded") / tok_s("padded-fp32"), 3)
+    if "packed-unchunked" in results and "packed" in results:
+        unchunked = peak_mem("packed-unchunked")
+        summary["unchunked_peak_mem_gib"] = unchunked
+        summary["chunked_peak_vs_unchunked"] = round(summary["peak_mem_gib"] / unchunked, 3)
+    summary |= {
         "device": name,
         "peak_tflops": round(peak, 3),
         "params": params,
         "shape": args.shape,
         "batch": f"{args.prompts_per_step}x{args.group_size}",
+        "micro_batch_size": args.micro_batch_size,
+        "torch_compile": args.torch_compile,
         "rounds": args.rounds,
     }
-    if args.fp32_too:
-        summary["bf16_vs_fp32"] = round(tok_s("padded") / tok_s("padded-fp32"), 3)
-    if args.unchunked_too:
-        unchunked = max(r["peak_mem_gib"] for r in results["packed-unchunked"])
-        summary["unchunked_peak_mem_gib"] = round(unchunked, 3)
-        summary["chunked_peak_vs_unchunked"] = round(summary["peak_mem_gib"] / unchunked, 3)
     print(json.dumps(summary))
 
 

@@ -26,10 +26,10 @@ class TrainerModel:
     gpus: int = 8
     gpu_flops: float = 989e12
     # 0.35: what FSDP2/Megatron trainers report at 1B+ (verl, prime-rl, slime: 35-50%). Ours,
-    # measured (docs/benchmarks.md, "The trainer alone"): on one H100, a 0.6B Qwen2 shape before
-    # issue 20 made 4.5% (fp32) and 16.8% (bf16 autocast alone); after it (bf16, packed,
-    # chunked log-probs, FSDP2) not yet measured on a GPU; on this CPU, packed micro-batches of a
-    # 5.5M model run at 0.66 of the CPU's fp32 matmul rate (bench/trainer.py).
+    # measured (docs/benchmarks.md, "The trainer alone"): a 0.6B Qwen2 shape before issue 20
+    # made 4.5% (fp32, one H100); after it, on one H200, 39.0% with bf16 autocast, chunked
+    # log-probs, compiled decoder layers and micro-batches of 32 sequences (28.8% at 8, 17-22%
+    # eager at 8); N ranks on GPUs not measured.
     mfu: float = 0.35
     optimizer_s: float = 8.0  # optimizer step, after the last micro-batch
     publish_s: float = 6.0  # export + commit of the new version to the weight store
