@@ -27,7 +27,7 @@ class TrainerModel:
     gpu_flops: float = 989e12
     # 0.35: what FSDP2/Megatron trainers report at 1B+ (verl, prime-rl, slime: 35-50%). Ours,
     # measured (docs/benchmarks.md, "The trainer alone"): a 0.6B Qwen2 shape before issue 20
-    # made 4.5% (fp32, one H100); after it, on one H200, 39.0% with bf16 autocast, chunked
+    # made 4.5% (fp32, one H100); after it, on one H200, 39-39.5% with bf16 autocast, chunked
     # log-probs, compiled decoder layers and micro-batches of 32 sequences (28.8% at 8, 17-22%
     # eager at 8); N ranks on GPUs not measured.
     mfu: float = 0.35
