@@ -14,7 +14,7 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
 # crash: the worker's engine died of an error while running the request (counted toward poison)
-ReleaseReason = Literal["preemption", "seed", "balance", "crash"]
+ReleaseReason = Literal["preemption", "seed", "balance", "crash", "swap", "death"]
 FIELD = b"m"
 # An entry's fields as redis-py's XADD types them (its FieldT and EncodableT), spelled out here so
 # that the contracts do not import redis.

@@ -349,6 +349,21 @@ class RunSpec(BaseModel):
         True,
         description="Continue a preempted response from its collected tokens (False: restart it).",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="Asynchronous RL with bounded staleness k: the prompts of steps s+1..s+k "
+        "are generated while step s trains, each token by a version >= its step - k (0: "
+        "synchronous, on-policy). Stale tokens take the decoupled PPO loss (behaviour_cap).",
+    )
+    behaviour_cap: float = Field(
+        2.0,
+        gt=0.0,
+        le=1e6,
+        description="Truncation of a stale token's importance weight pi_prox / pi_behaviour "
+        "in the decoupled PPO loss (max_staleness >= 1; no effect at 0).",
+    )
     fair_reads: bool = Field(
         True,
         description="Each worker holds at most an equal share of a step's unfinished requests "

@@ -1,7 +1,10 @@
-"""Collecting a run's token deltas into the current step's request table: one read of the deltas
-stream at a time, applied by `core.collect.apply_batches`, finished responses decoded and scored
-(`reward_runner.py`: a reward that fails scores 0 and is counted in the step's reward_errors),
-and the outcome written in one MULTI with the acknowledgement of what was read.
+"""Collecting a run's token deltas into the request tables of the steps in flight (one, or with
+asynchronous RL up to max_staleness + 1): one read of the deltas stream at a time, its batches
+split by step (`core.collect.split_by_step`) and applied to each step's table by
+`core.collect.apply_batches`, finished responses decoded and scored (`reward_runner.py`: a reward
+that fails scores 0 and is counted in the step's reward_errors), and the outcome of every step
+written in one MULTI with the acknowledgement of what was read. Deltas of a step not in flight
+(finished, or fenced stragglers) are counted as unknown and dropped with the read.
 
 It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
 `rollout_manager.py`, which calls `collect` in its loop.
@@ -11,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import Counter as Tally
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
@@ -32,7 +36,7 @@ from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
-from services.core.collect import CollectOutcome, CollectRules, apply_batches
+from services.core.collect import CollectOutcome, CollectRules, apply_batches, split_by_step
 from services.core.request_table import Applied, RequestTable
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,17 @@ TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
 GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
 
 DELTA_BATCH = 256
+
+
+@dataclass
+class LiveStep:
+    """A step whose rollout is in flight: what its deltas are applied to."""
+
+    table: RequestTable
+    store: StepStore
+    examples: list[Example]
+    reward_errors: int = 0  # reward calls that scored 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set after each apply
 
 
 class DeltaCollector:
@@ -60,7 +75,6 @@ class DeltaCollector:
     ) -> None:
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
-        self.reward_errors = 0  # of the current step (`start_step`): calls that scored 0
         self.rules = CollectRules.for_run(spec)
         self.deltas = StreamConsumer(
             r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
@@ -75,9 +89,6 @@ class DeltaCollector:
         """Read first the deltas read before a restart and never acknowledged."""
         self.deltas.replay()
 
-    def start_step(self) -> None:
-        self.reward_errors = 0
-
     def decode(self, table: RequestTable, rids: list[str]) -> list[str]:
         """The finished responses' texts, stop tokens left out (CPU-bound: in a thread)."""
         stop = set(self.stop_ids)
@@ -85,21 +96,20 @@ class DeltaCollector:
             [[t for t in table.requests[rid].token_ids if t not in stop] for rid in rids]
         )
 
-    async def score(
-        self, table: RequestTable, rids: list[str], examples: list[Example]
-    ) -> dict[str, float]:
+    async def score(self, live: LiveStep, rids: list[str]) -> dict[str, float]:
         """Decode and score finished responses, off the event loop; count failed rewards."""
         if not rids:
             return {}
+        table = live.table
         texts = await asyncio.to_thread(self.decode, table, rids)
         calls = [
-            (examples[table.requests[rid].prompt_index], t)
+            (live.examples[table.requests[rid].prompt_index], t)
             for rid, t in zip(rids, texts, strict=True)
         ]
         outcomes = await self.rewards.score(calls)
         failed = [o for o in outcomes if o.error]
         if failed:
-            self.reward_errors += len(failed)
+            live.reward_errors += len(failed)
             kinds = Tally(o.error for o in failed)
             log.warning(
                 "run %s step %d: %d of %d rewards scored 0 (%s; first: %s)",
@@ -112,27 +122,40 @@ class DeltaCollector:
             )
         return {rid: o.value for rid, o in zip(rids, outcomes, strict=True)}
 
-    async def collect(
-        self, table: RequestTable, store: StepStore, examples: list[Example], block_ms: int
-    ) -> None:
-        """Apply one read of delta batches (`collect.apply_batches`, waiting up to `block_ms`
-        for one); then, in one MULTI: the requests that changed, the continuations of the
-        requests released, the groups completed, and the acknowledgement and deletion of the
-        read's entries (what they carried is in the request table from then on)."""
+    async def collect(self, live: dict[int, LiveStep], block_ms: int) -> None:
+        """Apply one read of delta batches to the steps in flight (`collect.apply_batches`,
+        waiting up to `block_ms` for one); then, in one MULTI: the requests that changed, the
+        continuations of the requests released, the groups completed, and the
+        acknowledgement and deletion of the read's entries (what they carried is in the
+        request tables from then on)."""
         read = await self.deltas.read(DELTA_BATCH, block_ms)
         if not read.entries:
             return
-        outcome = apply_batches(table, [batch for _, batch in read.messages], self.rules)
-        if outcome.finished:
-            table.score(await self.score(table, outcome.finished, examples))
-        groups = table.completed_groups(outcome.finished)
+        parts: list[tuple[LiveStep, CollectOutcome, list[int]]] = []
+        for step, batches in split_by_step([batch for _, batch in read.messages]).items():
+            into = live.get(step)
+            if into is None:  # a step not in flight: nothing of it is applied any more
+                OUTCOMES[Applied.UNKNOWN.value].inc(sum(len(b.items) for b in batches))
+                continue
+            outcome = apply_batches(into.table, batches, self.rules)
+            if outcome.finished:
+                into.table.score(await self.score(into, outcome.finished))
+            parts.append((into, outcome, into.table.completed_groups(outcome.finished)))
         staged = StagedWrites()
-        self._stage_outcome(staged, table, store, outcome, groups)
+        for into, outcome, groups in parts:
+            self._stage_outcome(staged, into.table, into.store, outcome, groups)
         self.deltas.stage_ack(staged, read.ids, delete=True)
         await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
         if self.oom_stalled:
             self.oom_stalled = False
             await self.runs.mark_running(self.run_id, "redis takes writes again")
+        for into, outcome, groups in parts:
+            await self._after(into, outcome, groups)
+        await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    async def _after(self, into: LiveStep, outcome: CollectOutcome, groups: list[int]) -> None:
+        """What follows a step's applied outcome once it is stored."""
+        table = into.table
         if outcome.poisoned:
             await report_poison(self.r, self.spec, table, outcome.poisoned)
         for reason, jobs in outcome.released.items():
@@ -143,7 +166,7 @@ class DeltaCollector:
         for applied, n in outcome.applied.items():
             OUTCOMES[applied].inc(n)
         await fence(self.r, self.run_id, outcome.stale)
-        await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+        into.changed.set()
 
     def _stage_outcome(
         self,

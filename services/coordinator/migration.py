@@ -33,7 +33,7 @@ DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose 
 CLAIMER = "coordinator"
 # XCLAIM's reply: (entry id, fields), fields None for an entry deleted while pending
 Claimed = list[tuple[bytes, dict[bytes, bytes] | None]]
-for _cause in (*get_args(ReleaseReason), "death"):
+for _cause in (*get_args(ReleaseReason), "bound"):
     MIGRATIONS.labels(_cause)  # every cause is exported from the start, at 0
 
 

@@ -20,6 +20,7 @@ trained on it is committed. No step is queued while Redis is near its memory lim
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -37,10 +38,10 @@ from services.common.messages import Heartbeat
 from services.common.redis_streams import ensure_group, with_reconnect
 from services.common.run_state import ensure_live, wait_for_version
 from services.common.runspec import RunSpec
-from services.common.tasks import DatasetLimits, Example, Task, task_for_spec
+from services.common.tasks import DatasetLimits, Task, task_for_spec
 from services.common.tasks.chat import PromptEncoder
 from services.common.tasks.reward_choice import RewardChoice
-from services.coordinator.delta_collector import DeltaCollector
+from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.memory import MemoryGate
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.reward_runner import open_runner
@@ -74,6 +75,17 @@ class StepDone:
     step: int
     times: StepTimes  # the trainer's part is filled in by `adapt`
     scratch: tuple[str, ...]  # the step's keys, deleted once the next version is committed
+
+
+@dataclass
+class OpenStep:
+    """A step queued and live, with its scheduler and what its record needs."""
+
+    live: LiveStep
+    sched: StepScheduler
+    started: float  # monotonic
+    window: float  # its seeding window
+    pools: dict[str, int]
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -114,6 +126,8 @@ class RunManager:
             wait_share=spec.seeding_wait_share, backoff=spec.seeding_backoff
         )
         self.pool = PoolSizer(spec.pool_headroom)
+        self.live: dict[int, LiveStep] = {}  # the steps in flight, by step
+        self.committed = 0  # the newest version the trainer committed, as last seen
 
     def _load(self) -> tuple[Task, PromptEncoder]:
         """The run's task and prompt encoder (blocking: a dataset is read and checked)."""
@@ -147,24 +161,60 @@ class RunManager:
             await rewards.close()
 
     async def _run_steps(self) -> None:
+        """Keep the steps in flight that the committed version allows (step s once version
+        s - max_staleness is committed), collect their deltas in one task, and retire each
+        step once the version trained on it is committed."""
         await self.collector.start()
         await self.stall.start()
-        step = await self._wait_version(0)
-        while step < self.spec.steps:
-            done = await self._run_step(step)
-            step = await self._wait_version(step + 1)
-            # no restart can need the step any more: its version is trained and committed
-            await self.r.unlink(*done.scratch)
-            await adapt(self.r, self.run_id, self.seeding, self.pool, done.step, done.times)
+        k = self.spec.max_staleness
+        self.committed = await self._wait_version(0)
+        flight: dict[int, asyncio.Task[StepDone]] = {}
+        next_step = self.committed
+        collecting: asyncio.Task[None] | None = None
+        try:
+            while self.committed < self.spec.steps:
+                while next_step < self.spec.steps and next_step <= self.committed + k:
+                    live = await self._open_step(next_step)
+                    flight[next_step] = asyncio.create_task(self._drive_step(live))
+                    next_step += 1
+                if collecting is None:  # once the steps of a restart are restored: replay
+                    self.collector.replay()
+                    collecting = asyncio.create_task(self._collect_forever())
+                self.committed = await self._wait_version(self.committed + 1, flight, collecting)
+                for step in sorted(s for s in flight if s < self.committed):
+                    done = await flight.pop(step)
+                    # no restart can need the step any more: its version is trained and committed
+                    await self.r.unlink(*done.scratch)
+                    await adapt(self.r, self.run_id, self.seeding, self.pool, step, done.times)
+        finally:
+            # the collector first: no read may be applied (or dropped as a step not in flight)
+            # while the steps are torn down; what it read and did not store is replayed later
+            for tasks in ([collecting] if collecting else [], list(flight.values())):
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect_forever(self) -> None:
+        while True:
+            await self.collector.collect(self.live, int(POLL_S * 1000))
+            PENDING.set(sum(live.table.unfinished_count for live in self.live.values()))
 
     async def _check_running(self) -> None:
         await ensure_live(self.r, self.run_id)
 
-    async def _wait_version(self, at_least: int) -> int:
-        """Wait until the trainer committed a version >= at_least; return it. The trainer is
-        at work meanwhile and needs no worker: no stall is looked for."""
+    async def _wait_version(
+        self,
+        at_least: int,
+        flight: dict[int, "asyncio.Task[StepDone]"] | None = None,
+        collecting: "asyncio.Task[None] | None" = None,
+    ) -> int:
+        """Wait until the trainer committed a version >= at_least; return it. A step in
+        flight or the collector that failed raises here."""
         while True:
             await self._check_running()
+            for task in [*(flight or {}).values(), *([collecting] if collecting else [])]:
+                if task.done():
+                    task.result()  # raises what it died of
             version = await with_reconnect(
                 lambda: wait_for_version(self.r, self.run_id, at_least - 1, VERSION_WAIT_MS),
                 "committed version",
@@ -172,24 +222,33 @@ class RunManager:
             if version is not None and version >= at_least:
                 return version
 
-    async def _run_step(self, step: int) -> StepDone:
-        """Queue the step (or resume it after a restart), collect until every group is
-        published, record what it took."""
+    async def _open_step(self, step: int) -> "OpenStep":
+        """Queue the step (or restore it after a restart) and start its scheduler; it is live
+        (its deltas are applied) from before its jobs are queued."""
         examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
         prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
         table = self._table(step, prompt_ids)
-        self.collector.start_step()
         store = await StepStore(self.r, self.run_id, step).open()
+        live = LiveStep(table, store, examples)
         beats = await heartbeats(self.r)
-        began = await self._queue(table, store, beats)
+        began = await self._queue(live, beats)
         workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
         # time of the step so far, on this process's monotonic clock
         started = time.monotonic() - max(0.0, time.time() - began)
         pools = count_pools(workers)
-        window = self.seeding.window_s(pools["preemptible"])
+        # asynchronous: the reserved pool trains; no seeding window (it is recalled as ever
+        # when no preemptible worker is left)
+        window = 0.0 if self.spec.max_staleness else self.seeding.window_s(pools["preemptible"])
         jobs = keys.jobs_stream(self.run_id, step)
         sched = StepScheduler(
-            self.r, self.run_id, step, jobs, window, started, fair_reads=self.spec.fair_reads
+            self.r,
+            self.run_id,
+            step,
+            jobs,
+            window,
+            started,
+            fair_reads=self.spec.fair_reads,
+            staleness=self.spec.max_staleness,
         )
         await sched.start(workers)
         log.info(
@@ -201,14 +260,36 @@ class RunManager:
             window,
         )
         finished = [rid for rid, req in table.requests.items() if req.done]
-        table.score(await self.collector.score(table, finished, examples))
-        await self._collect_all(table, store, sched, examples)
+        table.score(await self.collector.score(live, finished))
+        return OpenStep(live, sched, started, window, pools)
+
+    async def _drive_step(self, step: "OpenStep") -> StepDone:
+        """Until every group of the step is published (the collector applies its deltas):
+        reclaim dead workers' requests, seed, balance and watch for a stall; then record."""
+        live, sched = step.live, step.sched
+        table, store = live.table, live.store
+        jobs = keys.jobs_stream(self.run_id, table.step)
+        while not table.complete:
+            live.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHECK_S):
+                    await live.changed.wait()
+            if table.complete:
+                break
+            await self._check_running()
+            await reclaim_dead_workers(self.r, jobs, table, store, self.spec.migration)
+            beats = await heartbeats(self.r)
+            await sched.tick(table, beats)
+            if table.step == min(self.live):  # the step the trainer waits for
+                await self.stall.check(min(table.step, self.committed), beats)
+        # complete: its last deltas are applied and stored; later ones of it are dropped
+        del self.live[table.step]
         await sched.finish()
-        await self.stall.resume(step)
+        await self.stall.resume(table.step)
         times = StepTimes(
-            n_preemptible=pools["preemptible"],
-            n_reserved=pools["reserved"],
-            started=started,
+            n_preemptible=step.pools["preemptible"],
+            n_reserved=step.pools["reserved"],
+            started=step.started,
             seed_end=sched.seed_end,
             rollout_end=time.monotonic(),
             committed=math.nan,  # known once the trainer commits (`adapt`)
@@ -216,20 +297,20 @@ class RunManager:
             train_wait_s=math.nan,
         )
         await record_rollout(
-            self.r, self.run_id, table, times, window, pools, self.collector.reward_errors
+            self.r, self.run_id, table, times, step.window, step.pools, live.reward_errors
         )
         # kept until the next version is committed (a restart before then finds the step
         # complete); the TTL covers a coordinator that dies before it deletes them
         await self.r.expire(jobs, JOBS_TTL_S)
         await store.expire_soon(JOBS_TTL_S)
         return StepDone(
-            step,
+            table.step,
             times,
             (
                 *store.scratch_keys(),
                 jobs,
-                keys.seed_done(self.run_id, step),
-                keys.read_cap(self.run_id, step),
+                keys.seed_done(self.run_id, table.step),
+                keys.read_cap(self.run_id, table.step),
             ),
         )
 
@@ -250,17 +331,18 @@ class RunManager:
             repetition_penalty=spec.repetition_penalty,
         )
 
-    async def _queue(
-        self, table: RequestTable, store: StepStore, beats: dict[str, Heartbeat]
-    ) -> float:
+    async def _queue(self, live: LiveStep, beats: dict[str, Heartbeat]) -> float:
         """Queue the step's jobs, or restore a step queued before a restart; when it began.
-        With fair reads the step's read cap is set with its jobs, so that the first worker to
-        hold the version never reads more than its share."""
+        The step is live (in `self.live`) before its jobs are queued. With fair reads the
+        step's read cap is set with its jobs, so that the first worker to hold the version
+        never reads more than its share."""
+        table, store = live.table, live.store
         jobs = keys.jobs_stream(self.run_id, table.step)
         began = await store.restore(table)
         if began is None:
             await self.memory_gate.wait_below(self._check_running)  # backpressure
         await ensure_group(self.r, jobs, keys.WORKERS_GROUP)
+        self.live[table.step] = live
         if began is None:
             began = time.time()
             async with self.r.pipeline(transaction=True) as pipe:
@@ -281,22 +363,3 @@ class RunManager:
                 len(table.requests) - len(table.unfinished()),
             )
         return began
-
-    async def _collect_all(
-        self, table: RequestTable, store: StepStore, sched: StepScheduler, examples: list[Example]
-    ) -> None:
-        """Collect until every group is published, checking now and then that the run is
-        live, reclaiming dead workers' requests, seeding, balancing and watching for a stall."""
-        jobs = keys.jobs_stream(self.run_id, table.step)
-        last_check = time.monotonic()
-        self.collector.replay()
-        while not table.complete:
-            await self.collector.collect(table, store, examples, int(POLL_S * 1000))
-            PENDING.set(table.unfinished_count)
-            if time.monotonic() - last_check > CHECK_S:
-                await self._check_running()
-                await reclaim_dead_workers(self.r, jobs, table, store, self.spec.migration)
-                beats = await heartbeats(self.r)
-                await sched.tick(table, beats)
-                await self.stall.check(table.step, beats)
-                last_check = time.monotonic()

@@ -149,6 +149,7 @@ class StepScheduler:
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)
     fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
     recalled: float | None = None  # when the reserved pool was called back to the step
+    staleness: int = 0  # max_staleness: workers holding versions step - k .. step serve it
     clock: Callable[[], float] = time.monotonic  # the monotonic clock of `started` (tests step it)
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
@@ -164,7 +165,7 @@ class StepScheduler:
         workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
         count_pools(workers)
         reserved = [b for b in workers.values() if b.pool == "reserved"]
-        if self.seed_start is None and any(b.version == self.step for b in reserved):
+        if self.seed_start is None and any(self._serves(b) for b in reserved):
             self.seed_start = self.clock()  # the window runs from when seeding can start
         n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
         if not self.seeded_out and seeding_over(
@@ -184,15 +185,21 @@ class StepScheduler:
             await self._end_seeding({})
             self.seed_end = None  # the window never closed during the step
 
+    def _serves(self, beat: Heartbeat) -> bool:
+        """Whether the worker holds a version that may generate this step."""
+        return beat.version is not None and self.step - self.staleness <= beat.version <= self.step
+
     async def _end_seeding(self, workers: dict[str, Heartbeat]) -> None:
-        reserved = [
-            w for w, b in workers.items() if b.pool == "reserved" and b.version == self.step
-        ]
-        for worker_id in reserved:
+        reserved = {
+            w: b.version
+            for w, b in workers.items()
+            if b.pool == "reserved" and b.version is not None and self._serves(b)
+        }
+        for worker_id, version in reserved.items():
             await order(
                 self.r,
                 worker_id,
-                WorkerControl(action="pause", run_id=self.run_id, version=self.step),
+                WorkerControl(action="pause", run_id=self.run_id, version=version),
             )
         self.seeded_out, self.seed_end = True, self.clock()
         async with self.r.pipeline(transaction=True) as pipe:
@@ -216,7 +223,12 @@ class StepScheduler:
             await order(
                 self.r,
                 beat.worker_id,
-                WorkerControl(action="resume", run_id=self.run_id, version=self.step),
+                WorkerControl(
+                    action="resume",
+                    run_id=self.run_id,
+                    # paused at the version it holds (one step's, or an earlier one in flight)
+                    version=self.step if not self.staleness else (beat.version or 0),
+                ),
             )
         log.warning(
             "step %d: no preemptible worker left; %d reserved workers resume it",

@@ -11,9 +11,11 @@ one MULTI; the simulator calls the same function with the batches its workers fl
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.common.messages import DeltaBatch, Job, ReleaseReason
 from services.common.runspec import RunSpec
-from services.core.request_table import Applied, RequestTable
+from services.core.request_table import Applied, RequestTable, step_of
 from services.core.stall import is_poison
 
 # Causes after which a response restarts from zero when token-level migration is off: the worker
@@ -33,10 +35,18 @@ class CollectRules:
     migration: bool = True  # token-level migration: continue from the collected tokens
     max_request_crashes: int = 3  # workers a request may crash (alone) before it is poison
     drop_poison: bool = True  # poison drops its group; else the run fails (the shell raises)
+    # asynchronous RL: a step's tokens come from versions >= step - max_staleness (None: no
+    # check, the synchronous run's workers read only their version's jobs)
+    max_staleness: int | None = None
 
     @classmethod
     def for_run(cls, spec: RunSpec) -> "CollectRules":
-        return cls(spec.migration, spec.max_request_crashes, spec.on_poison == "drop_group")
+        return cls(
+            spec.migration,
+            spec.max_request_crashes,
+            spec.on_poison == "drop_group",
+            spec.max_staleness or None,
+        )
 
 
 @dataclass
@@ -58,7 +68,12 @@ def apply_batches(
     a request's tokens before it gives the request back)."""
     out = CollectOutcome()
     tokens_before, quarantined_before = table.tokens_appended, set(table.quarantined)
+    bound = None if rules.max_staleness is None else table.step - rules.max_staleness
     for batch in batches:
+        if bound is not None and batch.version < bound:
+            _out_of_bound(table, batch, out)
+            _release(table, batch, rules, out)
+            continue
         for item in batch.items:
             applied = table.apply(item, batch.version)
             out.applied[applied.value] += 1
@@ -72,6 +87,20 @@ def apply_batches(
     out.tokens_appended = table.tokens_appended - tokens_before
     out.dropped = sorted(table.quarantined - quarantined_before)
     return out
+
+
+def _out_of_bound(table: RequestTable, batch: DeltaBatch, out: CollectOutcome) -> None:
+    """Deltas of a version older than the step's bound: nothing of them is taken; each request
+    moves on to a new lease, to continue from its tokens so far on a worker that holds a
+    version within the bound (the old lease is fenced at the worker). A worker reads only the
+    jobs its version may generate, so this guards the rule rather than runs."""
+    for item in batch.items:
+        out.applied[Applied.OUT_OF_BOUND.value] += 1
+        job = table.migrate(item.request_id, "bound", True, item.lease)
+        if job is not None:
+            out.changed.add(item.request_id)
+            out.released.setdefault("bound", []).append(job)
+            out.stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
 
 
 def _release(table: RequestTable, batch: DeltaBatch, rules: CollectRules, out: CollectOutcome):
@@ -105,3 +134,24 @@ def note_crash(
     if rules.drop_poison:
         table.quarantine(req.prompt_index)
     return True
+
+
+def split_by_step(batches: list[DeltaBatch]) -> dict[int, list[DeltaBatch]]:
+    """The batches of one read, by the step of their requests (with asynchronous RL a worker's
+    flush carries requests of several steps in flight), each step's in read order, a batch's
+    deltas still before its releases. A request id that names no step goes under -1."""
+    out: dict[int, list[DeltaBatch]] = {}
+    for batch in batches:
+        steps = {step_of(i.request_id) for i in batch.items}
+        steps |= {step_of(r.request_id) for r in batch.released}
+        if len(steps) <= 1:  # the usual case: the whole batch is one step's
+            out.setdefault(steps.pop() if steps else -1, []).append(batch)
+            continue
+        for step in sorted(steps):
+            part = msgspec.structs.replace(
+                batch,
+                items=[i for i in batch.items if step_of(i.request_id) == step],
+                released=[r for r in batch.released if step_of(r.request_id) == step],
+            )
+            out.setdefault(step, []).append(part)
+    return out

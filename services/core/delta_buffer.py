@@ -64,6 +64,7 @@ class Flush:
     batch: DeltaBatch
     done: list[str]  # request ids forgotten once sent: finished or released
     entry_ids: list[bytes]  # their job entries, to acknowledge once sent
+    entry_requests: list[str] = field(default_factory=list)  # whose entries those are
 
 
 class DeltaBuffer:
@@ -164,8 +165,8 @@ class DeltaBuffer:
             release_reason=reason,
         )
         done = [i.request_id for i in items if i.finished] + [r.request_id for r in released]
-        entry_ids = [self.entry_of[rid] for rid in done if rid in self.entry_of]
-        return Flush(batch, done, entry_ids)
+        acked = [rid for rid in done if rid in self.entry_of]
+        return Flush(batch, done, [self.entry_of[rid] for rid in acked], acked)
 
     def sent(self, flush: Flush) -> None:
         """The flush reached the coordinator: drop the tokens it carried (those recorded since

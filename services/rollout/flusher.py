@@ -16,6 +16,7 @@ from services.common import keys
 from services.common.messages import ReleaseReason, RequestLease
 from services.common.redis_streams import with_reconnect
 from services.core.delta_buffer import Flush
+from services.core.request_table import step_of
 from services.rollout.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,18 @@ class Flusher:
         """Acknowledge the job entries of the requests the flush finished or released."""
         if not flush.entry_ids:
             return
-        stream = keys.jobs_stream(run_id, self.ctx.version or 0)
-        await with_reconnect(
-            lambda: self.ctx.r.xack(stream, keys.WORKERS_GROUP, *flush.entry_ids), "ack jobs"
-        )
+        # each on its step's jobs stream (asynchronous RL: a worker holds several steps' jobs)
+        by_step: dict[int, list[bytes]] = {}
+        for rid, entry_id in zip(flush.entry_requests, flush.entry_ids, strict=True):
+            by_step.setdefault(step_of(rid), []).append(entry_id)
+
+        async def ack() -> None:
+            async with self.ctx.r.pipeline(transaction=False) as pipe:
+                for step, ids in by_step.items():
+                    pipe.xack(keys.jobs_stream(run_id, step), keys.WORKERS_GROUP, *ids)
+                await pipe.execute()
+
+        await with_reconnect(ack, "ack jobs")
 
     def held(self) -> list[RequestLease]:
         """Every request this worker holds, those never started first, then by tokens left.

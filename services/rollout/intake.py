@@ -10,11 +10,17 @@ generation task drives it), and it decides no placement (the coordinator does).
 
 import asyncio
 import contextlib
+import json
 import logging
 
 from services.common import keys
-from services.common.messages import Job
-from services.common.redis_streams import StreamConsumer, with_reconnect
+from services.common.messages import Job, RequestLease
+from services.common.redis_streams import (
+    StreamConsumer,
+    decode_or_park,
+    read_group,
+    with_reconnect,
+)
 from services.common.run_state import active_run, committed_version, wait_for_version
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
@@ -33,7 +39,11 @@ class JobIntake:
         self.ctx = ctx
         self.control = control
         self.loader = loader
-        self.jobs: StreamConsumer[Job] | None = None  # of the version loaded
+        self.consumers: dict[str, StreamConsumer[Job]] = {}  # of the steps read now
+        self.staleness = 0  # the run's max_staleness: steps version .. version + k are read
+        # jobs an earlier incarnation of this worker (same name) read and never finished are
+        # pending under its name: handed back once, at this incarnation's first version
+        self.earlier_pending = True
         # the last read found no job and the worker holds none: the next round waits for a
         # new version (woken by its announcement) and then reads without waiting
         self.idle = False
@@ -72,6 +82,8 @@ class JobIntake:
         elif latest != ctx.version:
             self.idle = False
             await self.loader.load(run_id, latest)
+            if ctx.version == latest and self.earlier_pending:
+                await self._hand_back_earlier(run_id, latest)
             if ctx.version == latest and not ctx.crashed:
                 # its jobs are queued already: read them now, after the orders (a pause may
                 # have come meanwhile), without looking at the run and its version again
@@ -91,32 +103,86 @@ class JobIntake:
         if dropped:
             log.info("run changed: dropped %d requests", dropped)
         ctx.run_id, ctx.version, ctx.paused_version = run_id, None, None
+        self.earlier_pending = True
+        self.staleness = await self._staleness(run_id) if run_id is not None else 0
+
+    async def _staleness(self, run_id: str) -> int:
+        """The run's max_staleness, from its spec (0 where it cannot be read)."""
+        raw = await with_reconnect(lambda: self.ctx.r.hget(keys.run(run_id), "spec"), "spec")
+        try:
+            return max(0, int(json.loads(raw or b"{}").get("max_staleness", 0)))
+        except (ValueError, TypeError, AttributeError):
+            return 0
 
     async def _read_jobs(self, run_id: str, version: int) -> None:
-        """Read as many jobs as there are free slots, up to the plateau and to the step's read
-        cap (an equal share: the coordinator keeps it current); park and acknowledge malformed
-        ones."""
+        """Read as many jobs as there are free slots, up to the plateau and to each step's read
+        cap (an equal share: the coordinator keeps it current), from the jobs of the steps
+        this version may generate (the version's own step, then, with max_staleness k, the
+        next k, oldest first: a step the trainer waits for comes first); park and acknowledge
+        malformed ones."""
         ctx = self.ctx
-        cap = await self._read_cap(run_id, version)
-        free = min(ctx.s.slots, ctx.plateau.plateau(), ctx.s.slots if cap is None else cap)
-        free -= ctx.busy
-        if cap is None:
-            # no cap yet: the step may not be queued, and a blocked read of many would take
-            # them all the moment it is (the cap comes in the same MULTI); read one at a time
-            # until there is one (with fair reads off there never is)
-            free = min(free, 1)
-        if free <= 0:
+        steps = [version + i for i in range(self.staleness + 1)]
+        if self.staleness:  # only the steps queued so far
+            queued = await ctx.r.exists(*[keys.jobs_stream(run_id, s) for s in steps[1:]])
+            steps = steps[: 1 + queued] if queued else steps[:1]
+        self.consumers = {
+            stream: c
+            for stream, c in self.consumers.items()
+            if stream in {keys.jobs_stream(run_id, s) for s in steps}
+        }
+        got, room = 0, False
+        for i, step in enumerate(steps):
+            cap = await self._read_cap(run_id, step)
+            free = min(ctx.s.slots, ctx.plateau.plateau(), ctx.s.slots if cap is None else cap)
+            free -= ctx.busy
+            if cap is None:
+                # no cap yet: the step may not be queued, and a blocked read of many would
+                # take them all the moment it is (the cap comes in the same MULTI); read one
+                # at a time until there is one (with fair reads off there never is)
+                free = min(free, 1)
+            if free <= 0:
+                continue
+            room = True
+            ctx.state = "serving"
+            jobs = self._consumer(keys.jobs_stream(run_id, step))
+            last = i == len(steps) - 1
+            # the last stream waits for jobs when none came from the others
+            block = None if self.idle or not last or got else READ_BLOCK_MS
+            read = await jobs.read(free, block)
+            got += len(read.messages)
+            for entry_id, job in read.messages:
+                ctx.inbox.put(entry_id, job)
+            await jobs.park(read, keys.parked_stream(run_id), "jobs")
+            if read.parked:
+                await ctx.r.xack(jobs.stream, keys.WORKERS_GROUP, *[p[0] for p in read.parked])
+        if not room:
             await self._wait_for_slot()
             return
-        ctx.state = "serving"
-        jobs = self._consumer(keys.jobs_stream(run_id, version))
-        read = await jobs.read(free, None if self.idle else READ_BLOCK_MS)
-        self.idle = not read.messages and ctx.busy == 0
-        for entry_id, job in read.messages:
-            ctx.inbox.put(entry_id, job)
-        await jobs.park(read, keys.parked_stream(run_id), "jobs")
-        if read.parked:
-            await ctx.r.xack(jobs.stream, keys.WORKERS_GROUP, *[p[0] for p in read.parked])
+        self.idle = not got and ctx.busy == 0
+
+    async def _hand_back_earlier(self, run_id: str, version: int) -> None:
+        """Give back the jobs of the steps in flight that are pending under this worker's name
+        from before this process started (an earlier incarnation killed and restarted under
+        the same name: its heartbeat never lapsed, so the coordinator cannot reclaim them). The
+        coordinator continues each from its collected tokens (release cause `death`)."""
+        self.earlier_pending = False
+        ctx = self.ctx
+        leases = []
+        for step in range(version, version + self.staleness + 1):
+            stream = keys.jobs_stream(run_id, step)
+            entries = await read_group(
+                ctx.r, stream, keys.WORKERS_GROUP, ctx.s.worker_id, 10_000, None, start="0"
+            )
+            for entry in entries:
+                job = decode_or_park(Job, entry, []) if entry[1] is not None else None
+                if job is None:
+                    await ctx.r.xack(stream, keys.WORKERS_GROUP, entry[0])
+                    continue
+                ctx.inbox.put(entry[0], job)
+                leases.append(RequestLease(request_id=job.request_id, lease=job.lease))
+        if leases:
+            log.warning("handing back %d jobs an earlier incarnation held", len(leases))
+            await self.control.flusher.release(leases, "death")
 
     async def _read_cap(self, run_id: str, version: int) -> int | None:
         """The step's read cap; None where the coordinator set none (fair reads off, or the
@@ -138,8 +204,8 @@ class JobIntake:
                 await self.ctx.slot_freed.wait()
 
     def _consumer(self, stream: str) -> StreamConsumer[Job]:
-        if self.jobs is None or self.jobs.stream != stream:
-            self.jobs = StreamConsumer(
+        if stream not in self.consumers:
+            self.consumers[stream] = StreamConsumer(
                 self.ctx.r, stream, keys.WORKERS_GROUP, self.ctx.s.worker_id, Job, replay=False
             )
-        return self.jobs
+        return self.consumers[stream]

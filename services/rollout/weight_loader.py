@@ -10,12 +10,14 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
 from services.common import keys
+from services.common.messages import ReleaseReason, RequestLease
 from services.common.redis_streams import text
 from services.common.retry import brief
 from services.common.weight_contract import Manifest
@@ -25,6 +27,7 @@ from services.common.weights import (
     WeightConflict,
     WeightTransferError,
 )
+from services.core.request_table import step_of
 from services.rollout.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -49,10 +52,17 @@ def announced_manifest(raw: bytes | None) -> Manifest | None:
         return None
 
 
+Release = Callable[[list[RequestLease], ReleaseReason], Awaitable[int]]
+Held = Callable[[], list[RequestLease]]
+
+
 class VersionLoader:
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(
+        self, ctx: WorkerContext, held: Held | None = None, release: Release | None = None
+    ) -> None:
         self.ctx = ctx
         self.weights = WeightClient(ctx.s.weightstore_urls(), ctx.s.api_token)
+        self.held, self.release = held, release  # the flusher's: requests handed back
 
     async def load(self, run_id: str, version: int) -> None:
         ctx = self.ctx
@@ -66,7 +76,14 @@ class VersionLoader:
             return
         async with ctx.engine_lock:
             # A version is published once the step before it is complete: what is still held
-            # was migrated away (or is about to be), never to be finished here.
+            # of that step or an earlier one was migrated away (or is about to be), never to be
+            # finished here. Requests of later steps (asynchronous RL) go back to the
+            # coordinator with their tokens, and continue under the new weights (here or on
+            # another worker: a continuation re-reads its tokens so far as its context).
+            if self.held is not None and self.release is not None:
+                live = [lease for lease in self.held() if step_of(lease.request_id) >= version]
+                if live:
+                    await self.release(live, "swap")
             ctx.drop_held()
             await ctx.engine.load(result.folder)
             ctx.version = version

@@ -45,7 +45,8 @@ class RolloutWorker:
         )
         self.flusher = Flusher(self.ctx)
         self.control = Control(self.ctx, self.flusher)
-        self.intake = JobIntake(self.ctx, self.control, VersionLoader(self.ctx))
+        loader = VersionLoader(self.ctx, self.flusher.held, self.flusher.release)
+        self.intake = JobIntake(self.ctx, self.control, loader)
         self.generator = Generator(self.ctx, self.control, self.flusher)
         self.crashes = CrashReporter(self.ctx, self.flusher)
 

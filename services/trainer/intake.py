@@ -1,11 +1,14 @@
 """What one RL step takes of the groups stream, decided group by group, with no I/O: the trainer
 loop reads, asks `StepIntake.take` which groups to train on, parks the refused ones and trains.
 
-A group is refused (parked, with the reason) when it is of another step, of a prompt the step
-already took (it came twice: never trained twice), or has another number of responses than n. A
+A group is refused (parked, with the reason) when it is of an earlier step (or one past the
+steps in flight), of a prompt the step already took (it came twice: never trained twice), or has
+another number of responses than n. A group of a later step in flight (asynchronous RL: steps
+s+1..s+k are generated while s trains) is held, unacknowledged, for its own step: `ahead`. A
 quarantined group (a request of it crashed too many workers) counts toward the step's B and is
-never trained on. Every entry read is kept, to be acknowledged once the step's version is
-committed; the trained ledger and the groups for the rollout dump are built on the way.
+never trained on. Every entry the step takes or refuses is kept, to be acknowledged once the
+step's version is committed; the trained ledger and the groups for the rollout dump are built on
+the way.
 """
 
 import logging
@@ -32,6 +35,8 @@ class StepIntake:
     entry_ids: list[bytes] = field(default_factory=list)  # every entry read, in order
     trained: int = 0
     dropped: int = 0  # quarantined groups
+    staleness: int = 0  # max_staleness: groups of steps step+1 .. step+k are held
+    ahead: list[tuple[bytes, Group]] = field(default_factory=list)  # held for later steps
 
     @property
     def missing(self) -> int:
@@ -44,10 +49,19 @@ class StepIntake:
         return self.entry_ids[-1].decode() if self.entry_ids else None
 
     def take(self, read: Read[Group]) -> list[Group]:
-        """The groups of one read to train on now; the refused ones go to `read.parked`."""
-        self.entry_ids.extend(read.ids)
+        """The groups of one read to train on now; the refused ones go to `read.parked`, those
+        of a later step in flight to `ahead`."""
+        later = {
+            entry_id
+            for entry_id, group in read.messages
+            if self.step < group.step <= self.step + self.staleness
+        }
+        self.entry_ids.extend(i for i in read.ids if i not in later)
         good = []
         for entry_id, group in read.messages:
+            if entry_id in later:
+                self.ahead.append((entry_id, group))
+                continue
             refusal = self._refusal(group)
             if refusal is not None:
                 read.parked.append((entry_id, refusal))

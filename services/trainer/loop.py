@@ -22,8 +22,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import keys, ledger, timeline
 from services.common.compute import compute
-from services.common.messages import Group
-from services.common.redis_streams import StreamConsumer, ensure_group, with_reconnect
+from services.common.messages import FIELD, Group
+from services.common.redis_streams import (
+    Read,
+    StreamConsumer,
+    decode_or_park,
+    ensure_group,
+    with_reconnect,
+)
 from services.common.run_state import (
     RunStopped,
     active_run,
@@ -110,6 +116,7 @@ class TrainerLoop:
         groups = StreamConsumer(
             self.r, groups_stream, keys.TRAINER_GROUP, "trainer", Group, replay=True
         )
+        self.ahead: list[tuple[bytes, Group]] = []  # later steps' groups, unacknowledged
         ckpts = Checkpoints(
             self.settings.work_dir / run_id / "checkpoints", self.settings.keep_checkpoints
         )
@@ -153,7 +160,7 @@ class TrainerLoop:
             # step `version` was trained and checkpointed; its version was never announced (a
             # commit of it before the crash is taken only with the digest recorded for it)
             await self.versions.commit(run_id, policy, version + 1)
-            await self._ack_pending(run_id)
+            await self._ack_pending(run_id, version)
             await record_step(self.r, run_id, version, StepRow(trainer_resumed=True))
             await self.r.hset(keys.trainer_state(run_id), "steps_trained", version + 1)
             await self.versions.announce(run_id, version + 1)
@@ -174,13 +181,26 @@ class TrainerLoop:
             log.info("run %s: resumed at step %d from its checkpoint", run_id, version)
         return version
 
-    async def _ack_pending(self, run_id: str) -> None:
+    async def _ack_pending(self, run_id: str, version: int) -> None:
+        """Retire the groups read before the crash of steps up to `version` (trained into the
+        version just committed); those of later steps in flight stay, to be read again."""
         stream = keys.groups_stream(run_id)
         pending = await self.r.xpending_range(
             stream, keys.TRAINER_GROUP, min="-", max="+", count=100_000, consumername="trainer"
         )
-        if pending:
-            await self._retire(stream, [cast(bytes, p["message_id"]) for p in pending])
+        ids = [cast(bytes, p["message_id"]) for p in pending]
+        if not ids:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for entry_id in ids:
+                pipe.xrange(stream, entry_id, entry_id)
+            found = await pipe.execute()
+        done = []
+        for entry_id, entries in zip(ids, found, strict=True):
+            group = decode_or_park(Group, entries[0], []) if entries else None
+            if group is None or group.step <= version:
+                done.append(entry_id)
+        await self._retire(stream, done)
 
     async def _retire(
         self, stream: str, entry_ids: list[bytes], also: Callable[[Any], None] | None = None
@@ -211,8 +231,11 @@ class TrainerLoop:
         the step took."""
         started = time.monotonic()
         seed_wait_s = await self._wait_seeding(run_id, step)
-        intake = StepIntake(run_id, step, spec.prompts_per_step, spec.group_size)
+        intake = StepIntake(
+            run_id, step, spec.prompts_per_step, spec.group_size, staleness=spec.max_staleness
+        )
         wait_s, compute_s = await self._take_groups(run_id, policy, intake, groups)
+        self.ahead = intake.ahead
         WAIT_S.inc(wait_s)
         t0 = time.monotonic()
         # what the step took is kept while the optimizer steps (another thread, and Redis)
@@ -272,6 +295,15 @@ class TrainerLoop:
         waiting for new groups (replaying those read before a restart is no wait) and those
         spent training on them."""
         wait_s = compute_s = 0.0
+        if self.ahead:  # read during an earlier step: first
+            held = Read([(i, {FIELD: g.encode()}) for i, g in self.ahead], list(self.ahead), [])
+            self.ahead = []
+            good = intake.take(held)
+            await groups.park(held, keys.parked_stream(run_id), "groups")
+            if good:
+                t0 = time.monotonic()
+                await compute(policy.accumulate, good)
+                compute_s += time.monotonic() - t0
         last_check = time.monotonic()
         while intake.missing > 0:
             t0 = time.monotonic()

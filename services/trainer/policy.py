@@ -189,6 +189,7 @@ class Policy:
             beta=self.spec.beta,
             whole=whole,
             stale=None if batch.stale is None else batch.stale.to(self.device),
+            behaviour_cap=self.spec.behaviour_cap,
         )
 
     def _logprobs(self, scorer: "ResponseScorer", batch: MicroBatch) -> torch.Tensor:

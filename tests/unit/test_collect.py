@@ -9,7 +9,7 @@ import pytest
 
 from services.common.messages import DeltaBatch, RequestLease
 from services.core.balancer import ReleaseGate
-from services.core.collect import CollectRules, apply_batches, keeps_tokens
+from services.core.collect import CollectRules, apply_batches, keeps_tokens, split_by_step
 from services.core.seeding import (
     SeedingController,
     StepTimes,
@@ -172,3 +172,60 @@ def test_the_reserved_pool_steps_aside_only_for_a_pool_that_can_take_over():
     assert not seeding_over(104.0, 100.0, 5.0, 1, 2)  # its window runs
     assert seeding_over(105.0, 100.0, 5.0, 1, 2)
     assert not seeding_over(200.0, 100.0, 5.0, 1, 0)  # nobody to take over
+
+
+def test_a_read_splits_by_the_step_of_each_request_deltas_before_releases():
+    """Asynchronous RL: a worker's flush carries requests of several steps in flight."""
+    mixed = DeltaBatch(
+        worker_id="w",
+        version=3,
+        items=[delta("4:0:0", 0, [5]), delta("3:1:0", 2, [6]), delta("4:0:1", 0, [7])],
+        released=[RequestLease(request_id="3:0:0", lease=1)],
+        release_reason="swap",
+    )
+    alone = batch("v", [delta("3:2:0", 0, [8])])
+    parts = split_by_step([mixed, alone, batch("x", [delta("bad", 0, [1])])])
+    assert sorted(parts) == [-1, 3, 4]
+    three = parts[3]
+    assert [i.request_id for i in three[0].items] == ["3:1:0"]
+    assert [r.request_id for r in three[0].released] == ["3:0:0"]
+    assert three[0].version == 3 and three[0].release_reason == "swap"
+    assert three[1] is alone  # a batch of one step is passed on as it is
+    assert [i.request_id for i in parts[4][0].items] == ["4:0:0", "4:0:1"]
+    assert parts[4][0].released == []
+
+
+def test_deltas_from_a_version_older_than_the_bound_are_not_taken_and_continue_elsewhere():
+    t = replace_step(table(n=1, prompts=2, max_new=5), step=2)
+    early = DeltaBatch(worker_id="w", version=1, items=[delta("2:0:0", 0, [5, 6])])
+    older = DeltaBatch(worker_id="old", version=0, items=[delta("2:0:0", 2, [7])])
+    out = apply_batches(t, [early, older], CollectRules(max_staleness=1))
+    assert t.requests["2:0:0"].token_ids == [5, 6]  # version 1 >= 2 - 1; version 0 is not
+    assert t.requests["2:0:0"].version_runs == [(0, 1)]
+    assert out.applied["out_of_bound"] == 1
+    (job,) = out.released["bound"]  # continued from its 2 tokens under a new lease
+    assert job.prefix_ids == [5, 6] and job.lease == 1
+    assert out.stale == {"old": {("2:0:0", 0)}}  # the worker that sent them is told to drop it
+    assert t.migrations == {"bound": 1}
+    # no bound: the same deltas are taken (a synchronous run never checks)
+    t2 = replace_step(table(n=1, prompts=2, max_new=5), step=2)
+    out2 = apply_batches(t2, [early, older], CollectRules())
+    assert t2.requests["2:0:0"].token_ids == [5, 6, 7] and "out_of_bound" not in out2.applied
+
+
+def replace_step(t, step):
+    """The test table as a table of `step` (request ids and versions renamed)."""
+    from services.core.request_table import RequestTable
+
+    return RequestTable(
+        "run",
+        step=step,
+        version=step,
+        prompts=[[1, 2]] * len(t.prompts),
+        group_size=t.group_size,
+        max_new_tokens=5,
+        temperature=1.0,
+        top_p=1.0,
+        seed=0,
+        stop_token_ids=[0],
+    )

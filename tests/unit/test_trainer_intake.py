@@ -63,3 +63,21 @@ def test_a_quarantined_group_is_never_taken_twice_either():
     read = read_of(group(0))
     assert intake.take(read) == [] and read.parked == [(b"0-0", "group 0 came twice")]
     assert intake.missing == 1 and intake.last_entry == "0-0"
+
+
+def test_groups_of_later_steps_in_flight_are_held_for_their_step_unacknowledged():
+    """max_staleness 2 (asynchronous RL): while step 5 trains, groups of steps 6 and 7 arrive;
+    they are held (not parked, not among the entries acknowledged with step 5), one of step 8
+    is past the steps in flight and parked, and the next step takes what was held for it."""
+    intake = StepIntake("r", 5, prompts=2, group_size=N, staleness=2)
+    read = read_of(group(0), group(0, step=6), group(1, step=7), group(1, step=8), group(1))
+    good = intake.take(read)
+    assert [g.prompt_index for g in good] == [0, 1]
+    assert [(e, g.step) for e, g in intake.ahead] == [(b"1-0", 6), (b"2-0", 7)]
+    assert intake.entry_ids == [b"0-0", b"3-0", b"4-0"]  # retired with step 5
+    assert dict(read.parked) == {b"3-0": "group of step 8 during step 5"}
+    # step 6 takes its held group and holds step 7's on
+    nxt = StepIntake("r", 6, prompts=2, group_size=N, staleness=2)
+    held = Read([(e, g.fields()) for e, g in intake.ahead], list(intake.ahead), [])
+    assert [g.step for g in nxt.take(held)] == [6]
+    assert [g.step for _, g in nxt.ahead] == [7] and nxt.entry_ids == [b"1-0"]
