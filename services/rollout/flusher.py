@@ -53,7 +53,8 @@ class Flusher:
         # each on its step's jobs stream (asynchronous RL: a worker holds several steps' jobs)
         by_step: dict[int, list[bytes]] = {}
         for rid, entry_id in zip(flush.entry_requests, flush.entry_ids, strict=True):
-            by_step.setdefault(step_of(rid), []).append(entry_id)
+            step = step_of(rid)  # an id that names no step: the version's own stream
+            by_step.setdefault(step if step >= 0 else self.ctx.version or 0, []).append(entry_id)
 
         async def ack() -> None:
             async with self.ctx.r.pipeline(transaction=False) as pipe:
