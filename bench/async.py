@@ -1,17 +1,18 @@
 """Asynchronous RL on this machine: `spotrl up` runs of max_staleness k = 0, 1 and 2 side by side
 (issue 21): end-to-end tokens per second, wall time and reward of each.
 
-Every run is the embedded default's services and built-in task with the same seed and settings
-(by default 2 preemptible workers and no reserved one: with k >= 1 the reserved pool trains and
-generates nothing, so the comparison holds the rollout pool fixed; `--reserved` changes it), a
-few hundred responses a step whose lengths are long-tailed (temperature 1.0 on the small
-pre-trained model: most answers stop early, some run to `--max-new-tokens`). The k values
-alternate for `--rounds`. Throughput is the run's response tokens over the trainer's step
-times summed (from the first version's announcement to the last: the RL steps, not the start
-of the services); reward is the mean of the last 10 steps' mean rewards.
+The task makes long-tailed response lengths, as RL rollouts have: copy a string of lowercase
+letters whose length is log-normal (median e^mu, sigma 1, capped at 60), exact-match reward. The
+bench writes it as a JSONL dataset, pre-trains a small base model on it once (`spotrl
+init-model --task dataset`), and then every run uses that model, the dataset and the same seed
+and settings (by default 2 preemptible workers and no reserved one: with k >= 1 the reserved
+pool trains and generates nothing, so the comparison holds the rollout pool fixed; `--reserved`
+changes it). The k values alternate for `--rounds`. Throughput is the run's response tokens over
+the trainer's step times summed (from the first version's announcement to the last: the RL
+steps, not the start of the services); reward is the mean of the last 10 steps' mean rewards.
 
 Prints each run to stderr and, as its LAST line, one JSON object: k1_vs_k0_tok_s,
-k2_vs_k0_tok_s, reward_k0, reward_k1, reward_k2, tok_s_k0.., wall_s_k0.., max_staleness_k..
+k2_vs_k0_tok_s, reward_k0, reward_k1, reward_k2, tok_s_k0.., wall_s_k0.., response_len_k0..
 
     .venv/bin/python bench/async.py                    # 40 steps of 32 x 8, 2 rounds
 """
@@ -19,7 +20,9 @@ k2_vs_k0_tok_s, reward_k0, reward_k1, reward_k2, tok_s_k0.., wall_s_k0.., max_st
 import argparse
 import json
 import os
+import random
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -30,14 +33,47 @@ import repo_root  # noqa: F401  (the repository root on sys.path)
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def write_dataset(path: Path, rows: int, mu: float, seed: int) -> None:
+    """Copy tasks ({"prompt": "copy qwerty:", "answer": "qwerty"}) of log-normal lengths."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rows):
+        n = max(1, min(60, int(rng.lognormvariate(mu, 1.0))))
+        text = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+        lines.append(json.dumps({"prompt": f"copy {text}:", "answer": text}) + "\n")
+    path.write_text("".join(lines))
+
+
+def build_model(folder: Path, data: Path, pretrain_steps: int) -> None:
+    if (folder / "config.json").is_file():
+        return
+    cmd = [sys.executable, "-m", "services.cli.main", "init-model", str(folder)]
+    cmd += ["--task", "dataset", "--task-path", str(data)]
+    cmd += ["--pretrain-steps", str(pretrain_steps)]
+    env = os.environ | {"OMP_NUM_THREADS": "2"}
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+
+
 def run_up(args, k: int, work: Path) -> dict:
     """One `spotrl up` run of max_staleness k; its throughput, wall time and rewards."""
     cmd = [sys.executable, "-m", "services.cli.main", "up", "--max-staleness", str(k)]
     cmd += ["--reserved", str(args.reserved), "--preemptible", str(args.preemptible)]
     cmd += ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
     cmd += ["--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens)]
-    cmd += ["--temperature", "1.0", "--seed", str(args.seed), "--task", args.task]
+    cmd += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+    cmd += [
+        "--model",
+        str(work / "model"),
+        "--task",
+        "dataset",
+        "--dataset",
+        str(work / "data.jsonl"),
+    ]
+    cmd += ["--prompt-field", "prompt", "--answer-field", "answer", "--reward", "exact_match"]
     env = os.environ | {"SPOTRL_HOME": str(work)}
+    if args.split_cores:  # the trainer on core 0, the rollout workers on core 1
+        env["SPOTRL_CPUS"] = "0"
+        cmd += ["--worker-env", "SPOTRL_CPUS=1"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"spotrl up (k={k}) exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -65,16 +101,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--reserved", type=int, default=0)
     parser.add_argument("--preemptible", type=int, default=2)
-    parser.add_argument("--task", default="arithmetic")
+    parser.add_argument("--mu", type=float, default=2.0, help="log-normal mu of answer lengths")
+    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--split-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="trainer and workers on cores of their own (SPOTRL_CPUS), as on their own hardware",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ks", default="0,1,2")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
+    write_dataset(work / "data.jsonl", 20000, args.mu, args.seed)
+    build_model(work / "model", work / "data.jsonl", args.pretrain_steps)
     ks = [int(k) for k in args.ks.split(",")]
     results: dict[int, list[dict]] = {k: [] for k in ks}
     for round_ in range(args.rounds):
@@ -102,7 +148,9 @@ def main() -> None:
         "steps": args.steps,
         "batch": f"{args.prompts_per_step}x{args.group_size}",
         "max_new_tokens": args.max_new_tokens,
+        "answer_len_mu": args.mu,
         "workers": f"{args.reserved} reserved + {args.preemptible} preemptible",
+        "split_cores": args.split_cores,
         "rounds": args.rounds,
     }
     print(json.dumps(summary))

@@ -182,6 +182,18 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def pin_cpus(spec: str | None) -> None:
+    """Run this process on the cores `spec` names ('0-3,8'); nothing where it is None or the
+    platform has no affinity call."""
+    if spec is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    os.sched_setaffinity(0, cores)
+
+
 def serve(
     app: FastAPI,
     host: str,

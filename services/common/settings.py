@@ -49,6 +49,14 @@ class CommonSettings(BaseSettings):
     )
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
+    cpus: str | None = Field(
+        None,
+        pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        max_length=256,
+        description="CPU cores the trainer or a rollout worker runs on (Linux affinity, set at "
+        "start), e.g. '0' or '0-3,8': services that share a machine keep off each other's "
+        "cores, as they would on their own hardware. None: every core.",
+    )
     gpu_memory_share: float | None = Field(
         None,
         gt=0,

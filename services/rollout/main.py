@@ -3,13 +3,14 @@
 import os
 
 from services.common.logs import setup_logging
-from services.common.service import serve
+from services.common.service import pin_cpus, serve
 from services.rollout.settings import RolloutSettings
 
 
 def main() -> None:
     settings = RolloutSettings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.torch_threads))
+    pin_cpus(settings.cpus)
     setup_logging(f"rollout[{settings.worker_id}]", settings.log_level)
     from services.rollout.app import build_app
 

@@ -6,13 +6,14 @@ import os
 import sys
 
 from services.common.logs import setup_logging
-from services.common.service import serve
+from services.common.service import pin_cpus, serve
 from services.trainer.settings import TrainerSettings
 
 
 def main() -> None:
     settings = TrainerSettings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.torch_threads))
+    pin_cpus(settings.cpus)
     if settings.trainer_ranks > 1 and "RANK" not in os.environ:
         # this process becomes torchrun's agent, which starts the ranks (this module, again)
         args = [
