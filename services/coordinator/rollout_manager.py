@@ -174,8 +174,8 @@ class RunManager:
         try:
             while self.committed < self.spec.steps:
                 while next_step < self.spec.steps and next_step <= self.committed + k:
-                    live = await self._open_step(next_step)
-                    flight[next_step] = asyncio.create_task(self._drive_step(live))
+                    opened = await self._open_step(next_step)
+                    flight[next_step] = asyncio.create_task(self._drive_step(opened))
                     next_step += 1
                 if collecting is None:  # once the steps of a restart are restored: replay
                     self.collector.replay()

@@ -298,12 +298,7 @@ class TrainerLoop:
         if self.ahead:  # read during an earlier step: first
             held = Read([(i, {FIELD: g.encode()}) for i, g in self.ahead], list(self.ahead), [])
             self.ahead = []
-            good = intake.take(held)
-            await groups.park(held, keys.parked_stream(run_id), "groups")
-            if good:
-                t0 = time.monotonic()
-                await compute(policy.accumulate, good)
-                compute_s += time.monotonic() - t0
+            compute_s += await self._train_on(run_id, policy, intake, groups, held)
         last_check = time.monotonic()
         while intake.missing > 0:
             t0 = time.monotonic()
@@ -317,13 +312,21 @@ class TrainerLoop:
                     await ensure_live(self.r, run_id)
                     last_check = time.monotonic()
                 continue
-            good = intake.take(read)
-            await groups.park(read, keys.parked_stream(run_id), "groups")
-            if good:
-                t0 = time.monotonic()
-                await compute(policy.accumulate, good)
-                compute_s += time.monotonic() - t0
+            compute_s += await self._train_on(run_id, policy, intake, groups, read)
         return wait_s, compute_s
+
+    async def _train_on(
+        self, run_id: str, policy, intake: StepIntake, groups: StreamConsumer[Group], read: Read
+    ) -> float:
+        """Take what the step takes of `read`, park what it refuses, train on the rest; the
+        seconds spent training."""
+        good = intake.take(read)
+        await groups.park(read, keys.parked_stream(run_id), "groups")
+        if not good:
+            return 0.0
+        t0 = time.monotonic()
+        await compute(policy.accumulate, good)
+        return time.monotonic() - t0
 
     async def _keep_intake(self, run_id: str, step: int, intake: StepIntake) -> None:
         """The step's ledger in Redis and, with `rollouts_dir`, its groups on disk."""
