@@ -96,6 +96,52 @@ def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(engine_and_mo
     assert len({tuple(t) for rid, t in together.items() if rid.startswith("g")}) > 1
 
 
+def test_a_join_prefills_only_the_joining_requests_and_decodes_as_alone(engine_and_model):
+    """Requests join a running set over many steps (some after others left, so the cache's
+    padding is trimmed): only the joining contexts are prefilled, the running rows take a
+    one-token step beside them, and every request draws exactly what it draws alone."""
+    engine, _ = engine_and_model
+    joins = {
+        0: [job("a", PROMPTS["a"], 9, temperature=1.0, seed=3)],
+        1: [job("c", PROMPTS["c"], 2, temperature=1.0, seed=4)],
+        3: [job("b", PROMPTS["b"], 8, temperature=1.0, seed=5)],
+        4: [job("d", PROMPTS["c"], 5, prefix=[30, 31, 32, 33, 34, 35], seed=6)],
+        7: [job("e", PROMPTS["b"], 4, seed=7), job("f", PROMPTS["b"], 4, seed=7)],
+    }
+    alone = {}
+    for js in joins.values():
+        for j in js:
+            alone |= run_to_end(engine, joins={0: [j]})
+    fed = []
+    model_forward = engine.model.forward
+
+    def counting_forward(*args, **kwargs):
+        fed.append(tuple(kwargs["input_ids"].shape))
+        return model_forward(*args, **kwargs)
+
+    engine.model.forward = counting_forward
+    try:
+        together = run_to_end(engine, joins=joins)
+    finally:
+        del engine.model.forward
+    assert together == alone
+    # step 0 prefills a; step 1 decodes a and prefills c (1 row of 6); step 3 prefills b alone,
+    # step 4 d alone, step 7 one row for e and f (their shared prompt)
+    prefills = [shape for shape in fed if shape[1] > 1]
+    assert prefills == [(1, 4), (1, 6), (1, 3), (1, 12), (1, 3)]
+
+
+def test_the_cache_drops_the_padding_of_rows_that_left(engine_and_model):
+    engine, _ = engine_and_model
+    engine.add(job("long", PROMPTS["a"], 1, prefix=list(range(30, 50))))
+    engine.add(job("short", PROMPTS["b"], 3))
+    engine.decode()  # both prefilled, 24 positions wide; "long" ends
+    assert engine._attn.shape[1] == 24
+    engine.decode()  # "short" alone: its 3 prompt positions and the token it was fed
+    assert engine._attn.shape[1] == 4
+    engine.abort_all()
+
+
 def test_abort_frees_the_slot(engine_and_model):
     engine, _ = engine_and_model
     engine.add(job("a", PROMPTS["a"], 10))

@@ -1,11 +1,13 @@
 """A plain transformers/torch engine.
 
 `HFEngine` batches continuously: requests join and leave between decode steps. It keeps one
-batched KV cache for the running set; when requests leave, their rows are dropped from the
-cache; when requests join, the whole batch is prefilled again (left-padded), each distinct
-context once (the n samples of a GRPO group share their prompt: one row of prefill, its cache
-rows copied n times). That is simple and exact, fine for small models and tests; vLLM
-(`engines/vllm.py`, with its prefix cache) is the engine for production sizes.
+batched, left-padded KV cache for the running set; when requests leave, their rows are dropped
+from the cache (and the leading columns no row uses any more); when requests join, only they are
+prefilled, each distinct context once (the n samples of a GRPO group share their prompt: one
+row of prefill, its cache rows copied n times), and their rows are left-padded to the running
+set's width and appended, while the running rows take their decode step. That is simple and
+exact, fine for small models and tests; vLLM (`engines/vllm.py`, with paged attention and its
+prefix cache) is the engine for production sizes.
 
 Sampling (`sampling.py`) is reproducible by (request seed, response position), so a
 continuation on another worker (prompt + collected prefix) draws what an uninterrupted
@@ -29,6 +31,16 @@ from services.rollout.engines.sampling import Draw, sample_rows
 def cache_tokens(job: Job) -> int:
     """The most KV-cache positions a request takes: its context and its whole budget."""
     return len(job.prompt_ids) + len(job.prefix_ids) + job.remaining_tokens
+
+
+def pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` with zeros before its entries along `dim`, up to `width`."""
+    short = width - t.shape[dim]
+    if short == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = short
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def draw_of(seq: Sequence) -> Draw:
@@ -56,7 +68,8 @@ class HFEngine:
         self.model: Any = None  # a transformers causal LM, once loaded
         self.seqs: dict[str, Sequence] = {}
         self._cache: Any = None  # a transformers DynamicCache of the running set
-        self._cache_ids: list[str] = []  # row order of the cache
+        self._cache_ids: list[str | None] = []  # row order of the cache (None: a row that left)
+        self._appendable = True  # whether joining rows can be appended to the cache
         # attention mask and last positions of the cache's rows (valid while there is a cache)
         self._attn = torch.zeros((0, 0), dtype=torch.long)
         self._positions = torch.zeros(0, dtype=torch.long)
@@ -122,10 +135,11 @@ class HFEngine:
     def add(self, job: Job) -> None:
         if self.model is None:
             raise RuntimeError("no weights loaded")
+        if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone
+            self._cache_ids = [None if r == job.request_id else r for r in self._cache_ids]
         self.seqs[job.request_id] = Sequence(job)
         if self._longest is not None:
             self._longest = max(self._longest, cache_tokens(job))
-        self._drop_cache()
 
     def abort(self, request_id: str) -> bool:
         self._longest = None
@@ -147,11 +161,22 @@ class HFEngine:
         """One decode step for every active request."""
         if not self.seqs:
             return []
-        ids = list(self.seqs)
-        if self._cache is not None and set(ids) <= set(self._cache_ids):
-            logits = self._decode(ids)
-        else:
-            logits = self._prefill(ids)
+        cached = set(self._cache_ids) if self._cache is not None else set()
+        running = [rid for rid in self._cache_ids if rid in self.seqs]
+        joining = [rid for rid in self.seqs if rid not in cached]
+        if joining and not self._appendable:  # a cache whose rows cannot be padded and joined
+            running, self._cache, self._cache_ids = [], None, []
+            joining = list(self.seqs)
+        if not running:
+            ids, logits = joining, self._prefill(joining)
+        elif not joining:
+            ids, logits = running, self._decode(running)
+        else:  # the running rows take their step, the joining ones are prefilled beside them
+            logits = self._decode(running)
+            before = self._cache, self._cache_ids, self._attn, self._positions
+            joined = self._prefill(joining)
+            self._append_to(*before)
+            ids, logits = running + joining, torch.cat([logits, joined])
         seqs = [self.seqs[rid] for rid in ids]
         draws = [draw_of(seq) for seq in seqs]
         events = []
@@ -184,6 +209,7 @@ class HFEngine:
             attn[i, width - len(c) :] = 1
         positions = (attn.cumsum(1) - 1).clamp(min=0)
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache()
         out = self.model(
@@ -199,7 +225,20 @@ class HFEngine:
             cache.batch_select_indices(on_device)
         self._cache, self._cache_ids = cache, ids
         self._attn, self._positions = attn[index], positions[index, -1]
+        # full-attention layers only (a sliding window crops its cache itself)
+        self._appendable = all(type(layer) is DynamicLayer for layer in cache.layers)
         return out.logits[on_device, -1]
+
+    def _append_to(self, cache: Any, ids: list[str], attn: torch.Tensor, positions: torch.Tensor):
+        """Put the cache just prefilled (the joining rows) after `cache`'s rows, the narrower of
+        the two left-padded to the other's width, and keep the result as the running set's."""
+        width = max(attn.shape[1], self._attn.shape[1])
+        for old, new in zip(cache.layers, self._cache.layers, strict=True):
+            old.keys = torch.cat([pad_left(old.keys, width, 2), pad_left(new.keys, width, 2)])
+            old.values = torch.cat([pad_left(old.values, width, 2), pad_left(new.values, width, 2)])
+        self._attn = torch.cat([pad_left(attn, width, 1), pad_left(self._attn, width, 1)])
+        self._positions = torch.cat([positions, self._positions])
+        self._cache, self._cache_ids = cache, ids + self._cache_ids
 
     def _decode(self, ids: list[str]) -> torch.Tensor:
         if ids != self._cache_ids:  # some requests left: keep only the rows still running
@@ -207,6 +246,7 @@ class HFEngine:
             self._cache.batch_select_indices(rows.to(self.device))
             self._attn, self._positions = self._attn[rows], self._positions[rows]
             self._cache_ids = ids
+            self._trim()
         last = torch.tensor([[self.seqs[rid].generated[-1]] for rid in ids])
         self._attn = torch.cat([self._attn, torch.ones((len(ids), 1), dtype=torch.long)], dim=1)
         self._positions = self._positions + 1
@@ -219,3 +259,15 @@ class HFEngine:
         )
         self._cache = out.past_key_values
         return out.logits[:, -1]
+
+    def _trim(self) -> None:
+        """Drop the leading cache columns that no running row attends to any more (they were
+        padding for rows that have left)."""
+        used = self._attn.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first == 0:
+            return
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[:, :, first:]
+            layer.values = layer.values[:, :, first:]
+        self._attn = self._attn[:, first:]
