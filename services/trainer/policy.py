@@ -14,6 +14,15 @@ scales the policy term, not the KL): then the step's backward
 waits for `optimizer_step()` ("deferred": no pipelining). grpo, dr_grpo and bnpo under group or
 no scaling need nothing at the end.
 
+Responses whose advantage is 0 (a group whose rewards are all equal) add nothing to the
+gradient when the loss is a sum over responses (grpo, dr_grpo, dapo) and has no KL term
+(beta 0): their policy term is -min(r 0, clip(r) 0) = 0. Those are not run through the model
+at all (`skips_flat_groups`); they still count where the step's sizes count responses and
+tokens, and in its metrics (as responses of zero loss, zero clipped tokens), so the gradient,
+the optimizer step and the metrics are those of training them, up to float rounding. On a task
+the policy mostly solves (or mostly fails) that is most of the step: verl's and DAPO's dynamic
+sampling drop such groups from the batch for the same reason.
+
 `num_iterations` > 1: after the step's first optimizer step, `optimizer_step()` runs the step's
 micro-batches again, once per further iteration, each followed by an optimizer step; the ratio
 is always to the rollout's logprobs (the policy that sampled), as TRL's second and later
@@ -91,6 +100,9 @@ class Policy:
         # backward waits for optimizer_step: the batch std scales the policy term, not the KL
         self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
         self._keeps_rows = self.deferred or spec.num_iterations > 1
+        # zero-advantage responses need no pass: bnpo's share depends on the micro-batch
+        # (every response counts in its token mean), and the KL term has gradient of its own
+        self.skips_flat_groups = spec.loss_type != "bnpo" and spec.beta == 0
         # what a published version holds: its weights in this dtype, beside these files
         self.weight_dtype = auto_dtype(spec.weight_dtype, device)
         self._companions = companion_files(self.model_dir, self.weight_dtype)
@@ -102,6 +114,7 @@ class Policy:
         self.waiting: list[Row] = []  # rows short of a full micro-batch
         self.rewards: list[float] = []
         self.tokens = 0
+        self.skipped = PassStats()  # zero-advantage responses not run through the model
 
     def _size(self, exact: bool) -> StepSize:
         """The step's sizes; with `exact` False, the provisional token count of a pipelined
@@ -118,10 +131,15 @@ class Policy:
             self.rewards.extend(rewards)
             advantages = group_advantages(rewards, self.spec.scale_rewards)
             for resp, adv in zip(g.responses, advantages, strict=True):
-                if resp.token_ids:
-                    stale = stale_tokens(resp.version_runs, len(resp.token_ids), g.version)
-                    rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale))
-        self.tokens += sum(len(r.response_ids) for r in rows)
+                if not resp.token_ids:
+                    continue
+                self.tokens += len(resp.token_ids)
+                if adv == 0.0 and self.skips_flat_groups:
+                    self.skipped.sequences += 1
+                    self.skipped.tokens += len(resp.token_ids)
+                    continue
+                stale = stale_tokens(resp.version_runs, len(resp.token_ids), g.version)
+                rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale))
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
         # a step of B x n responses makes ceil(B x n / micro_batch_size) passes however its
         # groups arrive (by tokens: as many as cutting all its rows in order makes)
@@ -237,8 +255,13 @@ class Policy:
                 self._backward(batch, exact, adv_scale, stats)
             passes.append(stats)
             grad_norms.append(self._apply())
+        skipped = self.skipped
         self._new_step()
-        return step_row(self._gather(passes), grad_norms)
+        gathered = self._gather(passes)
+        for p in gathered:  # the skipped responses count once, as trained with zero loss
+            p.sequences += skipped.sequences
+            p.tokens += skipped.tokens
+        return step_row(gathered, grad_norms)
 
     def _gather(self, passes: list[PassStats]) -> list[PassStats]:
         """What the passes measured, over every process that trained a part of them."""
@@ -254,6 +277,10 @@ class Policy:
     def _apply(self) -> float:
         """Clip the gradient, step the optimizer and the schedule, clear the gradient; the norm
         before clipping."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if all(p.grad is None for p in params):  # a step of skipped responses only: the
+            for p in params:  # gradient of training them, zero (weight decay and momentum on)
+                p.grad = torch.zeros_like(p)
         limit = self.spec.max_grad_norm or math.inf  # 0: no clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         self.optimizer.step()

@@ -4,6 +4,7 @@ the rollout policy, the optimizer and schedule settings reach torch, and the sch
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -229,6 +230,7 @@ def test_micro_batches_are_full_however_the_groups_arrive(tiny_model):
     grads = []
     for reads in ([slice(0, 3)], [slice(0, 1), slice(1, 2), slice(2, 3)]):
         policy = Policy(tiny_model, knobs(tiny_model, micro_batch_size=5))
+        policy.skips_flat_groups = False  # every response is a row here
         groups = make_groups(policy)
         sizes: list[int] = []
         backward = policy._backward
@@ -245,4 +247,75 @@ def test_micro_batches_are_full_however_the_groups_arrive(tiny_model):
         assert sizes == [5, 5, 2]
         grads.append(seen[0])
     for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def flatten_rewards(groups: list[Group], which: list[int]) -> list[Group]:
+    """The groups, those at `which` with every reward equal (their advantages all 0)."""
+    out = []
+    for i, g in enumerate(groups):
+        if i in which:
+            responses = [msgspec.structs.replace(r, reward=1.0) for r in g.responses]
+            g = msgspec.structs.replace(g, responses=responses)
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "scale_rewards"), [("grpo", "group"), ("dr_grpo", "none"), ("dapo", "batch")]
+)
+def test_zero_advantage_responses_are_not_run_and_the_step_is_the_same(
+    tiny_model, loss_type, scale_rewards
+):
+    """A group of equal rewards adds nothing to a sum-over-responses loss without KL: its
+    responses never reach the model, and the gradient and the metrics are those of training
+    them."""
+    spec = knobs(tiny_model, loss_type=loss_type, scale_rewards=scale_rewards)
+    results = {}
+    for skip in (True, False):
+        policy = Policy(tiny_model, spec)
+        policy.skips_flat_groups = skip
+        groups = flatten_rewards(make_groups(policy), [0])  # make_groups' group 1 is flat too
+        seen = applied_gradients(policy)
+        rows_run = []
+        forward = policy.scorer.forward
+
+        def counting(*args, _forward=forward, _rows=rows_run, **kwargs):
+            _rows.append(int(args[5].sum().item()))  # response tokens of the micro-batch
+            return _forward(*args, **kwargs)
+
+        policy.scorer.forward = counting
+        policy.accumulate(groups[:1])
+        policy.accumulate(groups[1:])
+        row = policy.optimizer_step()
+        results[skip] = (seen[0], row, sum(rows_run))
+        if skip:
+            reference = whole_step_gradient(Policy(tiny_model, spec), groups)
+    (skip_grad, skip_row, skip_tokens), (full_grad, full_row, full_tokens) = results.values()
+    assert skip_tokens == sum(len(r.token_ids) for r in groups[2].responses)
+    assert full_tokens == sum(len(r.token_ids) for g in groups for r in g.responses)
+    for got, plain, want in zip(skip_grad, full_grad, reference, strict=True):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
+        assert torch.allclose(got, plain, rtol=1e-4, atol=1e-7)
+    assert skip_row.trained_sequences == full_row.trained_sequences == PROMPTS * RESPONSES
+    assert skip_row.trained_tokens == full_row.trained_tokens
+    assert skip_row.policy_loss == pytest.approx(full_row.policy_loss, abs=1e-6)
+    assert skip_row.clip_fraction == full_row.clip_fraction
+
+
+def test_a_step_of_equal_rewards_only_steps_the_optimizer_as_training_it_would(tiny_model):
+    """Nothing to run, yet the optimizer steps on a zero gradient (weight decay, momentum)."""
+    weights = {}
+    for skip in (True, False):
+        spec = knobs(tiny_model, learning_rate=1e-2, weight_decay=0.1)
+        policy = Policy(tiny_model, spec)
+        policy.skips_flat_groups = False  # the same first step (Adam magnifies float rounding)
+        policy.accumulate(make_groups(policy))  # a first step with a gradient: momentum
+        policy.optimizer_step()
+        policy.skips_flat_groups = skip
+        policy.accumulate(flatten_rewards(make_groups(policy), [0, 1, 2]))
+        row = policy.optimizer_step()
+        assert row.trained_sequences == PROMPTS * RESPONSES and row.grad_norm == 0.0
+        weights[skip] = [p.detach().clone() for p in policy.model.parameters()]
+    for a, b in zip(weights[True], weights[False], strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
