@@ -1,15 +1,20 @@
 """Asynchronous RL on this machine: `spotrl up` runs of max_staleness k = 0, 1 and 2 side by side
 (issue 21): end-to-end tokens per second, wall time and reward of each.
 
-The task makes long-tailed response lengths, as RL rollouts have: copy a string of lowercase
-letters whose length is log-normal (median e^mu, sigma 1, capped at 60), exact-match reward. The
-bench writes it as a JSONL dataset, pre-trains a small base model on it once (`spotrl
-init-model --task dataset`), and then every run uses that model, the dataset and the same seed
-and settings (by default 2 preemptible workers and no reserved one: with k >= 1 the reserved
-pool trains and generates nothing, so the comparison holds the rollout pool fixed; `--reserved`
-changes it). The k values alternate for `--rounds`. Throughput is the run's response tokens over
-the trainer's step times summed (from the first version's announcement to the last: the RL
-steps, not the start of the services); reward is the mean of the last 10 steps' mean rewards.
+The tasks make long-tailed response lengths, as RL rollouts have (log-normal: median e^mu,
+`--sigma`, capped at `--max-len`). `letters` (the default): "letters ahk:" asks for any string
+of those three letters, so each sample of a prompt draws its own length, as reasoning
+responses do, and a group is complete only when its longest sample is; the reward (1 or 0,
+bench/async_reward.py) is whether every letter is allowed. `copy`: "copy qwerty:" asks for the
+string itself (exact match), so a group's samples all have one length. The bench writes the
+task as a JSONL dataset, pre-trains a small base model on it once (`spotrl init-model --task
+dataset`, kept in the work dir), and then every run uses that model, the dataset and the same
+seed and settings (by default 2 preemptible workers and no reserved one: with k >= 1 the
+reserved pool trains and generates nothing, so the comparison holds the rollout pool fixed;
+`--reserved` changes it). The k values alternate for `--rounds`. Throughput is the run's
+response tokens over the trainer's step times summed (from the first version's announcement to
+the last: the RL steps, not the start of the services); reward is the mean of the last 10
+steps' mean rewards.
 
 Prints each run to stderr and, as its LAST line, one JSON object: k1_vs_k0_tok_s,
 k2_vs_k0_tok_s, reward_k0, reward_k1, reward_k2, tok_s_k0.., wall_s_k0.., response_len_k0..
@@ -31,16 +36,28 @@ from pathlib import Path
 import repo_root  # noqa: F401  (the repository root on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
+REWARDS = {"copy": "exact_match", "letters": "bench.async_reward:only_letters"}
 
 
-def write_dataset(path: Path, rows: int, mu: float, seed: int) -> None:
-    """Copy tasks ({"prompt": "copy qwerty:", "answer": "qwerty"}) of log-normal lengths."""
+def write_dataset(
+    path: Path, task: str, rows: int, mu: float, sigma: float, cap: int, seed: int
+) -> None:
+    """`copy`: {"prompt": "copy qwerty:", "answer": "qwerty"}, the answer's length log-normal
+    (every sample of a prompt has the same length). `letters`: {"prompt": "letters ahk:",
+    "answer": "hakkh", "letters": "ahk"}, any string of those letters of a log-normal length
+    (each sample of a prompt draws its own length, as RL responses do)."""
     rng = random.Random(seed)
     lines = []
     for _ in range(rows):
-        n = max(1, min(60, int(rng.lognormvariate(mu, 1.0))))
-        text = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
-        lines.append(json.dumps({"prompt": f"copy {text}:", "answer": text}) + "\n")
+        n = max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
+        if task == "copy":
+            text = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+            row = {"prompt": f"copy {text}:", "answer": text}
+        else:
+            letters = "".join(sorted(rng.sample(string.ascii_lowercase, 3)))
+            text = "".join(rng.choice(letters) for _ in range(n))
+            row = {"prompt": f"letters {letters}:", "answer": text, "letters": letters}
+        lines.append(json.dumps(row) + "\n")
     path.write_text("".join(lines))
 
 
@@ -69,8 +86,8 @@ def run_up(args, k: int, work: Path) -> dict:
         "--dataset",
         str(work / "data.jsonl"),
     ]
-    cmd += ["--prompt-field", "prompt", "--answer-field", "answer", "--reward", "exact_match"]
-    env = os.environ | {"SPOTRL_HOME": str(work)}
+    cmd += ["--prompt-field", "prompt", "--answer-field", "answer", "--reward", REWARDS[args.task]]
+    env = os.environ | {"SPOTRL_HOME": str(work), "SPOTRL_REWARD_MODULES": "bench.async_reward"}
     if args.split_cores:  # the trainer on core 0, the rollout workers on core 1
         env["SPOTRL_CPUS"] = "0"
         cmd += ["--worker-env", "SPOTRL_CPUS=1"]
@@ -104,7 +121,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--reserved", type=int, default=0)
     parser.add_argument("--preemptible", type=int, default=2)
+    parser.add_argument("--task", choices=sorted(REWARDS), default="letters")
     parser.add_argument("--mu", type=float, default=2.0, help="log-normal mu of answer lengths")
+    parser.add_argument(
+        "--sigma", type=float, default=1.0, help="log-normal sigma of answer lengths"
+    )
+    parser.add_argument("--max-len", type=int, default=60, help="answer lengths are capped here")
     parser.add_argument("--pretrain-steps", type=int, default=600)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
@@ -119,7 +141,9 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
-    write_dataset(work / "data.jsonl", 20000, args.mu, args.seed)
+    write_dataset(
+        work / "data.jsonl", args.task, 20000, args.mu, args.sigma, args.max_len, args.seed
+    )
     build_model(work / "model", work / "data.jsonl", args.pretrain_steps)
     ks = [int(k) for k in args.ks.split(",")]
     results: dict[int, list[dict]] = {k: [] for k in ks}
@@ -145,6 +169,7 @@ def main() -> None:
     summary["lost"] = sum(r["lost"] for rs in results.values() for r in rs)
     summary["duplicated"] = sum(r["duplicated"] for rs in results.values() for r in rs)
     summary |= {
+        "task": args.task,
         "steps": args.steps,
         "batch": f"{args.prompts_per_step}x{args.group_size}",
         "max_new_tokens": args.max_new_tokens,
