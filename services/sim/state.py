@@ -68,6 +68,7 @@ class StepState:
     train_s: float = 0.0  # training compute so far (micro-batches, without waits)
     train_wait_s: float = 0.0
     idle_since_s: float | None = None
+    optimize_waiting: bool = False  # all trained; the optimizer waits for the last commit
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)  # the balancer's cooldown
 
 

@@ -233,12 +233,30 @@ class StepProtocol:
         st = self.inflight[step]
         st.training = False
         st.trained_groups += 1
-        if st.trained_groups == len(st.prompt_tokens):
+        if st.trained_groups < len(st.prompt_tokens):
+            self.train_next()
+        elif not self.system.max_staleness:
             last = self.sc.trainer.optimizer_s + self.sc.trainer.publish_s
             self.totals.reserved_train_s += last
             self.at(self.now + last, "committed", step)
+        elif min(self.inflight) < step:  # the version before is still being published
+            st.optimize_waiting = True
         else:
-            self.train_next()
+            self.optimize(st)
+
+    def optimize(self, st: StepState) -> None:
+        """Asynchronous RL: the optimizer step, then the version is published while the
+        trainer goes on with the next step's groups (as the services' trainer does); the next
+        optimizer step waits for that commit."""
+        self.totals.reserved_train_s += self.sc.trainer.optimizer_s + self.sc.trainer.publish_s
+        self.at(self.now + self.sc.trainer.optimizer_s, "optimized", st.step)
+
+    def on_optimized(self, step: int) -> None:
+        later = [s for s in self.inflight if s > step]
+        if later:
+            self.cur = self.inflight[min(later)]
+        self.at(self.now + self.sc.trainer.publish_s, "committed", step)
+        self.train_next()
 
     def on_committed(self, step: int) -> None:
         """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next
@@ -292,6 +310,9 @@ class StepProtocol:
         if not self.finished() and (self.max_steps is None or nxt < self.max_steps):
             self.start_step(nxt)
         if k:
+            if self.cur is not None and self.cur.optimize_waiting:  # its groups all trained
+                self.cur.optimize_waiting = False
+                self.optimize(self.cur)
             self.train_next()  # the next step's groups may be waiting
 
     def n_prem_async(self, st: StepState) -> float:

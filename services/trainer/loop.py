@@ -1,6 +1,8 @@
 """The trainer loop: wait for the active run, publish its base weights as version 0, then for
 each step consume the step's B groups as they arrive (backpropagating each on arrival), step the
-optimizer once, commit version v+1 to the weight store and announce it.
+optimizer once, commit version v+1 to the weight store and announce it. With max_staleness
+k >= 1 the commit and announcement run beside the next step's first groups (held or read), and
+the next optimizer step waits for them: versions still go out in order, one at a time.
 
 Groups are acknowledged, and deleted from the stream, only after the version they trained is
 committed: until then a restarted trainer finds every group of its step again (the groups
@@ -10,6 +12,7 @@ as JSON lines on disk. Versions are committed, announced and taken back by `vers
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +33,7 @@ from services.common.redis_streams import (
     ensure_group,
     with_reconnect,
 )
+from services.common.retry import brief
 from services.common.run_state import (
     RunStopped,
     active_run,
@@ -54,6 +58,7 @@ LAST_WAIT_S = Gauge("spotrl_trainer_last_wait_seconds", "Seconds idle for groups
 LOSS = Gauge("spotrl_trainer_policy_loss", "Policy loss of the newest step")
 READ_BLOCK_MS = 100  # one read of the groups stream waits this long for new groups
 CHECK_S = 0.5  # while waiting for groups, the run's state is checked this often
+PUBLISH_AT_EXIT_S = 10.0  # a publication in flight at exit may take this long to end
 SEED_WAIT_MS = 200  # a wait for the seeding window's end checks the run's state this often
 
 
@@ -86,6 +91,9 @@ class TrainerLoop:
         self.weights_of = 0  # the version the policy's weights are
         self.announced_at = time.monotonic()  # when the newest version was announced
         self.checkpointed = (0, time.monotonic())  # (step, time) of the newest checkpoint
+        # with max_staleness >= 1: the publication of the newest version, while the next
+        # step's groups train; awaited before the next optimizer step
+        self.publishing: asyncio.Task | None = None
 
     async def forever(self) -> None:
         while True:
@@ -138,7 +146,9 @@ class TrainerLoop:
                 self.status = {"run_id": run_id, "step": step, "state": "training"}
                 await self._train_step(run_id, spec, policy, step, writer, groups)
                 step += 1
+            await self._published()
         finally:
+            await self._finish_publishing()
             # at exit too (SIGTERM cancels this task): the state of the newest version, once
             # the write in flight (if any) is done
             writer.close()
@@ -238,6 +248,7 @@ class TrainerLoop:
         self.ahead = intake.ahead
         WAIT_S.inc(wait_s)
         t0 = time.monotonic()
+        await self._published()  # the version before this one is out (with k >= 1)
         # what the step took is kept while the optimizer steps (another thread, and Redis)
         stats, _ = await asyncio.gather(
             compute(policy.optimizer_step), self._keep_intake(run_id, step, intake)
@@ -245,23 +256,66 @@ class TrainerLoop:
         compute_s += time.monotonic() - t0
         self.weights_of = step + 1
         checkpoint_s = await self._checkpoint(run_id, policy, step + 1, writer, intake)
-        train_s = time.monotonic() - started
-        publish_s = await self.versions.commit(run_id, policy, step + 1)
-        await self._retire(
-            groups.stream, intake.entry_ids, self._count_trained(run_id, step, intake)
+        trained = StepRow(
+            train_s=time.monotonic() - started,
+            train_wait_s=wait_s,
+            seed_wait_s=seed_wait_s,
+            train_compute_s=compute_s,
+            checkpoint_s=checkpoint_s,
+            groups_incomplete=intake.ledger.incomplete,
         )
-        STEP_S.observe(train_s)
+        publish = self._publish(run_id, policy, step, intake, groups.stream, stats, trained)
+        if spec.max_staleness == 0:
+            await publish
+        else:  # the next step's held groups train while this version goes out
+            self.publishing = asyncio.create_task(publish)
+
+    async def _finish_publishing(self) -> None:
+        """At exit: let a publication in flight end (it is short), else cancel it (a commit is
+        atomic; a version committed and not announced is announced on resume)."""
+        task, self.publishing = self.publishing, None
+        if task is None:
+            return
+        await asyncio.wait({task}, timeout=PUBLISH_AT_EXIT_S)
+        if not task.done():
+            log.warning("a version's publication was cut short at exit")
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+            if isinstance(outcome, Exception):
+                log.error("a version's publication failed at exit: %s", brief(outcome))
+
+    async def _published(self) -> None:
+        """Wait for the version being published, if one is (its errors are the step's)."""
+        task, self.publishing = self.publishing, None
+        if task is not None:
+            await task
+
+    async def _publish(
+        self,
+        run_id: str,
+        policy,
+        step: int,
+        intake: StepIntake,
+        stream: str,
+        stats: StepRow,
+        trained: StepRow,
+    ) -> None:
+        """Commit and announce the version the step made, retire its groups, record its row."""
+        publish_s = await self.versions.commit(run_id, policy, step + 1)
+        await self._retire(stream, intake.entry_ids, self._count_trained(run_id, step, intake))
+        STEP_S.observe(trained.train_s)
         STEPS.inc()
         row = msgspec.structs.replace(
             stats,
-            train_s=train_s,
-            train_wait_s=wait_s,
-            seed_wait_s=seed_wait_s,
+            train_s=trained.train_s,
+            train_wait_s=trained.train_wait_s,
+            seed_wait_s=trained.seed_wait_s,
             publish_s=publish_s,
-            train_compute_s=compute_s,
-            checkpoint_s=checkpoint_s,
+            train_compute_s=trained.train_compute_s,
+            checkpoint_s=trained.checkpoint_s,
             step_s=time.monotonic() - self.announced_at,
-            groups_incomplete=intake.ledger.incomplete,
+            groups_incomplete=trained.groups_incomplete,
         )
         # the row is complete before the version is announced: the coordinator reads it then
         await record_step(self.r, run_id, step, row)

@@ -1,8 +1,9 @@
 """Asynchronous RL with bounded staleness (`max_staleness` k, issue 21), with real processes:
 runs of k = 1 and k = 2 end exact (no group lost, none twice, every group of n responses), no
 trained token comes from a version older than its step - k (the audit reads each token's
-version), and some do come from an older one (the steps overlapped); with k = 2, a worker
-SIGKILLed and the coordinator SIGKILLed mid-run, each started again, leave the run exact."""
+version), and some do come from an older one (the steps overlapped); with k = 2, a worker, the
+coordinator and the trainer (which publishes a version while the next step's groups train)
+SIGKILLed mid-run, each started again, leave the run exact."""
 
 import pytest
 
@@ -52,11 +53,11 @@ def test_bounded_staleness_runs_end_exact_within_their_bound(
     assert 1 <= audit["max_staleness"] <= k, audit  # overlapped, never past the bound
 
 
-def test_a_worker_and_the_coordinator_killed_with_two_steps_in_flight(
+def test_a_worker_the_coordinator_and_the_trainer_killed_with_two_steps_in_flight(
     deployment, client, rdb, tiny_model
 ):
     body = small_spec(
-        tiny_model, steps=8, prompts_per_step=PROMPTS, max_new_tokens=8, max_staleness=2
+        tiny_model, steps=10, prompts_per_step=PROMPTS, max_new_tokens=8, max_staleness=2
     )
     run_id = client.submit(body)
 
@@ -68,6 +69,8 @@ def test_a_worker_and_the_coordinator_killed_with_two_steps_in_flight(
     deployment.restart("rollout-preemptible-2", kill=True)
     wait_until(in_flight, "no later step in flight after the worker's restart", 120, 0.02)
     deployment.restart("coordinator", kill=True)
+    wait_until(in_flight, "no later step in flight after the coordinator's restart", 120, 0.02)
+    deployment.restart("trainer", kill=True)
     audit = check_exact(deployment, client, rdb, run_id, body)
     assert audit["max_staleness"] <= 2, audit
     log = (deployment.log_dir / "coordinator.log").read_text()

@@ -87,3 +87,20 @@ def test_k1_trains_faster_than_the_synchronous_hybrid_on_a_steady_pool():
     sync, k1 = (summarize(run(s, steady, steps=10)) for s in (HYBRID, HYBRID_ASYNC_K1))
     assert sync["preemptions"] == k1["preemptions"] == 0
     assert k1["throughput_tok_s"] >= sync["throughput_tok_s"]
+
+
+def test_a_version_is_published_while_the_next_steps_groups_train():
+    """With k >= 1 the trainer trains the next step's groups while the version goes out, as
+    the services' trainer does: on a trainer-bound run steps follow each other by their
+    training and optimizer time, not by the publication's too; versions commit in order."""
+    sc = run(HYBRID_ASYNC_K1, [(0.0, 4)], steps=1).sc
+    trainer = replace(sc.trainer, mfu=sc.trainer.mfu / 20, publish_s=20.0)
+    slow = replace(sc, trainer=trainer)
+    sim = Simulation(slow, HYBRID_ASYNC_K1, [(0.0, 4)], seed=3, max_steps=8).run()
+    records = sim.records
+    assert [r.step for r in records] == list(range(8))
+    gaps = [b.end_s - a.end_s for a, b in zip(records[3:], records[4:], strict=False)]
+    budgets = [r.train_s + trainer.optimizer_s for r in records[4:]]
+    assert min(budgets) > 3 * trainer.publish_s  # trainer-bound
+    for gap, budget in zip(gaps, budgets, strict=True):
+        assert budget - 1.0 < gap < budget + 1.0, (gaps, budgets)
