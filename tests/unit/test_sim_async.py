@@ -3,6 +3,7 @@ k = 0 is the synchronous protocol exactly; k = 1 and 2 complete steps with the t
 balanced and no job on weights older than its step minus k; k = 1 trains faster on a steady pool."""
 
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -99,7 +100,7 @@ def test_a_version_is_published_while_the_next_steps_groups_train():
     sim = Simulation(slow, HYBRID_ASYNC_K1, [(0.0, 4)], seed=3, max_steps=8).run()
     records = sim.records
     assert [r.step for r in records] == list(range(8))
-    gaps = [b.end_s - a.end_s for a, b in zip(records[3:], records[4:], strict=False)]
+    gaps = [b.end_s - a.end_s for a, b in pairwise(records[3:])]
     budgets = [r.train_s + trainer.optimizer_s for r in records[4:]]
     assert min(budgets) > 3 * trainer.publish_s  # trainer-bound
     for gap, budget in zip(gaps, budgets, strict=True):
