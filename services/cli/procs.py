@@ -7,6 +7,7 @@ stopped with SIGTERM, then SIGKILL after a grace period.
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,9 +22,37 @@ import httpx
 
 from services.common.settings import CommonSettings, settings_env
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()  # ports this process chose (not bound yet, maybe)
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands to a socket bound to port 0 (32768 where unknown)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a service about to start. Chosen below the kernel's
+    ephemeral range: between this choice and the service binding it, any other process's
+    port-0 bind (vLLM's engine sockets, torch.distributed, every outgoing connection) takes
+    ports from that range only, and so cannot take this one ("Address already in use")."""
+    low = ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(max(1024, low - 16384), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

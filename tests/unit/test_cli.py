@@ -43,3 +43,17 @@ def test_run_plot_is_a_png(tmp_path):
     rows.append({"step": 5, "policy_loss": 0.0})  # a row with training fields only
     out = plot_run(rows, tmp_path / "m.png", "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    """A service's port is chosen where no port-0 bind of another process can take it before
+    the service binds it (vLLM's engine sockets did, in CI: "Address already in use")."""
+    import socket
+
+    from services.cli import procs
+
+    ports = [procs.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 <= p < procs.ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free indeed
