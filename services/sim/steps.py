@@ -183,9 +183,9 @@ class StepProtocol:
     def trainer_has_work(self) -> bool:
         """Asynchronous RL: the oldest step in flight has all its groups, or is training or
         being committed: the reserved node is for training."""
-        st = self.cur
-        if st is None or st.step not in self.inflight:
+        if not self.inflight:
             return False
+        st = self.inflight[min(self.inflight)]  # (while it is published, `cur` is the next)
         return st.rollout_end_s is not None or st.training or bool(st.ready_groups)
 
     # -- the trainer ------------------------------------------------------------------------
