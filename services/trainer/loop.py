@@ -281,9 +281,9 @@ class TrainerLoop:
             log.warning("a version's publication was cut short at exit")
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            (outcome,) = await asyncio.gather(task, return_exceptions=True)
-            if isinstance(outcome, Exception):
-                log.error("a version's publication failed at exit: %s", brief(outcome))
+            outcomes = await asyncio.gather(task, return_exceptions=True)
+            if isinstance(outcomes[0], Exception):
+                log.error("a version's publication failed at exit: %s", brief(outcomes[0]))
 
     async def _published(self) -> None:
         """Wait for the version being published, if one is (its errors are the step's)."""
@@ -304,7 +304,7 @@ class TrainerLoop:
         """Commit and announce the version the step made, retire its groups, record its row."""
         publish_s = await self.versions.commit(run_id, policy, step + 1)
         await self._retire(stream, intake.entry_ids, self._count_trained(run_id, step, intake))
-        STEP_S.observe(trained.train_s)
+        STEP_S.observe(trained.train_s or 0.0)
         STEPS.inc()
         row = msgspec.structs.replace(
             stats,

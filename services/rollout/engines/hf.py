@@ -33,6 +33,9 @@ def cache_tokens(job: Job) -> int:
     return len(job.prompt_ids) + len(job.prefix_ids) + job.remaining_tokens
 
 
+LEFT = ""  # in place of the id of a cache row whose request left (no request id is empty)
+
+
 def pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """`t` with zeros before its entries along `dim`, up to `width`."""
     short = width - t.shape[dim]
@@ -68,7 +71,7 @@ class HFEngine:
         self.model: Any = None  # a transformers causal LM, once loaded
         self.seqs: dict[str, Sequence] = {}
         self._cache: Any = None  # a transformers DynamicCache of the running set
-        self._cache_ids: list[str | None] = []  # row order of the cache (None: a row that left)
+        self._cache_ids: list[str] = []  # row order of the cache (LEFT: a row that left)
         self._appendable = True  # whether joining rows can be appended to the cache
         # attention mask and last positions of the cache's rows (valid while there is a cache)
         self._attn = torch.zeros((0, 0), dtype=torch.long)
@@ -136,7 +139,7 @@ class HFEngine:
         if self.model is None:
             raise RuntimeError("no weights loaded")
         if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone
-            self._cache_ids = [None if r == job.request_id else r for r in self._cache_ids]
+            self._cache_ids = [LEFT if r == job.request_id else r for r in self._cache_ids]
         self.seqs[job.request_id] = Sequence(job)
         if self._longest is not None:
             self._longest = max(self._longest, cache_tokens(job))
