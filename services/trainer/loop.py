@@ -247,8 +247,8 @@ class TrainerLoop:
         wait_s, compute_s = await self._take_groups(run_id, policy, intake, groups)
         self.ahead = intake.ahead
         WAIT_S.inc(wait_s)
-        t0 = time.monotonic()
         await self._published()  # the version before this one is out (with k >= 1)
+        t0 = time.monotonic()
         # what the step took is kept while the optimizer steps (another thread, and Redis)
         stats, _ = await asyncio.gather(
             compute(policy.optimizer_step), self._keep_intake(run_id, step, intake)
@@ -256,15 +256,18 @@ class TrainerLoop:
         compute_s += time.monotonic() - t0
         self.weights_of = step + 1
         checkpoint_s = await self._checkpoint(run_id, policy, step + 1, writer, intake)
-        trained = StepRow(
-            train_s=time.monotonic() - started,
+        train_s = time.monotonic() - started
+        STEP_S.observe(train_s)
+        row = msgspec.structs.replace(
+            stats,
+            train_s=train_s,
             train_wait_s=wait_s,
             seed_wait_s=seed_wait_s,
             train_compute_s=compute_s,
             checkpoint_s=checkpoint_s,
             groups_incomplete=intake.ledger.incomplete,
         )
-        publish = self._publish(run_id, policy, step, intake, groups.stream, stats, trained)
+        publish = self._publish(run_id, policy, step, intake, groups.stream, row)
         if spec.max_staleness == 0:
             await publish
         else:  # the next step's held groups train while this version goes out
@@ -292,30 +295,15 @@ class TrainerLoop:
             await task
 
     async def _publish(
-        self,
-        run_id: str,
-        policy,
-        step: int,
-        intake: StepIntake,
-        stream: str,
-        stats: StepRow,
-        trained: StepRow,
+        self, run_id: str, policy, step: int, intake: StepIntake, stream: str, row: StepRow
     ) -> None:
-        """Commit and announce the version the step made, retire its groups, record its row."""
+        """Commit and announce the version the step made, retire its groups, record its row
+        (what the step trained, completed here with the publication's time)."""
         publish_s = await self.versions.commit(run_id, policy, step + 1)
         await self._retire(stream, intake.entry_ids, self._count_trained(run_id, step, intake))
-        STEP_S.observe(trained.train_s or 0.0)
         STEPS.inc()
         row = msgspec.structs.replace(
-            stats,
-            train_s=trained.train_s,
-            train_wait_s=trained.train_wait_s,
-            seed_wait_s=trained.seed_wait_s,
-            publish_s=publish_s,
-            train_compute_s=trained.train_compute_s,
-            checkpoint_s=trained.checkpoint_s,
-            step_s=time.monotonic() - self.announced_at,
-            groups_incomplete=trained.groups_incomplete,
+            row, publish_s=publish_s, step_s=time.monotonic() - self.announced_at
         )
         # the row is complete before the version is announced: the coordinator reads it then
         await record_step(self.r, run_id, step, row)
