@@ -141,8 +141,9 @@ class Policy:
                 stale = stale_tokens(resp.version_runs, len(resp.token_ids), g.version)
                 rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale))
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
-        # a step of B x n responses makes ceil(B x n / micro_batch_size) passes however its
-        # groups arrive (by tokens: as many as cutting all its rows in order makes)
+        # a step of R rows (its responses less the skipped ones) makes ceil(R /
+        # micro_batch_size) passes however its groups arrive (by tokens: as many as cutting
+        # all its rows in order makes)
         self.waiting.extend(rows)
         batches, self.waiting = self._cut(self.waiting, final=False)
         self._take(batches)
