@@ -113,6 +113,10 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+class SourceBusy(WeightTransferError):
+    """The source answered 503: it serves as much as it may now; another can serve the range."""
+
+
 def fetch_range(
     url: str,
     path: Path,
@@ -120,12 +124,13 @@ def fetch_range(
     end: int,
     sha256: str | None = None,
     headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
 ) -> None:
     """Copy bytes [start, end] of `url` into `path` at their offset, in blocks read straight
     into one buffer, checking their sha256 when given (the stdlib client in a thread moves
     several GB/s; httpx's async streaming tops out near 0.3 GB/s here)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     digest = hashlib.sha256()
     try:
         # the bearer token too: a store with protected reads guards its files
@@ -133,6 +138,8 @@ def fetch_range(
             "GET", parts.path, headers={**(headers or {}), "Range": f"bytes={start}-{end}"}
         )
         resp = conn.getresponse()
+        if resp.status == 503:
+            raise SourceBusy(f"{url}: busy")
         if resp.status not in (200, 206):
             raise WeightTransferError(f"{url}: {resp.status} {resp.read(500)!r}")
         view = memoryview(bytearray(min(STREAM_BLOCK, end - start + 1)))

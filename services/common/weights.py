@@ -20,10 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from services.common.block_fetch import BlockFetch, Swarm
+from services.common.block_sources import plan_blocks
 from services.common.retry import brief
 from services.common.service import auth_headers
 from services.common.weight_contract import (
@@ -61,6 +64,7 @@ class PullResult:
     bytes: int  # downloaded (files reused from an earlier version not counted)
     seconds: float
     digest: str  # content digest of the files pulled
+    from_peers: int = 0  # of `bytes`, those that other pullers served (the rest: the store)
 
 
 def parse_answer(cls: type[A], resp: httpx.Response, what: str) -> A:
@@ -86,6 +90,7 @@ class WeightClient:
         self.headers = auth_headers(token)
         self.parallel = parallel
         self._next = 0
+        self._block_sources: dict[str, str] = {}  # replica -> where it serves its files
         # (replica, model) -> the version this client last committed there, its files' sha256
         self._uploaded: dict[tuple[str, str], tuple[int, dict[str, str]]] = {}
 
@@ -282,6 +287,7 @@ class WeightClient:
         expect_digest: str | None = None,
         reuse: Path | None = None,
         manifest: Manifest | None = None,
+        swarm: Swarm | None = None,
     ) -> PullResult:
         """Download and verify a version into `dest`, retrying over replicas with backoff.
         With `expect_digest`, a replica serving other content is skipped (nothing of it is
@@ -289,7 +295,8 @@ class WeightClient:
         version pulled whole) holds with the same sha256 are linked from it, not downloaded:
         a new version changes the weights, rarely the config or the tokenizer. `manifest`, the
         version's manifest as announced, spares the first attempt asking a replica for it
-        (checked against `expect_digest` the same; every later attempt asks)."""
+        (checked against `expect_digest` the same; every later attempt asks). With `swarm`,
+        blocks come from the peers that hold them too, verified all the same (block_fetch)."""
         done = read_complete(dest)
         cached = done.get("version") == version and expect_digest in (None, done.get("digest"))
         if cached:
@@ -308,13 +315,14 @@ class WeightClient:
                     continue  # versions are immutable: that replica will not change its mind
                 try:
                     return await self._pull_from(
-                        base, model, version, dest, expect_digest, reuse, manifest
+                        base, model, version, dest, expect_digest, reuse, manifest, swarm
                     )
                 except WeightConflict as exc:
                     conflicts[base] = last_error = exc
                     log.error("pull %s v%d from %s refused: %s", model, version, base, exc)
                 except (httpx.HTTPError, WeightTransferError, OSError) as exc:
                     last_error = exc
+                    self._block_sources.pop(base, None)  # a replica restarted binds anew
                     log.warning("pull %s v%d from %s failed: %s", model, version, base, exc)
                 manifest = None  # the replicas' own from now on
             if len(conflicts) == len(self.urls):
@@ -331,6 +339,7 @@ class WeightClient:
         expect_digest: str | None,
         reuse: Path | None,
         manifest: Manifest | None = None,
+        swarm: Swarm | None = None,
     ) -> PullResult:
         started = time.monotonic()
         if manifest is None:
@@ -353,39 +362,80 @@ class WeightClient:
         partial = dest.with_name(dest.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        gate = asyncio.Semaphore(self.parallel)
-        jobs, whole_file_checks, fetched = [], [], 0
         same = reusable(reuse, manifest.files)
         for entry in manifest.files:
             path = partial / entry.name
             if entry.name in same:
                 link_or_copy(same[entry.name], path)
                 continue
-            fetched += entry.size
             with open(path, "wb") as fh:
                 fh.truncate(entry.size)
-            url = f"{base}/v1/models/{model}/versions/{version}/files/{entry.name}"
-            blocks = entry.blocks()
-            if blocks is None:
-                whole_file_checks.append(entry)
-            block, hashes = blocks or (CHUNK_BYTES, [])
-            for i, start in enumerate(range(0, entry.size, block)):
-                end = min(start + block, entry.size) - 1
-                expect = hashes[i] if hashes else None
-                jobs.append(self._fetch_range(gate, url, path, start, end, expect, self.headers))
-        await asyncio.gather(*jobs)
-        for entry in whole_file_checks:  # stores without block hashes: one pass over the file
-            got = await asyncio.to_thread(sha256_file, partial / entry.name)
+        blocks = plan_blocks(manifest.files)
+        files_path = f"/v1/models/{model}/versions/{version}/files"
+        fetch = BlockFetch(
+            await self._block_source(base), files_path, partial, self.headers, self.parallel, swarm
+        )
+        try:
+            if swarm is not None:
+                await swarm.begin(partial, blocks)
+                await swarm.verified([b for b in blocks if b.name in same])
+            await asyncio.gather(
+                fetch.run([b for b in blocks if b.name not in same]),
+                self._fetch_whole(fetch.store + files_path, partial, manifest.files, same),
+            )
+            write_complete(partial, version, digest, {e.name: e.sha256 for e in manifest.files})
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(partial, dest)
+            if swarm is not None:
+                await swarm.complete(dest)
+        except BaseException:
+            if swarm is not None:
+                await swarm.abandon()
+            raise
+        fetched = fetch.from_store + fetch.from_peers
+        return PullResult(
+            dest, version, fetched, time.monotonic() - started, digest, fetch.from_peers
+        )
+
+    async def _fetch_whole(
+        self, files_url: str, folder: Path, entries: list[FileEntry], same: dict[str, Path]
+    ) -> None:
+        """The files without block hashes (an older store's), from the store in ranges of
+        CHUNK_BYTES, each checked whole once it is in."""
+        gate = asyncio.Semaphore(self.parallel)
+        whole = [e for e in entries if e.blocks() is None and e.name not in same]
+
+        async def chunk(entry: FileEntry, start: int) -> None:
+            end = min(start + CHUNK_BYTES, entry.size) - 1
+            async with gate:
+                await asyncio.to_thread(
+                    fetch_range,
+                    f"{files_url}/{entry.name}",
+                    folder / entry.name,
+                    start,
+                    end,
+                    None,
+                    self.headers,
+                )
+
+        await asyncio.gather(
+            *(chunk(e, start) for e in whole for start in range(0, e.size, CHUNK_BYTES))
+        )
+        for entry in whole:
+            got = await asyncio.to_thread(sha256_file, folder / entry.name)
             if got != entry.sha256:
                 raise WeightTransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
-        write_complete(partial, version, digest, {e.name: e.sha256 for e in manifest.files})
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(partial, dest)
-        return PullResult(dest, version, fetched, time.monotonic() - started, digest)
 
-    @staticmethod
-    async def _fetch_range(
-        gate, url: str, path: Path, start: int, end: int, sha256: str | None, headers: dict
-    ):
-        async with gate:
-            await asyncio.to_thread(fetch_range, url, path, start, end, sha256, headers)
+    async def _block_source(self, base: str) -> str:
+        """Where a replica serves its files with zero copy (its block server, on a port of its
+        own, which `GET /v1/blocks` names); the replica's API itself where it has none."""
+        if base not in self._block_sources:
+            async with self._http(10.0) as http:
+                resp = await http.get(f"{base}/v1/blocks")
+            port = resp.json().get("port") if resp.status_code == 200 else None
+            if isinstance(port, int) and 0 < port < 65536:
+                parts = urlsplit(base)
+                self._block_sources[base] = f"{parts.scheme}://{parts.hostname}:{port}"
+            else:
+                self._block_sources[base] = base
+        return self._block_sources[base]

@@ -3,8 +3,10 @@ files (with HTTP range requests). It knows nothing of runs or training.
 """
 
 import logging
+import pathlib
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Path, Request
@@ -12,11 +14,12 @@ from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
+from services.common.block_server import BlockServer
 from services.common.http_limits import guard_input
 from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
 from services.common.weight_contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
 from services.weightstore.settings import WeightStoreSettings
-from services.weightstore.storage import StorageError, WeightStorage
+from services.weightstore.storage import NotFound, StorageError, WeightStorage
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,20 @@ class VersionList(BaseModel):
     versions: list[int]
 
 
+class BlockPort(BaseModel):
+    port: int
+
+
+def committed_file(
+    storage: WeightStorage, model: str, version: int, name: str, start: int, last: int | None
+) -> pathlib.Path | None:
+    """The committed file the block server answers with (any range of it), or None."""
+    try:
+        return storage.file_path(model, version, name)
+    except StorageError:
+        return None
+
+
 class ShardResponse(FileResponse):
     """FileResponse in 4 MiB reads: starlette's 64 KiB default costs a thread hop per 64 KiB."""
 
@@ -48,17 +65,33 @@ MANIFESTS = Counter("spotrl_weightstore_manifests_served_total", "Manifests serv
 
 
 def build_app(settings: WeightStoreSettings) -> FastAPI:
-    storage = WeightStorage(settings.root, settings.keep_versions, settings.replica_id)
+    storage = WeightStorage(
+        settings.root, settings.keep_versions, settings.replica_id, settings.block_bytes
+    )
     tasks = BackgroundTasks()
     auth = auth_for(settings)
+    blocks = None
+    if settings.block_port is not None:
+        blocks = BlockServer(
+            partial(committed_file, storage),
+            settings.host,
+            settings.block_port,
+            settings.api_token if settings.protect_reads else None,
+            settings.max_serving,
+            settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # An upload cut off before its commit is never served: staging starts empty.
         for model in storage.models():
             discard_staging(model, own=True)
+        if blocks is not None:
+            blocks.start()
         yield
         await tasks.stop()
+        if blocks is not None:
+            blocks.stop()
 
     def discard_staging(model: str, own: bool = False) -> None:
         gone = storage.discard_staging(model, settings.stale_staging_s, time.time(), own)
@@ -116,6 +149,13 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
             committed.total_bytes(),
         )
         return committed
+
+    @app.get("/v1/blocks", response_model=BlockPort, **read)
+    async def block_port() -> BlockPort:
+        """Where this store serves its files with zero copy (same paths, same ranges)."""
+        if blocks is None:
+            raise NotFound("this store serves its files from its API only")
+        return BlockPort(port=blocks.port)
 
     @app.get("/v1/models", response_model=ModelList, **read)
     async def list_models() -> ModelList:

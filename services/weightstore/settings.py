@@ -22,6 +22,26 @@ class WeightStoreSettings(CommonSettings):
         le=30 * 86400,
         description="Another replica's staging untouched this long is an upload cut off: removed.",
     )
+    block_port: int | None = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the zero-copy file server (sendfile) that pullers fetch blocks from "
+        "(0: any free port; clients learn it from GET /v1/blocks). None: files are served by the "
+        "API only.",
+    )
+    block_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=64 * 1024,
+        le=1024**3,
+        description="Block size of new uploads: a puller fetches and checks one block at a time.",
+    )
+    max_serving: int = Field(
+        64, ge=1, le=4096, description="Block responses at once; past that, 503 (busy)."
+    )
+    egress_mbps: float | None = Field(
+        None, gt=0, description="Cap on the block server's egress, megabits per second."
+    )
     keep_versions: int = Field(4, ge=1, le=10000, description="Committed versions kept per model.")
     max_file_bytes: int = Field(
         64 * 1024**3,

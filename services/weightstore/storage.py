@@ -25,7 +25,7 @@ from services.common.weight_contract import NAME_RE, FileEntry, Manifest
 from services.common.weight_files import link_or_copy
 
 MANIFEST = "manifest.json"
-BLOCK_BYTES = 32 * 1024 * 1024
+BLOCK_BYTES = 32 * 1024 * 1024  # default: a block is what a puller fetches and checks at once
 
 
 class StorageError(Exception):
@@ -78,18 +78,23 @@ class FileHasher:
         return whole.hexdigest(), self.done
 
 
-def write_hashes(staging: Path, name: str, sha256: str, blocks: list[str]) -> None:
+Hashes = tuple[str | None, list[str], int | None]  # sha256, block hashes, block size
+
+
+def write_hashes(staging: Path, name: str, sha256: str, blocks: list[str], size: int) -> None:
     """Keep what the store computed over an uploaded file's bytes beside it, for the commit."""
-    (staging / f".{name}.hashes").write_text(json.dumps({"sha256": sha256, "blocks": blocks}))
+    kept = {"sha256": sha256, "blocks": blocks, "block_size": size}
+    (staging / f".{name}.hashes").write_text(json.dumps(kept))
 
 
-def read_hashes(staging: Path, name: str) -> tuple[str | None, list[str]]:
-    """The sha256 and block hashes `write_hashes` kept; (None, []) where there are none."""
+def read_hashes(staging: Path, name: str) -> Hashes:
+    """The sha256, block hashes and block size `write_hashes` kept; (None, [], None) where there
+    are none."""
     try:
         kept = json.loads((staging / f".{name}.hashes").read_text())
     except (OSError, ValueError):
-        return None, []
-    return kept.get("sha256"), kept.get("blocks") or []
+        return None, [], None
+    return kept.get("sha256"), kept.get("blocks") or [], kept.get("block_size") or BLOCK_BYTES
 
 
 def check_name(kind: str, name: str) -> str:
@@ -109,9 +114,12 @@ def last_touched(folder: Path) -> float:
 
 
 class WeightStorage:
-    def __init__(self, root: str | Path, keep: int, replica: str = "local") -> None:
+    def __init__(
+        self, root: str | Path, keep: int, replica: str = "local", block_bytes: int = BLOCK_BYTES
+    ) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.block_bytes = block_bytes
         self.replica = check_name("replica", replica)
         self.root.mkdir(parents=True, exist_ok=True)
 
@@ -140,7 +148,7 @@ class WeightStorage:
         made = self._first_missing(staging)
         staging.mkdir(parents=True, exist_ok=True)
         part = staging / f".{name}.part"
-        hasher = FileHasher(BLOCK_BYTES)
+        hasher = FileHasher(self.block_bytes)
         try:
             with open(part, "wb") as fh:
                 async for chunk in chunks:
@@ -156,12 +164,12 @@ class WeightStorage:
             raise
         finally:
             part.unlink(missing_ok=True)
-        write_hashes(staging, name, got, block_hashes)
+        write_hashes(staging, name, got, block_hashes, self.block_bytes)
         return FileEntry(
             name=name,
             size=hasher.size,
             sha256=got,
-            block_size=BLOCK_BYTES,
+            block_size=self.block_bytes,
             block_sha256=block_hashes,
         )
 
@@ -187,12 +195,12 @@ class WeightStorage:
                 problems.append(
                     f"{entry.name}: size {path.stat().st_size}, manifest says {entry.size}"
                 )
-            sha256, hashes = known.get(entry.name) or read_hashes(staging, entry.name)
+            sha256, hashes, block = known.get(entry.name) or read_hashes(staging, entry.name)
             if sha256 != entry.sha256:
                 problems.append(f"{entry.name}: sha256 differs from the manifest")
             files.append(
                 entry.model_copy(
-                    update={"block_size": BLOCK_BYTES if hashes else None, "block_sha256": hashes}
+                    update={"block_size": block if hashes else None, "block_sha256": hashes}
                 )
             )
         if problems:
@@ -212,7 +220,7 @@ class WeightStorage:
 
     def _take_unchanged(
         self, model: str, reuse_version: int | None, staging: Path, manifest: Manifest
-    ) -> dict[str, tuple[str, list[str]]]:
+    ) -> dict[str, Hashes]:
         """Link into `staging` each listed file it lacks that committed `reuse_version` has
         with the same name, size and sha256; the sha256 and block hashes of each file linked,
         as that version's manifest lists them."""
@@ -233,7 +241,7 @@ class WeightStorage:
                 link_or_copy(self.committed_dir(model, reuse_version) / entry.name, path)
             except OSError:  # retention took that version meanwhile: the file stays missing
                 continue
-            taken[entry.name] = (old.sha256, old.block_sha256 or [])
+            taken[entry.name] = (old.sha256, old.block_sha256 or [], old.block_size)
         return taken
 
     @staticmethod

@@ -1,0 +1,172 @@
+"""Serving the files of weight versions with zero copy: the weight store serves its committed
+versions, a rollout worker the versions it pulled (and, while it pulls, the blocks it verified)
+to its peers. The path and the range protocol are the store API's
+(`GET /v1/models/{model}/versions/{version}/files/{name}` with `Range: bytes=a-b`), so a puller
+fetches a block from any source the same way and checks it against the store's manifest.
+
+aiohttp's FileResponse answers a range with `loop.sendfile` (os.sendfile: the kernel moves the
+page cache to the socket, no byte passes through Python). uvicorn has no such path, and uvloop
+(the services' loop) has no sendfile, so this server runs apart: in a thread, on a plain asyncio
+loop of its own. It decides nothing about what may be served: `resolve` says which file, if any,
+answers a request.
+"""
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from services.common.weight_contract import MAX_VERSION
+
+log = logging.getLogger(__name__)
+FILES = "/v1/models/{model}/versions/{version}/files/{name}"
+PACE_BYTES = 1024 * 1024  # under an egress limit, sendfile moves this much at a time
+SERVED = Counter("spotrl_blocks_served_bytes_total", "Weight bytes served", ["server"])
+REFUSED = Counter("spotrl_blocks_busy_total", "Block requests refused as busy (503)", ["server"])
+
+# model, version, file name, first byte, last byte (None: to the end) -> the file that holds
+# those bytes, or None when this server does not serve them
+Resolve = Callable[[str, int, str, int, int | None], Path | None]
+
+
+class EgressLimit:
+    """A token bucket of bytes per second over every response of one server (its loop's thread
+    only), with one second of burst."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = bytes_per_s
+        self.tokens = bytes_per_s
+        self.at = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate) - n
+        self.at = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+class PacedFile(web.FileResponse):
+    """A FileResponse whose sendfile goes in steps of PACE_BYTES under an egress limit."""
+
+    def __init__(self, path: Path, limit: EgressLimit) -> None:
+        super().__init__(path)
+        self.limit = limit
+
+    async def _sendfile(self, request, fobj, offset: int, count: int):  # type: ignore[override]
+        writer = await web.StreamResponse.prepare(self, request)
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("connection lost")
+        loop = asyncio.get_running_loop()
+        while count > 0:
+            n = min(PACE_BYTES, count)
+            await self.limit.take(n)
+            await loop.sendfile(transport, fobj, offset, n)
+            offset, count = offset + n, count - n
+        await web.StreamResponse.write_eof(self)
+        return writer
+
+
+class BlockServer:
+    """An HTTP server of version files on its own thread. At most `max_serving` responses at
+    once: past that a request is answered 503 (busy), so that a puller takes the block from
+    another source."""
+
+    def __init__(
+        self,
+        resolve: Resolve,
+        host: str,
+        port: int = 0,
+        token: str | None = None,
+        max_serving: int = 16,
+        egress_bytes_per_s: float | None = None,
+        name: str = "store",
+    ) -> None:
+        self.resolve, self.host, self.port = resolve, host, port
+        self.token, self.max_serving, self.name = token, max_serving, name
+        self.egress = egress_bytes_per_s
+        self.serving = 0
+        self._served, self._refused = SERVED.labels(name), REFUSED.labels(name)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind (port 0: any free one), serve on a thread, return the port bound."""
+        sock = socket.create_server((self.host, self.port), reuse_port=False)
+        self.port = sock.getsockname()[1]
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(sock, ready), name=f"blocks-{self.name}", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        log.info("serving weight blocks on %s:%d", self.host, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self, sock: socket.socket, ready: threading.Event) -> None:
+        loop = asyncio.SelectorEventLoop()  # has sendfile; uvloop has not
+        asyncio.set_event_loop(loop)
+        self._loop, self._stop = loop, asyncio.Event()
+        limit = EgressLimit(self.egress) if self.egress else None
+        app = web.Application()
+        app.router.add_get(FILES, lambda request: self._serve(request, limit))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        ready.set()
+        try:
+            loop.run_until_complete(self._stop.wait())
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self.token is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
+    async def _serve(self, request: web.Request, limit: EgressLimit | None) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.json_response({"detail": "a valid bearer token is required"}, status=401)
+        info = request.match_info
+        try:
+            version = int(info["version"])
+            rng = request.http_range
+        except ValueError:
+            return web.json_response({"detail": "bad version or range"}, status=400)
+        if not 0 <= version <= MAX_VERSION or rng.step not in (None, 1):
+            return web.json_response({"detail": "bad version or range"}, status=400)
+        start = rng.start or 0
+        last = None if rng.stop is None else rng.stop - 1
+        if start < 0 or (last is not None and last < start):
+            return web.json_response({"detail": "only a range a-b or a- is served"}, status=416)
+        path = self.resolve(info["model"], version, info["name"], start, last)
+        if path is None:
+            return web.json_response({"detail": "not held here"}, status=404)
+        if self.serving >= self.max_serving:
+            self._refused.inc()
+            return web.json_response({"detail": "busy"}, status=503, headers={"Retry-After": "1"})
+        self.serving += 1
+        try:
+            response = web.FileResponse(path) if limit is None else PacedFile(path, limit)
+            await response.prepare(request)
+            self._served.inc(response.content_length or 0)
+            return response
+        finally:
+            self.serving -= 1
