@@ -19,7 +19,7 @@ from typing import Protocol
 
 from services.common.block_sources import Block, Holding, SourcePicker
 from services.common.weight_contract import WeightTransferError
-from services.common.weight_files import SourceBusy, fetch_range
+from services.common.weight_files import SourceBusy, SourceLacks, fetch_range
 
 log = logging.getLogger(__name__)
 HOLDERS_S = 0.2  # how often the swarm is asked who holds what, while a pull goes on
@@ -66,7 +66,7 @@ class BlockFetch:
         # sources are base URLs; a block of file f is at {source}{files_path}/{f}
         self.store, self.files_path, self.folder = store, files_path, folder
         self.headers, self.parallel, self.swarm = headers, parallel, swarm
-        self.picker = SourcePicker(store)
+        self.picker = SourcePicker(store, per_peer=parallel)
         self.from_store = 0  # bytes
         self.from_peers = 0
 
@@ -121,10 +121,17 @@ class BlockFetch:
                 if source == self.store:
                     await asyncio.sleep(STORE_BUSY_S)
                 continue
+            except SourceLacks:
+                if source == self.store:
+                    raise  # the version is gone from the store (retention): this attempt fails
+                self.picker.busy(source, time.monotonic())  # until the holders say otherwise
+                continue
             except WeightTransferError as exc:
-                if not self.picker.drop(source, str(exc)):
+                if source == self.store:
                     raise
-                log.warning("not using peer %s for this version: %s", source, exc)
+                if source not in self.picker.dropped:
+                    log.warning("not using peer %s for this version: %s", source, exc)
+                self.picker.drop(source, str(exc))
                 continue
             finally:
                 self.picker.finished(source)

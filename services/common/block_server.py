@@ -53,14 +53,27 @@ class EgressLimit:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-class PacedFile(web.FileResponse):
-    """A FileResponse whose sendfile goes in steps of PACE_BYTES under an egress limit."""
+class BlockFile(web.FileResponse):
+    """A FileResponse that its server counts while it sends (the bytes, the responses under
+    way), in steps of PACE_BYTES under an egress limit."""
 
-    def __init__(self, path: Path, limit: EgressLimit) -> None:
+    def __init__(self, path: Path, server: "BlockServer", limit: EgressLimit | None) -> None:
         super().__init__(path)
-        self.limit = limit
+        self.server, self.limit = server, limit
 
     async def _sendfile(self, request, fobj, offset: int, count: int):  # type: ignore[override]
+        self.server.serving += 1
+        try:
+            if self.limit is None:
+                writer = await super()._sendfile(request, fobj, offset, count)
+            else:
+                writer = await self._paced(request, fobj, offset, count, self.limit)
+        finally:
+            self.server.serving -= 1
+        self.server.served.inc(count)
+        return writer
+
+    async def _paced(self, request, fobj, offset: int, count: int, limit: EgressLimit):
         writer = await web.StreamResponse.prepare(self, request)
         transport = request.transport
         if transport is None:
@@ -68,7 +81,7 @@ class PacedFile(web.FileResponse):
         loop = asyncio.get_running_loop()
         while count > 0:
             n = min(PACE_BYTES, count)
-            await self.limit.take(n)
+            await limit.take(n)
             await loop.sendfile(transport, fobj, offset, n)
             offset, count = offset + n, count - n
         await web.StreamResponse.write_eof(self)
@@ -94,7 +107,7 @@ class BlockServer:
         self.token, self.max_serving, self.name = token, max_serving, name
         self.egress = egress_bytes_per_s
         self.serving = 0
-        self._served, self._refused = SERVED.labels(name), REFUSED.labels(name)
+        self.served, self._refused = SERVED.labels(name), REFUSED.labels(name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -124,7 +137,11 @@ class BlockServer:
         self._loop, self._stop = loop, asyncio.Event()
         limit = EgressLimit(self.egress) if self.egress else None
         app = web.Application()
-        app.router.add_get(FILES, lambda request: self._serve(request, limit))
+
+        async def serve(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, limit)
+
+        app.router.add_get(FILES, serve)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         loop.run_until_complete(runner.setup())
         loop.run_until_complete(web.SockSite(runner, sock).start())
@@ -162,11 +179,4 @@ class BlockServer:
         if self.serving >= self.max_serving:
             self._refused.inc()
             return web.json_response({"detail": "busy"}, status=503, headers={"Retry-After": "1"})
-        self.serving += 1
-        try:
-            response = web.FileResponse(path) if limit is None else PacedFile(path, limit)
-            await response.prepare(request)
-            self._served.inc(response.content_length or 0)
-            return response
-        finally:
-            self.serving -= 1
+        return BlockFile(path, self, limit)

@@ -89,9 +89,7 @@ class SourcePicker:
     def busy(self, url: str, now: float) -> None:
         self.busy_until[url] = now + self.busy_s
 
-    def drop(self, url: str, why: str) -> bool:
-        """Use `url` no more for this version; False for the store, which is never dropped."""
-        if url == self.store:
-            return False
-        self.dropped[url] = why
-        return True
+    def drop(self, url: str, why: str) -> None:
+        """Use the peer `url` no more for this version (the store is never dropped)."""
+        if url != self.store:
+            self.dropped.setdefault(url, why)

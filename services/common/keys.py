@@ -125,6 +125,13 @@ def groups_stream(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:groups"
 
 
+def weight_holders(run_id: str, version: int) -> str:
+    """Hash: worker id -> which blocks of the run's weight version it holds verified and serves
+    to its peers, and where (JSON, services.rollout.peers); it expires an hour after its last
+    change, and a worker removes its entry when it drops the version."""
+    return f"{PREFIX}:run:{run_id}:holders:{version}"
+
+
 def worker_loads(run_id: str, worker_id: str) -> str:
     """Set of weight versions a worker has loaded for a run (audit trail)."""
     return f"{PREFIX}:run:{run_id}:loads:{worker_id}"

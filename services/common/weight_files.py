@@ -117,6 +117,11 @@ class SourceBusy(WeightTransferError):
     """The source answered 503: it serves as much as it may now; another can serve the range."""
 
 
+class SourceLacks(WeightTransferError):
+    """The source answered 404: it does not hold the range (a peer that dropped the version,
+    or moved its folder as its pull completed)."""
+
+
 def fetch_range(
     url: str,
     path: Path,
@@ -140,6 +145,8 @@ def fetch_range(
         resp = conn.getresponse()
         if resp.status == 503:
             raise SourceBusy(f"{url}: busy")
+        if resp.status == 404:
+            raise SourceLacks(f"{url}: 404 {resp.read(500)!r}")
         if resp.status not in (200, 206):
             raise WeightTransferError(f"{url}: {resp.status} {resp.read(500)!r}")
         view = memoryview(bytearray(min(STREAM_BLOCK, end - start + 1)))

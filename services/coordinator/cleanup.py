@@ -56,6 +56,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.version_announced(run_id),
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
+            keys.weight_holders(run_id, WILD_NUMBER),
         ]
     )
 

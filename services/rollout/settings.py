@@ -63,6 +63,27 @@ class RolloutSettings(CommonSettings):
         description="Extra sleep per running request per decode step: a step cost that grows "
         "with the batch, as a real engine's does past its plateau (tests, benchmarks).",
     )
+    p2p: bool = Field(
+        True,
+        description="Peer-to-peer weight fan-out: serve the blocks of the versions held to the "
+        "other workers and pull blocks from them too (each checked against the store's "
+        "manifest). False: every block comes from the weight store.",
+    )
+    peer_port: int = Field(
+        0, ge=0, le=65535, description="Port serving weight blocks to peers (0: any free one)."
+    )
+    peer_host: str = Field(
+        "",
+        max_length=253,
+        description="Host name peers reach this worker by (default: the bound host, or the "
+        "machine's name when bound to every interface).",
+    )
+    peer_max_serving: int = Field(
+        8, ge=1, le=1024, description="Block responses to peers at once; past that, 503 (busy)."
+    )
+    peer_egress_mbps: float | None = Field(
+        None, gt=0, description="Cap on the egress to peers, megabits per second."
+    )
     advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")
     fault_crash_requests: str = Field(
         "",

@@ -29,6 +29,7 @@ from services.common.weights import (
 )
 from services.core.request_table import step_of
 from services.rollout.context import WorkerContext
+from services.rollout.peers import Peers
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # after a version could not be pulled
@@ -38,6 +39,9 @@ PULL_S = Histogram(
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
 PULL_BYTES = Counter("spotrl_rollout_weight_pull_bytes_total", "Weight bytes pulled")
+PEER_BYTES = Counter(
+    "spotrl_rollout_weight_pull_peer_bytes_total", "Weight bytes pulled from peers (of the above)"
+)
 
 
 def announced_manifest(raw: bytes | None) -> Manifest | None:
@@ -63,6 +67,7 @@ class VersionLoader:
         self.ctx = ctx
         self.weights = WeightClient(ctx.s.weightstore_urls(), ctx.s.api_token)
         self.held, self.release = held, release  # the flusher's: requests handed back
+        self.peers = Peers(ctx.s) if ctx.s.p2p else None
 
     async def load(self, run_id: str, version: int) -> None:
         ctx = self.ctx
@@ -91,8 +96,18 @@ class VersionLoader:
         took_s = time.monotonic() - started
         PULL_S.observe(took_s)
         PULL_BYTES.inc(result.bytes)
-        log.info("loaded %s v%d (%d bytes) in %.2fs", run_id, version, result.bytes, took_s)
+        PEER_BYTES.inc(result.from_peers)
+        log.info(
+            "loaded %s v%d (%d bytes, %d of them from peers) in %.2fs",
+            run_id,
+            version,
+            result.bytes,
+            result.from_peers,
+            took_s,
+        )
         if previous is not None and previous != version:
+            if self.peers is not None:
+                await self.peers.forget(ctx.r, run_id, previous)
             await asyncio.to_thread(shutil.rmtree, self._folder(run_id, previous), True)
 
     async def _pull(self, run_id: str, version: int, previous: int | None) -> PullResult | None:
@@ -115,6 +130,7 @@ class VersionLoader:
                 expect_digest=digest,
                 reuse=reuse,
                 manifest=announced_manifest(raw_manifest),
+                swarm=self.peers.swarm(self.ctx.r, run_id, version) if self.peers else None,
             )
         except WeightConflict as exc:
             log.error("refusing %s v%d: %s; not loading it", run_id, version, exc)
