@@ -72,7 +72,13 @@ BLOCKS: dict[str, Block] = {
         },
     ),
     "weightstore": Block(
-        WeightStoreSettings, {"port": 8200, "root": "/data/weights", "keep_versions": 4}
+        WeightStoreSettings,
+        {
+            "port": 8200,
+            "block_port": Note(8201, "zero-copy block server: pullers learn it from /v1/blocks"),
+            "root": "/data/weights",
+            "keep_versions": 4,
+        },
     ),
     "coordinator": Block(CoordinatorSettings, {"port": 8100}),
     "trainer": Block(
@@ -95,6 +101,8 @@ BLOCKS: dict[str, Block] = {
             "slots": 64,
             "cache_dir": "/tmp/spotrl-rollout",
             "torch_threads": "${SPOTRL_ROLLOUT_THREADS:-2}",
+            "p2p": Note("${SPOTRL_P2P:-true}", "false: every weight block from the store"),
+            "peer_port": Note(8401, "serves the weight blocks it holds to the other replicas"),
         },
     ),
 }

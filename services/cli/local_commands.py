@@ -32,6 +32,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"--worker-env: {exc}", file=sys.stderr)
         return 2
+    if args.no_p2p:
+        from services.common.settings import env_name
+        from services.rollout.settings import RolloutSettings
+
+        worker_env[env_name(RolloutSettings, "p2p")] = "false"
     error = _dataset_usage_error(args)
     if error is not None:
         print(error, file=sys.stderr)

@@ -89,6 +89,12 @@ def _add_up(sub: Subparsers) -> None:
         metavar="KEY=VALUE",
         help="environment of the rollout workers only (repeatable), e.g. SPOTRL_DEVICE=cuda",
     )
+    p.add_argument(
+        "--no-p2p",
+        action="store_true",
+        help="workers take every weight block from the weight store (default: also from the "
+        "workers that hold it, each on a free port its /v1/status names)",
+    )
     add_spec_flags(p)
     _add_chaos_options(p, required=False)
     p.add_argument(

@@ -91,6 +91,7 @@ class WeightClient:
         self.parallel = parallel
         self._next = 0
         self._block_sources: dict[str, str] = {}  # replica -> where it serves its files
+        self._block_misses: dict[str, int] = {}  # replica -> attempts failed in a row on it
         # (replica, model) -> the version this client last committed there, its files' sha256
         self._uploaded: dict[tuple[str, str], tuple[int, dict[str, str]]] = {}
 
@@ -322,7 +323,7 @@ class WeightClient:
                     log.error("pull %s v%d from %s refused: %s", model, version, base, exc)
                 except (httpx.HTTPError, WeightTransferError, OSError) as exc:
                     last_error = exc
-                    self._block_sources.pop(base, None)  # a replica restarted binds anew
+                    self._missed(base)
                     log.warning("pull %s v%d from %s failed: %s", model, version, base, exc)
                 manifest = None  # the replicas' own from now on
             if len(conflicts) == len(self.urls):
@@ -392,6 +393,8 @@ class WeightClient:
             if swarm is not None:
                 await swarm.abandon()
             raise
+        if fetch.store != base:
+            self._block_misses.pop(base, None)  # its block server answers this client
         fetched = fetch.from_store + fetch.from_peers
         return PullResult(
             dest, version, fetched, time.monotonic() - started, digest, fetch.from_peers
@@ -426,16 +429,29 @@ class WeightClient:
             if got != entry.sha256:
                 raise WeightTransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
 
+    def _missed(self, base: str) -> None:
+        """An attempt on `base` failed: ask where it serves its blocks again (a replica that
+        restarted bound another port); after two failures in a row on its block server, take
+        the blocks from its API (a block port this client cannot reach, e.g. one Compose does
+        not publish to the host)."""
+        served_apart = self._block_sources.pop(base, base) != base
+        if served_apart:
+            self._block_misses[base] = self._block_misses.get(base, 0) + 1
+
     async def _block_source(self, base: str) -> str:
         """Where a replica serves its files with zero copy (its block server, on a port of its
         own, which `GET /v1/blocks` names); the replica's API itself where it has none."""
+        if self._block_misses.get(base, 0) >= 2:
+            return base
         if base not in self._block_sources:
-            async with self._http(10.0) as http:
-                resp = await http.get(f"{base}/v1/blocks")
-            port = resp.json().get("port") if resp.status_code == 200 else None
-            if isinstance(port, int) and 0 < port < 65536:
-                parts = urlsplit(base)
-                self._block_sources[base] = f"{parts.scheme}://{parts.hostname}:{port}"
-            else:
-                self._block_sources[base] = base
+            self._block_sources[base] = await self._ask_block_source(base)
         return self._block_sources[base]
+
+    async def _ask_block_source(self, base: str) -> str:
+        async with self._http(10.0) as http:
+            resp = await http.get(f"{base}/v1/blocks")
+        port = resp.json().get("port") if resp.status_code == 200 else None
+        if isinstance(port, int) and 0 < port < 65536:
+            parts = urlsplit(base)
+            return f"{parts.scheme}://{parts.hostname}:{port}"
+        return base

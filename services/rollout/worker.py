@@ -45,8 +45,8 @@ class RolloutWorker:
         )
         self.flusher = Flusher(self.ctx)
         self.control = Control(self.ctx, self.flusher)
-        loader = VersionLoader(self.ctx, self.flusher.held, self.flusher.release)
-        self.intake = JobIntake(self.ctx, self.control, loader)
+        self.loader = VersionLoader(self.ctx, self.flusher.held, self.flusher.release)
+        self.intake = JobIntake(self.ctx, self.control, self.loader)
         self.generator = Generator(self.ctx, self.control, self.flusher)
         self.crashes = CrashReporter(self.ctx, self.flusher)
 
@@ -93,4 +93,6 @@ class RolloutWorker:
             "version": ctx.version,
             "active": ctx.engine.active,
             "tokens_generated": ctx.tokens_generated,
+            # where it serves the weight blocks it holds to its peers ("" until its first pull)
+            "peer_url": self.loader.peers.url if self.loader.peers else None,
         }

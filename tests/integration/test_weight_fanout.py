@@ -188,3 +188,30 @@ def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp
         )
         for total, from_peers in loads:
             assert from_peers > total / 2, loads
+
+
+def test_a_stale_block_port_is_asked_again_and_one_out_of_reach_is_left(tmp_path):
+    """A client whose store's block server moved (the store restarted) asks where it is again;
+    one that cannot reach it (a port Compose does not publish to the host) takes the blocks from
+    the store's API after two failed attempts."""
+    store = start_store(tmp_path / "ws")
+    try:
+        src = publish(tmp_path, store, 3 * BLOCK)
+        unreachable = f"http://127.0.0.1:{procs.free_port()}"
+        client = WeightClient([store.url])
+        client._block_sources[store.url] = unreachable
+        result = asyncio.run(client.pull(RUN, 0, tmp_path / "a", attempts=3))
+        assert same_files(src, result.folder)
+        assert client._block_sources[store.url] not in (unreachable, store.url)
+
+        client = WeightClient([store.url])
+
+        async def out_of_reach(base):
+            return unreachable
+
+        client._ask_block_source = out_of_reach  # type: ignore[method-assign]
+        result = asyncio.run(client.pull(RUN, 0, tmp_path / "b", attempts=3))
+        assert same_files(src, result.folder)
+        assert client._block_misses[store.url] == 2
+    finally:
+        store.stop()
