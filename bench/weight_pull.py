@@ -1,17 +1,27 @@
-"""Weight pull speed: the weight store's verified parallel range pull vs a static file server.
+"""Weight pull speed: the weight store's verified parallel range pull vs a static file server,
+and the fan-out of one version to many pullers, store only vs peer to peer.
 
 Makes safetensors checkpoints of about 100 MB and 1 GB, uploads them to a weight store process,
 and pulls each in the same run from (a) the weight store with `WeightClient.pull` (parallel range
-requests, every sha256 verified, renamed into place) and (b) nginx serving the very same files,
-fetched by curl (one stream, no verification) as the baseline. Then it measures `provision_s`:
-from a new rollout worker's registration to its first generated token, with a ~1 GB model.
+requests to its zero-copy block server, every block's sha256 verified, renamed into place) and
+(b) nginx serving the very same files (sendfile), fetched by curl (one stream, no verification)
+as the baseline. Then it measures `provision_s`: from a new rollout worker's registration to its
+first generated token, with a ~1 GB model.
+
+With `--fanout N`: N puller processes (services.rollout.peer_pull: a worker's pull, without its
+engine) fetch the 1 GB version at once, first from the store only (SPOTRL_P2P=false), then peer
+to peer (the pullers serve each other the blocks they verified), side by side; the total is from
+the first puller's start to the last one's end. Loopback has no egress limit of its own, so this
+runs twice: uncapped, and with the store's egress capped at `--store-mbps` (a store whose NIC a
+fleet shares; the pullers' own egress is not capped).
 
 Prints one JSON object as its LAST line (Gb/s are gigabits per second):
-pull_gbps, baseline_gbps, pull_vs_baseline (for the 1 GB checkpoint), the same per size, and
-provision_s.
+pull_gbps, baseline_gbps, pull_vs_baseline (for the 1 GB checkpoint), the same per size,
+provision_s, and with --fanout: fanout_speedup (store-only total / P2P total, store capped),
+fanout_speedup_uncapped, and each run's totals.
 
     apt-get install nginx-light curl   # the baseline's server and client
-    .venv/bin/python bench/weight_pull.py [--repeat 3] [--no-provision]
+    .venv/bin/python bench/weight_pull.py [--repeat 3] [--no-provision] [--fanout 8]
 """
 
 import argparse
@@ -19,6 +29,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -95,6 +106,85 @@ def measure_size(name, src, store_url, nginx_url, files_dir, work, repeat) -> di
     }
 
 
+def fanout(store_url: str, redis_url: str, work: Path, pullers: int, p2p: bool, label: str) -> dict:
+    """`pullers` processes pulling ckpt1g v0 at once; their totals."""
+    from services.common.settings import settings_env
+    from services.rollout.settings import RolloutSettings
+
+    mode = "p2p" if p2p else "store"
+    procs_ = []
+    for i in range(pullers):
+        env = settings_env(
+            RolloutSettings,
+            worker_id=f"{mode}-{i}",
+            redis_url=redis_url,
+            weightstore_url=store_url,
+            p2p=p2p,
+            log_level="WARNING",
+        )
+        dest = work / f"fan-{mode}-{i}" / "v0"
+        args = [sys.executable, "-m", "services.rollout.peer_pull", "--run", "ckpt1g"]
+        args += ["--version", "0", "--dest", str(dest), "--serve"]
+        procs_.append(procs.start(f"fan-{label}-{mode}-{i}", args, env, work / "logs"))
+    try:
+        outcomes = [wait_outcome(p) for p in procs_]
+    finally:
+        for p in procs_:
+            p.stop()
+        for i in range(pullers):
+            shutil.rmtree(work / f"fan-{mode}-{i}", ignore_errors=True)
+    nbytes = sum(o["bytes"] for o in outcomes)
+    total = max(o["ended_at"] for o in outcomes) - min(o["started_at"] for o in outcomes)
+    return {
+        "total_s": round(total, 3),
+        "slowest_pull_s": max(o["seconds"] for o in outcomes),
+        "peer_share": round(sum(o["from_peers"] for o in outcomes) / nbytes, 3),
+        "gbps_delivered": gbps(nbytes, total),
+    }
+
+
+def wait_outcome(proc: procs.Proc, timeout_s: float = 600.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                return json.loads(line)
+        if not proc.alive():
+            raise procs.died(proc)
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} did not finish its pull")
+
+
+def fanout_side_by_side(work: Path, files_dir: Path, pullers: int, store_mbps: float) -> dict:
+    """Store-only then P2P, uncapped and with the store's egress capped."""
+    redis_proc, redis_url = procs.start_redis(work / "redis-log", work / "redis")
+    results: dict = {"pullers": pullers, "store_mbps": store_mbps}
+    try:
+        for label, cap in (("uncapped", None), ("capped", store_mbps)):
+            port = procs.free_port()
+            env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(files_dir)}
+            if cap:
+                env["SPOTRL_EGRESS_MBPS"] = str(cap)
+            store = procs.start_service(
+                f"store-{label}", "services.weightstore.main", env, work, port
+            )
+            procs.wait_healthy([store])
+            try:
+                runs = {}
+                for p2p in (False, True):
+                    runs["p2p" if p2p else "store_only"] = fanout(
+                        store.url, redis_url, work, pullers, p2p, label
+                    )
+                    print(f"fanout {label}", runs, flush=True)
+            finally:
+                store.stop()
+            runs["speedup"] = round(runs["store_only"]["total_s"] / runs["p2p"]["total_s"], 3)
+            results[label] = runs
+    finally:
+        redis_proc.stop()
+    return results
+
+
 def provision_seconds(work: Path) -> float:
     """Registration of a new worker -> its first token, for a ~1 GB model."""
     import redis
@@ -166,6 +256,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-provision", action="store_true")
+    parser.add_argument("--fanout", type=int, default=0, help="pullers of the fan-out run")
+    parser.add_argument(
+        "--store-mbps",
+        type=float,
+        default=4000.0,
+        help="the store's egress cap in the fan-out's capped run, megabits per second",
+    )
     args = parser.parse_args()
     if not shutil.which("nginx") or not shutil.which("curl"):
         raise SystemExit("the baseline needs nginx and curl: apt-get install nginx-light curl")
@@ -195,19 +292,23 @@ def main() -> None:
     finally:
         nginx.stop()
         store.stop()
+    fan = fanout_side_by_side(work, files_dir, args.fanout, args.store_mbps) if args.fanout else {}
     provision = None if args.no_provision else provision_seconds(work)
     big = results["ckpt1g"]
-    print(
-        json.dumps(
-            {
-                "pull_gbps": big["pull_gbps"],
-                "baseline_gbps": big["baseline_gbps"],
-                "pull_vs_baseline": big["pull_vs_baseline"],
-                "provision_s": provision,
-                "sizes": results,
-            }
-        )
-    )
+    summary = {
+        "pull_gbps": big["pull_gbps"],
+        "baseline_gbps": big["baseline_gbps"],
+        "pull_vs_baseline": big["pull_vs_baseline"],
+        "provision_s": provision,
+        "sizes": results,
+    }
+    if fan:
+        summary |= {
+            "fanout_speedup": fan["capped"]["speedup"],
+            "fanout_speedup_uncapped": fan["uncapped"]["speedup"],
+            "fanout": fan,
+        }
+    print(json.dumps(summary))
     shutil.rmtree(work, ignore_errors=True)
 
 

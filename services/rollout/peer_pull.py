@@ -6,13 +6,15 @@ new machine's cache before its worker starts, and what the fan-out tests and ben
     python -m services.rollout.peer_pull --run RUN --version V --dest DIR [--serve]
 
 Settings (store URL, Redis, peer port, SPOTRL_P2P...) are the rollout worker's. It prints
-one JSON line when the pull is done: {"version", "bytes", "from_peers", "seconds", "digest"}.
+one JSON line when the pull is done: {"version", "bytes", "from_peers", "seconds", "digest",
+"started_at", "ended_at"} (the last two: Unix time).
 """
 
 import argparse
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 
 from services.common.logs import setup_logging
@@ -30,8 +32,11 @@ async def pull_and_serve(
     try:
         client = WeightClient(s.weightstore_urls(), s.api_token)
         swarm = peers.swarm(r, run_id, version) if peers is not None else None
+        started_at = time.time()
         result = await client.pull(run_id, version, dest, swarm=swarm)
         outcome = {
+            "started_at": started_at,
+            "ended_at": time.time(),
             "version": result.version,
             "bytes": result.bytes,
             "from_peers": result.from_peers,
