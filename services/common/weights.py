@@ -1,5 +1,7 @@
 """Client of the weight store: upload a model folder as a version, pull a version into a local
-folder with parallel range requests, verifying every sha256 before anything is loaded.
+folder with parallel range requests, verifying every sha256 before anything is loaded. The
+blocks come from the store's zero-copy block server and, given a swarm, from the peers that
+hold them (services.common.block_fetch).
 
 A pull writes into `{dest}.partial` and renames it to `dest` only when every file checked out,
 so a folder named after a version is always complete. On any failure it tries the next replica.

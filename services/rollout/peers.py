@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from services.common import keys
 from services.common.block_server import BlockServer
 from services.common.block_sources import ALL, Block, Holding
+from services.common.redis_streams import text
 from services.common.settings import is_loopback
 from services.rollout.settings import RolloutSettings
 
@@ -104,9 +105,9 @@ class RedisSwarm:
         raw = await self.r.hgetall(self.key)
         found: dict[str, Holding] = {}
         for worker, record in raw.items():
-            if worker.decode() == self.worker_id:
+            if text(worker) == self.worker_id:
                 continue
-            parsed = self._parse(record)
+            parsed = self._parse(record if isinstance(record, bytes) else record.encode())
             if parsed is not None:
                 found[parsed[0]] = parsed[1]
         return found

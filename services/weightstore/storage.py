@@ -227,7 +227,7 @@ class WeightStorage:
         if reuse_version is None or not self.is_committed(model, reuse_version):
             return {}  # the missing files stay missing: the commit says which
         earlier = {e.name: e for e in self.manifest(model, reuse_version).files}
-        taken = {}
+        taken: dict[str, Hashes] = {}
         for entry in manifest.files:
             old = earlier.get(entry.name)
             if old is None or (old.size, old.sha256) != (entry.size, entry.sha256):
