@@ -71,7 +71,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     tasks = BackgroundTasks()
     auth = auth_for(settings)
     blocks = None
-    if settings.block_port is not None:
+    if settings.serve_blocks:
         blocks = BlockServer(
             partial(committed_file, storage),
             settings.host,

@@ -22,13 +22,15 @@ class WeightStoreSettings(CommonSettings):
         le=30 * 86400,
         description="Another replica's staging untouched this long is an upload cut off: removed.",
     )
-    block_port: int | None = Field(
+    block_port: int = Field(
         0,
         ge=0,
         le=65535,
         description="Port of the zero-copy file server (sendfile) that pullers fetch blocks from "
-        "(0: any free port; clients learn it from GET /v1/blocks). None: files are served by the "
-        "API only.",
+        "(0: any free port; clients learn it from GET /v1/blocks).",
+    )
+    serve_blocks: bool = Field(
+        True, description="Run the block server; false: files are served by the API only."
     )
     block_bytes: int = Field(
         32 * 1024 * 1024,

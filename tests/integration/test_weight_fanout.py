@@ -215,3 +215,15 @@ def test_a_stale_block_port_is_asked_again_and_one_out_of_reach_is_left(tmp_path
         assert client._block_misses[store.url] == 2
     finally:
         store.stop()
+
+
+def test_a_store_without_its_block_server_serves_the_files_from_its_api(tmp_path):
+    store = start_store(tmp_path / "ws", serve_blocks="false")
+    try:
+        src = publish(tmp_path, store, 2 * BLOCK)
+        client = WeightClient([store.url])
+        result = asyncio.run(client.pull(RUN, 0, tmp_path / "dst"))
+        assert same_files(src, result.folder)
+        assert client._block_sources[store.url] == store.url  # GET /v1/blocks: 404
+    finally:
+        store.stop()
