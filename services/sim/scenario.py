@@ -6,6 +6,7 @@ run, which publishes end-to-end figures to check the models against. docs/simula
 the source of every number.
 """
 
+import math
 from dataclasses import dataclass, field, replace
 
 from services.sim.profile import QWEN3_8B, QWEN3_14B, EngineProfile, ModelShape, roofline
@@ -41,17 +42,59 @@ class TrainerModel:
 
 @dataclass(frozen=True)
 class TransferModel:
-    """Weight pulls: bytes over the slower of the instance's NIC and its share of the weight
-    store's egress (every instance pulls a new version at the same moment), plus the load."""
+    """Weight pulls of a new version, W = `weight_bytes`, by the instances that pull at once.
+
+    Store only (`p2p` False): the k-th pull under way gets the slower of its NIC and a k-th of
+    the store's egress E: W / min(nic, E / k) + `load_s` (every instance pulls a new version at
+    the same moment, so the last of n waits n W / E).
+
+    Peer-to-peer fan-out (`p2p` True): a puller fetches blocks from the store and from the other
+    pullers at once, and serves the blocks it has verified (checkpoint-engine's P2P mode,
+    INTELLECT-2's shardcast, Laminar's relays). n pullers in a swarm all finish at about
+
+        T(n) = max(W / nic, W / E, n W / (E + n U)) + ceil(log2 n) * block / min(nic, U) + load
+
+    with U = `peer_upload_bytes_per_s` (default the NIC; full duplex). The max is the minimum
+    distribution time of a file to n peers (Kumar and Ross, "Peer-assisted file distribution:
+    the minimum distribution time", 2006): every puller downloads W through its NIC; the store
+    sends every byte at least once; and the n W bytes downloaded in all are uploaded by the
+    store or by a puller, E + n U bytes a second together. A swarm that forwards a block as soon
+    as it has it reaches that bound up to the pipeline's fill: a block reaches the last puller
+    after about log2 n relays of `block_bytes` each. With U >= nic the third term never exceeds
+    W / nic, so T(n) grows only by that relay term; with a smaller U it rises towards W / U and
+    stops there. A puller fetches from the store alone where that is faster (while the store
+    feeds every NIC, n <= E / nic, the relays only add their fill), so a pull takes the smaller
+    of T(n) and the store-only time: never more, and the same for one puller.
+
+    The k-th pull under way is timed with n = k, as store-only pulls are, with n counting the
+    pulls of every shard when a fleet is simulated as `replicas` identical shards
+    (services/sim/fleet.py): they share one store and pull at the same moments.
+    """
 
     weight_bytes: float
     store_egress_bytes_per_s: float = 25e9  # 200 Gbit/s from the trainer node (artifact)
     nic_bytes_per_s: float = 12.5e9  # 100 Gbit/s per spot instance
     load_s: float = 2.0
+    p2p: bool = False  # pullers serve verified blocks to each other (a swarm), see above
+    peer_upload_bytes_per_s: float | None = None  # what a peer uploads; None: the NIC
+    block_bytes: float = 64e6  # the unit a peer relays once it has verified it
+    replicas: int = 1  # identical shards pulling from this store at the same moments
 
     def pull_s(self, concurrent: int) -> float:
-        rate = min(self.nic_bytes_per_s, self.store_egress_bytes_per_s / max(1, concurrent))
-        return self.weight_bytes / rate + self.load_s
+        n = max(1, concurrent * self.replicas)
+        rate = min(self.nic_bytes_per_s, self.store_egress_bytes_per_s / n)
+        seconds = self.weight_bytes / rate
+        if self.p2p:
+            seconds = min(seconds, self.swarm_s(n))
+        return seconds + self.load_s
+
+    def swarm_s(self, n: int) -> float:
+        """Seconds for n concurrent pullers to receive the version by peer-to-peer fan-out."""
+        w, store, nic = self.weight_bytes, self.store_egress_bytes_per_s, self.nic_bytes_per_s
+        upload = nic if self.peer_upload_bytes_per_s is None else self.peer_upload_bytes_per_s
+        bound = max(w / nic, w / store, n * w / (store + n * upload))
+        relays = math.ceil(math.log2(n)) if n > 1 else 0
+        return bound + relays * self.block_bytes / min(nic, upload)
 
 
 @dataclass(frozen=True)

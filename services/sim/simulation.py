@@ -267,13 +267,18 @@ class Simulation(StepProtocol):
         self.at(self.now + self.pull_s(), "pulled", (inst.name, self.version))
 
     def pull_s(self) -> float:
-        """A pull started now: the weight store's egress is shared by every pull under way."""
+        """A pull started now: the weight store's egress is shared by every pull under way
+        (with peer-to-peer fan-out, the pullers serve each other: `TransferModel`)."""
         pulling = sum(
             1
             for i in self.instances.values()
             if i.state == "pulling" or (i.fetching and i.state == "up")
         )
-        return self.sc.transfer.pull_s(pulling)
+        seconds = self.sc.transfer.pull_s(pulling)
+        self.totals.pulls += 1
+        self.totals.pull_s += seconds
+        self.totals.max_pull_s = max(self.totals.max_pull_s, seconds)
+        return seconds
 
     def fetch(self, inst: Instance) -> None:
         """Asynchronous RL: pull the latest version in the background; the instance keeps

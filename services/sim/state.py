@@ -105,6 +105,9 @@ class Totals:
     reserved_rollout_s: float = 0.0  # some reserved engine running requests
     reserved_train_s: float = 0.0
     reserved_switch_s: float = 0.0
+    pulls: int = 0  # weight pulls started (at a boot, a step's start, a background swap)
+    pull_s: float = 0.0  # their durations, as the transfer model timed them at the start
+    max_pull_s: float = 0.0
 
     @property
     def lost(self) -> int:
