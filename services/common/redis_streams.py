@@ -48,6 +48,11 @@ def read_entries(reply: XReadResponse | XReadGroupResponse) -> list[Entry]:
     return [entry for _, entries in streams for entry in entries]
 
 
+def entry_time_s(entry_id: bytes) -> float:
+    """When Redis added a stream entry: its id's first part, in unix seconds."""
+    return int(entry_id.split(b"-", 1)[0]) / 1000
+
+
 def connect(url: str) -> aioredis.Redis:
     return aioredis.from_url(url, decode_responses=False, health_check_interval=10)
 

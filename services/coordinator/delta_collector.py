@@ -11,13 +11,16 @@ It does not drive steps (queueing, seeding, balancing, stall and dead-worker che
 """
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
 from collections import Counter as Tally
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from redis.exceptions import OutOfMemoryError
 from tokenizers import Tokenizer
 
@@ -27,6 +30,7 @@ from services.common.redis_streams import (
     StagedWrites,
     StreamConsumer,
     ensure_group,
+    entry_time_s,
     while_out_of_memory,
 )
 from services.common.runspec import RunSpec
@@ -44,8 +48,30 @@ DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by ou
 OUTCOMES = {a.value: DELTA_ITEMS.labels(a.value) for a in Applied}  # children looked up once
 TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
 GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
+LAG_S = Histogram(
+    "spotrl_coordinator_delta_lag_seconds",
+    "From a worker's flush (its deltas entry's id) to the stored outcome of the read that took it",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60),
+)
 
 DELTA_BATCH = 256
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (unless it was off already). A read decodes about
+    three objects per delta item, alive until the read is stored and then freed by reference
+    counting; collections they triggered on the way walked them again and again, and moved
+    them to the old generation, whose full collections then walked the request tables too:
+    most of the decode's time, under load. What is left to collect is collected after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @dataclass
@@ -128,6 +154,10 @@ class DeltaCollector:
         continuations of the requests released, the groups completed, and the
         acknowledgement and deletion of the read's entries (what they carried is in the
         request tables from then on)."""
+        with gc_paused():
+            await self._collect(live, block_ms)
+
+    async def _collect(self, live: dict[int, LiveStep], block_ms: int) -> None:
         read = await self.deltas.read(DELTA_BATCH, block_ms)
         if not read.entries:
             return
@@ -146,6 +176,9 @@ class DeltaCollector:
             self._stage_outcome(staged, into.table, into.store, outcome, groups)
         self.deltas.stage_ack(staged, read.ids, delete=True)
         await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
+        stored = time.time()
+        for entry_id in read.ids:
+            LAG_S.observe(max(0.0, stored - entry_time_s(entry_id)))
         if self.oom_stalled:
             self.oom_stalled = False
             await self.runs.mark_running(self.run_id, "redis takes writes again")

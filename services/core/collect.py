@@ -68,22 +68,30 @@ def apply_batches(
     a request's tokens before it gives the request back)."""
     out = CollectOutcome()
     tokens_before, quarantined_before = table.tokens_appended, set(table.quarantined)
+    stats_before = dict(table.stats)  # `applied` is their difference: no count per delta
     bound = None if rules.max_staleness is None else table.step - rules.max_staleness
+    # the loop below runs for every delta of the run: names looked up once
+    changed, finished = out.changed.add, out.finished.append
+    appended, done, stale = Applied.APPENDED, Applied.FINISHED, Applied.STALE_LEASE
     for batch in batches:
         if bound is not None and batch.version < bound:
             _out_of_bound(table, batch, out)
             _release(table, batch, rules, out)
             continue
-        for item in batch.items:
-            applied = table.apply(item, batch.version)
-            out.applied[applied.value] += 1
-            if applied in (Applied.APPENDED, Applied.FINISHED):
-                out.changed.add(item.request_id)
-            if applied is Applied.FINISHED:
-                out.finished.append(item.request_id)
-            elif applied is Applied.STALE_LEASE:
+        for item, applied in zip(
+            batch.items, table.apply_all(batch.items, batch.version), strict=True
+        ):
+            if applied is appended:
+                changed(item.request_id)
+            elif applied is done:
+                changed(item.request_id)
+                finished(item.request_id)
+            elif applied is stale:
                 out.stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
         _release(table, batch, rules, out)
+    for outcome, n in table.stats.items():
+        if n != stats_before[outcome]:
+            out.applied[outcome] += n - stats_before[outcome]
     out.tokens_appended = table.tokens_appended - tokens_before
     out.dropped = sorted(table.quarantined - quarantined_before)
     return out
@@ -142,11 +150,14 @@ def split_by_step(batches: list[DeltaBatch]) -> dict[int, list[DeltaBatch]]:
     deltas still before its releases. A request id that names no step goes under -1."""
     out: dict[int, list[DeltaBatch]] = {}
     for batch in batches:
-        steps = {step_of(i.request_id) for i in batch.items}
-        steps |= {step_of(r.request_id) for r in batch.released}
-        if len(steps) <= 1:  # the usual case: the whole batch is one step's
-            out.setdefault(steps.pop() if steps else -1, []).append(batch)
+        # the heads of the request ids ("{step}:..."), each told apart as a step once: this
+        # runs for every delta of the run
+        heads = {i.request_id.partition(":")[0] for i in batch.items}
+        heads |= {r.request_id.partition(":")[0] for r in batch.released}
+        if len(heads) <= 1:  # the usual case: the whole batch is one step's
+            out.setdefault(step_of(heads.pop()) if heads else -1, []).append(batch)
             continue
+        steps = {step_of(head) for head in heads}
         for step in sorted(steps):
             part = msgspec.structs.replace(
                 batch,
