@@ -168,7 +168,6 @@ def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp
         worker_env={"SPOTRL_STEP_DELAY_MS": "2000"},
     )
     with Deployment(config) as dep:
-        dep.start()
         client = CoordinatorClient(dep.coordinator_url)
         rdb = redis.Redis.from_url(dep.redis_url)
         spec = small_spec(tiny_model, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=64)
