@@ -56,8 +56,10 @@ def test_bounded_staleness_runs_end_exact_within_their_bound(
 def test_a_worker_the_coordinator_and_the_trainer_killed_with_two_steps_in_flight(
     deployment, client, rdb, tiny_model
 ):
+    # steps enough that the run outlives the restarts: while the coordinator restarts, the
+    # workers finish the (up to k + 1) steps in flight, which it then takes at once
     body = small_spec(
-        tiny_model, steps=10, prompts_per_step=PROMPTS, max_new_tokens=8, max_staleness=2
+        tiny_model, steps=24, prompts_per_step=PROMPTS, max_new_tokens=8, max_staleness=2
     )
     run_id = client.submit(body)
 
