@@ -25,6 +25,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from services.common import stack_dump
+from services.common.cancel import cancel_and_wait
 from services.common.redis_streams import REDIS_DOWN
 from services.common.retry import retry
 
@@ -68,16 +70,9 @@ class BackgroundTasks:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Cancel every task and wait for them, re-cancelling any that swallowed it."""
-        pending = {t for t in self.tasks.values() if not t.done()}
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while pending:
-            for task in pending:
-                task.cancel()
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                log.error("tasks would not stop: %s", [t.get_name() for t in pending])
-                return
-            _, pending = await asyncio.wait(pending, timeout=min(left, 0.5))
+        pending = await cancel_and_wait(self.tasks.values(), timeout_s)
+        if pending:
+            log.error("tasks would not stop: %s", [t.get_name() for t in pending])
 
     @property
     def healthy(self) -> bool:
@@ -210,11 +205,14 @@ def serve(
 
     What was imported is moved out of the garbage collector's sight first (`gc.freeze`): a
     service's heap is mostly modules, and a full collection walking them paused the coordinator
-    for up to 160 ms and took a quarter of its CPU under load."""
+    for up to 160 ms and took a quarter of its CPU under load.
+
+    SIGUSR1 writes every thread's and task's stack to the log (`stack_dump`)."""
     if port_file is not None:
         port_file.unlink(missing_ok=True)  # a file from an earlier start names another process
     gc.collect()
     gc.freeze()
+    stack_dump.install()
     config = uvicorn.Config(
         app,
         host=host,

@@ -3,7 +3,10 @@
 Tests wait on conditions (`wait_until`), never for a fixed time: a loaded machine only makes
 them slower, not wrong."""
 
+import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -75,7 +78,45 @@ def wait_final(client, deployment, run_id, timeout_s=240.0) -> dict:
             return run
         time.sleep(0.3)
     logs = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in deployment.procs.values())
-    raise TimeoutError(f"run {run_id} not finished after {timeout_s}s:\n{logs}")
+    stacks = service_stacks(deployment, [n for n in deployment.procs if n != "redis"])
+    clients = redis_clients(deployment.redis_url)
+    raise TimeoutError(
+        f"run {run_id} not finished after {timeout_s}s:\n{logs}\n{clients}\n{stacks}"
+    )
+
+
+def redis_clients(url: str) -> str:
+    """Redis's clients now, with the command each runs or is blocked in, and its clock."""
+    try:
+        with redis.Redis.from_url(url, socket_timeout=5) as r:
+            seconds, micros = r.time()
+            listing = r.execute_command("CLIENT LIST")
+    except redis.RedisError as exc:
+        return f"--- redis clients: {exc}"
+    text = listing.decode() if isinstance(listing, bytes) else str(listing)
+    skew = seconds + micros / 1e6 - time.time()
+    return f"--- redis clients (its clock - ours: {skew:+.3f}s)\n{text}"
+
+
+def service_stacks(deployment, names, timeout_s: float = 10.0) -> str:
+    """Where these services' threads and asyncio tasks wait now (SIGUSR1: `stack_dump`), as
+    they write it to their logs."""
+    procs = [p for p in deployment.procs.values() if p.name in names and p.alive()]
+    sizes = {p.name: p.log_path.stat().st_size for p in procs}
+    for p in procs:
+        os.kill(p.pid, signal.SIGUSR1)
+    out = []
+    for p in procs:
+
+        def dumped(p=p) -> str:
+            with open(p.log_path, "rb") as f:
+                f.seek(sizes[p.name])
+                text = f.read().decode(errors="replace")
+            return text if "asyncio tasks" in text else ""
+
+        with contextlib.suppress(TimeoutError):
+            out.append(f"--- {p.name} stacks\n" + wait_until(dumped, "no stacks", timeout_s, 0.1))
+    return "\n".join(out)
 
 
 def wait_until(
