@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.common.block_sources import Block, Holding, SourcePicker
+from services.common.cancel import cancel_and_wait
 from services.common.weight_contract import WeightTransferError
 from services.common.weight_files import SourceBusy, SourceLacks, fetch_range
 
@@ -85,10 +86,7 @@ class BlockFetch:
         try:
             await asyncio.gather(*fetchers)
         finally:
-            for task in (*fetchers, watcher):
-                if task is not None:
-                    task.cancel()
-            await asyncio.gather(*fetchers, *([watcher] if watcher else []), return_exceptions=True)
+            await cancel_and_wait([*fetchers, watcher])
 
     async def _watch_holders(self) -> None:
         assert self.swarm is not None

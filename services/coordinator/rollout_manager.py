@@ -34,6 +34,7 @@ from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
 from services.common import keys
+from services.common.cancel import cancel_and_wait
 from services.common.messages import Heartbeat
 from services.common.redis_streams import ensure_group, with_reconnect
 from services.common.run_state import ensure_live, wait_for_version
@@ -189,10 +190,8 @@ class RunManager:
         finally:
             # the collector first: no read may be applied (or dropped as a step not in flight)
             # while the steps are torn down; what it read and did not store is replayed later
-            for tasks in ([collecting] if collecting else [], list(flight.values())):
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait([collecting])
+            await cancel_and_wait(flight.values())
 
     async def _collect_forever(self) -> None:
         while True:
