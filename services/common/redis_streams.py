@@ -168,6 +168,10 @@ class StreamConsumer(Generic[M]):
         self.replaying, self._replayed = True, "0"
 
     async def read(self, count: int, block_ms: int | None) -> Read[M]:
+        return self.decode(await self.fetch(count, block_ms))
+
+    async def fetch(self, count: int, block_ms: int | None) -> list[Entry]:
+        """The entries of one read, not decoded (`decode` them)."""
         start = self._replayed if self.replaying else ">"
         entries = await with_reconnect(
             lambda: read_group(
@@ -181,6 +185,9 @@ class StreamConsumer(Generic[M]):
                 self._replayed = last.decode() if isinstance(last, bytes) else last
             else:
                 self.replaying = False
+        return entries
+
+    def decode(self, entries: list[Entry]) -> Read[M]:
         read: Read[M] = Read(entries, [], [])
         for entry in entries:
             if entry[1] is None:

@@ -63,7 +63,9 @@ def gc_paused() -> Iterator[None]:
     three objects per delta item, alive until the read is stored and then freed by reference
     counting; collections they triggered on the way walked them again and again, and moved
     them to the old generation, whose full collections then walked the request tables too:
-    most of the decode's time, under load. What is left to collect is collected after."""
+    most of the decode's time, under load. What is left to collect is collected after.
+    The switch is the whole process's: hold it over CPU work only, never across an await (the
+    blocking read would keep it off for every other task nearly all the time)."""
     if not gc.isenabled():
         yield
         return
@@ -154,26 +156,21 @@ class DeltaCollector:
         continuations of the requests released, the groups completed, and the
         acknowledgement and deletion of the read's entries (what they carried is in the
         request tables from then on)."""
-        with gc_paused():
-            await self._collect(live, block_ms)
-
-    async def _collect(self, live: dict[int, LiveStep], block_ms: int) -> None:
-        read = await self.deltas.read(DELTA_BATCH, block_ms)
-        if not read.entries:
+        entries = await self.deltas.fetch(DELTA_BATCH, block_ms)
+        if not entries:
             return
+        with gc_paused():
+            read = self.deltas.decode(entries)
+            applied = self._apply(live, read.messages)
         parts: list[tuple[LiveStep, CollectOutcome, list[int]]] = []
-        for step, batches in split_by_step([batch for _, batch in read.messages]).items():
-            into = live.get(step)
-            if into is None:  # a step not in flight: nothing of it is applied any more
-                OUTCOMES[Applied.UNKNOWN.value].inc(sum(len(b.items) for b in batches))
-                continue
-            outcome = apply_batches(into.table, batches, self.rules)
+        for into, outcome in applied:
             if outcome.finished:
                 into.table.score(await self.score(into, outcome.finished))
             parts.append((into, outcome, into.table.completed_groups(outcome.finished)))
         staged = StagedWrites()
-        for into, outcome, groups in parts:
-            self._stage_outcome(staged, into.table, into.store, outcome, groups)
+        with gc_paused():
+            for into, outcome, groups in parts:
+                self._stage_outcome(staged, into.table, into.store, outcome, groups)
         self.deltas.stage_ack(staged, read.ids, delete=True)
         await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
         stored = time.time()
@@ -185,6 +182,19 @@ class DeltaCollector:
         for into, outcome, groups in parts:
             await self._after(into, outcome, groups)
         await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    def _apply(
+        self, live: dict[int, LiveStep], messages: list[tuple[bytes, DeltaBatch]]
+    ) -> list[tuple[LiveStep, CollectOutcome]]:
+        """Apply a read's batches to the tables of their steps (CPU only)."""
+        out = []
+        for step, batches in split_by_step([batch for _, batch in messages]).items():
+            into = live.get(step)
+            if into is None:  # a step not in flight: nothing of it is applied any more
+                OUTCOMES[Applied.UNKNOWN.value].inc(sum(len(b.items) for b in batches))
+                continue
+            out.append((into, apply_batches(into.table, batches, self.rules)))
+        return out
 
     async def _after(self, into: LiveStep, outcome: CollectOutcome, groups: list[int]) -> None:
         """What follows a step's applied outcome once it is stored."""
