@@ -46,6 +46,8 @@ async def leave_with_notice(
             "could not release within %.0fs; the coordinator will reclaim by heartbeat",
             settings.preempt_grace_s,
         )
+    if worker.loader.peers is not None:
+        await worker.loader.peers.withdraw(r)
     # Say "left with notice" before the heartbeat goes, so nobody counts it as a loss.
     await r.set(keys.worker_leaving(settings.worker_id), time.time(), ex=LEAVING_TTL_S)
     await r.delete(keys.worker_heartbeat(settings.worker_id))

@@ -60,6 +60,11 @@ class PeerShelf:
         with self._lock:
             self._held[model, version] = Held(folder, {}, frozenset(files), set(), whole=True)
 
+    def held(self) -> list[tuple[str, int]]:
+        """The (run, version) pairs served now."""
+        with self._lock:
+            return list(self._held)
+
     def drop(self, model: str, version: int) -> None:
         with self._lock:
             self._held.pop((model, version), None)
@@ -198,6 +203,12 @@ class Peers:
     async def forget(self, r: aioredis.Redis, run_id: str, version: int) -> None:
         """Serve `version` no more (its folder is about to go)."""
         await self.swarm(r, run_id, version).abandon()
+
+    async def withdraw(self, r: aioredis.Redis) -> None:
+        """Leaving: take this worker out of the holders of every version it serves, so that no
+        puller tries it first (one that does falls back at the refused connection anyway)."""
+        for run_id, version in self.shelf.held():
+            await self.forget(r, run_id, version)
 
     def stop(self) -> None:
         if self.url:

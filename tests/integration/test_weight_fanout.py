@@ -188,6 +188,16 @@ def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp
         for total, from_peers in loads:
             assert from_peers > total / 2, loads
 
+        def offered_by(worker) -> list[int]:
+            """The versions of the run whose holders list the worker."""
+            versions = range(spec["steps"] + 1)
+            return [v for v in versions if rdb.hexists(keys.weight_holders(run_id, v), worker.name)]
+
+        wait_until(lambda: offered_by(first), "the first worker offers no version", 60)
+        dep.procs.pop(first.name).stop()  # SIGTERM: the preemption notice
+        assert offered_by(first) == []  # it left: it offers its blocks no more
+        assert all(offered_by(w) for w in later)
+
 
 def test_a_stale_block_port_is_asked_again_and_one_out_of_reach_is_left(tmp_path):
     """A client whose store's block server moved (the store restarted) asks where it is again;
