@@ -80,7 +80,8 @@ class RewardProcess:
         c = self.choice
         try:
             await self._send(LoadReward(c.name, c.answer_regex, c.tolerance))
-            loaded = await asyncio.wait_for(self._read(Loaded), LOAD_TIMEOUT_S)
+            async with asyncio.timeout(LOAD_TIMEOUT_S):  # not wait_for: see common/cancel.py
+                loaded = await self._read(Loaded)
         except (ProcessGone, TimeoutError):
             await self.stop()
             raise RewardLoadError(f"reward {c.name}: its process did not load it") from None
@@ -138,7 +139,8 @@ class RewardProcess:
                 continue
             try:
                 for _ in pending:
-                    out.append(await asyncio.wait_for(self._read(Outcome), self.timeout_s))
+                    async with asyncio.timeout(self.timeout_s):
+                        out.append(await self._read(Outcome))
             except TimeoutError:
                 out.append(Outcome(0.0, TIMEOUT, f"no score after {self.timeout_s:g} s"))
                 await self.stop()

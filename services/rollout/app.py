@@ -39,7 +39,8 @@ async def leave_with_notice(
 ) -> None:
     """Release everything held within the grace period, say "left with notice", then go."""
     try:
-        released = await asyncio.wait_for(worker.release_all(), settings.preempt_grace_s)
+        async with asyncio.timeout(settings.preempt_grace_s):  # not wait_for: common/cancel.py
+            released = await worker.release_all()
         log.info("preemption notice: released %d requests", released)
     except TimeoutError:
         log.error(

@@ -45,7 +45,8 @@ class CrashReporter:
             raise  # not a crash: the loop starts again once Redis is back (or has room)
         except Exception as exc:
             try:
-                await asyncio.wait_for(self._report(exc, drives_engine), CRASH_REPORT_S)
+                async with asyncio.timeout(CRASH_REPORT_S):  # not wait_for: common/cancel.py
+                    await self._report(exc, drives_engine)
             except Exception:  # the original error matters more; say this one and go on
                 log.exception("could not report the crash")
             raise

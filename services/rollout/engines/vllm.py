@@ -246,7 +246,8 @@ class VLLMEngine:
         if not self.seqs:
             return []
         try:
-            items = [await asyncio.wait_for(self._queue.get(), timeout=1.0)]
+            async with asyncio.timeout(1.0):  # not wait_for: see common/cancel.py
+                items = [await self._queue.get()]
         except TimeoutError:
             return []
         while not self._queue.empty():
