@@ -64,8 +64,9 @@ def gc_paused() -> Iterator[None]:
     counting; collections they triggered on the way walked them again and again, and moved
     them to the old generation, whose full collections then walked the request tables too:
     most of the decode's time, under load. What is left to collect is collected after.
-    The switch is the whole process's: hold it over CPU work only, never across an await (the
-    blocking read would keep it off for every other task nearly all the time)."""
+    The switch is the whole process's: hold it over CPU work and short round trips only, never
+    across a wait of unbounded length (over the blocking read it was off for every other task
+    nearly all the time; a reward may take seconds)."""
     if not gc.isenabled():
         yield
         return
@@ -156,7 +157,10 @@ class DeltaCollector:
         continuations of the requests released, the groups completed, and the
         acknowledgement and deletion of the read's entries (what they carried is in the
         request tables from then on)."""
-        entries = await self.deltas.fetch(DELTA_BATCH, block_ms)
+        with gc_paused():  # deltas waiting now: the reply is big and comes at once
+            entries = await self.deltas.fetch(DELTA_BATCH, None)
+        if not entries:  # none: wait for some, with the GC on
+            entries = await self.deltas.fetch(DELTA_BATCH, block_ms)
         if not entries:
             return
         with gc_paused():
@@ -172,7 +176,7 @@ class DeltaCollector:
             for into, outcome, groups in parts:
                 self._stage_outcome(staged, into.table, into.store, outcome, groups)
         self.deltas.stage_ack(staged, read.ids, delete=True)
-        await while_out_of_memory(lambda: staged.execute(self.r), "store deltas", self._say_oom)
+        await while_out_of_memory(lambda: self._store(staged), "store deltas", self._say_oom)
         stored = time.time()
         for entry_id in read.ids:
             LAG_S.observe(max(0.0, stored - entry_time_s(entry_id)))
@@ -182,6 +186,12 @@ class DeltaCollector:
         for into, outcome, groups in parts:
             await self._after(into, outcome, groups)
         await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    async def _store(self, staged: StagedWrites) -> None:
+        """One attempt at the read's MULTI; packing it allocates much, and its round trip is
+        short: the GC stays paused over both."""
+        with gc_paused():
+            await staged.execute(self.r)
 
     def _apply(
         self, live: dict[int, LiveStep], messages: list[tuple[bytes, DeltaBatch]]
