@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import keys, ledger, timeline
+from services.common.cancel import cancel_and_wait
 from services.common.compute import compute
 from services.common.messages import FIELD, Group
 from services.common.redis_streams import (
@@ -282,11 +283,12 @@ class TrainerLoop:
         await asyncio.wait({task}, timeout=PUBLISH_AT_EXIT_S)
         if not task.done():
             log.warning("a version's publication was cut short at exit")
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            outcomes = await asyncio.gather(task, return_exceptions=True)
-            if isinstance(outcomes[0], Exception):
-                log.error("a version's publication failed at exit: %s", brief(outcomes[0]))
+            with contextlib.suppress(asyncio.CancelledError):
+                await cancel_and_wait([task])  # its Redis and store calls can lose one cancel
+        if task.done() and not task.cancelled():
+            error = task.exception()
+            if isinstance(error, Exception):
+                log.error("a version's publication failed at exit: %s", brief(error))
 
     async def _published(self) -> None:
         """Wait for the version being published, if one is (its errors are the step's)."""
