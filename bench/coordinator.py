@@ -92,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-flush", type=int, default=4, help="per request per flush")
     p.add_argument("--slots", type=int, default=2048, help="requests a worker holds at most")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--shards", type=int, default=1, help="coordinator processes (1 only)")
+    p.add_argument(
+        "--shards", type=int, default=1, help="coordinator processes (RunSpec.coordinator_shards)"
+    )
     p.add_argument("--prompts", type=int, default=2048, help="prompts per step (B)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -120,8 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profile is not None:
         args.profile = args.profile.resolve()
-    if args.shards != 1:
-        p.error("--shards: one coordinator process only (see docs/benchmarks.md, issue 22)")
     return args
 
 
@@ -150,6 +150,7 @@ class Bench:
         self.role: dict[int, str] = {}
         self.loop_first = self.loop_last = 0.0  # CPU-s of the coordinator's event loop thread
         self.wait_first: dict[str, float] = {}  # process -> seconds waited for a core
+        self.shard_lags: dict[int, list[tuple[float, float]]] = {}  # coordinator shards 1..K-1
         self.wait_last: dict[str, float] = {}
 
     def start_services(self) -> None:
@@ -207,7 +208,20 @@ class Bench:
     def processes(self) -> dict[int, str]:
         out = {p.pid: name for name, p in self.procs.items()}
         out |= {p.pid: "workers" for p in self.workers if p.alive()}
+        with contextlib.suppress(psutil.Error):  # the coordinator's shards 1..K-1
+            for child in psutil.Process(self.procs["coordinator"].pid).children():
+                if "services.coordinator.shard" in child.cmdline():
+                    out[child.pid] = "coordinator_shards"
         return out | {psutil.Process().pid: "bench"}
+
+    async def scrape_shards(self, r, http: httpx.AsyncClient, run_id: str) -> None:
+        """The lag histogram of each coordinator shard 1..K-1 (processes of their own, gone once
+        the run ends: the last scrape is kept)."""
+        urls = await r.hgetall(keys.shard_metrics(run_id))
+        for shard, url in urls.items():
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await http.get(url.decode(), timeout=2.0)).text
+                self.shard_lags[int(shard)] = histogram(text, LAG_METRIC)
 
     def main_thread_cpu_s(self) -> float | None:
         pid = self.procs["coordinator"].pid
@@ -301,6 +315,14 @@ def histogram(text: str, name: str) -> list[tuple[float, float]]:
     return sorted(out)
 
 
+def add_histograms(parts: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Histograms of the same buckets, added up (one per coordinator shard)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return []
+    return [(bound, sum(p[i][1] for p in parts)) for i, (bound, _) in enumerate(parts[0])]
+
+
 def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     """The q-quantile of a cumulative histogram, linear within its bucket (as PromQL's
     histogram_quantile); the last finite bound where it falls in the +Inf bucket."""
@@ -349,7 +371,9 @@ async def drive(bench: Bench, spec: RunSpec, checker: Checker) -> dict:
             bench.sample_cpu()
             found["wall_s"] = ended - began
             metrics = (await read(http, "/metrics")).text
-            found["lag"] = histogram(metrics, LAG_METRIC)
+            found["lag"] = add_histograms(
+                [histogram(metrics, LAG_METRIC), *bench.shard_lags.values()]
+            )
             found["rows"] = await read_steps(r, run_id)
             found["state"] = (await read(http, f"/v1/runs/{run_id}")).json()
             if args.profile is not None:
@@ -390,6 +414,7 @@ async def run_until_done(
             bench.sample_cpu(first=True)
         else:
             bench.sample_cpu()
+        await bench.scrape_shards(r, http, run_id)
         if version is not None and version != last_version:
             last_version = version
             print(f"step {version} began at {now - (began or now):.1f}s", file=sys.stderr)
@@ -453,7 +478,15 @@ def summarize(args, found: dict, checker: Checker, counts: list[dict], audit: di
         **found["cpu"],
         # tokens absorbed per CPU-second of the coordinator: its capacity on a core of its own
         "tok_per_coordinator_cpu_s": round(
-            tokens / max(found["cpu"].get("cpu_coordinator", 0) * found["wall_s"], 1e-9)
+            tokens
+            / max(
+                (
+                    found["cpu"].get("cpu_coordinator", 0)
+                    + found["cpu"].get("cpu_coordinator_shards", 0)
+                )
+                * found["wall_s"],
+                1e-9,
+            )
         ),
         "tok_s": round(tokens / max(rollout_s, 1e-9)),
         "p50_lag_s": None if p50 is None else round(p50, 3),
@@ -566,6 +599,7 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict:
         prompts_per_step=args.prompts,
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
+        coordinator_shards=args.shards,
     )
     plan = TokenPlan(
         args.max_new_tokens, args.min_len, EOS_ID, [int(t) for t in TOKEN_IDS.split(",")], 0

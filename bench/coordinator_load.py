@@ -60,6 +60,7 @@ from services.common.redis_streams import (
     read_entries,
     with_reconnect,
 )
+from services.core.collect import split_by_shard
 from services.core.request_table import request_id
 
 log = logging.getLogger("coordinator_load")
@@ -187,6 +188,7 @@ class SyntheticWorker:
         self.control_last = b"0-0"
         self.jobs: StreamConsumer[Job] | None = None
         self.counts = Counts()
+        self.shards = 1  # the run's coordinator shards (its jobs say)
         self.next_look = 0.0
 
     async def run(self) -> None:
@@ -335,6 +337,7 @@ class SyntheticWorker:
                 if job.prefix_ids != plan:
                     self.counts.bad_prefix += 1
             self.held[job.request_id] = Held(job.lease, entry_id, start, length, reason, offset)
+            self.shards = job.shards
             self.counts.jobs += 1
         if read.parked:
             await self.r.xack(self.jobs.stream, keys.WORKERS_GROUP, *[p[0] for p in read.parked])
@@ -381,10 +384,12 @@ class SyntheticWorker:
         gone = done + [lease.request_id for lease in releases]
         acks = [self.held[rid].entry_id for rid in gone]
         run_id, jobs = self.run_id, keys.jobs_stream(self.run_id, self.version)
+        by_shard = split_by_shard(batch, self.shards)
 
         async def send() -> None:
             async with self.r.pipeline(transaction=False) as pipe:
-                pipe.xadd(keys.deltas_stream(run_id), batch.fields(), nomkstream=True)
+                for shard, part in by_shard.items():
+                    pipe.xadd(keys.deltas_stream(run_id, shard), part.fields(), nomkstream=True)
                 if acks:
                     pipe.xack(jobs, keys.WORKERS_GROUP, *acks)
                 await pipe.execute()

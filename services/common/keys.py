@@ -4,6 +4,8 @@ Keys are grouped by owner. A run's keys all start with `spotrl:run:{run_id}:` so
 inspected (or deleted) with one SCAN pattern. Nothing outside this module builds a key by hand.
 """
 
+from services.common.shards import MAX_COORDINATOR_SHARDS
+
 PREFIX = "spotrl"
 
 # ---- runs (owned by the coordinator) ----
@@ -55,14 +57,26 @@ def run_steps_done(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:steps"
 
 
-def step_meta(run_id: str, step: int) -> str:
-    """Hash: queued (jobs of the step are on their stream), started_at (unix s)."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:meta"
+def _shard(shard: int) -> str:
+    """The suffix of a coordinator shard's keys: none for shard 0 (the names of one shard)."""
+    return f":shard:{shard}" if shard else ""
 
 
-def step_requests(run_id: str, step: int) -> str:
-    """Hash: request id -> "lease|finish_reason" (the coordinator's durable request table)."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:requests"
+def step_meta(run_id: str, step: int, shard: int = 0) -> str:
+    """Hash: queued (the shard's jobs of the step are on their stream), started_at (unix s)."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:meta{_shard(shard)}"
+
+
+def step_requests(run_id: str, step: int, shard: int = 0) -> str:
+    """Hash: request id -> "lease|finish_reason" (a coordinator shard's durable request table)."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:requests{_shard(shard)}"
+
+
+def step_shards(run_id: str, step: int) -> str:
+    """Hash, with coordinator shards: "{shard}:unfinished" -> the shard's unfinished requests
+    of the step, "{shard}:done" -> its summary (JSON, `step_record.ShardSummary`) once it has
+    published all its groups. Read by shard 0, which schedules and records the step."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:shards"
 
 
 def request_tokens(run_id: str, step: int, request_id: str) -> str:
@@ -81,14 +95,15 @@ def request_versions(run_id: str, step: int, request_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:step:{step}:versions:{request_id}"
 
 
-def step_published(run_id: str, step: int) -> str:
-    """Set of prompt indices whose group was handed to the trainer."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:published"
+def step_published(run_id: str, step: int, shard: int = 0) -> str:
+    """Set of prompt indices (of a shard) whose group was handed to the trainer."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:published{_shard(shard)}"
 
 
-def step_quarantined(run_id: str, step: int) -> str:
-    """Set of prompt indices whose group was dropped: a request of it crashed too many workers."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:quarantined"
+def step_quarantined(run_id: str, step: int, shard: int = 0) -> str:
+    """Set of prompt indices (of a shard) whose group was dropped: a request of it crashed too
+    many workers."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:quarantined{_shard(shard)}"
 
 
 def seed_done(run_id: str, step: int) -> str:
@@ -113,10 +128,22 @@ def jobs_stream(run_id: str, version: int) -> str:
     return f"{PREFIX}:run:{run_id}:jobs:v{version}"
 
 
-def deltas_stream(run_id: str) -> str:
-    """Stream of token deltas from workers to the coordinator. An entry is deleted in the
-    transaction that stores what it carried (the coordinator's request table)."""
-    return f"{PREFIX}:run:{run_id}:deltas"
+def deltas_stream(run_id: str, shard: int = 0) -> str:
+    """Stream of token deltas from workers to a coordinator shard (of the requests it owns,
+    `common.shards`). An entry is deleted in the transaction that stores what it carried (the
+    shard's request table)."""
+    return f"{PREFIX}:run:{run_id}:deltas{_shard(shard)}"
+
+
+def shard_metrics(run_id: str) -> str:
+    """Hash: coordinator shard (1..K-1) -> the URL of its Prometheus metrics (a process of its
+    own; shard 0's are the coordinator's /metrics)."""
+    return f"{PREFIX}:run:{run_id}:shard_metrics"
+
+
+def all_deltas_streams(run_id: str) -> list[str]:
+    """The deltas stream of every shard a run may have (those of a run with fewer are absent)."""
+    return [deltas_stream(run_id, shard) for shard in range(MAX_COORDINATOR_SHARDS)]
 
 
 def groups_stream(run_id: str) -> str:

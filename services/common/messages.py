@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Self
 
 import msgspec
 
+from services.common.shards import MAX_COORDINATOR_SHARDS
+
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
 # crash: the worker's engine died of an error while running the request (counted toward poison)
@@ -91,6 +93,9 @@ class Job(Message, frozen=True, kw_only=True):
     # run with nothing beside it: the request was running when a worker crashed, so a crash it
     # causes again is its own (poison requests are told from bystanders this way)
     isolate: bool = False
+    # the run's coordinator shards: the worker sends the request's deltas to the stream of its
+    # shard (`common.shards.shard_of`)
+    shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_COORDINATOR_SHARDS)] = 1
 
 
 class DeltaItem(Message, frozen=True, kw_only=True):

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from services.common.shards import MAX_COORDINATOR_SHARDS
+
 RunState = Literal["queued", "running", "stalled", "succeeded", "failed", "cancelled"]
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 # A stalled run is still live: it goes back to running as soon as it can progress again.
@@ -363,6 +365,14 @@ class RunSpec(BaseModel):
         le=1e6,
         description="Truncation of a stale token's importance weight pi_prox / pi_behaviour "
         "in the decoupled PPO loss (max_staleness >= 1; no effect at 0).",
+    )
+    coordinator_shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_COORDINATOR_SHARDS,
+        description="Coordinator processes that collect the run's token deltas, each the groups "
+        "of its share of every step's prompts (prompt index mod shards), with its own deltas "
+        "stream and durable request table; the first also schedules. Fixed for the run.",
     )
     fair_reads: bool = Field(
         True,

@@ -63,18 +63,7 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
         log.info("run %s active", run_id)
         try:
             spec = await store.spec(run_id)
-            manager = RunManager(
-                store.r,
-                run_id,
-                spec,
-                settings.stall_after_s,
-                settings.redis_memory_limit_mb,
-                settings.redis_memory_high,
-                reward_modules=settings.reward_modules,
-                reward_processes=settings.reward_processes,
-                limits=settings.dataset_limits(),
-            )
-            await manager.run()
+            await RunManager.configured(store.r, run_id, spec, settings).run()
         except RunStopped as exc:
             log.info("run %s stopped: %s", run_id, exc)
             await settle(store, run_id, await ended_as(store, run_id) or "cancelled")

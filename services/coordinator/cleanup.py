@@ -51,6 +51,12 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.request_versions(run_id, WILD_NUMBER, WILD),
             keys.step_published(run_id, WILD_NUMBER),
             keys.step_quarantined(run_id, WILD_NUMBER),
+            keys.step_meta(run_id, WILD_NUMBER, WILD_NUMBER),
+            keys.step_requests(run_id, WILD_NUMBER, WILD_NUMBER),
+            keys.step_published(run_id, WILD_NUMBER, WILD_NUMBER),
+            keys.step_quarantined(run_id, WILD_NUMBER, WILD_NUMBER),
+            keys.step_shards(run_id, WILD_NUMBER),
+            keys.shard_metrics(run_id),
             keys.seed_done(run_id, WILD_NUMBER),
             keys.read_cap(run_id, WILD_NUMBER),
             keys.version_announced(run_id),
@@ -63,7 +69,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
 
 def audit_keys(run_id: str) -> list[str]:
     """The streams audits read after a run (which groups trained, which worker sent what)."""
-    return [keys.groups_stream(run_id), keys.deltas_stream(run_id)]
+    return [keys.groups_stream(run_id), *keys.all_deltas_streams(run_id)]
 
 
 def _glob_escape(text: str) -> str:

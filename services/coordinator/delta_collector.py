@@ -101,12 +101,15 @@ class DeltaCollector:
         tokenizer: Tokenizer,
         stop_ids: list[int],
         rewards: RewardRunner,
+        shard: int = 0,
     ) -> None:
+        """Of the requests of coordinator shard `shard` (`common.shards`), read from its own
+        deltas stream."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
         self.rules = CollectRules.for_run(spec)
         self.deltas = StreamConsumer(
-            r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
+            r, keys.deltas_stream(run_id, shard), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
         )
         self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
 

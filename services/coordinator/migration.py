@@ -17,12 +17,14 @@ from redis.typing import StreamIdT
 
 from services.common import keys, timeline
 from services.common.messages import (
+    DeltaBatch,
     Job,
     MalformedMessage,
     ReleaseReason,
     RequestLease,
     WorkerControl,
 )
+from services.common.shards import shard_of
 from services.coordinator.step_store import StepStore
 from services.core.collect import keeps_tokens
 from services.core.request_table import RequestTable
@@ -51,7 +53,10 @@ async def reclaim_dead_workers(
     The claim moves the dead reader's entries to the coordinator's own consumer; the new leases,
     the continuation jobs and the acknowledgement of the claimed entries then land in one MULTI.
     Entries claimed by a coordinator that died before that MULTI are pending under its consumer,
-    which has no heartbeat: the next pass reclaims them the same way."""
+    which has no heartbeat: the next pass reclaims them the same way. With coordinator shards
+    (`common.shards`) a request of another shard's table goes, in the same MULTI, to that
+    shard's deltas stream as released by the dead worker (cause `death`): the shard migrates it
+    as it would the worker's own release."""
     dead, keep = [], keeps_tokens(migration, "death")
     for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
         name = consumer["name"]
@@ -67,7 +72,8 @@ async def reclaim_dead_workers(
             # redis-py types the reply for any connection (text, or ids only with justid); ours
             # answers bytes, and without justid each entry is (id, fields)
             claimed = cast(Claimed, await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids))
-        moved = []
+        moved: list[Job] = []
+        other_shards: dict[int, list[RequestLease]] = {}  # requests of another shard's table
         for entry_id, fields in claimed:
             if fields is None:
                 continue
@@ -76,6 +82,10 @@ async def reclaim_dead_workers(
             except MalformedMessage as exc:
                 log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
                 continue
+            if job.request_id not in table.requests and table.shards > 1:
+                lease = RequestLease(request_id=job.request_id, lease=job.lease)
+                other_shards.setdefault(shard_of(job.request_id, table.shards), []).append(lease)
+                continue
             new = table.migrate(job.request_id, "death", keep, lease=job.lease)
             if new is not None:
                 moved.append(new)
@@ -83,14 +93,29 @@ async def reclaim_dead_workers(
             store.stage_requests(pipe, table, {job.request_id for job in moved})
             for job in moved:
                 pipe.xadd(stream, job.fields())
+            for shard, leases in other_shards.items():
+                # the shard that holds them migrates them as the worker's own release would
+                released = DeltaBatch(
+                    worker_id=name,
+                    version=table.version,
+                    items=[],
+                    released=leases,
+                    release_reason="death",
+                )
+                pipe.xadd(keys.deltas_stream(table.run_id, shard), released.fields())
             if ids:
                 pipe.xack(stream, keys.WORKERS_GROUP, *ids)
             if name != CLAIMER:
                 pipe.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
             await pipe.execute()
         await count_migrations(r, table, "death", len(moved))
+        handed = sum(len(leases) for leases in other_shards.values())
         if name == CLAIMER:
-            log.warning("re-queued %d jobs claimed before a coordinator restart", len(moved))
+            log.warning(
+                "re-queued %d jobs claimed before a coordinator restart (%d to other shards)",
+                len(moved),
+                handed,
+            )
             continue
         DEAD.inc()
         dead.append(name)
@@ -98,7 +123,11 @@ async def reclaim_dead_workers(
             r, table.run_id, "worker_reclaimed", worker=name, jobs=len(ids), step=table.step
         )
         log.warning(
-            "worker %s missed its heartbeat: migrated %d of its %d jobs", name, len(moved), len(ids)
+            "worker %s missed its heartbeat: migrated %d of its %d jobs (%d by other shards)",
+            name,
+            len(moved),
+            len(ids),
+            handed,
         )
     return dead
 

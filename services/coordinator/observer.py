@@ -118,7 +118,12 @@ async def queue_depths(
     if run_id is not None and version is not None:
         jobs = keys.jobs_stream(run_id, version)
         waiting, in_flight = await _group_backlog(r, jobs, keys.WORKERS_GROUP)
-        deltas = await _group_backlog(r, keys.deltas_stream(run_id), keys.COORDINATOR_GROUP)
+        deltas = (0, 0)
+        for stream in keys.all_deltas_streams(run_id):  # every coordinator shard's
+            if not await r.exists(stream):
+                break
+            waiting_deltas, read_deltas = await _group_backlog(r, stream, keys.COORDINATOR_GROUP)
+            deltas = (deltas[0] + waiting_deltas, deltas[1] + read_deltas)
         groups = await _group_backlog(r, keys.groups_stream(run_id), keys.TRAINER_GROUP)
         depths |= {
             "jobs_waiting": waiting,

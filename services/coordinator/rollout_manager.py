@@ -53,8 +53,10 @@ from services.coordinator.scheduling import (
     heartbeats,
     serving,
 )
+from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.shard import ShardProcesses, ShardView
 from services.coordinator.stall_watch import StallWatch
-from services.coordinator.step_record import adapt, record_rollout
+from services.coordinator.step_record import ShardSummary, adapt, record_rollout
 from services.coordinator.step_store import StepStore
 from services.core.balancer import read_cap
 from services.core.request_table import RequestTable
@@ -83,10 +85,24 @@ class OpenStep:
     """A step queued and live, with its scheduler and what its record needs."""
 
     live: LiveStep
-    sched: StepScheduler
+    sched: StepScheduler | None  # shard 0's only
     started: float  # monotonic
     window: float  # its seeding window
     pools: dict[str, int]
+
+    def times(self, rollout_end: float, seed_end: float | None = None) -> StepTimes:
+        """The step's times once its rollout is over; the trainer's are known once it commits
+        (`adapt`)."""
+        return StepTimes(
+            n_preemptible=self.pools["preemptible"],
+            n_reserved=self.pools["reserved"],
+            started=self.started,
+            seed_end=seed_end,
+            rollout_end=rollout_end,
+            committed=math.nan,
+            train_compute_s=math.nan,
+            train_wait_s=math.nan,
+        )
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -114,8 +130,16 @@ class RunManager:
         reward_modules: Sequence[str] = (),
         reward_processes: int = 1,
         limits: DatasetLimits | None = None,
+        shard: int = 0,
+        shard_processes: "ShardProcesses | None" = None,
     ) -> None:
+        """The manager of coordinator shard `shard` of the run (`common.shards`): shard 0, the
+        coordinator's own, also schedules, reclaims and records, and with more than one shard
+        runs the others (`shard_processes`)."""
         self.r, self.run_id, self.spec = r, run_id, spec
+        self.shard, self.shards = shard, spec.coordinator_shards
+        self.leads = shard == 0
+        self.shard_processes = shard_processes
         self.stall = StallWatch(r, run_id, stall_after_s, spec.stall_timeout_s)
         self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
         self.model_dir = Path(spec.model)
@@ -129,6 +153,34 @@ class RunManager:
         self.pool = PoolSizer(spec.pool_headroom)
         self.live: dict[int, LiveStep] = {}  # the steps in flight, by step
         self.committed = 0  # the newest version the trainer committed, as last seen
+
+    @classmethod
+    def configured(
+        cls,
+        r: aioredis.Redis,
+        run_id: str,
+        spec: RunSpec,
+        settings: CoordinatorSettings,
+        shard: int = 0,
+    ) -> "RunManager":
+        """The manager of shard `shard` of the run as the coordinator's settings say; shard 0
+        of a run of several shards starts the others."""
+        shards = spec.coordinator_shards
+        return cls(
+            r,
+            run_id,
+            spec,
+            settings.stall_after_s,
+            settings.redis_memory_limit_mb,
+            settings.redis_memory_high,
+            reward_modules=settings.reward_modules,
+            reward_processes=settings.reward_processes,
+            limits=settings.dataset_limits(),
+            shard=shard,
+            shard_processes=(
+                ShardProcesses(run_id, shards, settings) if shard == 0 and shards > 1 else None
+            ),
+        )
 
     def _load(self) -> tuple[Task, PromptEncoder]:
         """The run's task and prompt encoder (blocking: a dataset is read and checked)."""
@@ -156,8 +208,12 @@ class RunManager:
                 self.tokenizer,
                 self.stop_ids,
                 rewards,
+                self.shard,
             )
-            await self._run_steps()
+            async with contextlib.AsyncExitStack() as stack:
+                if self.shard_processes is not None:
+                    await stack.enter_async_context(self.shard_processes)
+                await self._run_steps()
         finally:
             await rewards.close()
 
@@ -166,7 +222,8 @@ class RunManager:
         s - max_staleness is committed), collect their deltas in one task, and retire each
         step once the version trained on it is committed."""
         await self.collector.start()
-        await self.stall.start()
+        if self.leads:
+            await self.stall.start()
         k = self.spec.max_staleness
         self.committed = await self._wait_version(0)
         flight: dict[int, asyncio.Task[StepDone]] = {}
@@ -186,7 +243,8 @@ class RunManager:
                     done = await flight.pop(step)
                     # no restart can need the step any more: its version is trained and committed
                     await self.r.unlink(*done.scratch)
-                    await adapt(self.r, self.run_id, self.seeding, self.pool, step, done.times)
+                    if self.leads:
+                        await adapt(self.r, self.run_id, self.seeding, self.pool, step, done.times)
         finally:
             # the collector first: no read may be applied (or dropped as a step not in flight)
             # while the steps are torn down; what it read and did not store is replayed later
@@ -222,12 +280,12 @@ class RunManager:
                 return version
 
     async def _open_step(self, step: int) -> "OpenStep":
-        """Queue the step (or restore it after a restart) and start its scheduler; it is live
-        (its deltas are applied) from before its jobs are queued."""
+        """Queue the step (or restore it after a restart) and, on shard 0, start its scheduler;
+        it is live (its deltas are applied) from before its jobs are queued."""
         examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
         prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
         table = self._table(step, prompt_ids)
-        store = await StepStore(self.r, self.run_id, step).open()
+        store = await StepStore(self.r, self.run_id, step, self.shard).open()
         live = LiveStep(table, store, examples)
         beats = await heartbeats(self.r)
         began = await self._queue(live, beats)
@@ -239,22 +297,25 @@ class RunManager:
         # when no preemptible worker is left)
         window = 0.0 if self.spec.max_staleness else self.seeding.window_s(pools["preemptible"])
         jobs = keys.jobs_stream(self.run_id, step)
-        sched = StepScheduler(
-            self.r,
-            self.run_id,
-            step,
-            jobs,
-            window,
-            started,
-            fair_reads=self.spec.fair_reads,
-            staleness=self.spec.max_staleness,
-        )
-        await sched.start(workers)
+        sched = None
+        if self.leads:
+            sched = StepScheduler(
+                self.r,
+                self.run_id,
+                step,
+                jobs,
+                window,
+                started,
+                fair_reads=self.spec.fair_reads,
+                staleness=self.spec.max_staleness,
+            )
+            await sched.start(workers)
         log.info(
-            "step %d: %d jobs on %s (pools %s, T_seed %.2fs)",
+            "step %d: %d jobs on %s%s (pools %s, T_seed %.2fs)",
             step,
             len(table.requests),
             jobs,
+            f" (shard {self.shard} of {self.shards})" if self.shards > 1 else "",
             pools,
             window,
         )
@@ -263,45 +324,50 @@ class RunManager:
         return OpenStep(live, sched, started, window, pools)
 
     async def _drive_step(self, step: "OpenStep") -> StepDone:
-        """Until every group of the step is published (the collector applies its deltas):
-        reclaim dead workers' requests, seed, balance and watch for a stall; then record."""
+        """Until every group of the step is published (the collector applies its deltas): on
+        shard 0, reclaim dead workers' requests, seed, balance and watch for a stall, then
+        record; on another shard, report how many of its requests are unfinished, then its
+        summary."""
         live, sched = step.live, step.sched
         table, store = live.table, live.store
         jobs = keys.jobs_stream(self.run_id, table.step)
-        while not table.complete:
+        others = ShardView(self.r, self.run_id, table.step, self.shards)
+        while not (table.complete and (not self.leads or await others.all_done())):
             live.changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CHECK_S):
                     await live.changed.wait()
-            if table.complete:
+            if table.complete and (not self.leads or await others.all_done()):
                 break
             await self._check_running()
+            if not self.leads:
+                await others.report_unfinished(self.shard, table.unfinished_count)
+                continue
             await reclaim_dead_workers(self.r, jobs, table, store, self.spec.migration)
             beats = await heartbeats(self.r)
-            await sched.tick(table, beats)
+            assert sched is not None
+            await sched.tick(table.unfinished_count + await others.unfinished(table), beats)
             if table.step == min(self.live):  # the step the trainer waits for
                 await self.stall.check(min(table.step, self.committed), beats)
         # complete: its last deltas are applied and stored; later ones of it are dropped
-        del self.live[table.step]
+        self.live.pop(table.step, None)
+        summary = ShardSummary.of(table, live.reward_errors)
+        await store.expire_soon(JOBS_TTL_S)
+        if not self.leads:
+            await others.report_done(self.shard, summary)
+            return StepDone(table.step, step.times(time.monotonic()), tuple(store.scratch_keys()))
+        assert sched is not None
         await sched.finish()
         await self.stall.resume(table.step)
-        times = StepTimes(
-            n_preemptible=step.pools["preemptible"],
-            n_reserved=step.pools["reserved"],
-            started=step.started,
-            seed_end=sched.seed_end,
-            rollout_end=time.monotonic(),
-            committed=math.nan,  # known once the trainer commits (`adapt`)
-            train_compute_s=math.nan,
-            train_wait_s=math.nan,
-        )
+        times = step.times(time.monotonic(), sched.seed_end)
+        total = ShardSummary.total([summary, *(await others.summaries())])
         await record_rollout(
-            self.r, self.run_id, table, times, step.window, step.pools, live.reward_errors
+            self.r, self.run_id, table.step, table.version, total, times, step.window, step.pools
         )
         # kept until the next version is committed (a restart before then finds the step
         # complete); the TTL covers a coordinator that dies before it deletes them
         await self.r.expire(jobs, JOBS_TTL_S)
-        await store.expire_soon(JOBS_TTL_S)
+        await others.expire(JOBS_TTL_S)
         return StepDone(
             table.step,
             times,
@@ -310,6 +376,7 @@ class RunManager:
                 jobs,
                 keys.seed_done(self.run_id, table.step),
                 keys.read_cap(self.run_id, table.step),
+                keys.step_shards(self.run_id, table.step),
             ),
         )
 
@@ -328,13 +395,15 @@ class RunManager:
             [] if spec.ignore_eos else self.stop_ids,
             top_k=spec.top_k,
             repetition_penalty=spec.repetition_penalty,
+            shard=self.shard,
+            shards=self.shards,
         )
 
     async def _queue(self, live: LiveStep, beats: dict[str, Heartbeat]) -> float:
-        """Queue the step's jobs, or restore a step queued before a restart; when it began.
-        The step is live (in `self.live`) before its jobs are queued. With fair reads the
-        step's read cap is set with its jobs, so that the first worker to hold the version
-        never reads more than its share."""
+        """Queue the step's jobs (this shard's), or restore a step queued before a restart; when
+        it began. The step is live (in `self.live`) before its jobs are queued. With fair reads
+        shard 0 sets the step's read cap with its jobs, so that the first worker to hold the
+        version never reads more than its share."""
         table, store = live.table, live.store
         jobs = keys.jobs_stream(self.run_id, table.step)
         began = await store.restore(table)
@@ -345,9 +414,10 @@ class RunManager:
         if began is None:
             began = time.time()
             async with self.r.pipeline(transaction=True) as pipe:
-                if self.spec.fair_reads:
+                if self.spec.fair_reads and self.leads:
                     n_serving = serving(beats, self.run_id, table.step)
-                    cap = read_cap(len(table.requests), n_serving)
+                    step_requests = len(table.prompts) * table.group_size  # every shard's
+                    cap = read_cap(step_requests, n_serving)
                     pipe.set(keys.read_cap(self.run_id, table.step), cap, ex=CAP_TTL_S)
                 for job in table.initial_jobs():
                     pipe.xadd(jobs, job.fields())
@@ -357,8 +427,8 @@ class RunManager:
             log.info(
                 "step %d resumed: %d of %d groups already published, %d requests finished",
                 table.step,
-                len(table.prompts) - len(table.pending_groups),
-                len(table.prompts),
+                table.groups - len(table.pending_groups),
+                table.groups,
                 len(table.requests) - len(table.unfinished()),
             )
         return began

@@ -17,7 +17,6 @@ from prometheus_client import Gauge
 from services.common import keys
 from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
 from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
-from services.core.request_table import RequestTable
 from services.core.seeding import recall, seeding_over
 
 log = logging.getLogger(__name__)
@@ -160,8 +159,9 @@ class StepScheduler:
         if not any(b.pool == "reserved" for b in workers.values()):
             await self._end_seeding({})  # nothing to seed with: the trainer may start
 
-    async def tick(self, table: RequestTable, beats: dict[str, Heartbeat]) -> None:
-        """One pass, given every alive worker's heartbeat (`heartbeats`)."""
+    async def tick(self, unfinished: int, beats: dict[str, Heartbeat]) -> None:
+        """One pass, given the step's unfinished requests (every coordinator shard's) and every
+        alive worker's heartbeat (`heartbeats`)."""
         workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
         count_pools(workers)
         reserved = [b for b in workers.values() if b.pool == "reserved"]
@@ -172,12 +172,12 @@ class StepScheduler:
             self.clock(), self.seed_start, self.window_s, len(reserved), n_preemptible
         ):
             await self._end_seeding(workers)
-        if self.recalled is None and recall(self.seeded_out, n_preemptible, table.unfinished_count):
+        if self.recalled is None and recall(self.seeded_out, n_preemptible, unfinished):
             await self._recall(reserved)
         if self.fair_reads:
-            cap = read_cap(table.unfinished_count, serving(beats, self.run_id, self.step))
+            cap = read_cap(unfinished, serving(beats, self.run_id, self.step))
             await self.r.set(keys.read_cap(self.run_id, self.step), cap, ex=CAP_TTL_S)
-        await self._balance(table, workers)
+        await self._balance(unfinished, workers)
 
     async def finish(self) -> None:
         """Rollout is over; with no preemptible pool the reserved one did it all."""
@@ -236,13 +236,13 @@ class StepScheduler:
             len(reserved),
         )
 
-    async def _balance(self, table: RequestTable, workers: dict[str, Heartbeat]) -> None:
+    async def _balance(self, unfinished: int, workers: dict[str, Heartbeat]) -> None:
         summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
         executing = {
             (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]): int(c["pending"])
             for c in summary.get("consumers") or []
         }
-        queued = len(table.unfinished()) - int(summary.get("pending") or 0)
+        queued = unfinished - int(summary.get("pending") or 0)
         loads = [
             WorkerLoad(w, executing.get(w, 0), b.plateau or b.slots)
             for w, b in workers.items()

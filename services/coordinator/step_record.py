@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import replace
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
@@ -44,44 +45,104 @@ STEP_TOK_S = Gauge(
 )
 
 
+class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What a step's metrics row takes from the request table of one coordinator shard, or of
+    all of them added up (`common.shards`)."""
+
+    requests: int
+    response_tokens: int
+    trained: int  # scored responses of the groups that go to the trainer
+    reward_sum: float  # their rewards added up
+    stale_deltas: int
+    tokens_received: int
+    tokens_discarded: int
+    migrations: dict[str, int]
+    groups_quarantined: int
+    reward_errors: int  # reward calls that failed and scored 0
+
+    @classmethod
+    def of(cls, table: RequestTable, reward_errors: int) -> "ShardSummary":
+        trained = [
+            r.reward
+            for r in table.requests.values()
+            if r.reward is not None and r.prompt_index not in table.quarantined
+        ]
+        return cls(
+            requests=len(table.requests),
+            response_tokens=table.response_tokens,
+            trained=len(trained),
+            reward_sum=sum(trained),
+            stale_deltas=table.stats[Applied.STALE_LEASE.value],
+            tokens_received=table.tokens_received,
+            tokens_discarded=table.tokens_discarded,
+            migrations=dict(table.migrations),
+            groups_quarantined=len(table.quarantined),
+            reward_errors=reward_errors,
+        )
+
+    @classmethod
+    def total(cls, parts: list["ShardSummary"]) -> "ShardSummary":
+        migrations: dict[str, int] = {}
+        for part in parts:
+            for cause, n in part.migrations.items():
+                migrations[cause] = migrations.get(cause, 0) + n
+        return cls(
+            requests=sum(p.requests for p in parts),
+            response_tokens=sum(p.response_tokens for p in parts),
+            trained=sum(p.trained for p in parts),
+            reward_sum=sum(p.reward_sum for p in parts),
+            stale_deltas=sum(p.stale_deltas for p in parts),
+            tokens_received=sum(p.tokens_received for p in parts),
+            tokens_discarded=sum(p.tokens_discarded for p in parts),
+            migrations=migrations,
+            groups_quarantined=sum(p.groups_quarantined for p in parts),
+            reward_errors=sum(p.reward_errors for p in parts),
+        )
+
+    @property
+    def mean_reward(self) -> float:
+        return self.reward_sum / max(1, self.trained)
+
+
 async def record_rollout(
     r: aioredis.Redis,
     run_id: str,
-    table: RequestTable,
+    step: int,
+    version: int,
+    summary: ShardSummary,
     times: StepTimes,
     window: float,
     pools: dict[str, int],
-    reward_errors: int = 0,
 ) -> None:
-    """The step's rollout is over: its metrics row, gauges, event and log line.
-    `reward_errors`: its reward calls that failed and scored 0."""
-    step = table.step
+    """The step's rollout is over: its metrics row, gauges, event and log line, from the
+    `summary` of its request tables (every shard's)."""
     rollout_s = times.rollout_end - times.started
     ROLLOUT_S.observe(rollout_s)
-    tokens = table.response_tokens
-    mean_reward = table.mean_reward()
+    tokens = summary.response_tokens
+    mean_reward = summary.mean_reward
+    reward_errors = summary.reward_errors
     seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
     await record_step(
         r,
         run_id,
         step,
         StepRow(
-            version=table.version,
+            version=version,
             reward_mean=mean_reward,
             response_tokens=tokens,
-            response_len_mean=tokens / len(table.requests),
+            response_len_mean=tokens / max(1, summary.requests),
             rollout_s=rollout_s,
             tokens_per_s=tokens / max(rollout_s, 1e-9),
-            stale_deltas=table.stats[Applied.STALE_LEASE.value],
-            tokens_received=table.tokens_received,
-            tokens_discarded=table.tokens_discarded,
-            regenerated_tokens=table.tokens_received - tokens,
-            migrations=dict(table.migrations),
+            stale_deltas=summary.stale_deltas,
+            tokens_received=summary.tokens_received,
+            tokens_discarded=summary.tokens_discarded,
+            regenerated_tokens=summary.tokens_received - tokens,
+            migrations=summary.migrations,
             t_seed_s=window,  # inf (no window) is stored as null
             seed_s=seed_end - times.started,
             workers_reserved=pools["reserved"],
             workers_preemptible=pools["preemptible"],
-            groups_quarantined=len(table.quarantined),
+            groups_quarantined=summary.groups_quarantined,
             reward_errors=reward_errors,
             redis_mem_mib=round((await RedisMemory(r).read()).used_mib, 1),
             stream_lengths=await stream_lengths(r, run_streams(run_id, step)),

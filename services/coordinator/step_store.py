@@ -69,12 +69,14 @@ def _tokens(values: list[int]) -> bytes:
 
 
 class StepStore:
-    def __init__(self, r: aioredis.Redis, run_id: str, step: int) -> None:
+    def __init__(self, r: aioredis.Redis, run_id: str, step: int, shard: int = 0) -> None:
+        """The copy of coordinator shard `shard`'s table (`common.shards`); a request's
+        arrays are its own keys whatever its shard."""
         self.r = r
-        self.meta = keys.step_meta(run_id, step)
-        self.state = keys.step_requests(run_id, step)
-        self.published = keys.step_published(run_id, step)
-        self.quarantined = keys.step_quarantined(run_id, step)
+        self.meta = keys.step_meta(run_id, step, shard)
+        self.state = keys.step_requests(run_id, step, shard)
+        self.published = keys.step_published(run_id, step, shard)
+        self.quarantined = keys.step_quarantined(run_id, step, shard)
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
         self.saved_runs: dict[str, int] = {}  # version runs of each request already in Redis

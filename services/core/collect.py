@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.common.messages import DeltaBatch, Job, ReleaseReason
+from services.common.messages import DeltaBatch, DeltaItem, Job, ReleaseReason, RequestLease
 from services.common.runspec import RunSpec
+from services.common.shards import shard_of
 from services.core.request_table import Applied, RequestTable, step_of
 from services.core.stall import is_poison
 
@@ -166,3 +167,22 @@ def split_by_step(batches: list[DeltaBatch]) -> dict[int, list[DeltaBatch]]:
             )
             out.setdefault(step, []).append(part)
     return out
+
+
+def split_by_shard(batch: DeltaBatch, shards: int) -> dict[int, DeltaBatch]:
+    """A worker's flush as the batches of the shards it names (each request's deltas, then its
+    release, to the shard that owns it; one shard: the batch as it is)."""
+    if shards == 1:
+        return {0: batch}
+    items: dict[int, list[DeltaItem]] = {}
+    released: dict[int, list[RequestLease]] = {}
+    for item in batch.items:
+        items.setdefault(shard_of(item.request_id, shards), []).append(item)
+    for lease in batch.released:
+        released.setdefault(shard_of(lease.request_id, shards), []).append(lease)
+    return {
+        shard: msgspec.structs.replace(
+            batch, items=items.get(shard, []), released=released.get(shard, [])
+        )
+        for shard in sorted(items.keys() | released.keys())
+    }

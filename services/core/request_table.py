@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.common.messages import DeltaItem, FinishReason, Group, Job, Response
+from services.common.shards import shard_of_prompt
 
 
 class Applied(Enum):
@@ -85,15 +86,22 @@ class RequestTable:
         stop_token_ids: list[int],
         top_k: int = 0,
         repetition_penalty: float = 1.0,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
+        """The requests of the prompts of `shard` of `shards` (`common.shards`): all of them
+        with one shard; `prompts` are always the step's all, by index."""
         self.run_id, self.step, self.version = run_id, step, version
+        self.shard, self.shards = shard, shards
         self.group_size = group_size
         self.temperature, self.top_p = temperature, top_p
         self.top_k, self.repetition_penalty = top_k, repetition_penalty
         self.stop_token_ids = stop_token_ids
         self.requests: dict[str, RequestState] = {}
         self.prompts = prompts
-        for p, prompt_ids in enumerate(prompts):
+        mine = [p for p in range(len(prompts)) if shard_of_prompt(p, shards) == shard]
+        for p in mine:
+            prompt_ids = prompts[p]
             for s in range(group_size):
                 rid = request_id(step, p, s)
                 self.requests[rid] = RequestState(
@@ -104,7 +112,8 @@ class RequestTable:
                     max_new_tokens,
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
-        self.pending_groups = set(range(len(prompts)))
+        self.pending_groups = set(mine)
+        self.groups = len(mine)  # the groups of this table's shard
         self.unfinished_count = len(self.requests)  # len(unfinished()), kept up to date
         self.quarantined: set[int] = set()  # groups dropped from the step (poison requests)
         self.stats = {a.value: 0 for a in Applied}
@@ -112,6 +121,11 @@ class RequestTable:
         self.tokens_received = 0  # every token delivered in a delta, stale or repeated included
         self.tokens_discarded = 0  # collected tokens thrown away by restarts (migration off)
         self.migrations: dict[str, int] = {}  # by cause
+
+    def requests_of_shard(self, shard: int) -> int:
+        """The requests of the step that coordinator shard `shard` holds (its prompts' groups)."""
+        prompts = range(len(self.prompts))
+        return self.group_size * sum(1 for p in prompts if shard_of_prompt(p, self.shards) == shard)
 
     def job(self, rid: str) -> Job:
         """The job that continues request `rid` from what has been collected, under its lease."""
@@ -131,6 +145,7 @@ class RequestTable:
             seed=r.seed,
             stop_token_ids=self.stop_token_ids,
             isolate=bool(r.crashed_on),
+            shards=self.shards,
         )
 
     def initial_jobs(self) -> list[Job]:

@@ -29,12 +29,14 @@ class JobInbox:
 
     def __init__(self) -> None:
         self._waiting: list[tuple[bytes, Job]] = []
+        self.shards = 1  # the run's coordinator shards, as its newest job said (`Job.shards`)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def put(self, entry_id: bytes, job: Job) -> None:
         self._waiting.append((entry_id, job))
+        self.shards = job.shards
 
     def take_all(self) -> list[tuple[bytes, Job]]:
         waiting, self._waiting = self._waiting, []

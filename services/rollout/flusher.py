@@ -15,6 +15,7 @@ from prometheus_client import Counter
 from services.common import keys
 from services.common.messages import ReleaseReason, RequestLease
 from services.common.redis_streams import with_reconnect
+from services.core.collect import split_by_shard
 from services.core.delta_buffer import Flush
 from services.core.request_table import step_of
 from services.rollout.context import WorkerContext
@@ -37,11 +38,17 @@ class Flusher:
         if flush is None or ctx.run_id is None:
             return
         run_id = ctx.run_id
-        # NOMKSTREAM: a run that ended took its deltas stream along; a late flush adds nothing
-        await with_reconnect(
-            lambda: ctx.r.xadd(keys.deltas_stream(run_id), flush.batch.fields(), nomkstream=True),
-            "flush deltas",
-        )
+        by_shard = split_by_shard(flush.batch, ctx.inbox.shards)
+
+        async def send() -> None:
+            # NOMKSTREAM: a run that ended took its deltas streams along; a late flush adds
+            # nothing. One MULTI: the flush lands whole or not at all, whatever its shards
+            async with ctx.r.pipeline(transaction=len(by_shard) > 1) as pipe:
+                for shard, batch in by_shard.items():
+                    pipe.xadd(keys.deltas_stream(run_id, shard), batch.fields(), nomkstream=True)
+                await pipe.execute()
+
+        await with_reconnect(send, "flush deltas")
         FLUSHES.inc()
         ctx.buffer.sent(flush)
         await self._ack(run_id, flush)

@@ -143,22 +143,24 @@ def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
         }
         await sched.start(loading)
         assert not sched.seeded_out
-        await sched.tick(table, loading)
+        await sched.tick(table.unfinished_count, loading)
         clock.advance(WINDOW_S * 1.5)
-        await sched.tick(table, loading)  # the reserved worker does not hold the weights yet
+        await sched.tick(
+            table.unfinished_count, loading
+        )  # the reserved worker does not hold the weights yet
         assert not sched.seeded_out and await orders(r, "r-1") == []
 
         holding = loading | {"r-1": beat("r-1", "reserved")}
-        await sched.tick(table, holding)  # its window starts now
+        await sched.tick(table.unfinished_count, holding)  # its window starts now
         assert not sched.seeded_out
         clock.advance(WINDOW_S * 1.2)
-        await sched.tick(table, holding)
+        await sched.tick(table.unfinished_count, holding)
         assert sched.seeded_out and sched.seed_end is not None
         paused = await orders(r, "r-1")
         assert [(o.action, o.run_id, o.version) for o in paused] == [("pause", RUN, STEP)]
         assert await orders(r, "p-1") == []
         assert await r.exists(keys.seed_done(RUN, STEP))
-        await sched.tick(table, holding)
+        await sched.tick(table.unfinished_count, holding)
         assert len(await orders(r, "r-1")) == 1  # stepped aside once
         await r.aclose()
 
@@ -173,9 +175,9 @@ def test_without_a_preemptible_pool_the_reserved_one_never_steps_aside(empty_red
         await queue_jobs(r, table)
         reserved_only = {"r-1": beat("r-1", "reserved")}
         await sched.start(reserved_only)
-        await sched.tick(table, reserved_only)
+        await sched.tick(table.unfinished_count, reserved_only)
         clock.advance(0.2)
-        await sched.tick(table, reserved_only)
+        await sched.tick(table.unfinished_count, reserved_only)
         assert not sched.seeded_out and await orders(r, "r-1") == []
         await sched.finish()  # rollout over: the reserved pool did it all
         assert sched.seeded_out and sched.seed_end is None
@@ -202,7 +204,7 @@ def test_with_no_reserved_worker_seeding_is_over_at_once_and_a_resumed_step_stay
         workers = {"r-1": beat("r-1", "reserved"), "p-1": beat("p-1", "preemptible")}
         await resumed.start(workers)
         assert resumed.seeded_out
-        await resumed.tick(table, workers)
+        await resumed.tick(table.unfinished_count, workers)
         assert await orders(r, "r-1") == []  # not told to step aside a second time
         await r.aclose()
 
@@ -222,17 +224,21 @@ def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty
         }
         sched = scheduler(r, fair_reads=False)  # Algorithm 2 as the paper states it
         await sched.start(workers)
-        await sched.tick(table, workers)
+        await sched.tick(table.unfinished_count, workers)
         released = await orders(r, "busy")
         assert [(o.action, o.run_id, o.count) for o in released] == [("release", RUN, 2)]
         assert await orders(r, "idle") == []
-        await sched.tick(table, workers)  # its release is still being flushed: no second order
+        await sched.tick(
+            table.unfinished_count, workers
+        )  # its release is still being flushed: no second order
         assert len(await orders(r, "busy")) == 1
 
         paused = workers | {"idle": beat("idle", "preemptible", paused=True)}
         other = scheduler(r, fair_reads=False)
         await other.start(paused)
-        await other.tick(table, paused)  # a paused worker is no idle worker to balance onto
+        await other.tick(
+            table.unfinished_count, paused
+        )  # a paused worker is no idle worker to balance onto
         assert len(await orders(r, "busy")) == 1
         await r.aclose()
 
@@ -259,7 +265,7 @@ def test_fair_reads_publish_an_equal_share_and_balance_onto_it(empty_redis_url):
         }
         sched = scheduler(r, window_s=60.0)
         await sched.start(workers)
-        await sched.tick(table, workers)
+        await sched.tick(table.unfinished_count, workers)
         assert int(await r.get(keys.read_cap(RUN, STEP))) == 4  # 12 over busy, idle, loading
         released = await orders(r, "busy")  # over its equal share of the executing (6)
         assert [(o.action, o.count) for o in released] == [("release", 6)]

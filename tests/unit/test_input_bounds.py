@@ -219,6 +219,12 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.request_versions(run_id, 3, "3:17:2"),
         keys.step_published(run_id, 3),
         keys.step_quarantined(run_id, 3),
+        keys.step_meta(run_id, 3, 2),  # a coordinator shard's table
+        keys.step_requests(run_id, 3, 2),
+        keys.step_published(run_id, 3, 2),
+        keys.step_quarantined(run_id, 3, 15),
+        keys.step_shards(run_id, 3),
+        keys.shard_metrics(run_id),
         keys.seed_done(run_id, 3),
         keys.version_announced(run_id),
         keys.seeding_over(run_id),
@@ -235,9 +241,11 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.worker_loads(run_id, "w:step:1:meta"),
         keys.groups_stream(run_id),
         keys.deltas_stream(run_id),
+        keys.deltas_stream(run_id, 2),  # a coordinator shard's: audits read it too
         keys.jobs_stream("r-other", 0),
         keys.step_requests(run_id + "x", 3),
     ]
     assert all(scratch.fullmatch(k) for k in dropped)
     assert not any(scratch.fullmatch(k) for k in kept)
-    assert audit_keys(run_id) == [keys.groups_stream(run_id), keys.deltas_stream(run_id)]
+    assert audit_keys(run_id)[:2] == [keys.groups_stream(run_id), keys.deltas_stream(run_id)]
+    assert keys.deltas_stream(run_id, 2) in audit_keys(run_id)
