@@ -525,7 +525,7 @@ async def collect_only(
     table = RequestTable(
         run_id, 0, 0, prompts, spec.group_size, spec.max_new_tokens, 1.0, 1.0, 0, []
     )
-    live = {0: LiveStep(table, await StepStore(r, run_id, 0).open(), [])}
+    live = {0: LiveStep(table, StepStore(r, run_id, 0), [])}
     rids = list(table.requests)
     plan = TokenPlan(spec.max_new_tokens, 1, EOS_ID, [int(t) for t in TOKEN_IDS.split(",")], 0)
     redis = psutil.Process(redis_pid)

@@ -79,20 +79,11 @@ def step_shards(run_id: str, step: int) -> str:
     return f"{PREFIX}:run:{run_id}:step:{step}:shards"
 
 
-def request_tokens(run_id: str, step: int, request_id: str) -> str:
-    """String: a request's collected token ids, packed int32, appended as they arrive."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:tokens:{request_id}"
-
-
-def request_logprobs(run_id: str, step: int, request_id: str) -> str:
-    """String: the logprobs of those tokens, packed float64."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:logprobs:{request_id}"
-
-
-def request_versions(run_id: str, step: int, request_id: str) -> str:
-    """String: which weight version generated those tokens, as (offset, version) runs, packed
-    int32 pairs: one pair per version a response was generated under."""
-    return f"{PREFIX}:run:{run_id}:step:{step}:versions:{request_id}"
+def step_log(run_id: str, step: int, shard: int = 0) -> str:
+    """List: one record per coordinator read that changed the shard's requests of the step:
+    their new tokens, logprobs and weight versions (`coordinator.step_log`); replayed in order
+    they give every request's arrays."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:log{_shard(shard)}"
 
 
 def step_published(run_id: str, step: int, shard: int = 0) -> str:

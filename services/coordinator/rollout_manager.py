@@ -285,7 +285,7 @@ class RunManager:
         examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
         prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
         table = self._table(step, prompt_ids)
-        store = await StepStore(self.r, self.run_id, step, self.shard).open()
+        store = StepStore(self.r, self.run_id, step, self.shard)
         live = LiveStep(table, store, examples)
         beats = await heartbeats(self.r)
         began = await self._queue(live, beats)

@@ -88,6 +88,8 @@ def replay(records: list[bytes], into: dict[tuple[int, int], Arrays] | None = No
             arrays = out.get((prompt, sample))
             if arrays is None:
                 arrays = out[(prompt, sample)] = Arrays()
+            if offset > len(arrays.token_ids) or run_offset > len(arrays.version_runs):
+                raise ValueError(f"a step log entry of {prompt}:{sample} leaves a gap")
             tokens, at = _read("i", data, at, k)
             logprobs, at = _read("d", data, at, k)
             runs, at = _read("i", data, at, 2 * m)

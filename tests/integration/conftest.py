@@ -16,6 +16,8 @@ import redis
 from services.cli.client import CoordinatorClient
 from services.common import keys
 from services.common.runspec import FINAL_STATES
+from services.coordinator.step_log import replay
+from services.core.request_table import request_id
 from tests.harness.deploy import Deployment, DeploymentConfig
 
 
@@ -151,13 +153,11 @@ def read_groups(deployment, run_id):
 
 
 def collected(rdb, run_id: str, step: int) -> dict[str, int]:
-    """Tokens the coordinator has stored for each request of `step` (its durable request
-    table: a delta entry is deleted once what it carried is stored)."""
-    prefix = keys.request_tokens(run_id, step, "")
-    return {
-        key.decode()[len(prefix) :]: rdb.strlen(key) // 4  # packed int32
-        for key in rdb.scan_iter(match=prefix + "*", count=1000)
-    }
+    """Tokens the coordinator has stored for each request of `step` that has some (its durable
+    request table, one coordinator shard: a delta entry is deleted once what it carried is
+    stored)."""
+    arrays = replay(rdb.lrange(keys.step_log(run_id, step), 0, -1))
+    return {request_id(step, p, s): len(a.token_ids) for (p, s), a in arrays.items() if a.token_ids}
 
 
 def finished_requests(rdb, run_id: str, step: int) -> set[tuple[str, int]]:

@@ -11,7 +11,9 @@ import pytest
 
 from services.cli.audit import audit_run
 from services.common import keys
+from services.common.messages import Job
 from services.common.runspec import RunSpec
+from services.common.shards import shard_of
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import read_groups, run_events, small_spec, wait_final, wait_until
@@ -88,6 +90,19 @@ def wait_past(rdb, run_id: str, step: int, timeout_s: float = 120.0) -> None:
     )
 
 
+def holder_of_other_shards(rdb, run_id: str, step: int) -> str | None:
+    """A preemptible worker that holds a job of shard 1 or 2 of the step, if one does."""
+    jobs = keys.jobs_stream(run_id, step)
+    for entry in rdb.xpending_range(jobs, keys.WORKERS_GROUP, "-", "+", 1000):
+        worker = entry["consumer"].decode()
+        if "preemptible" not in worker:
+            continue
+        found = rdb.xrange(jobs, entry["message_id"], entry["message_id"])
+        if found and shard_of(Job.from_fields(found[0][1]).request_id, SHARDS) != 0:
+            return worker
+    return None
+
+
 def gone(proc: psutil.Process) -> bool:
     try:
         return proc.status() == psutil.STATUS_ZOMBIE
@@ -134,7 +149,13 @@ def test_three_shards_survive_a_shard_a_worker_and_the_coordinator_killed(
 
     # a worker killed mid-step: shard 0 reclaims its jobs, the other shards' by handing them on
     step = wait_mid_step(rdb, run_id)
-    victim = next(p for p in deployment.workers() if "preemptible" in p.name)
+    name = wait_until(
+        lambda: holder_of_other_shards(rdb, run_id, step),
+        "no preemptible worker held another shard's job",
+        60,
+        0.01,
+    )
+    victim = deployment.procs[name]
     victim.kill()
     wait_until(
         lambda: [

@@ -86,7 +86,7 @@ def test_staged_writes_wait_out_a_full_redis_and_land_whole(redis_url):
 
 
 def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
-    """Appending tokens sends the tokens only (one script for every request); the
+    """Appending tokens sends the tokens only (one log record for every request); the
     lease|finish field and the TTLs are written when they change (once per key), and a restore
     reads back exactly what was staged."""
     from services.common.messages import DeltaItem
@@ -110,7 +110,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     async def scenario():
         r = connect(redis_url)
         table, store = new_table(), StepStore(r, "rs", 0)
-        await r.delete(*store.scratch_keys(), store._token_key("0:0:0"))
+        await r.delete(*store.scratch_keys())
         sent = []
         for offset, tokens, finished in ((0, [3, 4], False), (2, [5], False), (3, [6], True)):
             table.apply(item(offset, tokens, finished))
@@ -118,10 +118,11 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
             store.stage_requests(staged, table, {"0:0:0"})
             sent.append([name for name, _, _ in staged.ops])
             await staged.execute(r)
-        assert sent[0] == ["hset", "eval", "expire"]  # a new request: state, tokens, TTL
-        assert sent[1] == ["eval"]  # tokens only
-        assert sent[2] == ["hset", "eval"]  # finished: the state changed
-        assert await r.ttl(store._token_key("0:0:0")) > 0
+        # a new request: state, tokens, each key's TTL
+        assert sent[0] == ["hset", "expire", "rpush", "expire"]
+        assert sent[1] == ["rpush"]  # tokens only
+        assert sent[2] == ["hset", "rpush"]  # finished: the state changed
+        assert await r.ttl(store.log) > 0 and await r.ttl(store.state) > 0
         again = new_table()
         store2 = StepStore(r, "rs", 0)
         await r.hset(store2.meta, mapping={"queued": 1, "started_at": 1.0})

@@ -13,7 +13,8 @@ import pytest
 from services.common.messages import DeltaBatch, DeltaItem, RequestLease
 from services.common.redis_streams import StagedWrites, entry_time_s
 from services.coordinator.delta_collector import gc_paused
-from services.coordinator.step_store import TTL_S, StepStore
+from services.coordinator.step_log import Arrays, RecordWriter, replay
+from services.coordinator.step_store import StepStore
 from services.core.collect import CollectRules, apply_batches, split_by_step
 from services.core.request_table import Applied, RequestTable
 
@@ -162,43 +163,32 @@ def test_a_read_is_split_by_the_step_its_request_ids_name():
     assert parts[-1] == [odd, empty]
 
 
-def appended_by_script(staged: StagedWrites) -> tuple[int, dict[bytes, bytes]]:
-    """What the staged append script would do: (keys new, key -> bytes appended)."""
-    (args,) = [a for name, a, _ in staged.ops if name == "eval"]
-    _, numkeys, *rest = args
-    keys_, (new, ttl, sizes, data) = rest[:numkeys], rest[numkeys:]
-    assert ttl == TTL_S
-    lengths = array("I", sizes).tolist()
-    assert len(lengths) == numkeys and sum(lengths) == len(data)
-    pieces, at = {}, 0
-    for key, size in zip(keys_, lengths, strict=True):
-        pieces[key], at = data[at : at + size], at + size
-    return new, pieces
+def logged(staged: StagedWrites) -> dict[tuple[int, int], Arrays]:
+    """The arrays the staged log record holds, by (prompt, sample), replayed on nothing."""
+    (args,) = [a for name, a, _ in staged.ops if name == "rpush"]
+    _, record = args
+    return replay([record])
 
 
-def test_staged_appends_carry_each_requests_new_tokens_in_one_blob():
+def test_a_read_appends_one_record_with_each_requests_new_tokens_only():
     table, store = new_table(max_new=8), StepStore(None, "run", 0)  # type: ignore[arg-type]
     table.apply_all([item("0:0:0", 0, [1, 2]), item("0:1:0", 0, [3])], version=0)
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0", "0:1:0"})
-    new, pieces = appended_by_script(staged)
-    keys_ = dict(zip(("tokens", "logprobs", "versions"), store._keys_of("0:0:0"), strict=True))
-    assert new == len(pieces) == 6  # tokens, logprobs and versions of two new requests
-    assert pieces[keys_["tokens"]] == array("i", [1, 2]).tobytes()
-    assert pieces[keys_["logprobs"]] == array("d", [-0.1, -0.2]).tobytes()
-    assert pieces[keys_["versions"]] == array("i", [0, 0]).tobytes()
-    assert [name for name, _, _ in staged.ops] == ["hset", "eval", "expire"]
+    assert [name for name, _, _ in staged.ops] == ["hset", "expire", "rpush", "expire"]
+    record = logged(staged)
+    assert record[(0, 0)] == Arrays([1, 2], [-0.1, -0.2], [(0, 0)])
+    assert record[(1, 0)] == Arrays([3], [-0.3], [(0, 0)])
 
     table.apply_all([item("0:0:0", 1, [2, 4], finished=True, reason="stop")], version=1)
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0", "0:1:0"})  # 0:1:0 unchanged
-    new, pieces = appended_by_script(staged)
-    assert new == 0  # grown keys only: no TTL again
-    assert pieces == {
-        keys_["tokens"]: array("i", [4]).tobytes(),
-        keys_["logprobs"]: array("d", [-0.4]).tobytes(),
-        keys_["versions"]: array("i", [2, 1]).tobytes(),  # a newer version from offset 2
-    }
+    assert [name for name, _, _ in staged.ops] == ["hset", "rpush"]  # TTLs set already
+    (rpush,) = [a for name, a, _ in staged.ops if name == "rpush"]
+    assert len(rpush[1]) == 4 + 24 + 4 + 8 + 8  # one head; a token, its logprob, one run
+    # the record alone: the new token from offset 2, a newer version's run from run 1
+    heads = array("I", rpush[1][4:28]).tolist()
+    assert heads == [0, 0, 2, 1, 1, 1]
     (hset,) = [kw for name, _, kw in staged.ops if name == "hset"]
     assert hset["mapping"] == {"0:0:0": "0|stop|"}  # the finish; 0:1:0's state did not change
 
@@ -207,17 +197,72 @@ def test_staged_appends_carry_each_requests_new_tokens_in_one_blob():
     assert staged.ops == []  # nothing changed: nothing written
 
 
-def test_a_restart_from_zero_deletes_what_was_stored_and_appends_anew():
+def test_a_restart_from_zero_is_a_record_that_cuts_the_request_back():
     table, store = new_table(max_new=8), StepStore(None, "run", 0)  # type: ignore[arg-type]
     table.apply_all([item("0:0:0", 0, [1, 2, 3])])
-    store.stage_requests(StagedWrites(), table, {"0:0:0"})
+    first = StagedWrites()
+    store.stage_requests(first, table, {"0:0:0"})
     table.migrate("0:0:0", "death", keep_tokens=False)
     table.apply_all([item("0:0:0", 0, [9], lease=1)])
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0"})
-    assert [name for name, _, _ in staged.ops] == ["delete", "hset", "eval"]
-    new, pieces = appended_by_script(staged)
-    assert new == 3 and pieces[store._keys_of("0:0:0")[0]] == array("i", [9]).tobytes()
+    records = [a[1] for ops in (first, staged) for name, a, _ in ops.ops if name == "rpush"]
+    assert replay(records)[(0, 0)].token_ids == [9]
+    assert replay(records)[(0, 0)].logprobs == [-0.9]
+
+
+def test_the_log_replays_any_sequence_of_reads_into_the_tables_arrays():
+    """Random reads (repeats, gaps refused, migrations with and without tokens kept): the
+    records replayed give every request's arrays as the table holds them."""
+    rng = random.Random(7)
+    table, store = new_table(prompts=4, n=3, max_new=12), StepStore(None, "run", 0)  # type: ignore[arg-type]
+    records = []
+    for version in range(30):
+        rids = rng.sample(sorted(table.requests), 5)
+        for rid in rids:
+            req = table.requests[rid]
+            if req.done:
+                continue
+            if rng.random() < 0.1:
+                table.migrate(rid, "death", keep_tokens=rng.random() < 0.5)
+                continue
+            at = max(0, len(req.token_ids) - rng.randint(0, 2))
+            n = rng.randint(1, 3)
+            tokens = [rng.randint(2, 90) for _ in range(n)]
+            done = at + n >= 12
+            table.apply_all(
+                [
+                    item(
+                        rid,
+                        at,
+                        tokens,
+                        lease=req.lease,
+                        finished=done,
+                        reason="length" if done else None,
+                    )
+                ],
+                version=version // 4,
+            )
+        staged = StagedWrites()
+        store.stage_requests(staged, table, set(rids))
+        records += [a[1] for name, a, _ in staged.ops if name == "rpush"]
+    arrays = replay(records)
+    for req in table.requests.values():
+        got = arrays.get((req.prompt_index, req.sample_index), Arrays())
+        assert got.token_ids == req.token_ids
+        assert got.logprobs == req.logprobs
+        assert got.version_runs == req.version_runs
+
+
+def test_a_log_record_with_a_gap_or_cut_short_is_refused():
+    writer = RecordWriter()
+    writer.add(0, 0, 2, [5], [-1.0], 0, [])  # from offset 2 of a request that holds nothing
+    with pytest.raises(ValueError, match="gap"):
+        replay([writer.record()])
+    writer = RecordWriter()
+    writer.add(0, 0, 0, [5], [-1.0], 0, [(0, 1)])
+    with pytest.raises(ValueError):
+        replay([writer.record()[:-3]])
 
 
 def test_the_garbage_collector_is_off_while_a_read_is_taken_and_on_after():

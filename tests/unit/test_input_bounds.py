@@ -214,9 +214,8 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.jobs_stream(run_id, 12),
         keys.step_meta(run_id, 3),
         keys.step_requests(run_id, 3),
-        keys.request_tokens(run_id, 3, "3:17:2"),
-        keys.request_logprobs(run_id, 3, "3:17:2"),
-        keys.request_versions(run_id, 3, "3:17:2"),
+        keys.step_log(run_id, 3),
+        keys.step_log(run_id, 3, 4),
         keys.step_published(run_id, 3),
         keys.step_quarantined(run_id, 3),
         keys.step_meta(run_id, 3, 2),  # a coordinator shard's table
