@@ -16,7 +16,10 @@ continuation goes on where the collected tokens end).
 
 Figures: `tok_s` is the response tokens of the steps over their rollout time (from the step's
 jobs queued to its last group published, the coordinator's own step rows); `tok_s_wall` the same
-tokens over the whole run, the trainer's commits between steps included. `p50_lag_s` and
+tokens over the whole run, the trainer's commits between steps included; `tok_s_peak` the most
+response tokens/s the coordinator's shards absorbed over any `--peak-window-s` of the run (their
+`spotrl_coordinator_tokens_total`, sampled every 0.5 s: a step's tail, where the last long
+responses finish at a slot's rate, left out). `p50_lag_s` and
 `p99_lag_s`: from a flush (the Redis time in its deltas entry's id) to the stored outcome of the
 read that took it (the coordinator's `spotrl_coordinator_delta_lag_seconds` histogram,
 interpolated in its buckets). `lost` and `duplicated`: response tokens missing from, or added to,
@@ -24,6 +27,8 @@ what the trainer was given, against the plan (a response whose tokens differ fro
 counted in `mismatched`). CPU shares are CPU-seconds per second of the run, by process; `wait_`
 the share of it the process's main thread was ready to run but waited for a core. The workers run
 at `--worker-nice` (their autogroup's nice value), standing for machines of their own.
+`--shards K` runs the run with K coordinator shards (`RunSpec.coordinator_shards`): the
+coordinator's CPU is its own process's, `cpu_coordinator_shards` that of shards 1..K-1.
 
 `--collect-only` measures the collector alone: the coordinator's DeltaCollector in this process,
 with no workers and no run, takes pre-flushed deltas (`--rounds` flushes of every request, taken
@@ -81,6 +86,7 @@ log = logging.getLogger("bench.coordinator")
 LOAD = Path(__file__).resolve().parent / "coordinator_load.py"
 TICK_S = 0.5
 LAG_METRIC = "spotrl_coordinator_delta_lag_seconds"
+TOKENS_METRIC = "spotrl_coordinator_tokens_total"
 TOKEN_IDS = "3,4,5,6,7,8,9,10,11,12"  # the tiny model's digits: never its end-of-sequence id
 EOS_ID = 1
 
@@ -100,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--min-len", type=int, default=128, help="shortest response that stops")
     p.add_argument("--kill-step", type=int, default=1, help="-1: kill no worker")
+    p.add_argument(
+        "--peak-window-s", type=float, default=2.0, help="the stretch tok_s_peak is taken over"
+    )
     p.add_argument("--kill-after-s", type=float, default=2.0, help="into the kill step")
     p.add_argument(
         "--collect-only",
@@ -151,6 +160,8 @@ class Bench:
         self.loop_first = self.loop_last = 0.0  # CPU-s of the coordinator's event loop thread
         self.wait_first: dict[str, float] = {}  # process -> seconds waited for a core
         self.shard_lags: dict[int, list[tuple[float, float]]] = {}  # coordinator shards 1..K-1
+        self.shard_tokens: dict[int, float] = {}  # tokens absorbed, by coordinator shard
+        self.token_samples: list[tuple[float, float]] = []  # (monotonic, all shards' tokens)
         self.wait_last: dict[str, float] = {}
 
     def start_services(self) -> None:
@@ -214,14 +225,20 @@ class Bench:
                     out[child.pid] = "coordinator_shards"
         return out | {psutil.Process().pid: "bench"}
 
-    async def scrape_shards(self, r, http: httpx.AsyncClient, run_id: str) -> None:
-        """The lag histogram of each coordinator shard 1..K-1 (processes of their own, gone once
-        the run ends: the last scrape is kept)."""
+    async def scrape(self, r, http: httpx.AsyncClient, run_id: str) -> None:
+        """The tokens every coordinator shard has absorbed so far, sampled with the time, and
+        the lag histogram of shards 1..K-1 (processes of their own, gone once the run ends: the
+        last scrape is kept)."""
+        texts = {0: (await read(http, "/metrics")).text}
         urls = await r.hgetall(keys.shard_metrics(run_id))
         for shard, url in urls.items():
             with contextlib.suppress(httpx.HTTPError):
-                text = (await http.get(url.decode(), timeout=2.0)).text
-                self.shard_lags[int(shard)] = histogram(text, LAG_METRIC)
+                texts[int(shard)] = (await http.get(url.decode(), timeout=2.0)).text
+        for shard, text in texts.items():
+            self.shard_tokens[shard] = counter(text, TOKENS_METRIC)
+            if shard:
+                self.shard_lags[shard] = histogram(text, LAG_METRIC)
+        self.token_samples.append((time.monotonic(), sum(self.shard_tokens.values())))
 
     def main_thread_cpu_s(self) -> float | None:
         pid = self.procs["coordinator"].pid
@@ -315,6 +332,27 @@ def histogram(text: str, name: str) -> list[tuple[float, float]]:
     return sorted(out)
 
 
+def counter(text: str, name: str) -> float:
+    """The value of an unlabelled counter in /metrics text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def peak_rate(samples: list[tuple[float, float]], window_s: float) -> float:
+    """The highest rate of a cumulative count over any stretch of at least `window_s` between
+    two of its samples (time, count)."""
+    best, start = 0.0, 0
+    for end in range(len(samples)):
+        while start + 1 < end and samples[end][0] - samples[start + 1][0] >= window_s:
+            start += 1
+        span = samples[end][0] - samples[start][0]
+        if span >= window_s:
+            best = max(best, (samples[end][1] - samples[start][1]) / span)
+    return best
+
+
 def add_histograms(parts: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
     """Histograms of the same buckets, added up (one per coordinator shard)."""
     parts = [p for p in parts if p]
@@ -371,6 +409,7 @@ async def drive(bench: Bench, spec: RunSpec, checker: Checker) -> dict:
             bench.sample_cpu()
             found["wall_s"] = ended - began
             metrics = (await read(http, "/metrics")).text
+            found["tok_s_peak"] = peak_rate(bench.token_samples, args.peak_window_s)
             found["lag"] = add_histograms(
                 [histogram(metrics, LAG_METRIC), *bench.shard_lags.values()]
             )
@@ -414,7 +453,7 @@ async def run_until_done(
             bench.sample_cpu(first=True)
         else:
             bench.sample_cpu()
-        await bench.scrape_shards(r, http, run_id)
+        await bench.scrape(r, http, run_id)
         if version is not None and version != last_version:
             last_version = version
             print(f"step {version} began at {now - (began or now):.1f}s", file=sys.stderr)
@@ -488,6 +527,9 @@ def summarize(args, found: dict, checker: Checker, counts: list[dict], audit: di
                 1e-9,
             )
         ),
+        # the most tokens/s absorbed over any --peak-window-s (the steps' tails left out)
+        "tok_s_peak": round(found["tok_s_peak"]),
+        "peak_window_s": args.peak_window_s,
         "tok_s": round(tokens / max(rollout_s, 1e-9)),
         "p50_lag_s": None if p50 is None else round(p50, 3),
         "p99_lag_s": None if p99 is None else round(p99, 3),

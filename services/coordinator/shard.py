@@ -15,7 +15,7 @@ with the coordinator (PR_SET_PDEATHSIG), so that the shards of a restarted coord
 only ones reading their streams.
 
     python -m services.coordinator.shard RUN_ID SHARD   (the coordinator's settings in
-    SPOTRL_SHARD_SETTINGS, as JSON)
+    SPOTRL_SHARD_SETTINGS, as JSON; its pid in SPOTRL_SHARD_PARENT)
 """
 
 import asyncio
@@ -48,6 +48,7 @@ from services.core.request_table import RequestTable
 
 log = logging.getLogger(__name__)
 SETTINGS_ENV = "SPOTRL_SHARD_SETTINGS"
+PARENT_ENV = "SPOTRL_SHARD_PARENT"  # the coordinator's pid
 RESTART_S = 1.0  # a shard that died is started again after this long
 STOP_S = 10.0  # a shard told to stop (SIGTERM) is killed after this long
 TTL_S = 24 * 3600
@@ -113,10 +114,14 @@ class ShardView:
             await self.r.expire(self.key, ttl_s)
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs: the kernel kills it when its parent dies."""
+def die_with_parent(parent_pid: int) -> None:
+    """From now on the kernel kills this process when its parent dies; exit now if it has died
+    already (before the call: this process then has another parent)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        log.warning("the coordinator that started this shard is gone")
+        sys.exit(0)
 
 
 class ShardProcesses:
@@ -155,7 +160,11 @@ class ShardProcesses:
                 await proc.wait()
 
     async def _start(self, shard: int) -> asyncio.subprocess.Process:
-        env = {**os.environ, SETTINGS_ENV: self.settings.model_dump_json()}
+        env = {
+            **os.environ,
+            SETTINGS_ENV: self.settings.model_dump_json(),
+            PARENT_ENV: str(os.getpid()),
+        }
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -163,7 +172,6 @@ class ShardProcesses:
             self.run_id,
             str(shard),
             env=env,
-            preexec_fn=_die_with_parent,
         )
         log.info("run %s: coordinator shard %d started (pid %d)", self.run_id, shard, proc.pid)
         return proc
@@ -243,6 +251,8 @@ def main() -> None:
         CoordinatorSettings.model_validate_json(raw) if raw is not None else CoordinatorSettings()
     )
     setup_logging(f"coordinator-shard-{shard}", settings.log_level)
+    if PARENT_ENV in os.environ:
+        die_with_parent(int(os.environ[PARENT_ENV]))
     asyncio.run(follow(run_id, shard, settings))
 
 
