@@ -4,7 +4,7 @@ missing or twice), and the lag quantiles read from the coordinator's histogram."
 
 import pytest
 
-from bench.coordinator import histogram, quantile
+from bench.coordinator import add_histograms, counter, histogram, peak_rate, quantile
 from bench.coordinator_load import Checker, TokenPlan
 from services.common.messages import Group, Response
 from services.core.request_table import request_id
@@ -83,3 +83,17 @@ def test_lag_quantiles_come_from_the_histograms_buckets():
     assert quantile(buckets, 0.99) == pytest.approx(0.95)
     assert quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
     assert quantile([(1.0, 1.0), (float("inf"), 2.0)], 0.99) == 1.0  # beyond the last bound
+
+
+def test_shards_histograms_add_up_and_the_peak_rate_is_over_a_whole_window():
+    one = [(0.1, 5.0), (1.0, 8.0), (float("inf"), 10.0)]
+    two = [(0.1, 1.0), (1.0, 1.0), (float("inf"), 4.0)]
+    assert add_histograms([one, [], two]) == [(0.1, 6.0), (1.0, 9.0), (float("inf"), 14.0)]
+    assert add_histograms([[], []]) == []
+    text = "spotrl_coordinator_tokens_total 1234.0\nspotrl_coordinator_tokens_created 9.0"
+    assert counter(text, "spotrl_coordinator_tokens_total") == 1234.0
+    assert counter("", "spotrl_coordinator_tokens_total") == 0.0
+    samples = [(0.0, 0.0), (1.0, 10.0), (2.0, 30.0), (3.0, 60.0), (4.0, 70.0)]
+    assert peak_rate(samples, 2.0) == pytest.approx(25.0)  # from 1 s to 3 s
+    assert peak_rate(samples, 4.0) == pytest.approx(17.5)
+    assert peak_rate(samples, 5.0) == 0.0  # no stretch that long
