@@ -1,5 +1,7 @@
 """A whole spotrl deployment as local processes: Redis, weight store(s), coordinator, trainer
-and rollout workers; what `spotrl up` and `spotrl chaos` run. It stops everything it started.
+and rollout workers; what `spotrl up` and `spotrl chaos` run. It stops everything it started,
+and if the process that runs it dies instead (SIGKILL, the OOM killer), everything dies with it
+(`procs.start`), Redis and each service's own children included.
 
 Each service gets its settings as environment variables rendered from its settings class
 (`settings_env`), so a name here is checked against the class the service reads it with. The

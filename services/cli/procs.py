@@ -2,7 +2,9 @@
 (`services.cli.local_deployment`); the tests and benchmarks start processes with it too.
 
 Each process gets its own log file, its environment (SPOTRL_* settings, thread counts) and is
-stopped with SIGTERM, then SIGKILL after a grace period.
+stopped with SIGTERM, then SIGKILL after a grace period. Each runs in a session of its own (a
+kill takes its children too) and dies with the process that started it, however that one dies:
+it is started through `services.common.lifeline`'s exec wrapper, from its launcher thread.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from services.common import lifeline
 from services.common.settings import CommonSettings, settings_env
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -117,17 +120,22 @@ def thread_env(threads: int) -> dict[str, str]:
 def start(
     name: str, args: list[str], env: dict[str, str], log_dir: Path, url: str | None = None
 ) -> Proc:
+    """Run `args` (its output in log_dir/NAME.log) in a session of its own; it dies when this
+    process dies (`services.common.lifeline`), whichever thread calls this."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    lifeline.require_program(args[0], full_env)
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            args,
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+        popen = lifeline.launcher.run(
+            lambda: subprocess.Popen(
+                lifeline.wrap(args),
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         )
     return Proc(name, popen, log_path, url)
 

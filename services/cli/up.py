@@ -2,6 +2,8 @@
 model if it is missing, submits one run, shows its progress, restarts rollout workers that die
 (`services.cli.supervisor`), stops everything on exit or Ctrl-C and prints a JSON summary as the
 last line. It exits through `UpAborted` when a core service dies or the run cannot progress.
+Killed outright (SIGKILL, the OOM killer), it takes every process it started with it
+(`procs.start`); SIGTERM stops them as Ctrl-C does.
 """
 
 import json

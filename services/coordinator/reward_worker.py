@@ -7,11 +7,10 @@ It may be killed at any moment (a call that hangs) and dies with the coordinator
 prints goes to the coordinator's log (stderr), never into the protocol's stream.
 """
 
-import ctypes
 import os
-import signal
 import sys
 
+from services.common.lifeline import die_with_parent
 from services.common.tasks.base import Example, TaskError
 from services.common.tasks.reward_choice import RewardChoice, call_reward, describe
 from services.coordinator.reward_protocol import (
@@ -21,16 +20,6 @@ from services.coordinator.reward_protocol import (
     read_frame,
     write_frame,
 )
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the coordinator dies (Linux); exit now if it died already."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def main() -> None:

@@ -20,10 +20,8 @@ only ones reading their streams.
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import sys
 from functools import partial
 from types import TracebackType
@@ -38,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
 from services.common.cancel import cancel_and_wait
+from services.common.lifeline import die_with_parent
 from services.common.logs import setup_logging
 from services.common.redis_streams import connect, with_reconnect
 from services.common.retry import brief
@@ -52,7 +51,6 @@ PARENT_ENV = "SPOTRL_SHARD_PARENT"  # the coordinator's pid
 RESTART_S = 1.0  # a shard that died is started again after this long
 STOP_S = 10.0  # a shard told to stop (SIGTERM) is killed after this long
 TTL_S = 24 * 3600
-PR_SET_PDEATHSIG = 1
 
 
 class ShardView:
@@ -112,16 +110,6 @@ class ShardView:
     async def expire(self, ttl_s: int) -> None:
         if self.shards > 1:
             await self.r.expire(self.key, ttl_s)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """From now on the kernel kills this process when its parent dies; exit now if it has died
-    already (before the call: this process then has another parent)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        log.warning("the coordinator that started this shard is gone")
-        sys.exit(0)
 
 
 class ShardProcesses:

@@ -26,6 +26,6 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__mp_main__":  # a process vLLM spawned from this worker: its engine
-    from services.rollout.lifeline import die_with_parent
+    from services.rollout.lifeline import tie_to_parent
 
-    die_with_parent()
+    tie_to_parent()

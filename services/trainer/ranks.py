@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common.lifeline import die_with_parent
 from services.common.runspec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -58,26 +59,12 @@ def rank_device(device: str) -> str:
     return device
 
 
-def die_with_parent() -> None:
-    """Die with torchrun's agent (Linux): it starts each rank in a session of its own, so a
-    SIGKILL to the agent's process group would leave the ranks running, rank 0 holding the
-    service's port."""
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the call
-        os._exit(1)
-
-
 def init(device: str) -> None:
     """Join the ranks (torchrun's environment): gloo on CPU, NCCL for CUDA tensors and gloo for
     CPU ones on GPUs."""
     global _control
+    # die with torchrun's agent: it starts each rank in a session of its own, so a SIGKILL to
+    # the agent's process group would leave the ranks running, rank 0 holding the service's port
     die_with_parent()
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(rank_device(device)))
