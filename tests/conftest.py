@@ -1,13 +1,14 @@
-"""Shared fixtures: a tiny base model built once per session. Every test under
-tests/integration and tests/compose (real processes, real Redis, Docker) is marked `slow` here,
-at collection: `make test-fast` (-m "not slow") runs the unit tests only."""
+"""Shared fixtures: a tiny base model built once per session. Every test under tests/integration,
+tests/compose, tests/swarm (real processes, real Redis, Docker) and tests/chart (the Helm chart,
+rendered by helm) is marked `slow` here, at collection: `make test-fast` (-m "not slow") runs the
+unit tests only."""
 
 import os
 from pathlib import Path
 
 import pytest
 
-SLOW_FOLDERS = {"integration", "compose"}
+SLOW_FOLDERS = {"integration", "compose", "chart", "swarm"}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,240 @@
+{{/*
+Names, labels, and the pieces every spotrl container shares: its environment (the SPOTRL_*
+settings of the services' settings classes), its security context, its probes and its writable folders.
+*/}}
+
+{{- define "spotrl.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The ports each service binds (fixed: the Services, probes and policies name them). */}}
+{{- define "spotrl.ports" -}}
+coordinator: 8100
+weightstore: 8200
+blocks: 8201
+trainer: 8300
+rollout: 8400
+peers: 8401
+redis: 6379
+{{- end -}}
+
+{{/* Labels that select a component's pods: (dict "root" $ "component" NAME ["pool" NAME]) */}}
+{{- define "spotrl.selectorLabels" -}}
+app.kubernetes.io/name: spotrl
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- if .pool }}
+spotrl/pool: {{ .pool }}
+{{- end }}
+{{- end -}}
+
+{{- define "spotrl.labels" -}}
+{{ include "spotrl.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{/* Every pod of this release (NetworkPolicy peers). */}}
+{{- define "spotrl.releaseLabels" -}}
+app.kubernetes.io/name: spotrl
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "spotrl.image" -}}
+{{- $image := .image | default .root.Values.image -}}
+{{- if eq (toString $image.tag) "latest" -}}
+{{- fail "image tags are pinned: \"latest\" is refused (set image.tag)" -}}
+{{- end -}}
+{{- printf "%s:%s" $image.repository (toString $image.tag) -}}
+{{- end -}}
+
+{{- define "spotrl.tokenSecret" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecret -}}
+{{- else -}}
+{{- printf "%s-token" (include "spotrl.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "spotrl.tokenKey" -}}
+{{- if .Values.auth.existingSecret -}}{{ .Values.auth.existingSecretKey }}{{- else -}}token{{- end -}}
+{{- end -}}
+
+{{/* The checks every render makes before it writes anything. */}}
+{{- define "spotrl.validate" -}}
+{{- if not (or .Values.auth.token .Values.auth.existingSecret) -}}
+{{- fail "auth.token or auth.existingSecret is required: the services listen on the pod's address and refuse to without a token (e.g. --set auth.token=$(openssl rand -hex 24))" -}}
+{{- end -}}
+{{- if and .Values.redis.enabled .Values.redis.url -}}
+{{- fail "redis.url names a managed Redis: set redis.enabled=false with it" -}}
+{{- end -}}
+{{- if not (or .Values.redis.enabled .Values.redis.url) -}}
+{{- fail "redis.enabled=false needs redis.url (a managed Redis)" -}}
+{{- end -}}
+{{- $ws := .Values.weightstore -}}
+{{- if and (gt (int $ws.replicas) 1) (not $ws.persistence.existingClaim) (not (has "ReadWriteMany" $ws.persistence.accessModes)) -}}
+{{- fail "weightstore.replicas > 1 share one volume: set weightstore.persistence.accessModes to [ReadWriteMany]" -}}
+{{- end -}}
+{{- if and .Values.gpu.enabled (lt (int .Values.trainer.gpus) (int .Values.trainer.ranks)) -}}
+{{- fail "trainer.ranks > trainer.gpus: one rank per GPU" -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range .Values.rollout.pools -}}
+{{- if has .name $names -}}
+{{- fail (printf "rollout.pools: the name %q is used twice" .name) -}}
+{{- end -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What every spotrl container sets: where the others are, the token, the bind address. */}}
+{{- define "spotrl.commonEnv" -}}
+{{- $full := include "spotrl.fullname" . -}}
+{{- $ports := include "spotrl.ports" . | fromYaml -}}
+- name: SPOTRL_HOST
+  value: "0.0.0.0"
+- name: SPOTRL_API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "spotrl.tokenSecret" . }}
+      key: {{ include "spotrl.tokenKey" . }}
+- name: SPOTRL_PROTECT_READS
+  value: {{ .Values.auth.protectReads | toString | quote }}
+{{- if .Values.redis.enabled }}
+- name: SPOTRL_REDIS_URL
+  value: {{ printf "redis://%s-redis:%v/0" $full $ports.redis | quote }}
+{{- else }}
+- name: SPOTRL_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $full }}-redis-url
+      key: url
+{{- end }}
+- name: SPOTRL_COORDINATOR_URL
+  value: {{ printf "http://%s-coordinator:%v" $full $ports.coordinator | quote }}
+- name: SPOTRL_WEIGHTSTORE_URL
+  value: {{ printf "http://%s-weightstore:%v" $full $ports.weightstore | quote }}
+- name: SPOTRL_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+{{- end -}}
+
+{{/* A component's own settings by field name: (dict "settings" MAP "indent" N) */}}
+{{- define "spotrl.settingsEnv" -}}
+{{- range $name, $value := .settings }}
+{{ printf "- name: SPOTRL_%s" (upper $name) | indent $.indent }}
+{{ printf "  value: %s" ($value | toString | quote) | indent $.indent }}
+{{- end }}
+{{- end -}}
+
+{{- define "spotrl.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "spotrl.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Probes through the image's own check: it asks this container's /healthz on SPOTRL_PORT. */}}
+{{- define "spotrl.probes" -}}
+{{- $check := list "python" "-m" "services.common.healthcheck" -}}
+startupProbe:
+  exec:
+    command: {{ toJson $check }}
+  periodSeconds: 5
+  timeoutSeconds: 4
+  failureThreshold: {{ .startupFailures | default 60 }}
+readinessProbe:
+  exec:
+    command: {{ toJson $check }}
+  periodSeconds: 10
+  timeoutSeconds: 4
+  failureThreshold: 3
+livenessProbe:
+  exec:
+    command: {{ toJson $check }}
+  periodSeconds: 15
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{/* The folders a read-only root leaves writable: /tmp and the home (caches of torch, HF). */}}
+{{- define "spotrl.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/spotrl
+{{- end -}}
+
+{{- define "spotrl.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 2Gi
+- name: home
+  emptyDir:
+    sizeLimit: 2Gi
+{{- end -}}
+
+{{/* The reserved node pool's placement. */}}
+{{- define "spotrl.reservedPlacement" -}}
+{{- with .Values.reserved.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.reserved.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.reserved.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Resources with the GPUs added: (dict "resources" MAP "gpus" N "root" $) */}}
+{{- define "spotrl.resources" -}}
+{{- $res := deepCopy .resources -}}
+{{- if and .root.Values.gpu.enabled (gt (int .gpus) 0) -}}
+{{- $limits := $res.limits | default dict -}}
+{{- $_ := set $limits .root.Values.gpu.resourceName (int .gpus) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $requests := $res.requests | default dict -}}
+{{- $_ := set $requests .root.Values.gpu.resourceName (int .gpus) -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{- define "spotrl.pvc" -}}
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "spotrl.labels" (dict "root" .root "component" .component) | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+spec:
+  accessModes:
+    {{- toYaml .persistence.accessModes | nindent 4 }}
+  {{- with .persistence.storageClassName }}
+  storageClassName: {{ . }}
+  {{- end }}
+  resources:
+    requests:
+      storage: {{ .persistence.size }}
+{{- end -}}

@@ -1,0 +1,108 @@
+"""The sets of values the chart is rendered with: each cloud's spot preset, KEDA on and off, HPA
+mode, a managed Redis, GPUs on and off, monitoring and ingress on. Each is the chart's defaults
+plus these overrides, with a token."""
+
+from typing import Any
+
+TOKEN = "chart-test-token"
+
+
+def pool(name: str, kind: str = "preemptible", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "type": kind, "engine": "hf", "replicas": 2, **fields}
+
+
+RESERVED = pool("reserved", "reserved", replicas=1)
+
+CASES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "gke-spot": {"rollout": {"pools": [RESERVED, pool("spot", preset="gke-spot")]}},
+    "eks-spot-keda": {
+        "rollout": {"pools": [RESERVED, pool("spot", preset="eks-spot")]},
+        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 16},
+    },
+    "karpenter-hpa": {
+        "rollout": {"pools": [RESERVED, pool("spot", preset="karpenter")]},
+        "autoscaling": {"enabled": True, "mode": "hpa"},
+    },
+    "aks-spot-gpu": {
+        "gpu": {"enabled": True},
+        "trainer": {"ranks": 2, "gpus": 2},
+        "rollout": {
+            "pools": [
+                pool("reserved", "reserved", replicas=1, engine="vllm"),
+                pool(
+                    "spot",
+                    preset="aks-spot",
+                    engine="vllm",
+                    preemptGraceS=22.5,
+                    nodeSelector={"gpu-type": "a10"},
+                    tolerations=[{"key": "team", "operator": "Exists", "effect": "NoSchedule"}],
+                ),
+            ]
+        },
+    },
+    "pools-from-defaults": {
+        "rollout": {
+            "pools": [
+                {"name": "reserved", "type": "reserved"},
+                {"name": "spot", "type": "preemptible", "preset": "gke-spot"},
+            ],
+            "defaults": {"engine": "vllm", "replicas": 3},
+        }
+    },
+    "managed-redis": {"redis": {"enabled": False, "url": "rediss://:pw@redis.example.test:6380/0"}},
+    "two-spot-pools-keda": {
+        "rollout": {
+            "pools": [
+                RESERVED,
+                pool("gke", preset="gke-spot", p2p=False, settings={"flush_tokens": 8}),
+                pool("karp", preset="karpenter", slots=16, preemptGraceS=10),
+            ]
+        },
+        "autoscaling": {"enabled": True, "mode": "keda"},
+    },
+    "monitoring-ingress": {
+        "auth": {"token": TOKEN, "protectReads": True},
+        "monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "ingress": {"enabled": True, "className": "nginx", "host": "rl.example.test"},
+        "networkPolicy": {
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+            ]
+        },
+        "coordinator": {"settings": {"stall_after_s": 10, "reward_processes": 2}},
+    },
+    "existing-secret-and-claims": {
+        "auth": {"token": "", "existingSecret": "my-spotrl", "existingSecretKey": "api"},
+        "models": {"existingClaim": "models-rox"},
+        "weightstore": {
+            "replicas": 3,
+            "persistence": {"existingClaim": "weights-rwx"},
+        },
+        "trainer": {"persistence": {"existingClaim": "ckpt"}},
+        "reserved": {
+            "nodeSelector": {"pool": "reserved"},
+            "tolerations": [{"key": "reserved", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    },
+    "policies-off": {
+        "networkPolicy": {"enabled": False},
+        "reserved": {"podDisruptionBudget": {"enabled": False}},
+        "weightstore": {"replicas": 2, "persistence": {"accessModes": ["ReadWriteMany"]}},
+    },
+}
+
+
+def values_of(case: str) -> dict[str, Any]:
+    values = {"auth": {"token": TOKEN}}
+    return merge(values, CASES[case])
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
