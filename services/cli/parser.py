@@ -16,6 +16,8 @@ from services.cli.coordinator_commands import (
 )
 from services.cli.environment import TOKEN_VARIABLE
 from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
+from services.cli.scale import cmd_scale
+from services.cli.scale_settings import ScaleSettings
 from services.cli.spec_flags import add_spec_flags
 from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
 from services.common.settings import CommonSettings, env_name
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chaos(sub)
     _add_init_model(sub)
     _add_coordinator_commands(sub)
+    _add_scale(sub)
     return parser
 
 
@@ -161,3 +164,52 @@ def _add_coordinator_commands(sub: Subparsers) -> None:
     p = client_command("logs", "print a run's events (workers, migrations, steps)", cmd_logs)
     p.add_argument("run")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
+
+
+def _add_scale(sub: Subparsers) -> None:
+    url_variable = env_name(CommonSettings, "coordinator_url")
+    url = os.environ.get(url_variable, CommonSettings.model_fields["coordinator_url"].default)
+    fields = ScaleSettings.model_fields
+    p = sub.add_parser(
+        "scale",
+        help="hold a preemptible rollout pool at the coordinator's preemptible_wanted",
+        description="Every --interval seconds, read the run's preemptible_wanted from the "
+        "coordinator and set the replica count of a preemptible rollout pool (a Kubernetes "
+        "Deployment, a Swarm service, a Compose service) within the bounds, after the "
+        f"cooldowns. One log line and one metric per decision. Reads send ${TOKEN_VARIABLE} "
+        "as a bearer token. Exit codes: 1 coordinator, 2 options, 3 no run, 4 no such "
+        "deployment or service, 5 engine error.",
+    )
+    p.add_argument("--url", default=url, help=f"coordinator URL (${url_variable})")
+    p.add_argument("--run", help="run to follow (default: the newest live run)")
+    p.add_argument("--target", required=True, choices=("k8s", "swarm", "compose"))
+    p.add_argument("--min", type=int, default=fields["min_replicas"].default, help="fewest held")
+    p.add_argument("--max", type=int, required=True, help="most replicas held")
+    p.add_argument("--interval", type=float, default=fields["interval_s"].default, help="seconds")
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        help=f"seconds after a change before the next, up or down (default: "
+        f"{fields['up_cooldown_s'].default:.0f} up, {fields['down_cooldown_s'].default:.0f} down)",
+    )
+    p.add_argument("--up-cooldown", type=float, help="seconds after a change before scaling up")
+    p.add_argument("--down-cooldown", type=float, help="... before scaling down")
+    p.add_argument(
+        "--when-unknown",
+        default=fields["when_unknown"].default,
+        choices=("hold", "max"),
+        help="no figure yet (no step trained): keep the replicas found, or go to --max",
+    )
+    p.add_argument("--dry-run", action="store_true", help="decide and log; change nothing")
+    p.add_argument("--once", action="store_true", help="one decision, then exit")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
+    k8s = p.add_argument_group("--target k8s")
+    k8s.add_argument("--namespace", default=fields["namespace"].default)
+    k8s.add_argument("--deployment", help="the Deployment of the preemptible pool")
+    k8s.add_argument("--kubeconfig", help="default: in-cluster, else $KUBECONFIG")
+    k8s.add_argument("--context", help="kubeconfig context (default: its current one)")
+    engine = p.add_argument_group("--target swarm / compose (DOCKER_HOST names the daemon)")
+    engine.add_argument("--service", help="the service of the preemptible pool")
+    engine.add_argument("--project", help="compose: the project name")
+    engine.add_argument("--file", "-f", action="append", default=[], help="compose file(s)")
+    p.set_defaults(func=cmd_scale)
