@@ -6,6 +6,8 @@ from services.common.logs import setup_logging
 from services.common.service import pin_cpus, serve
 from services.rollout.settings import RolloutSettings
 
+HTTP_CLOSE_SHARE, HTTP_CLOSE_MAX_S = 0.05, 0.5  # of the grace period, before the leaving starts
+
 
 def main() -> None:
     settings = RolloutSettings()
@@ -18,7 +20,9 @@ def main() -> None:
         build_app(settings),
         settings.host,
         settings.port,
-        settings.preempt_grace_s,
+        # open HTTP requests (status, metrics) get little: the lifespan's leaving, which must
+        # fit in the grace period (services.core.grace), starts only once they are done
+        min(HTTP_CLOSE_MAX_S, HTTP_CLOSE_SHARE * settings.preempt_grace_s),
         settings.port_file,
     )
 

@@ -85,6 +85,25 @@ class RolloutSettings(CommonSettings):
         None, gt=0, description="Cap on the egress to peers, megabits per second."
     )
     advertise_url: str = Field("", description="URL of this worker shown by the coordinator.")
+    cloud_notice: Literal["off", "aws", "gcp", "azure"] = Field(
+        "off",
+        description="Watch this cloud's instance metadata for a preemption notice (a bare spot "
+        "VM: AWS spot instance-action, GCP preempted, Azure Preempt scheduled event) and leave "
+        "as on SIGTERM when one comes. off: SIGTERM is the only notice (Kubernetes, Swarm).",
+    )
+    cloud_notice_url: str = Field(
+        "",
+        max_length=2000,
+        pattern=r"^(https?://\S+)?$",
+        description="Base URL of the metadata service (tests: a local one). Empty: the cloud's "
+        "documented address. Read only when cloud_notice is on.",
+    )
+    cloud_notice_interval_s: float = Field(
+        5.0, ge=0.1, le=300, description="Seconds between two polls of the metadata service."
+    )
+    cloud_notice_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Most seconds one poll of the metadata service may take."
+    )
     fault_crash_requests: str = Field(
         "",
         max_length=1000,
