@@ -59,6 +59,20 @@ def collected_tokens(url: str) -> float:
     return 0.0
 
 
+def bench_spec(model: Path, steps: int, max_new_tokens: int) -> RunSpec:
+    """The run the preemption and recovery benchmarks repeat: 8 prompts of 4 samples, each of
+    exactly `max_new_tokens` tokens (EOS ignored), so that every step does the same work."""
+    return RunSpec(
+        model=str(model.resolve()),
+        steps=steps,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        temperature=1.0,
+    )
+
+
 def one_run(dep, client, r, spec: RunSpec, kill_at: float | None, kills: list[str]) -> dict:
     start_tokens = collected_tokens(dep.coordinator_url)
     run_id = client.submit(json.loads(spec.model_dump_json()))
@@ -121,15 +135,7 @@ def main() -> None:
     ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
-        base = RunSpec(
-            model=str(model.resolve()),
-            steps=2,
-            prompts_per_step=8,
-            group_size=4,
-            max_new_tokens=args.max_new_tokens,
-            ignore_eos=True,
-            temperature=1.0,
-        )
+        base = bench_spec(model, 2, args.max_new_tokens)
         kills = args.kills.split(",")
         one_run(dep, client, r, base, None, [])  # warm-up: first loads, imports
         calm_runs = [one_run(dep, client, r, base, None, []) for _ in range(2)]

@@ -160,6 +160,17 @@ def collected(rdb, run_id: str, step: int) -> dict[str, int]:
     return {request_id(step, p, s): len(a.token_ids) for (p, s), a in arrays.items() if a.token_ids}
 
 
+def holds_unfinished_jobs(rdb, run_id: str, worker: str, step: int = 0) -> bool:
+    """`worker` holds jobs of `step` (read, not acknowledged) and the run has stored some of
+    that step's tokens: it is mid-generation."""
+    try:
+        consumers = rdb.xinfo_consumers(keys.jobs_stream(run_id, step), keys.WORKERS_GROUP)
+    except redis.ResponseError:
+        return False
+    held = any(c["name"].decode() == worker and c["pending"] > 0 for c in consumers)
+    return held and sum(collected(rdb, run_id, step).values()) > 0
+
+
 def finished_requests(rdb, run_id: str, step: int) -> set[tuple[str, int]]:
     """(request, lease) of every finished request of `step`, from the request table."""
     out = set()

@@ -21,19 +21,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import redis
 
 from services.cli import procs
 from services.cli.audit import audit_run
 from services.cli.procs import Proc
-from services.common import keys
 from services.common.runspec import RunSpec
 from services.core.cloud_notice import MAX_ANSWER_BYTES, Notice
 from services.rollout.notice import NoticeWatcher
 from services.rollout.settings import RolloutSettings
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
-    collected,
+    holds_unfinished_jobs,
     run_events,
     small_spec,
     wait_final,
@@ -199,16 +197,6 @@ def deployment_config(tmp_path_factory):
         flush_tokens=2,
         extra_env=env,
     )
-
-
-def holds_unfinished_jobs(rdb, run_id: str, worker: str) -> bool:
-    """`worker` holds jobs of step 0 and the run has stored some tokens: it is mid-generation."""
-    try:
-        consumers = rdb.xinfo_consumers(keys.jobs_stream(run_id, 0), keys.WORKERS_GROUP)
-    except redis.ResponseError:
-        return False
-    held = any(c["name"].decode() == worker and c["pending"] > 0 for c in consumers)
-    return held and sum(collected(rdb, run_id, 0).values()) > 0
 
 
 def test_the_local_server_checks_the_imdsv2_token(metadata):

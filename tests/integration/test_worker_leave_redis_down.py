@@ -10,13 +10,11 @@ import time
 from collections.abc import Callable
 
 import pytest
-import redis
 
 from services.cli.audit import audit_run
-from services.common import keys
 from services.common.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import collected, small_spec, wait_final, wait_until
+from tests.integration.conftest import holds_unfinished_jobs, small_spec, wait_final, wait_until
 
 GRACE_S = 3.0
 # the process's own start of shutdown and its interpreter's exit, on a loaded machine
@@ -45,16 +43,6 @@ def deployment_config(tmp_path_factory):
     )
 
 
-def holds_jobs(rdb, run_id: str, worker: str) -> bool:
-    """`worker` holds jobs of step 0 (read, not acknowledged) and some tokens were stored."""
-    try:
-        consumers = rdb.xinfo_consumers(keys.jobs_stream(run_id, 0), keys.WORKERS_GROUP)
-    except redis.ResponseError:
-        return False
-    held = any(c["name"].decode() == worker and c["pending"] > 0 for c in consumers)
-    return held and sum(collected(rdb, run_id, 0).values()) > 0
-
-
 def freeze_redis(deployment, while_frozen: Callable[[], object]) -> None:
     """SIGSTOP Redis, call `while_frozen()`, SIGCONT it: connections open, nothing answered
     (a hung server, or a network that drops its packets)."""
@@ -78,7 +66,9 @@ def test_a_worker_told_to_stop_while_redis_is_away_exits_within_its_grace(
     body = small_spec(tiny_model, steps=1, prompts_per_step=2, max_new_tokens=24, ignore_eos=True)
     run_id = client.submit(body)
     worker = next(p for p in deployment.workers() if p.alive())
-    wait_until(lambda: holds_jobs(rdb, run_id, worker.name), "the worker never held a job")
+    wait_until(
+        lambda: holds_unfinished_jobs(rdb, run_id, worker.name), "the worker never held a job"
+    )
     exit_s: list[float] = []
 
     def notice_the_worker() -> None:
