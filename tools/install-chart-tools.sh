@@ -54,7 +54,8 @@ fi
 
 missing=()
 for spec in "${PY_TOOLS[@]}"; do
-  installed=$("$VENV/bin/python" -m pip show "${spec%%==*}" 2>/dev/null | sed -n 's/^Version: //p')
+  # pip show exits 1 for a package not installed (pipefail): that is an empty version here
+  installed=$("$VENV/bin/python" -m pip show "${spec%%==*}" 2>/dev/null | sed -n 's/^Version: //p' || true)
   [ "$installed" = "${spec##*==}" ] || missing+=("$spec")
 done
 if [ ${#missing[@]} -eq 0 ]; then
