@@ -58,6 +58,9 @@ SETTINGS = {
     "SPOTRL_BLOCK_BYTES": str(BLOCK_BYTES),
     "SPOTRL_PREEMPT_GRACE_S": "20",
     "SPOTRL_STOP_GRACE": "30s",
+    # a slower engine: a response lasts longer than the drain takes to reach the worker, so
+    # the drained worker still holds requests at its notice
+    "SPOTRL_STEP_DELAY_MS": "150",
 }
 SCALE_BOUNDS = (2, 3)  # replicas `spotrl scale` may hold: never below one per spot node
 
@@ -184,25 +187,25 @@ class Driver:
 
     def drain(self, node: str) -> None:
         """Spot node lost with notice: Swarm stops its tasks, SIGTERM then the grace period."""
-        _, worker, held = wait_until(
+        _, worker, _ = wait_until(
             lambda: self.holding(node), f"a worker on {node} holding requests", 180, poll_s=0.05
         )
         at_step, at = self.step(), time.time()
         self.cluster.manager.docker("node", "update", "--availability", "drain", node)
-        held |= self.held_until_it_leaves(worker)
+        held = self.held_until_it_leaves(worker)
         self.summary["drained"] = 1
         say(f"drained {node} at step {at_step}: {worker} held {len(held)} requests")
         self.summary["recovery_notice_s"] = self.recovery(worker, "notice", held, at)
         wait_until(lambda: self.step() >= at_step + 2, "steps after the drain", 300, poll_s=0.5)
 
     def held_until_it_leaves(self, worker: str, timeout_s: float = 60.0) -> dict[str, int]:
-        """Every request `worker` holds from now until it says it leaves (its leaving key): the
-        drain's SIGTERM reaches it a while after the drain, and it reads jobs until then; its
-        release acknowledges them, so the last look before it names every one it released."""
+        """What `worker` holds when it leaves: the drain's SIGTERM reaches it a while after the
+        drain, and it reads jobs until then; its release acknowledges what it holds, so the
+        last look before its leaving key appears names what it released (empty: nothing)."""
         held: dict[str, int] = {}
         deadline = time.monotonic() + timeout_s
         while not self.r.exists(keys.worker_leaving(worker)) and time.monotonic() < deadline:
-            held |= held_requests(self.r, self.run_id, worker)
+            held = held_requests(self.r, self.run_id, worker) or held
             time.sleep(0.01)
         return held
 
