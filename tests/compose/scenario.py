@@ -67,6 +67,22 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
         self.client = CoordinatorClient(f"http://127.0.0.1:{self.ports['coordinator']}", self.token)
 
+    def spotrl_scale(self, *args: str) -> str:
+        """`spotrl scale --target compose` on this project's rollout service, for real; its
+        decision's log line."""
+        cmd = [sys.executable, "-m", "services.cli.main", "scale", "--target", "compose"]
+        url = f"http://127.0.0.1:{self.ports['coordinator']}"
+        cmd += ["--url", url, "--project", self.project, "--service", "rollout"]
+        for f in FILES:
+            cmd += ["-f", str(ROOT / f)]
+        env = {**self.env, "SPOTRL_LOG_LEVEL": "INFO"}
+        out = subprocess.run(
+            [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"spotrl scale: exit {out.returncode}: {out.stderr[-2000:]}")
+        return next(line for line in out.stderr.splitlines() if "reason=" in line)
+
     def compose(self, *args: str, timeout_s: float = 600.0, check: bool = True):
         cmd = [str(compose_binary()), "--project-directory", str(ROOT), "-p", self.project]
         for f in FILES:
@@ -150,7 +166,9 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
     summary["first_step_s"] = round(time.monotonic() - t_run, 1)
     say(f"first step after {summary['first_step_s']} s")
 
-    stack.compose("up", "-d", "--wait", "--no-recreate", "--scale", "rollout=2")
+    # `spotrl scale` grows the rollout service to 2 (its bounds: 2..2; the figure or not)
+    scaled = stack.spotrl_scale("--min", "2", "--max", "2", "--when-unknown", "max", "--once")
+    summary["scale_decision"] = scaled
     both = wait_until(
         lambda: (
             ws
