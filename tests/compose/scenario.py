@@ -3,9 +3,10 @@
 Built offline (`tools/offline-image.sh`), started by `docker compose` with
 docker-compose.hostnet.yml (every service on the host's network, bound to 127.0.0.1, ports from
 variables), driven through the REST API with a token: a GRPO run whose steps advance and whose
-reward rises; rollout scaled to 2 mid-run, both replicas producing tokens; one rollout container
-killed mid-step (the run goes on, the audit finds nothing lost or duplicated); the trainer
-container restarted (it resumes from its checkpoint); `down -v` leaves nothing behind.
+reward rises; rollout scaled to 2 mid-run by `spotrl scale --target compose`, both replicas
+producing tokens; one rollout container killed mid-step (the run goes on, the audit finds
+nothing lost or duplicated); the trainer container restarted (it resumes from its
+checkpoint); `down -v` leaves nothing behind.
 
 `python -m tests.compose.scenario` prints the summary as JSON, last line; the pytest marker
 `compose` (tests/compose/test_compose_up.py) asserts it.
