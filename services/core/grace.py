@@ -14,7 +14,9 @@ closing before the lifespan's shutdown starts, and the process exiting after it 
 
 from dataclasses import dataclass
 
-STOP_TASKS_SHARE, STOP_TASKS_MAX_S = 0.1, 2.0
+# a cap, not a reservation: the tasks stop in milliseconds unless a decode step is running;
+# releasing while one still runs could send its tokens twice
+STOP_TASKS_SHARE, STOP_TASKS_MAX_S = 0.5, 5.0
 FAREWELL_SHARE, FAREWELL_MAX_S = 0.2, 3.0
 EXIT_SHARE, EXIT_MAX_S = 0.1, 1.0
 

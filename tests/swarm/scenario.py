@@ -61,6 +61,10 @@ SETTINGS = {
     # a slower engine: a response lasts longer than the drain takes to reach the worker, so
     # the drained worker still holds requests at its notice
     "SPOTRL_STEP_DELAY_MS": "150",
+    # the store's egress capped (16 Mbit/s: a version takes ~1.4 s from it alone), so a worker
+    # takes the blocks another already holds from it, across nodes, rather than all from the
+    # store: without a cap both often pull everything from the store at once
+    "SPOTRL_STORE_EGRESS_MBPS": "16",
 }
 SCALE_BOUNDS = (2, 3)  # replicas `spotrl scale` may hold: never below one per spot node
 

@@ -13,8 +13,10 @@ def test_every_step_ends_in_order_within_the_grace(grace_s):
 
 def test_most_of_the_grace_goes_to_the_release():
     short, default, aws = (plan_leaving(g, 0.0) for g in (3.0, 25.0, 120.0))
-    assert short.released_by - short.tasks_stopped_by >= 0.5 * 3.0
-    assert (default.tasks_stopped_by, default.released_by, default.gone_by) == (2.0, 21.0, 24.0)
+    # stopping the tasks is a cap (they stop in milliseconds unless a decode step runs): the
+    # release starts when they have stopped and may run to its own deadline
+    assert short.released_by - short.tasks_stopped_by >= 0.2 * 3.0
+    assert (default.tasks_stopped_by, default.released_by, default.gone_by) == (5.0, 21.0, 24.0)
     assert aws.gone_by - aws.released_by == 3.0  # the farewell never takes more than it needs
 
 
