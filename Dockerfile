@@ -53,6 +53,6 @@ USER spotrl
 # Every service answers /healthz; the check probes the port this container's own process bound
 # (SPOTRL_PORT_FILE where set, else SPOTRL_PORT) and accepts only that process's answer.
 HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=10 \
-  CMD ["python", "-m", "services.common.healthcheck"]
+  CMD ["python", "-m", "services.infra.healthcheck"]
 
 CMD ["python", "-m", "services.coordinator.main"]

@@ -1,5 +1,5 @@
 """The hf engine's generation time when its torch work hops between threads (as
-`asyncio.to_thread` does) against one compute thread (`services.common.compute`), side by side.
+`asyncio.to_thread` does) against one compute thread (`services.infra.compute`), side by side.
 
 Each variant runs in a fresh process with the same threads (2 by default, as `spotrl up` gives
 a lone reserved worker): load the weights, then generate a step's batch (128 requests x 6
@@ -27,7 +27,7 @@ VARIANTS = ("to_thread", "compute")
 
 async def one_variant(model: Path, variant: str, reps: int, batch: int, tokens: int) -> float:
     """Median seconds to generate `batch` x `tokens` through HFEngine.step in this process."""
-    from services.common.messages import Job
+    from services.contracts.messages import Job
     from services.rollout.engines import hf
 
     if variant == "to_thread":  # the engine as it was: each call on a free pool thread

@@ -66,19 +66,19 @@ from bench.coordinator_load import Checker, TokenPlan
 from bench.loadgen import NullPolicy, Supervised, build_tiny_model, freeze_heap, read
 from services.cli import procs
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.logs import setup_logging
-from services.common.messages import DeltaBatch, DeltaItem
-from services.common.redis_streams import connect
-from services.common.run_state import committed_version
-from services.common.runspec import FINAL_STATES, RunSpec
-from services.common.step_metrics import read_steps
-from services.common.tasks.reward_choice import RewardChoice
+from services.contracts import keys
+from services.contracts.messages import DeltaBatch, DeltaItem
+from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.reward_runner import open_runner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
 from services.core.request_table import RequestTable
+from services.infra.logs import setup_logging
+from services.infra.redis_streams import connect
+from services.state.run_state import committed_version
+from services.state.step_metrics import read_steps
+from services.tasks.reward_choice import RewardChoice
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 

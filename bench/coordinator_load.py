@@ -40,8 +40,8 @@ import httpx
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from services.common import keys
-from services.common.messages import (
+from services.contracts import keys
+from services.contracts.messages import (
     DeltaBatch,
     DeltaItem,
     FinishReason,
@@ -52,7 +52,9 @@ from services.common.messages import (
     RequestLease,
     WorkerControl,
 )
-from services.common.redis_streams import (
+from services.core.collect import split_by_shard
+from services.core.request_table import request_id
+from services.infra.redis_streams import (
     StreamConsumer,
     connect,
     decode_or_park,
@@ -60,8 +62,6 @@ from services.common.redis_streams import (
     read_entries,
     with_reconnect,
 )
-from services.core.collect import split_by_shard
-from services.core.request_table import request_id
 
 log = logging.getLogger("coordinator_load")
 POOL_SIZE = 1 << 16  # distinct starting points of a response in the token pool

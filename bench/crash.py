@@ -25,8 +25,8 @@ import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.up import ensure_model
-from services.common import keys
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
 from tests.harness.deploy import Deployment, DeploymentConfig
 
 ORDER = ("coordinator", "trainer", "weightstore", "redis", "worker")

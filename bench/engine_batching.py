@@ -22,7 +22,7 @@ def main() -> None:
 
     import torch
 
-    from services.common.messages import Job
+    from services.contracts.messages import Job
     from services.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(args.threads)

@@ -45,7 +45,7 @@ def step_prompts(model: Path, seed: int, step: int, count: int) -> list[list[int
     """The prompts the coordinator queues for (seed, step): same task, same tokenizer."""
     from tokenizers import Tokenizer
 
-    from services.common.tasks import load_task
+    from services.tasks import load_task
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     examples = load_task("arithmetic").examples(seed, step, count)
@@ -53,7 +53,7 @@ def step_prompts(model: Path, seed: int, step: int, count: int) -> list[list[int
 
 
 def jobs_for(prompts: list[list[int]], group_size: int, tokens: int) -> list:
-    from services.common.messages import Job
+    from services.contracts.messages import Job
 
     return [
         Job(
@@ -93,7 +93,7 @@ def system_rate(work_dir: Path, model: Path, engine: str, args) -> tuple[float, 
     from services.cli.client import CoordinatorClient
     from services.cli.local_deployment import DeploymentConfig
     from services.cli.local_deployment import LocalDeployment as Deployment
-    from services.common.runspec import FINAL_STATES
+    from services.contracts.runspec import FINAL_STATES
 
     batch = args.prompts * args.group_size
     spec = {

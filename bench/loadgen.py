@@ -40,15 +40,15 @@ import torch
 from safetensors.torch import load_file, save, save_file
 
 from services.cli import procs
-from services.common import keys
-from services.common.messages import FinishReason, Job
-from services.common.redis_streams import connect
-from services.common.run_state import committed_version
-from services.common.runspec import RunSpec
-from services.common.step_metrics import StepRow
+from services.contracts import keys
+from services.contracts.messages import FinishReason, Job
+from services.contracts.runspec import RunSpec
+from services.infra.redis_streams import connect
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
+from services.state.run_state import committed_version
+from services.state.step_metrics import StepRow
 from services.trainer.checkpoint import read_state, snapshot_of
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings

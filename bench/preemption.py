@@ -28,8 +28,8 @@ from services.cli.client import CoordinatorClient
 from services.cli.local_deployment import DeploymentConfig
 from services.cli.local_deployment import LocalDeployment as Deployment
 from services.cli.up import ensure_model
-from services.common import keys
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
 
 
 def wait_final(client: CoordinatorClient, run_id: str, timeout_s: float = 600) -> dict:

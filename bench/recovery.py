@@ -45,10 +45,10 @@ from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.recovery import RecoveryWatch, busiest_worker, distribution, held_requests
 from services.cli.up import ensure_model
-from services.common import keys
-from services.common.messages import Heartbeat
-from services.common.runspec import FINAL_STATES
-from services.common.settings import settings_env
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
+from services.contracts.runspec import FINAL_STATES
+from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
 from tests.harness.deploy import Deployment, DeploymentConfig
 

@@ -38,8 +38,8 @@ import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.sim.real_profile import DeploymentFigures, scenario
 from services.sim.simulation import Simulation
 from services.sim.systems import HYBRID_ALL_SPOT, RESERVED_ONLY
@@ -74,7 +74,7 @@ def measure_engine(model: Path, prompt: list[int], tokens: int) -> tuple[dict[in
     and its prefill rate (tokens/s), one thread, as a worker runs it."""
     import torch
 
-    from services.common.messages import Job
+    from services.contracts.messages import Job
     from services.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def prompts_of(model: Path, spec: RunSpec, steps: int) -> tuple[list[int], float
     tokenizes them."""
     from tokenizers import Tokenizer
 
-    from services.common.tasks import load_task
+    from services.tasks import load_task
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     task = load_task(spec.task, spec.task_path)

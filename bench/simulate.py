@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.traces import TraceError, load_trace, worker_targets
+from services.core.traces import TraceError, load_trace, worker_targets
 from services.sim.compare import compare
 from services.sim.plot import plot_throughput
 from services.sim.profile import EngineProfile

@@ -40,11 +40,11 @@ import redis.asyncio as aioredis
 import torch
 
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.logs import setup_logging
-from services.common.redis_streams import connect
-from services.common.run_state import committed_version
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.infra.logs import setup_logging
+from services.infra.redis_streams import connect
+from services.state.run_state import committed_version
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -78,7 +78,7 @@ def synthetic_groups(args, vocab: int, seed: int):
     """A step's groups: B prompts of `--prompt-tokens`, n responses each of log-normal length."""
     import random
 
-    from services.common.messages import Group, Response
+    from services.contracts.messages import Group, Response
 
     rng = random.Random(seed)
     groups = []
@@ -113,7 +113,7 @@ def run_variant(args, variant: str) -> dict:
     """In this process: `--steps` RL steps of the policy in `variant`; what they measured."""
     import torch
 
-    from services.common.runspec import RunSpec
+    from services.contracts.runspec import RunSpec
     from services.trainer.batching import Row, cut_by_count, padded
     from services.trainer.policy import Policy
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import repo_root  # noqa: F401  (the repository root on sys.path)
 
-from services.common.tasks import load_task
+from services.tasks import load_task
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

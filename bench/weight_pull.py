@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from services.cli import procs
-from services.common.weights import WeightClient
+from services.weights.transfer import WeightClient
 
 NGINX_CONF = """
 daemon off; worker_processes 2; pid {root}/nginx.pid; error_log {root}/nginx.err;
@@ -108,7 +108,7 @@ def measure_size(name, src, store_url, nginx_url, files_dir, work, repeat) -> di
 
 def fanout(store_url: str, redis_url: str, work: Path, pullers: int, p2p: bool, label: str) -> dict:
     """`pullers` processes pulling ckpt1g v0 at once; their totals."""
-    from services.common.settings import settings_env
+    from services.infra.settings import settings_env
     from services.rollout.settings import RolloutSettings
 
     mode = "p2p" if p2p else "store"
@@ -195,8 +195,8 @@ def provision_seconds(work: Path) -> float:
     from services.cli.local_deployment import DeploymentConfig
     from services.cli.local_deployment import LocalDeployment as Deployment
     from services.cli.up import ensure_model
-    from services.common import keys
-    from services.common.messages import DeltaBatch
+    from services.contracts import keys
+    from services.contracts.messages import DeltaBatch
 
     small = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, 1000)
     tok = AutoTokenizer.from_pretrained(small)

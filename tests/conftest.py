@@ -39,7 +39,7 @@ def require_vllm():
 
 def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
     """A token-level job for engine tests: continue `prompt + prefix` for `n` tokens."""
-    from services.common.messages import Job
+    from services.contracts.messages import Job
 
     return Job(
         run_id="r",

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from services.common.settings import CommonSettings, env_name, env_value  # noqa: E402
 from services.coordinator.settings import CoordinatorSettings  # noqa: E402
+from services.infra.settings import CommonSettings, env_name, env_value  # noqa: E402
 from services.rollout.settings import RolloutSettings  # noqa: E402
 from services.trainer.settings import TrainerSettings  # noqa: E402
 from services.weightstore.settings import WeightStoreSettings  # noqa: E402

@@ -19,7 +19,7 @@ from services.cli.client import CoordinatorClient
 from services.cli.local_deployment import DeploymentConfig
 from services.cli.local_deployment import LocalDeployment as Deployment
 from services.cli.up import ensure_model
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from tests.harness.browser import open_browser, screenshot, wait_for
 
 HOME = Path(".spotrl")

@@ -3,16 +3,16 @@ group once, each with exactly n finished responses, and how many versions behind
 oldest trained token was generated (`max_staleness`: 0 in a synchronous run). A group dropped by
 quarantine (one of its requests crashed too many workers) is counted on its own, not as lost.
 
-It reads the trained ledger (services.common.ledger): one compact record per step written by the
+It reads the trained ledger (services.state.ledger): one compact record per step written by the
 trainer, which outlives the groups themselves (deleted once their step is committed)."""
 
 from typing import cast
 
 import redis
 
-from services.common import keys
-from services.common.ledger import bitmap_members, read_records
-from services.common.runspec import RunSpec
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
+from services.state.ledger import bitmap_members, read_records
 
 
 def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = None) -> dict:

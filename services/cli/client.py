@@ -4,7 +4,7 @@ import time
 
 import httpx
 
-from services.common.service import auth_headers
+from services.infra.service import auth_headers
 
 RETRIES_503 = 5
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from services.cli.environment import TOKEN_VARIABLE
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 
 
 def _client(args: argparse.Namespace):

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.cli.client import CoordinatorClient
-from services.common.runspec import FINAL_STATES
+from services.contracts.runspec import FINAL_STATES
 
 console = Console(stderr=True)  # progress goes to stderr; results to stdout
 # tables on stdout, not cut to 80 columns when piped

@@ -33,7 +33,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"--worker-env: {exc}", file=sys.stderr)
         return 2
     if args.no_p2p:
-        from services.common.settings import env_name
+        from services.infra.settings import env_name
         from services.rollout.settings import RolloutSettings
 
         worker_env[env_name(RolloutSettings, "p2p")] = "false"
@@ -103,7 +103,7 @@ def _dataset_usage_error(args: argparse.Namespace) -> str | None:
             "spotrl up --dataset needs --model: the base model spotrl up builds knows only the "
             "arithmetic task"
         )
-    from services.common.runspec import RunSpec
+    from services.contracts.runspec import RunSpec
 
     if args.task == RunSpec.model_fields["task"].default:
         args.task = "dataset"
@@ -155,7 +155,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     from services.cli.chaos import ChaosRunner
     from services.cli.local_deployment import DeploymentConfig, LocalDeployment
-    from services.common.settings import CommonSettings
+    from services.infra.settings import CommonSettings
 
     settings = CommonSettings()
     options = chaos_options(args)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Self
 
 from services.cli import procs
-from services.common.settings import CommonSettings, env_name, settings_env
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.settings import CommonSettings, env_name, settings_env
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
 from services.weightstore.settings import WeightStoreSettings

@@ -5,12 +5,12 @@ import os
 import sys
 
 from services.cli.parser import build_parser
-from services.common.settings import CommonSettings, env_name
+from services.infra.settings import CommonSettings, env_name
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from services.common.logs import setup_logging
+    from services.infra.logs import setup_logging
 
     setup_logging("spotrl", os.environ.get(env_name(CommonSettings, "log_level"), "WARNING"))
     return args.func(args)

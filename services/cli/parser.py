@@ -19,8 +19,8 @@ from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
 from services.cli.scale import cmd_scale
 from services.cli.scale_settings import ScaleSettings
 from services.cli.spec_flags import add_spec_flags
-from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
-from services.common.settings import CommonSettings, env_name
+from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.infra.settings import CommonSettings, env_name
 from services.rollout.settings import RolloutSettings
 
 DESCRIPTION = "The `spotrl` command line."

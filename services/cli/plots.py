@@ -4,8 +4,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from services.common import figures
-from services.common.step_metrics import row_from_values
+from services.infra import figures
+from services.state.step_metrics import row_from_values
 
 
 def plot_run(rows: Iterable[Mapping[str, Any]], out: Path, title: str = "") -> Path:

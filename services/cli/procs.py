@@ -4,7 +4,7 @@
 Each process gets its own log file, its environment (SPOTRL_* settings, thread counts) and is
 stopped with SIGTERM, then SIGKILL after a grace period. Each runs in a session of its own (a
 kill takes its children too) and dies with the process that started it, however that one dies:
-it is started through `services.common.lifeline`'s exec wrapper, from its launcher thread.
+it is started through `services.infra.lifeline`'s exec wrapper, from its launcher thread.
 """
 
 import contextlib
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from services.common import lifeline
-from services.common.settings import CommonSettings, settings_env
+from services.infra import lifeline
+from services.infra.settings import CommonSettings, settings_env
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()  # ports this process chose (not bound yet, maybe)
@@ -121,7 +121,7 @@ def start(
     name: str, args: list[str], env: dict[str, str], log_dir: Path, url: str | None = None
 ) -> Proc:
     """Run `args` (its output in log_dir/NAME.log) in a session of its own; it dies when this
-    process dies (`services.common.lifeline`), whichever thread calls this."""
+    process dies (`services.infra.lifeline`), whichever thread calls this."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}

@@ -41,14 +41,14 @@ from typing import cast
 
 import redis
 
-from services.common import keys
-from services.common.messages import Job, MalformedMessage
-from services.common.redis_streams import entry_time_s
-from services.common.runspec import RunSpec
-from services.common.shards import shard_of
+from services.contracts import keys
+from services.contracts.messages import Job, MalformedMessage
+from services.contracts.runspec import RunSpec
+from services.contracts.shards import shard_of
 from services.coordinator.migration import CLAIMER
 from services.coordinator.step_log import Arrays, replay
 from services.core.request_table import request_id, step_of
+from services.infra.redis_streams import entry_time_s
 
 POLL_S = 0.01  # how often a watch reads the run: the resolution of the times it reports
 

@@ -48,7 +48,7 @@ class NoRun(RuntimeError):
 
 def live_run(runs: list[dict]) -> dict | None:
     """The newest run that is running or stalled (None: none)."""
-    from services.common.runspec import LIVE_STATES
+    from services.contracts.runspec import LIVE_STATES
 
     live = [r for r in runs if r["state"] in LIVE_STATES]
     return max(live, key=lambda r: r["created_at"]) if live else None

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from services.common.runspec import EMBEDDED_DEFAULTS, RunSpec
+from services.contracts.runspec import EMBEDDED_DEFAULTS, RunSpec
 
 # Fields `spotrl up` sets itself: the model folder (it builds one when none is named).
 NOT_FLAGS = frozenset({"model"})

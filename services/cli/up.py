@@ -22,7 +22,7 @@ from services.cli.local_deployment import DeploymentConfig, LocalDeployment
 from services.cli.plots import plot_run
 from services.cli.procs import Proc, ProcessDied
 from services.cli.supervisor import Death, StallGuard, WorkerSupervisor, error_headline
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 
 
 def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: int) -> Path:

@@ -13,18 +13,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common import keys
-from services.common.http_limits import clip, guard_input
-from services.common.redis_streams import connect, text, with_reconnect
-from services.common.retry import brief
-from services.common.run_state import RunStopped
-from services.common.runspec import FINAL_STATES
-from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES
 from services.coordinator import cleanup, dashboard, routes_runs, routes_workers
 from services.coordinator.observer import Observer
 from services.coordinator.rollout_manager import RunManager
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.http_limits import clip, guard_input
+from services.infra.redis_streams import connect, text, with_reconnect
+from services.infra.retry import brief
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.state.run_state import RunStopped
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")

@@ -19,7 +19,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from services.common import keys
+from services.contracts import keys
 
 log = logging.getLogger(__name__)
 SCAN_COUNT = 1000

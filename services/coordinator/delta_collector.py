@@ -24,17 +24,9 @@ from prometheus_client import Counter, Histogram
 from redis.exceptions import OutOfMemoryError
 from tokenizers import Tokenizer
 
-from services.common import keys
-from services.common.messages import DeltaBatch
-from services.common.redis_streams import (
-    StagedWrites,
-    StreamConsumer,
-    ensure_group,
-    entry_time_s,
-    while_out_of_memory,
-)
-from services.common.runspec import RunSpec
-from services.common.tasks import Example
+from services.contracts import keys
+from services.contracts.messages import DeltaBatch
+from services.contracts.runspec import RunSpec
 from services.coordinator.migration import count_migrations, fence
 from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
@@ -42,6 +34,14 @@ from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectOutcome, CollectRules, apply_batches, split_by_step
 from services.core.request_table import Applied, RequestTable
+from services.infra.redis_streams import (
+    StagedWrites,
+    StreamConsumer,
+    ensure_group,
+    entry_time_s,
+    while_out_of_memory,
+)
+from services.tasks import Example
 
 log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
@@ -103,7 +103,7 @@ class DeltaCollector:
         rewards: RewardRunner,
         shard: int = 0,
     ) -> None:
-        """Of the requests of coordinator shard `shard` (`common.shards`), read from its own
+        """Of the requests of coordinator shard `shard` (`contracts.shards`), read from its own
         deltas stream."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards

@@ -1,8 +1,8 @@
 """Entry point: `python -m services.coordinator.main`."""
 
-from services.common.logs import setup_logging
-from services.common.service import serve
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.logs import setup_logging
+from services.infra.service import serve
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 from redis.exceptions import ResponseError
 
-from services.common import keys
+from services.contracts import keys
 from services.coordinator.runs import RunStore
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 from redis.typing import StreamIdT
 
-from services.common import keys, timeline
-from services.common.messages import (
+from services.contracts import keys
+from services.contracts.messages import (
     DeltaBatch,
     Job,
     MalformedMessage,
@@ -24,10 +24,11 @@ from services.common.messages import (
     RequestLease,
     WorkerControl,
 )
-from services.common.shards import shard_of
+from services.contracts.shards import shard_of
 from services.coordinator.step_store import StepStore
 from services.core.collect import keeps_tokens
 from services.core.request_table import RequestTable
+from services.state import timeline
 
 log = logging.getLogger(__name__)
 MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
@@ -54,7 +55,7 @@ async def reclaim_dead_workers(
     the continuation jobs and the acknowledgement of the claimed entries then land in one MULTI.
     Entries claimed by a coordinator that died before that MULTI are pending under its consumer,
     which has no heartbeat: the next pass reclaims them the same way. With coordinator shards
-    (`common.shards`) a request of another shard's table goes, in the same MULTI, to that
+    (`contracts.shards`) a request of another shard's table goes, in the same MULTI, to that
     shard's deltas stream as released by the dead worker (cause `death`): the shard migrates it
     as it would the worker's own release."""
     dead, keep = [], keeps_tokens(migration, "death")

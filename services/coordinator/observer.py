@@ -18,12 +18,13 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from redis.exceptions import ResponseError
 
-from services.common import keys, timeline
-from services.common.messages import Heartbeat
-from services.common.redis_streams import with_reconnect
-from services.common.run_state import active_run, committed_version
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
 from services.coordinator.memory import MIB, RedisMemory, run_streams, stream_lengths
 from services.coordinator.scheduling import forget_gone_workers, heartbeats
+from services.infra.redis_streams import with_reconnect
+from services.state import timeline
+from services.state.run_state import active_run, committed_version
 
 log = logging.getLogger(__name__)
 WORKER_TOK_S = Gauge(

@@ -11,11 +11,11 @@ import logging
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
-from services.common import timeline
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.coordinator.runs import RunFailed
 from services.coordinator.scheduling import crash_reports
 from services.core.request_table import RequestTable
+from services.state import timeline
 
 log = logging.getLogger(__name__)
 QUARANTINED = Counter(

@@ -20,16 +20,6 @@ from typing import TypeVar
 
 from prometheus_client import Counter
 
-from services.common.tasks.base import Example
-from services.common.tasks.reward_choice import (
-    CRASHED,
-    ERROR_KINDS,
-    TIMEOUT,
-    Outcome,
-    RewardChoice,
-    RewardLoadError,
-    call_reward,
-)
 from services.coordinator.reward_protocol import (
     HEADER,
     MAX_REPLY_BYTES,
@@ -38,6 +28,16 @@ from services.coordinator.reward_protocol import (
     ScoreBatch,
     decode,
     frame,
+)
+from services.tasks.base import Example
+from services.tasks.reward_choice import (
+    CRASHED,
+    ERROR_KINDS,
+    TIMEOUT,
+    Outcome,
+    RewardChoice,
+    RewardLoadError,
+    call_reward,
 )
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class RewardProcess:
         c = self.choice
         try:
             await self._send(LoadReward(c.name, c.answer_regex, c.tolerance))
-            async with asyncio.timeout(LOAD_TIMEOUT_S):  # not wait_for: see common/cancel.py
+            async with asyncio.timeout(LOAD_TIMEOUT_S):  # not wait_for: see infra/cancel.py
                 loaded = await self._read(Loaded)
         except (ProcessGone, TimeoutError):
             await self.stop()

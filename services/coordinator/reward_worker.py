@@ -10,9 +10,6 @@ prints goes to the coordinator's log (stderr), never into the protocol's stream.
 import os
 import sys
 
-from services.common.lifeline import die_with_parent
-from services.common.tasks.base import Example, TaskError
-from services.common.tasks.reward_choice import RewardChoice, call_reward, describe
 from services.coordinator.reward_protocol import (
     Loaded,
     LoadReward,
@@ -20,6 +17,9 @@ from services.coordinator.reward_protocol import (
     read_frame,
     write_frame,
 )
+from services.infra.lifeline import die_with_parent
+from services.tasks.base import Example, TaskError
+from services.tasks.reward_choice import RewardChoice, call_reward, describe
 
 
 def main() -> None:

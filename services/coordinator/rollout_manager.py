@@ -5,7 +5,7 @@ writing each read's outcome in one MULTI is `delta_collector.py` (decided by
 `core.collect.apply_batches`); seeding and balancing `scheduling.py`; the step's metrics row and
 the T_seed and N_prem update (`core.seeding.after_step`) `step_record.py`.
 
-The run's task (its dataset read and checked, `common.tasks`) is loaded when the run starts, off
+The run's task (its dataset read and checked, `services.tasks`) is loaded when the run starts, off
 the event loop, and its reward runner (`reward_runner.py`: reward processes for a reward that may
 hang) lives as long as the run.
 
@@ -33,15 +33,9 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
-from services.common import keys
-from services.common.cancel import cancel_and_wait
-from services.common.messages import Heartbeat
-from services.common.redis_streams import ensure_group, with_reconnect
-from services.common.run_state import ensure_live, wait_for_version
-from services.common.runspec import RunSpec
-from services.common.tasks import DatasetLimits, Task, task_for_spec
-from services.common.tasks.chat import PromptEncoder
-from services.common.tasks.reward_choice import RewardChoice
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
+from services.contracts.runspec import RunSpec
 from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.memory import MemoryGate
 from services.coordinator.migration import reclaim_dead_workers
@@ -61,6 +55,12 @@ from services.coordinator.step_store import StepStore
 from services.core.balancer import read_cap
 from services.core.request_table import RequestTable
 from services.core.seeding import PoolSizer, SeedingController, StepTimes
+from services.infra.cancel import cancel_and_wait
+from services.infra.redis_streams import ensure_group, with_reconnect
+from services.state.run_state import ensure_live, wait_for_version
+from services.tasks import DatasetLimits, Task, task_for_spec
+from services.tasks.chat import PromptEncoder
+from services.tasks.reward_choice import RewardChoice
 
 log = logging.getLogger(__name__)
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
@@ -133,7 +133,7 @@ class RunManager:
         shard: int = 0,
         shard_processes: "ShardProcesses | None" = None,
     ) -> None:
-        """The manager of coordinator shard `shard` of the run (`common.shards`): shard 0, the
+        """The manager of coordinator shard `shard` of the run (`contracts.shards`): shard 0, the
         coordinator's own, also schedules, reclaims and records, and with more than one shard
         runs the others (`shard_processes`)."""
         self.r, self.run_id, self.spec = r, run_id, spec

@@ -7,16 +7,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 
-from services.common import keys, timeline
-from services.common.runspec import ModelFolderError, RunSpec, TaskFileError
-from services.common.service import Auth, errors
-from services.common.step_metrics import StepRow
-from services.common.tasks import RewardChoice, TaskError, task_for_spec
-from services.common.tasks.chat import has_chat_template, no_template_error
+from services.contracts import keys
+from services.contracts.runspec import ModelFolderError, RunSpec, TaskFileError
 from services.coordinator.reward_runner import check_loads
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.service import Auth, errors
+from services.state import timeline
+from services.state.step_metrics import StepRow
+from services.tasks import RewardChoice, TaskError, task_for_spec
+from services.tasks.chat import has_chat_template, no_template_error
 
 ENTRY_ID = r"^[0-9]{1,19}-[0-9]{1,19}$"  # 19 digits stay within the u64 Redis wants
 RunId = Annotated[str, Path(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._-]+$")]

@@ -8,11 +8,11 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Path, Response
 from redis.typing import EncodableT, FieldT
 
-from services.common import keys
-from services.common.messages import WorkerControl
-from services.common.service import Auth, errors
+from services.contracts import keys
+from services.contracts.messages import WorkerControl
 from services.coordinator.scheduling import crash_reports, heartbeats, order, registered_workers
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
+from services.infra.service import Auth, errors
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
 

@@ -12,11 +12,12 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from services.common import keys, timeline
-from services.common.run_state import active_run, committed_version, set_if_live
-from services.common.runspec import FINAL_STATES, RunSpec
-from services.common.step_metrics import StepRow, read_steps, row_dict
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.coordinator import cleanup
+from services.state import timeline
+from services.state.run_state import active_run, committed_version, set_if_live
+from services.state.step_metrics import StepRow, read_steps, row_dict
 
 
 class RunNotFound(LookupError):

@@ -14,8 +14,8 @@ from typing import cast
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
-from services.common import keys
-from services.common.messages import Heartbeat, MalformedMessage, WorkerControl
+from services.contracts import keys
+from services.contracts.messages import Heartbeat, MalformedMessage, WorkerControl
 from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
 from services.core.seeding import recall, seeding_over
 

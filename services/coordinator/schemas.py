@@ -4,8 +4,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from services.common.messages import Pool
-from services.common.runspec import RunSpec, RunState
+from services.contracts.messages import Pool
+from services.contracts.runspec import RunSpec, RunState
 
 
 class RunCreated(BaseModel):
@@ -73,7 +73,7 @@ class RunMetrics(BaseModel):
     run_id: str
     steps: list[dict[str, Any]] = Field(
         description="One row per RL step: `step`, then the fields of "
-        "services.common.step_metrics.StepRow written so far: rollout and seeding fields "
+        "services.state.step_metrics.StepRow written so far: rollout and seeding fields "
         "(coordinator) and training fields (trainer)."
     )
 

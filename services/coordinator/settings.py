@@ -3,9 +3,9 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from services.common.runspec import USER_REWARD
-from services.common.settings import CommonSettings
-from services.common.tasks.dataset_files import DatasetLimits
+from services.contracts.runspec import USER_REWARD
+from services.infra.settings import CommonSettings
+from services.tasks.dataset_files import DatasetLimits
 
 
 class CoordinatorSettings(CommonSettings):

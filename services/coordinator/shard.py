@@ -1,4 +1,4 @@
-"""Coordinator shards 1..K-1 of a run (`common.shards`, `RunSpec.coordinator_shards`): each a
+"""Coordinator shards 1..K-1 of a run (`contracts.shards`, `RunSpec.coordinator_shards`): each a
 process of its own, so that the run's token deltas are absorbed by K cores.
 
 Shard i runs the rollout manager of its share of every step's groups (`RunManager` with
@@ -34,16 +34,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common import keys
-from services.common.cancel import cancel_and_wait
-from services.common.lifeline import die_with_parent
-from services.common.logs import setup_logging
-from services.common.redis_streams import connect, with_reconnect
-from services.common.retry import brief
-from services.common.run_state import RunStopped
+from services.contracts import keys
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.step_record import ShardSummary
 from services.core.request_table import RequestTable
+from services.infra.cancel import cancel_and_wait
+from services.infra.lifeline import die_with_parent
+from services.infra.logs import setup_logging
+from services.infra.redis_streams import connect, with_reconnect
+from services.infra.retry import brief
+from services.state.run_state import RunStopped
 
 log = logging.getLogger(__name__)
 SETTINGS_ENV = "SPOTRL_SHARD_SETTINGS"

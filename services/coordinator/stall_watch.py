@@ -9,9 +9,8 @@ import time
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
-from services.common import keys
-from services.common.messages import Heartbeat
-from services.common.redis_streams import text
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.scheduling import crash_reports, registered_workers
 from services.core.stall import (
@@ -22,6 +21,7 @@ from services.core.stall import (
     WorkerView,
     blocker,
 )
+from services.infra.redis_streams import text
 
 log = logging.getLogger(__name__)
 STALLS = Counter("spotrl_coordinator_run_stalls_total", "Times the active run became stalled")

@@ -17,8 +17,7 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
-from services.common import keys, timeline
-from services.common.step_metrics import StepRow, read_step, record_step
+from services.contracts import keys
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.request_table import Applied, RequestTable
 from services.core.seeding import (
@@ -28,6 +27,8 @@ from services.core.seeding import (
     after_step,
     train_compute_s,
 )
+from services.state import timeline
+from services.state.step_metrics import StepRow, read_step, record_step
 
 log = logging.getLogger(__name__)
 ROLLOUT_S = Histogram(
@@ -47,7 +48,7 @@ STEP_TOK_S = Gauge(
 
 class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
     """What a step's metrics row takes from the request table of one coordinator shard, or of
-    all of them added up (`common.shards`)."""
+    all of them added up (`contracts.shards`)."""
 
     requests: int
     response_tokens: int

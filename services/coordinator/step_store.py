@@ -1,4 +1,4 @@
-"""The durable copy of one step's request table (a coordinator shard's: `common.shards`), so
+"""The durable copy of one step's request table (a coordinator shard's: `contracts.shards`), so
 that a coordinator killed mid-step (or cut off by a Redis restart) picks the step up where it
 was.
 
@@ -17,7 +17,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from services.common import keys
+from services.contracts import keys
 from services.coordinator.step_log import RecordWriter, replay
 from services.core.request_table import RequestTable
 
@@ -27,7 +27,7 @@ RESTORE_CHUNK = 256  # log records a restore reads in one round trip
 
 class StepStore:
     def __init__(self, r: aioredis.Redis, run_id: str, step: int, shard: int = 0) -> None:
-        """The copy of coordinator shard `shard`'s table (`common.shards`)."""
+        """The copy of coordinator shard `shard`'s table (`contracts.shards`)."""
         self.r = r
         self.meta = keys.step_meta(run_id, step, shard)
         self.state = keys.step_requests(run_id, step, shard)

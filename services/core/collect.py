@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.common.messages import DeltaBatch, DeltaItem, Job, ReleaseReason, RequestLease
-from services.common.runspec import RunSpec
-from services.common.shards import shard_of
+from services.contracts.messages import DeltaBatch, DeltaItem, Job, ReleaseReason, RequestLease
+from services.contracts.runspec import RunSpec
+from services.contracts.shards import shard_of
 from services.core.request_table import Applied, RequestTable, step_of
 from services.core.stall import is_poison
 

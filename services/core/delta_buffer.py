@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.messages import (
+from services.contracts.messages import (
     DeltaBatch,
     DeltaItem,
     FinishReason,

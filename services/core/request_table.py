@@ -18,8 +18,8 @@ import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.common.messages import DeltaItem, FinishReason, Group, Job, Response
-from services.common.shards import shard_of_prompt
+from services.contracts.messages import DeltaItem, FinishReason, Group, Job, Response
+from services.contracts.shards import shard_of_prompt
 
 
 class Applied(Enum):
@@ -89,7 +89,7 @@ class RequestTable:
         shard: int = 0,
         shards: int = 1,
     ) -> None:
-        """The requests of the prompts of `shard` of `shards` (`common.shards`): all of them
+        """The requests of the prompts of `shard` of `shards` (`contracts.shards`): all of them
         with one shard; `prompts` are always the step's all, by index."""
         self.run_id, self.step, self.version = run_id, step, version
         self.shard, self.shards = shard, shards

@@ -16,14 +16,14 @@ import redis.asyncio as aioredis
 import torch
 from fastapi import FastAPI
 
-from services.common import keys
-from services.common.cancel import cancel_and_wait
-from services.common.gpu import bound_gpu_memory
-from services.common.http_limits import guard_input
-from services.common.redis_streams import connect
-from services.common.retry import brief
-from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.contracts import keys
 from services.core.grace import LeavingPlan, plan_leaving
+from services.infra.cancel import cancel_and_wait
+from services.infra.gpu import bound_gpu_memory
+from services.infra.http_limits import guard_input
+from services.infra.redis_streams import connect
+from services.infra.retry import brief
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.rollout.notice import NoticeWatcher
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
@@ -47,7 +47,7 @@ async def within(what: str, step: Coroutine[Any, Any, object], deadline: float) 
     """Run one step of leaving until `deadline` (the loop's clock); past it, cancel it and go
     on. A step that fails is logged and leaving goes on too. True when it completed.
     A task and `cancel_and_wait`, not `asyncio.timeout`: redis-py can lose one cancellation
-    (common/cancel.py), and the leaving must end whatever the step does."""
+    (infra/cancel.py), and the leaving must end whatever the step does."""
     task = asyncio.create_task(step, name=f"leaving: {what}")
     left_s = max(0.0, deadline - asyncio.get_running_loop().time())
     done, _ = await asyncio.wait({task}, timeout=left_s)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
-from services.common.messages import Job
+from services.contracts.messages import Job
 from services.core.delta_buffer import DeltaBuffer
 from services.core.plateau import PlateauEstimator
 from services.rollout.engines.base import Engine

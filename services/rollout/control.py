@@ -10,9 +10,9 @@ incarnation of this worker, or about another run, are skipped. It decides no ord
 import asyncio
 import logging
 
-from services.common import keys
-from services.common.messages import RequestLease, WorkerControl
-from services.common.redis_streams import (
+from services.contracts import keys
+from services.contracts.messages import RequestLease, WorkerControl
+from services.infra.redis_streams import (
     decode_or_park,
     range_entries,
     read_entries,

@@ -18,9 +18,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common import keys, timeline
+from services.contracts import keys
 from services.rollout.context import WorkerContext
 from services.rollout.flusher import Flusher
+from services.state import timeline
 
 log = logging.getLogger(__name__)
 CRASH_TTL_S = 24 * 3600  # a crash report stays this long
@@ -45,7 +46,7 @@ class CrashReporter:
             raise  # not a crash: the loop starts again once Redis is back (or has room)
         except Exception as exc:
             try:
-                async with asyncio.timeout(CRASH_REPORT_S):  # not wait_for: common/cancel.py
+                async with asyncio.timeout(CRASH_REPORT_S):  # not wait_for: infra/cancel.py
                     await self._report(exc, drives_engine)
             except Exception:  # the original error matters more; say this one and go on
                 log.exception("could not report the crash")

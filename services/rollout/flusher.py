@@ -12,12 +12,12 @@ import time
 
 from prometheus_client import Counter
 
-from services.common import keys
-from services.common.messages import ReleaseReason, RequestLease
-from services.common.redis_streams import with_reconnect
+from services.contracts import keys
+from services.contracts.messages import ReleaseReason, RequestLease
 from services.core.collect import split_by_shard
 from services.core.delta_buffer import Flush
 from services.core.request_table import step_of
+from services.infra.redis_streams import with_reconnect
 from services.rollout.context import WorkerContext
 
 log = logging.getLogger(__name__)

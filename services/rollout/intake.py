@@ -13,19 +13,19 @@ import contextlib
 import json
 import logging
 
-from services.common import keys
-from services.common.messages import Job, RequestLease
-from services.common.redis_streams import (
+from services.contracts import keys
+from services.contracts.messages import Job, RequestLease
+from services.infra.redis_streams import (
     StreamConsumer,
     decode_or_park,
     read_group,
     with_reconnect,
 )
-from services.common.run_state import active_run, committed_version, wait_for_version
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
 from services.rollout.presence import register
 from services.rollout.weight_loader import VersionLoader
+from services.state.run_state import active_run, committed_version, wait_for_version
 
 log = logging.getLogger(__name__)
 FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version this often

@@ -2,7 +2,7 @@
 
 vLLM runs its engine core (and that one's workers) in child processes. If a worker is killed
 with SIGKILL, they would live on as orphans holding memory and cores. Each such child ties
-itself to its parent (`services.common.lifeline.die_with_parent`), whether it was forked (an
+itself to its parent (`services.infra.lifeline.die_with_parent`), whether it was forked (an
 at-fork hook) or spawned (`services.rollout.main` runs `tie_to_parent` when multiprocessing
 imports it as `__mp_main__` in the child). A spawned child learns its parent's pid from the
 environment, which each process in the chain sets for its own children.
@@ -10,7 +10,7 @@ environment, which each process in the chain sets for its own children.
 
 import os
 
-from services.common.lifeline import die_with_parent
+from services.infra.lifeline import die_with_parent
 
 PARENT_ENV = "SPOTRL_LIFELINE_PARENT"
 _tied = False

@@ -2,8 +2,8 @@
 
 import os
 
-from services.common.logs import setup_logging
-from services.common.service import pin_cpus, serve
+from services.infra.logs import setup_logging
+from services.infra.service import pin_cpus, serve
 from services.rollout.settings import RolloutSettings
 
 HTTP_CLOSE_SHARE, HTTP_CLOSE_MAX_S = 0.05, 0.5  # of the grace period, before the leaving starts

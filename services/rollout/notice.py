@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 
 import httpx
 
-from services.common.retry import brief
 from services.core.cloud_notice import (
     AWS_TOKEN_TTL_S,
     DEFAULT_BASE_URLS,
@@ -40,6 +39,7 @@ from services.core.cloud_notice import (
     read_azure_name,
     read_gcp_preempted,
 )
+from services.infra.retry import brief
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ import signal
 import time
 from pathlib import Path
 
-from services.common.logs import setup_logging
-from services.common.redis_streams import connect
-from services.common.weights import WeightClient
+from services.infra.logs import setup_logging
+from services.infra.redis_streams import connect
 from services.rollout.peers import Peers
 from services.rollout.settings import RolloutSettings
+from services.weights.transfer import WeightClient
 
 
 async def pull_and_serve(

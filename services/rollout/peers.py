@@ -1,6 +1,6 @@
 """A rollout worker's part in peer-to-peer weight fan-out: it serves the versions it holds, and
 while it pulls a version the blocks it has verified so far, to the other workers, and it pulls
-from them (services.common.block_fetch). The weight store stays the source of truth and the
+from them (services.weights.block_fetch). The weight store stays the source of truth and the
 only writer: a peer only relays bytes that the store's manifest verifies.
 
 - `PeerShelf`: what this worker serves: per version, its folder and which blocks are verified
@@ -20,12 +20,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common import keys
-from services.common.block_server import BlockServer
-from services.common.block_sources import ALL, Block, Holding
-from services.common.redis_streams import text
-from services.common.settings import is_loopback
+from services.contracts import keys
+from services.infra.redis_streams import text
+from services.infra.settings import is_loopback
 from services.rollout.settings import RolloutSettings
+from services.weights.block_server import BlockServer
+from services.weights.block_sources import ALL, Block, Holding
 
 log = logging.getLogger(__name__)
 HOLDERS_TTL_S = 3600  # a version's holders hash outlives its last change by this much

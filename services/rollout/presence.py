@@ -12,11 +12,11 @@ from functools import partial
 
 import httpx
 
-from services.common import keys
-from services.common.messages import Heartbeat
-from services.common.redis_streams import with_reconnect
-from services.common.retry import retry
-from services.common.service import auth_headers
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
+from services.infra.redis_streams import with_reconnect
+from services.infra.retry import retry
+from services.infra.service import auth_headers
 from services.rollout.context import WorkerContext
 from services.rollout.settings import RolloutSettings
 

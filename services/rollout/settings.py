@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from services.common.messages import Pool
-from services.common.settings import CommonSettings
+from services.contracts.messages import Pool
+from services.infra.settings import CommonSettings
 
 
 def default_worker_id() -> str:

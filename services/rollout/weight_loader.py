@@ -16,20 +16,20 @@ from pathlib import Path
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
-from services.common import keys
-from services.common.messages import ReleaseReason, RequestLease
-from services.common.redis_streams import text
-from services.common.retry import brief
-from services.common.weight_contract import Manifest
-from services.common.weights import (
+from services.contracts import keys
+from services.contracts.messages import ReleaseReason, RequestLease
+from services.core.request_table import step_of
+from services.infra.redis_streams import text
+from services.infra.retry import brief
+from services.rollout.context import WorkerContext
+from services.rollout.peers import Peers
+from services.weights.contract import Manifest
+from services.weights.transfer import (
     PullResult,
     WeightClient,
     WeightConflict,
     WeightTransferError,
 )
-from services.core.request_table import step_of
-from services.rollout.context import WorkerContext
-from services.rollout.peers import Peers
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # after a version could not be pulled

@@ -3,7 +3,7 @@ second in a sliding window of steps), with the spot instances the trace offered 
 
 from pathlib import Path
 
-from services.common import figures
+from services.infra import figures
 from services.sim.compare import Comparison
 
 WINDOW_STEPS = 5

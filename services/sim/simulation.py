@@ -22,7 +22,7 @@ import math
 import random
 from typing import TypeVar
 
-from services.common.messages import (
+from services.contracts.messages import (
     DeltaBatch,
     DeltaItem,
     FinishReason,
@@ -30,7 +30,7 @@ from services.common.messages import (
     ReleaseReason,
     RequestLease,
 )
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.core.balancer import WorkerLoad, equal_caps, read_cap, releases
 from services.core.collect import CollectRules, apply_batches, keeps_tokens
 from services.core.seeding import PoolSizer, SeedingController, recall

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.messages import Job, Pool
+from services.contracts.messages import Job, Pool
 from services.core.balancer import ReleaseGate
 from services.core.request_table import RequestTable
 from services.sim.engine import SimEngine

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from services.common.messages import ReleaseReason
+from services.contracts.messages import ReleaseReason
 from services.core.request_table import RequestTable, request_id
 from services.core.seeding import (
     PoolSizer,

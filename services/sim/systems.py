@@ -31,7 +31,7 @@
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
-from services.common.gpu import bound_gpu_memory
-from services.common.http_limits import guard_input
-from services.common.redis_streams import connect
-from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.infra.gpu import bound_gpu_memory
+from services.infra.http_limits import guard_input
+from services.infra.redis_streams import connect
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
 from services.trainer import ranks
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings

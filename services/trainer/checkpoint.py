@@ -9,7 +9,7 @@ torch.distributed.checkpoint files); `meta.json` is written last.
 
 `BackgroundWriter` writes them off the training path: the step blocks only while the policy
 copies its state (`snapshot`, on the trainer's compute thread: torch work on any other thread
-slows the compute thread's for the rest of the process, see services/common/compute.py), and
+slows the compute thread's for the rest of the process, see services/infra/compute.py), and
 the write, the fsync and the rename happen in a thread of their own, at most one at a time.
 Which steps are checkpointed is `due`'s call (every K steps or T seconds).
 """

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from services.common.tasks import load_task
+from services.tasks import load_task
 
 log = logging.getLogger(__name__)
 EOS = "<|endoftext|>"

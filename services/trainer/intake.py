@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from services.common.ledger import StepLedger
-from services.common.messages import Group
-from services.common.redis_streams import Read
+from services.contracts.messages import Group
+from services.infra.redis_streams import Read
+from services.state.ledger import StepLedger
 
 log = logging.getLogger(__name__)
 GROUPS = Counter("spotrl_trainer_groups_total", "Groups consumed", ["outcome"])

@@ -7,7 +7,7 @@ the next optimizer step waits for them: versions still go out in order, one at a
 Groups are acknowledged, and deleted from the stream, only after the version they trained is
 committed: until then a restarted trainer finds every group of its step again (the groups
 consumer replays them first). Which groups a step takes is `intake.StepIntake`'s call; what the
-step took is kept in the trained ledger (services.common.ledger), and, with `rollouts_dir` set,
+step took is kept in the trained ledger (services.state.ledger), and, with `rollouts_dir` set,
 as JSON lines on disk. Versions are committed, announced and taken back by `versions.py`.
 """
 
@@ -23,33 +23,34 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common import keys, ledger, timeline
-from services.common.cancel import cancel_and_wait
-from services.common.compute import compute
-from services.common.messages import FIELD, Group
-from services.common.redis_streams import (
+from services.contracts import keys
+from services.contracts.messages import FIELD, Group
+from services.contracts.runspec import RunSpec
+from services.infra.cancel import cancel_and_wait
+from services.infra.compute import compute
+from services.infra.redis_streams import (
     Read,
     StreamConsumer,
     decode_or_park,
     ensure_group,
     with_reconnect,
 )
-from services.common.retry import brief
-from services.common.run_state import (
+from services.infra.retry import brief
+from services.state import ledger, timeline
+from services.state.run_state import (
     RunStopped,
     active_run,
     committed_version,
     ensure_live,
     wait_announced,
 )
-from services.common.runspec import RunSpec
-from services.common.step_metrics import StepRow, record_step
-from services.common.weights import WeightClient
+from services.state.step_metrics import StepRow, record_step
 from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due
 from services.trainer.intake import StepIntake
 from services.trainer.rollouts import write_rollouts
 from services.trainer.settings import TrainerSettings
 from services.trainer.versions import VersionPublisher
+from services.weights.transfer import WeightClient
 
 log = logging.getLogger(__name__)
 STEPS = Counter("spotrl_trainer_steps_total", "Optimizer steps")

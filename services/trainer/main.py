@@ -5,8 +5,8 @@ torchrun) the trainer runs as N ranks: rank 0 the service, the others its follow
 import os
 import sys
 
-from services.common.logs import setup_logging
-from services.common.service import pin_cpus, serve
+from services.infra.logs import setup_logging
+from services.infra.service import pin_cpus, serve
 from services.trainer.settings import TrainerSettings
 
 

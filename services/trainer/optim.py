@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 
 ADAM_EPS = 1e-8  # TRL's adam_epsilon default (and torch's)
 

@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from services.common.messages import Group
-from services.common.runspec import RunSpec
-from services.common.step_metrics import StepRow
+from services.contracts.messages import Group
+from services.contracts.runspec import RunSpec
+from services.state.step_metrics import StepRow
 from services.trainer.batching import MicroBatch, Row, cut_by_count, cut_by_tokens, packed, padded
 from services.trainer.checkpoint import read_state, snapshot_of
 from services.trainer.export import DTYPES, companion_files, weight_files, write_files

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common.lifeline import die_with_parent
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
+from services.infra.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # a follower waits this long for rank 0's next call

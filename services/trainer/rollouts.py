@@ -9,7 +9,7 @@ Off unless the trainer's `rollouts_dir` is set: it grows with the run, unlike Re
 import os
 from pathlib import Path
 
-from services.common.messages import Group
+from services.contracts.messages import Group
 
 
 def step_file(folder: Path, step: int) -> Path:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from services.common.settings import CommonSettings
+from services.infra.settings import CommonSettings
 
 
 class TrainerSettings(CommonSettings):

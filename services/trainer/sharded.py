@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.trainer.batching import Row
 from services.trainer.checkpoint import serialize
 from services.trainer.export import DTYPES, weight_files

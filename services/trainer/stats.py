@@ -3,7 +3,7 @@ row made of them. Plain arithmetic: no model."""
 
 from dataclasses import dataclass
 
-from services.common.step_metrics import StepRow
+from services.state.step_metrics import StepRow
 from services.trainer.grpo import LossParts
 
 

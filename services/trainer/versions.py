@@ -17,14 +17,15 @@ from typing import Any, NoReturn
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
-from services.common import keys, timeline
-from services.common.compute import compute
-from services.common.redis_streams import text
-from services.common.retry import retry
-from services.common.run_state import RunStopped, set_if_live
-from services.common.weight_contract import Manifest, WeightConflict, WeightTransferError
-from services.common.weight_files import hash_files
-from services.common.weights import WeightClient
+from services.contracts import keys
+from services.infra.compute import compute
+from services.infra.redis_streams import text
+from services.infra.retry import retry
+from services.state import timeline
+from services.state.run_state import RunStopped, set_if_live
+from services.weights.contract import Manifest, WeightConflict, WeightTransferError
+from services.weights.files import hash_files
+from services.weights.transfer import WeightClient
 
 log = logging.getLogger(__name__)
 VERSION = Gauge("spotrl_trainer_weight_version", "Newest version committed")

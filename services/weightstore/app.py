@@ -14,10 +14,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from services.common.block_server import BlockServer
-from services.common.http_limits import guard_input
-from services.common.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
-from services.common.weight_contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
+from services.infra.http_limits import guard_input
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
+from services.weights.block_server import BlockServer
+from services.weights.contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
 from services.weightstore.settings import WeightStoreSettings
 from services.weightstore.storage import NotFound, StorageError, WeightStorage
 

@@ -1,7 +1,7 @@
 """Entry point: `python -m services.weightstore.main`."""
 
-from services.common.logs import setup_logging
-from services.common.service import serve
+from services.infra.logs import setup_logging
+from services.infra.service import serve
 from services.weightstore.settings import WeightStoreSettings
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from services.common.settings import CommonSettings
+from services.infra.settings import CommonSettings
 
 
 class WeightStoreSettings(CommonSettings):

@@ -21,8 +21,8 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.common.weight_contract import NAME_RE, FileEntry, Manifest
-from services.common.weight_files import link_or_copy
+from services.weights.contract import NAME_RE, FileEntry, Manifest
+from services.weights.files import link_or_copy
 
 MANIFEST = "manifest.json"
 BLOCK_BYTES = 32 * 1024 * 1024  # default: a block is what a puller fetches and checks at once

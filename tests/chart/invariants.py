@@ -4,8 +4,8 @@ returns what breaks the rule (an empty list: nothing). They restate the rules fr
 
 from typing import Any
 
-from services.common.settings import CommonSettings
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.settings import CommonSettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
 from services.weightstore.settings import WeightStoreSettings
@@ -18,7 +18,7 @@ SETTINGS: dict[str, type[CommonSettings]] = {
     "services.weightstore.main": WeightStoreSettings,
 }
 IMAGE_DEFAULT_HOST = "0.0.0.0"  # the Dockerfile's SPOTRL_HOST: a container without one binds it
-HEALTHCHECK = ["python", "-m", "services.common.healthcheck"]
+HEALTHCHECK = ["python", "-m", "services.infra.healthcheck"]
 DRAIN_MARGIN_S = 3.0  # after releasing, the worker still closes its engine and exits
 SPOT_GRACE_MAX_S = 30  # GKE spot's default; Azure's eviction notice is about as long
 # Each preset: the node labels a spot node of that platform carries, and the taints it has.

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.common.settings import is_loopback
+from services.infra.settings import is_loopback
 from services.rollout.settings import RolloutSettings
 from tests.chart.invariants import (
     DRAIN_MARGIN_S,

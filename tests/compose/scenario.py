@@ -24,7 +24,7 @@ from pathlib import Path
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.procs import free_port
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from tests.compose.engine import DockerEngine, compose_binary
 from tests.integration.conftest import wait_until
 

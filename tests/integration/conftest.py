@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.runspec import FINAL_STATES
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES
 from services.coordinator.step_log import replay
 from services.core.request_table import request_id
 from tests.harness.deploy import Deployment, DeploymentConfig

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.cli import procs
-from services.common.weights import WeightClient
+from services.weights.transfer import WeightClient
 
 from .conftest import small_spec
 

@@ -8,8 +8,8 @@ SIGKILLed mid-run, each started again, leave the run exact."""
 import pytest
 
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.runspec import RunSpec
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final, wait_until

@@ -23,8 +23,8 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.runspec import FINAL_STATES
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import collected, small_spec, wait_final

@@ -7,9 +7,9 @@ import pytest
 import redis
 
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.messages import Group
-from services.common.runspec import RunSpec
+from services.contracts import keys
+from services.contracts.messages import Group
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
@@ -147,8 +147,8 @@ def test_workers_gone_long_enough_are_forgotten(redis_url):
     """Churn over days does not pile up in the worker index; a worker back in time stays."""
     import asyncio
 
-    from services.common.redis_streams import connect
     from services.coordinator.scheduling import forget_gone_workers
+    from services.infra.redis_streams import connect
 
     async def scenario():
         r = connect(redis_url)

@@ -25,7 +25,7 @@ import pytest
 from services.cli import procs
 from services.cli.audit import audit_run
 from services.cli.procs import Proc
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.core.cloud_notice import MAX_ANSWER_BYTES, Notice
 from services.rollout.notice import NoticeWatcher
 from services.rollout.settings import RolloutSettings

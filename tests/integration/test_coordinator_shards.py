@@ -10,10 +10,10 @@ import psutil
 import pytest
 
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.messages import Job
-from services.common.runspec import RunSpec
-from services.common.shards import shard_of
+from services.contracts import keys
+from services.contracts.messages import Job
+from services.contracts.runspec import RunSpec
+from services.contracts.shards import shard_of
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import read_groups, run_events, small_spec, wait_final, wait_until

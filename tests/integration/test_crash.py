@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.runspec import RunSpec
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final, wait_until
@@ -20,7 +20,7 @@ from .conftest import small_spec, wait_final, wait_until
 STEPS = 5
 PROMPTS = 8
 USERS_OF_REDIS = ("coordinator", "trainer")  # and every worker
-OUTAGE = "redis unavailable"  # what services.common.redis_streams logs while it retries
+OUTAGE = "redis unavailable"  # what services.infra.redis_streams logs while it retries
 
 
 def outages(log_path) -> int:

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from services.common.runspec import LIVE_STATES
+from services.contracts.runspec import LIVE_STATES
 from tests.harness.browser import (
     BrowserUnavailable,
     dashboard_state,

@@ -4,7 +4,7 @@ import json
 
 import httpx
 
-from services.common import keys
+from services.contracts import keys
 from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
 
 
@@ -104,7 +104,7 @@ def test_runs_wait_in_fifo_order_and_a_queued_run_can_be_cancelled(
 def test_a_worker_that_cannot_bind_its_port_is_unhealthy(deployment, tmp_path):
     """The healthcheck probes the port its own process bound and only that process: a replica
     told a port another holds exits, and is unhealthy even though that port answers."""
-    from services.common import healthcheck
+    from services.infra import healthcheck
 
     mine, theirs = tmp_path / "a.port", tmp_path / "b.port"
     a = deployment.add_worker("preemptible", wait=False, port="0", port_file=str(mine))

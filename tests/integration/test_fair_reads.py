@@ -11,9 +11,9 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.messages import Heartbeat
-from services.common.runspec import RunSpec
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
 

@@ -8,12 +8,12 @@ import asyncio
 
 import redis
 
-from services.common import keys
-from services.common.messages import DeltaItem, Job, WorkerControl
-from services.common.redis_streams import connect, ensure_group
+from services.contracts import keys
+from services.contracts.messages import DeltaItem, Job, WorkerControl
 from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
 from services.coordinator.step_store import StepStore
 from services.core.request_table import Applied, RequestTable
+from services.infra.redis_streams import connect, ensure_group
 
 from .conftest import run_events
 

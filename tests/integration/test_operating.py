@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.common import keys
+from services.contracts import keys
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import run_events, small_spec, wait_final, wait_until

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from services.cli.procs import Proc
-from services.common import keys
-from services.common.messages import Job
+from services.contracts import keys
+from services.contracts.messages import Job
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,

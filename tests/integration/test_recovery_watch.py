@@ -14,14 +14,14 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.recovery import Recovery, RecoveryWatch, busiest_worker, held_requests
-from services.common import keys
-from services.common.messages import DeltaItem, Job
-from services.common.redis_streams import connect
-from services.common.runspec import RunSpec
-from services.common.settings import settings_env
+from services.contracts import keys
+from services.contracts.messages import DeltaItem, Job
+from services.contracts.runspec import RunSpec
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.step_store import StepStore
 from services.core.request_table import RequestTable
+from services.infra.redis_streams import connect
+from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import collected, small_spec, wait_final, wait_until

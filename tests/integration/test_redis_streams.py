@@ -3,9 +3,9 @@
 import asyncio
 import random
 
-from services.common.cancel import cancel_and_wait
-from services.common.messages import Job
-from services.common.redis_streams import (
+from services.contracts.messages import Job
+from services.infra.cancel import cancel_and_wait
+from services.infra.redis_streams import (
     StagedWrites,
     autoclaim,
     connect,
@@ -89,7 +89,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     """Appending tokens sends the tokens only (one log record for every request); the
     lease|finish field and the TTLs are written when they change (once per key), and a restore
     reads back exactly what was staged."""
-    from services.common.messages import DeltaItem
+    from services.contracts.messages import DeltaItem
     from services.coordinator.step_store import StepStore
     from services.core.request_table import RequestTable
 

@@ -6,11 +6,11 @@ weights, is over and a preemptible pool can take over) and load-balancing releas
 import asyncio
 import time
 
-from services.common import keys
-from services.common.messages import Heartbeat, Job, WorkerControl
-from services.common.redis_streams import connect, ensure_group
+from services.contracts import keys
+from services.contracts.messages import Heartbeat, Job, WorkerControl
 from services.coordinator.scheduling import StepScheduler, alive_workers, forget_gone_workers
 from services.core.request_table import RequestTable
+from services.infra.redis_streams import connect, ensure_group
 
 RUN, STEP = "run-sched", 2
 WINDOW_S = 0.3

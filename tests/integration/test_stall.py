@@ -11,8 +11,8 @@ import pytest
 
 from services.cli import procs
 from services.cli.audit import audit_run
-from services.common import keys
-from services.common.runspec import FINAL_STATES, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from services.common import keys
-from services.common.redis_streams import connect
-from services.common.step_metrics import StepRow, read_step, read_steps, record_step, row_dict
+from services.contracts import keys
+from services.infra.redis_streams import connect
+from services.state.step_metrics import StepRow, read_step, read_steps, record_step, row_dict
 
 RUN = "run-metrics"
 

@@ -5,11 +5,11 @@ writes append only what is new, and a finished step's copy expires."""
 
 import asyncio
 
-from services.common import keys
-from services.common.messages import DeltaItem
-from services.common.redis_streams import connect
+from services.contracts import keys
+from services.contracts.messages import DeltaItem
 from services.coordinator.step_store import StepStore
 from services.core.request_table import RequestTable
+from services.infra.redis_streams import connect
 
 RUN, STEP = "run-store", 3
 

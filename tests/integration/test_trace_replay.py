@@ -6,7 +6,7 @@ from pathlib import Path
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
 

@@ -9,13 +9,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.cli import procs
-from services.common import keys
-from services.common.run_state import wait_for_version
-from services.common.weights import WeightClient
+from services.contracts import keys
 from services.coordinator.scheduling import StepScheduler
+from services.state.run_state import wait_for_version
 from services.trainer.loop import TrainerLoop
 from services.trainer.settings import TrainerSettings
 from services.trainer.versions import VersionPublisher
+from services.weights.transfer import WeightClient
 
 RUN = "r20260101-000000-wait01"
 NEVER_MS = 120_000  # a wait that ran to its end would fail the test's bound below

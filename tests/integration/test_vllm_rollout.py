@@ -15,7 +15,7 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from tests.conftest import require_vllm
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import read_groups, small_spec, wait_final

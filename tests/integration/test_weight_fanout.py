@@ -13,10 +13,10 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.settings import settings_env
-from services.common.weights import WeightClient
+from services.contracts import keys
+from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
+from services.weights.transfer import WeightClient
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_until
 

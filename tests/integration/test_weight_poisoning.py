@@ -12,17 +12,17 @@ import redis.asyncio as aioredis
 from safetensors.torch import load_file, save_file
 
 from services.cli import procs
-from services.common import keys
-from services.common.run_state import RunStopped
-from services.common.weight_contract import Manifest, manifest_digest
-from services.common.weights import (
+from services.contracts import keys
+from services.state.run_state import RunStopped
+from services.trainer.loop import TrainerLoop
+from services.trainer.settings import TrainerSettings
+from services.weights.contract import Manifest, manifest_digest
+from services.weights.transfer import (
     WeightClient,
     WeightConflict,
     WeightTransferError,
     scan_folder,
 )
-from services.trainer.loop import TrainerLoop
-from services.trainer.settings import TrainerSettings
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import small_spec, wait_final

@@ -13,9 +13,9 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
-from services.common import keys
-from services.common.messages import Heartbeat
-from services.common.weights import WeightClient, WeightTransferError
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
+from services.weights.transfer import WeightClient, WeightTransferError
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
 
@@ -90,7 +90,7 @@ def test_pull_survives_the_weight_store_dying_mid_transfer(tmp_path, caplog):
         restarted = await asyncio.to_thread(start_store, root, port)
         return await task, restarted
 
-    caplog.set_level(logging.WARNING, logger="services.common.weights")
+    caplog.set_level(logging.WARNING, logger="services.weights.transfer")
     for attempt in range(3):  # the kill has to land while bytes are moving
         dest = tmp_path / f"dst{attempt}"
         result, store = asyncio.run(pull_while_killing(dest))
@@ -204,7 +204,7 @@ def test_a_pull_with_the_announced_manifest_asks_the_store_for_none(tmp_path):
     """The trainer announces the manifest the store answered its commit with: a worker pulls
     the version with it and asks the store for the files only. A manifest that is not of the
     announced digest is not used: the store's own is asked for, and the pull is the same."""
-    from services.common.weight_contract import manifest_digest
+    from services.weights.contract import manifest_digest
 
     store = start_store(tmp_path / "s")
     try:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.cli import procs
-from services.common.weights import WeightClient, WeightTransferError
+from services.weights.transfer import WeightClient, WeightTransferError
 
 TOKEN = "s3cret"
 

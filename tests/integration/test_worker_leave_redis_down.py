@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from services.cli.audit import audit_run
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import holds_unfinished_jobs, small_spec, wait_final, wait_until
 

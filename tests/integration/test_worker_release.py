@@ -8,9 +8,9 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from services.common import keys
-from services.common.messages import DeltaBatch, Job, WorkerControl
-from services.common.redis_streams import StreamConsumer, ensure_group, range_entries
+from services.contracts import keys
+from services.contracts.messages import DeltaBatch, Job, WorkerControl
+from services.infra.redis_streams import StreamConsumer, ensure_group, range_entries
 from services.rollout.engines.hf import HFEngine
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker

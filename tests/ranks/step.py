@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from services.common.messages import Group, Response
-from services.common.runspec import RunSpec
+from services.contracts.messages import Group, Response
+from services.contracts.runspec import RunSpec
 from services.trainer.export import write_files
 
 

@@ -33,8 +33,8 @@ from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.recovery import RecoveryWatch, held_requests
 from services.cli.scale import Scaler, ScaleSettings
-from services.common import keys
-from services.common.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.contracts import keys
+from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
 from services.trainer.init_model import InitModelSpec, init_model
 from tests.integration.conftest import wait_until
 from tests.swarm.cluster import CACHE, Cluster, running_cluster
@@ -261,7 +261,7 @@ MODEL_SIZE = os.environ.get("SPOTRL_SWARM_MODEL", "embedded")
 def model_key(spec: InitModelSpec) -> str:
     """What the base model is made of: its spec, its builder, the tasks, the packages it uses."""
     files = [ROOT / "services/trainer/init_model.py"]
-    files += sorted((ROOT / "services/common/tasks").rglob("*.py"))
+    files += sorted((ROOT / "services/tasks").rglob("*.py"))
     made_of = spec.model_dump_json() + " ".join(
         f"{p}=={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")
     )

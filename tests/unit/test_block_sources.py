@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from services.common.block_server import BlockServer
-from services.common.block_sources import ALL, SourcePicker, plan_blocks
-from services.common.weight_contract import FileEntry
 from services.rollout.peers import PeerShelf
+from services.weights.block_server import BlockServer
+from services.weights.block_sources import ALL, SourcePicker, plan_blocks
+from services.weights.contract import FileEntry
 
 SHA = "0" * 64
 

@@ -4,7 +4,7 @@ make one do (tests/integration/test_redis_streams.py shows it with redis-py)."""
 import asyncio
 import contextlib
 
-from services.common.cancel import RECANCEL_S, cancel_and_wait
+from services.infra.cancel import RECANCEL_S, cancel_and_wait
 
 
 async def stubborn(swallows: int, ended: list[str]) -> None:

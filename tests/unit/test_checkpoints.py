@@ -27,7 +27,7 @@ def test_latest_names_only_whole_checkpoints(tmp_path):
 
 
 def test_policy_state_round_trips(tmp_path, tiny_model):
-    from services.common.runspec import RunSpec
+    from services.contracts.runspec import RunSpec
     from services.trainer.policy import Policy
 
     spec = RunSpec(model=str(tiny_model), steps=2)

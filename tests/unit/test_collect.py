@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.messages import DeltaBatch, RequestLease
+from services.contracts.messages import DeltaBatch, RequestLease
 from services.core.balancer import ReleaseGate
 from services.core.collect import CollectRules, apply_batches, keeps_tokens, split_by_step
 from services.core.seeding import (

@@ -299,7 +299,7 @@ def test_hostnet_variant_puts_everything_on_loopback_with_ports_from_variables()
         assert env["SPOTRL_HOST"] == "127.0.0.1" and "127.0.0.1" in env["SPOTRL_REDIS_URL"]
         fields = {k.removeprefix("SPOTRL_").lower(): v for k, v in env.items()}
         cls.model_validate(fields)  # every setting exists and its value is valid
-        assert services[name]["healthcheck"]["test"][-1] == "services.common.healthcheck"
+        assert services[name]["healthcheck"]["test"][-1] == "services.infra.healthcheck"
     rollout = services["rollout"]["environment"]
     assert rollout["SPOTRL_PORT"] == "0" and rollout["SPOTRL_PORT_FILE"]
 

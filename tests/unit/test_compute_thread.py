@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from services.common.compute import compute
+from services.infra.compute import compute
 
 
 def test_every_call_runs_on_the_same_thread_in_order():

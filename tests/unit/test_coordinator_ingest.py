@@ -10,13 +10,13 @@ from array import array
 
 import pytest
 
-from services.common.messages import DeltaBatch, DeltaItem, RequestLease
-from services.common.redis_streams import StagedWrites, entry_time_s
+from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
 from services.coordinator.delta_collector import gc_paused
 from services.coordinator.step_log import Arrays, RecordWriter, replay
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectRules, apply_batches, split_by_step
 from services.core.request_table import Applied, RequestTable
+from services.infra.redis_streams import StagedWrites, entry_time_s
 
 
 def new_table(prompts: int = 3, n: int = 2, max_new: int = 6) -> RequestTable:

@@ -6,7 +6,7 @@ import pytest
 
 from bench.coordinator import add_histograms, counter, histogram, peak_rate, quantile
 from bench.coordinator_load import Checker, TokenPlan
-from services.common.messages import Group, Response
+from services.contracts.messages import Group, Response
 from services.core.request_table import request_id
 
 

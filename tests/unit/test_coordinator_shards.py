@@ -1,4 +1,4 @@
-"""Coordinator shards (issue 22, `common.shards`): which shard owns which request, how a
+"""Coordinator shards (issue 22, `contracts.shards`): which shard owns which request, how a
 worker's flush is split between them, each shard's request table, and the step's summary added
 up over the shards. The shards as real processes, killed, are `tests/integration/
 test_coordinator_shards.py`."""
@@ -6,10 +6,10 @@ test_coordinator_shards.py`."""
 import pytest
 from pydantic import ValidationError
 
-from services.common import keys
-from services.common.messages import DeltaBatch, DeltaItem, RequestLease
-from services.common.runspec import RunSpec
-from services.common.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of_prompt
+from services.contracts import keys
+from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
+from services.contracts.runspec import RunSpec
+from services.contracts.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of_prompt
 from services.coordinator.step_record import ShardSummary
 from services.core.collect import split_by_shard
 from services.core.request_table import RequestTable, request_id

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.common.messages import RequestLease
+from services.contracts.messages import RequestLease
 from services.core.delta_buffer import DeltaBuffer
 from tests.conftest import make_job
 

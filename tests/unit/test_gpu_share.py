@@ -4,7 +4,7 @@ an allocation past the share fails in this process instead of starving the other
 import pytest
 import torch
 
-from services.common.gpu import bound_gpu_memory
+from services.infra.gpu import bound_gpu_memory
 
 
 def test_no_share_or_no_gpu_sets_no_bound():

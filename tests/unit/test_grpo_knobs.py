@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.trainer.grpo import (
     StepSize,
     aggregate,

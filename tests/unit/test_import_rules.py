@@ -1,7 +1,8 @@
 """The import rules of docs/design.md, as import-linter contracts ([tool.importlinter] in
 pyproject.toml): the deciding core and the contract modules import no I/O framework and no
-service, the simulator imports no shell, no service imports another, and no runtime module
-imports the test harness. The second test shows that the same contracts catch a broken rule."""
+service, the simulator imports no shell, the shared packages are layered (contracts and core at the
+bottom, then infra and tasks, then state and weights, then the services), no service imports
+another, and no runtime module imports the test harness. The second test shows that the same contracts catch a broken rule."""
 
 import subprocess
 import sys
@@ -43,31 +44,37 @@ def write(root: Path, module: str, source: str = "") -> None:
 def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
     """A package named `services` with one breach of each rule, checked with our contracts."""
     for module in (
-        "services.common.keys",
-        "services.common.messages",
-        "services.common.runspec",
-        "services.common.retry",
-        "services.common.traces",
-        "services.common.figures",
-        "services.common.settings",
+        "services.contracts.keys",
+        "services.contracts.messages",
+        "services.contracts.runspec",
+        "services.infra.retry",
+        "services.core.traces",
+        "services.infra.figures",
+        "services.infra.settings",
         "services.coordinator.app",
         "services.trainer.loop",
         "services.weightstore.app",
         "services.cli.main",
         "services.sim.simulation",
+        "services.rollout.app",
+        "services.state.timeline",
+        "services.weights.transfer",
+        "services.tasks.base",
     ):
         write(tmp_path, module)
     write(tmp_path, "services.core.balancer", "import redis\n")
     write(tmp_path, "services.sim.steps", "from services.coordinator import app\n")
     write(tmp_path, "services.rollout.worker", "from services.trainer import loop\n")
-    write(tmp_path, "services.common.ledger", "import tests.harness.deploy\n")
+    write(tmp_path, "services.state.ledger", "import tests.harness.deploy\n")
+    write(tmp_path, "services.infra.cancel", "from services.weights import transfer\n")
     write(tmp_path, "tests.harness.deploy")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
     out = lint_imports(tmp_path, env)
     assert out.returncode == 1, out.stdout + out.stderr
     report = out.stdout
-    assert "0 kept, 4 broken" in report, report
+    assert "0 kept, 5 broken" in report, report
     assert "services.core.balancer -> redis" in report
     assert "services.sim.steps -> services.coordinator.app" in report
     assert "services.rollout.worker -> services.trainer.loop" in report
-    assert "services.common.ledger -> tests" in report
+    assert "services.state.ledger -> tests" in report
+    assert "services.infra.cancel -> services.weights.transfer" in report

@@ -7,8 +7,17 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from services.common import keys
-from services.common.http_limits import (
+from services.contracts import keys
+from services.contracts.runspec import (
+    ModelFolderError,
+    RunSpec,
+    TaskFileError,
+    check_text_file,
+)
+from services.coordinator.app import failure_text
+from services.coordinator.cleanup import audit_keys, scratch_keys
+from services.coordinator.routes_runs import over_step_caps
+from services.infra.http_limits import (
     MAX_ERROR_BODY_BYTES,
     BodyLimits,
     authorized,
@@ -16,17 +25,8 @@ from services.common.http_limits import (
     clip,
     declared_length,
 )
-from services.common.runspec import (
-    ModelFolderError,
-    RunSpec,
-    TaskFileError,
-    check_text_file,
-)
-from services.common.settings import CommonSettings, is_loopback
-from services.common.tasks import TaskError, load_task
-from services.coordinator.app import failure_text
-from services.coordinator.cleanup import audit_keys, scratch_keys
-from services.coordinator.routes_runs import over_step_caps
+from services.infra.settings import CommonSettings, is_loopback
+from services.tasks import TaskError, load_task
 
 SECRET = "s3cret-file-content"
 

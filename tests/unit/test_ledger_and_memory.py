@@ -2,9 +2,9 @@
 
 import msgspec
 
-from services.common.ledger import StepLedger, bitmap_members
-from services.common.messages import Group, Response
+from services.contracts.messages import Group, Response
 from services.coordinator.memory import MIB, MemoryReading, pressure
+from services.state.ledger import StepLedger, bitmap_members
 
 
 def group(p: int, tokens: list[list[int]], quarantined: bool = False) -> Group:

@@ -1,4 +1,4 @@
-"""Children die with the process that started them (`services.common.lifeline`): the exec
+"""Children die with the process that started them (`services.infra.lifeline`): the exec
 wrapper refuses to run a program for a parent that is gone, a program it runs (Python or not)
 is SIGKILLed when its parent is, as is a process a rollout worker forks once it tied its
 children to itself (the vLLM engine's way), and `procs.start` called from a short-lived thread
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import procs
-from services.common import lifeline
+from services.infra import lifeline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 

@@ -1,9 +1,9 @@
 import msgspec
 import pytest
 
-from services.common.messages import DeltaBatch, DeltaItem, Group, Job, MalformedMessage
-from services.common.runspec import ModelFolderError, RunSpec
-from services.common.tasks import TaskError, load_task
+from services.contracts.messages import DeltaBatch, DeltaItem, Group, Job, MalformedMessage
+from services.contracts.runspec import ModelFolderError, RunSpec
+from services.tasks import TaskError, load_task
 
 
 def test_messages_roundtrip_through_msgpack():

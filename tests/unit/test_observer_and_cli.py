@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.follow import event_line, progress_info
-from services.common.messages import Heartbeat
+from services.contracts.messages import Heartbeat
 from services.coordinator.observer import RateTracker, pool_rates
 
 ROOT = Path(__file__).resolve().parents[2]

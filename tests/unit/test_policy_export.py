@@ -3,7 +3,7 @@
 import torch
 from safetensors import safe_open
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.trainer.policy import Policy
 
 
@@ -43,8 +43,8 @@ def test_weights_exported_in_memory_are_the_folder_a_loader_reads(tiny_model, tm
     folder, which loads back into a policy with the same weights."""
     import asyncio
 
-    from services.common.weight_files import hash_files, scan_folder
     from services.trainer.export import weight_files
+    from services.weights.files import hash_files, scan_folder
 
     policy = Policy(tiny_model, RunSpec(model=str(tiny_model)))
     files = policy.export_files()

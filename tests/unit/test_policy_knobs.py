@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from services.common.messages import Group, Response
-from services.common.runspec import RunSpec
+from services.contracts.messages import Group, Response
+from services.contracts.runspec import RunSpec
 from services.trainer.grpo import StepSize, grpo_loss, step_advantages, token_logprobs
 from services.trainer.policy import Policy
 
@@ -210,7 +210,7 @@ def test_the_lr_schedule_resumes_from_the_policy_state(tiny_model):
 
 
 def test_a_trainer_resumed_from_the_weight_store_takes_up_the_schedule(tiny_model):
-    from services.common.runspec import RunSpec
+    from services.contracts.runspec import RunSpec
     from services.trainer.policy import Policy
 
     spec = RunSpec(model=str(tiny_model), steps=10, num_iterations=2, lr_scheduler_type="linear")

@@ -7,7 +7,7 @@ tests/integration/test_recovery_watch.py."""
 import pytest
 
 from services.cli.recovery import RecoveryTracker, distribution
-from services.common.messages import Job
+from services.contracts.messages import Job
 
 AT = 1000.0
 

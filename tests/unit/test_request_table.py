@@ -1,4 +1,4 @@
-from services.common.messages import DeltaItem
+from services.contracts.messages import DeltaItem
 from services.core.request_table import Applied, RequestTable
 
 

@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from services.common.runspec import BUILTIN_REWARDS
-from services.common.tasks import Example, RewardChoice
-from services.common.tasks.reward_choice import (
+from services.contracts.runspec import BUILTIN_REWARDS
+from services.tasks import Example, RewardChoice
+from services.tasks.reward_choice import (
     RewardLoadError,
     RewardNotAllowed,
     call_reward,
 )
-from services.common.tasks.rewards import boxed_match, exact_match, numeric_match, regex_match
+from services.tasks.rewards import boxed_match, exact_match, numeric_match, regex_match
 
 
 def test_exact_match():

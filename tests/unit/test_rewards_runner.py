@@ -8,14 +8,14 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from services.common.tasks import Example, RewardChoice
-from services.common.tasks.reward_choice import RewardLoadError
 from services.coordinator.reward_runner import (
     ProcessRewards,
     ThreadRewards,
     check_loads,
     open_runner,
 )
+from services.tasks import Example, RewardChoice
+from services.tasks.reward_choice import RewardLoadError
 
 MISBEHAVES = RewardChoice("tests.data.user_reward:misbehaves")
 TIMEOUT_S = 0.5

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from services.common.messages import Job, MalformedMessage
+from services.contracts.messages import Job, MalformedMessage
 from services.core.request_table import RequestTable
 from services.rollout.engines.sampling import keep_likeliest, penalise_repeats, sample_token
 

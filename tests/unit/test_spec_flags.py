@@ -8,8 +8,8 @@ import pytest
 
 from services.cli.main import build_parser, main
 from services.cli.spec_flags import NOT_FLAGS, flag, spec_from_args
-from services.common.runspec import EMBEDDED_DEFAULTS, RunSpec
-from services.common.settings import CommonSettings, env_name, settings_env
+from services.contracts.runspec import EMBEDDED_DEFAULTS, RunSpec
+from services.infra.settings import CommonSettings, env_name, settings_env
 from services.rollout.settings import RolloutSettings
 
 

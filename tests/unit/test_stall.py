@@ -1,7 +1,7 @@
 """The stall and poison policies (services/core/stall.py) and the crash bookkeeping of the
 request table: plain functions, a made-up clock."""
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.core.collect import CollectRules, note_crash
 from services.core.request_table import RequestTable
 from services.core.stall import (

@@ -1,4 +1,4 @@
-"""The step metrics row (services/common/step_metrics.py) as a typed contract: only `StepRow`'s
+"""The step metrics row (services/state/step_metrics.py) as a typed contract: only `StepRow`'s
 fields can be written, a row read back is the row written, unknown or mistyped fields in Redis
 are ignored, infinity is null on the wire, and the REST API's row keeps its keys."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.common.step_metrics import (
+from services.state.step_metrics import (
     FIELDS,
     StepRow,
     from_hash,

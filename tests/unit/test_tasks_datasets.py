@@ -10,9 +10,9 @@ from datetime import date
 import pytest
 from pydantic import ValidationError
 
-from services.common.runspec import RunSpec
-from services.common.tasks import DatasetLimits, TaskError, load_task, task_for_spec
-from services.common.tasks.chat import PromptEncoder, has_chat_template
+from services.contracts.runspec import RunSpec
+from services.tasks import DatasetLimits, TaskError, load_task, task_for_spec
+from services.tasks.chat import PromptEncoder, has_chat_template
 
 SECRET = "s3cr3t-row-content"
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from services.common.runspec import RunSpec
+from services.contracts.runspec import RunSpec
 from services.trainer.batching import Row, cut_by_count, cut_by_tokens, packed, padded
 from services.trainer.grpo import StepSize, response_logprobs, token_logprobs
 from services.trainer.policy import Policy

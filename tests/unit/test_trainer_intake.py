@@ -2,8 +2,8 @@
 once each; a group of another step, a second group of a prompt or one with the wrong number of
 responses is parked with the reason; a quarantined group counts toward B untrained."""
 
-from services.common.messages import Group, Response
-from services.common.redis_streams import Read
+from services.contracts.messages import Group, Response
+from services.infra.redis_streams import Read
 from services.trainer.intake import StepIntake
 
 N = 2

@@ -94,7 +94,7 @@ def test_stall_guard_without_timeout_waits_for_ever():
 
 def test_error_headline_is_the_tracebacks_exception_line():
     log = """2026 rollout[w] INFO started
-2026 rollout[w] CRITICAL services.common.service: background task jobs died; shutting down
+2026 rollout[w] CRITICAL services.infra.service: background task jobs died; shutting down
 Traceback (most recent call last):
   File "x.py", line 1, in f
     raise AssertionError("Torch not compiled with CUDA enabled")

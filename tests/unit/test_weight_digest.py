@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from services.common.weight_contract import Manifest, content_digest, manifest_digest
-from services.common.weights import scan_folder
+from services.weights.contract import Manifest, content_digest, manifest_digest
+from services.weights.transfer import scan_folder
 from services.weightstore.storage import StorageError, WeightStorage
 
 A = ("a.safetensors", 5, hashlib.sha256(b"hello").hexdigest())

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from services.common.weight_contract import Manifest
+from services.weights.contract import Manifest
 from services.weightstore.storage import Conflict, NotFound, StorageError, WeightStorage
 
 

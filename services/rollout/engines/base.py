@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from services.common.messages import FinishReason, Job
+from services.contracts.messages import FinishReason, Job
 
 
 @dataclass

@@ -13,7 +13,7 @@ Sampling (`sampling.py`) is reproducible by (request seed, response position), s
 continuation on another worker (prompt + collected prefix) draws what an uninterrupted
 generation would have drawn for the same logits; a decode step draws its rows as one batch.
 
-The model runs on the process's compute thread (`step`, `load`; services/common/compute.py), so
+The model runs on the process's compute thread (`step`, `load`; services/infra/compute.py), so
 the event loop stays free; only the task that drives the engine calls it.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from services.common.compute import compute
-from services.common.messages import FinishReason, Job
+from services.contracts.messages import FinishReason, Job
+from services.infra.compute import compute
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import Draw, sample_rows
 

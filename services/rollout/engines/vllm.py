@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from services.common.messages import Job
+from services.contracts.messages import Job
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.lifeline import tie_children_to_this_process
 
@@ -246,7 +246,7 @@ class VLLMEngine:
         if not self.seqs:
             return []
         try:
-            async with asyncio.timeout(1.0):  # not wait_for: see common/cancel.py
+            async with asyncio.timeout(1.0):  # not wait_for: see infra/cancel.py
                 items = [await self._queue.get()]
         except TimeoutError:
             return []

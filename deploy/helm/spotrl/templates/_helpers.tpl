@@ -151,7 +151,7 @@ capabilities:
 
 {{/* Probes through the image's own check: it asks this container's /healthz on SPOTRL_PORT. */}}
 {{- define "spotrl.probes" -}}
-{{- $check := list "python" "-m" "services.common.healthcheck" -}}
+{{- $check := list "python" "-m" "services.infra.healthcheck" -}}
 startupProbe:
   exec:
     command: {{ toJson $check }}

@@ -17,8 +17,8 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import StreamRangeResponse, XReadGroupResponse, XReadResponse
 
-from services.common.messages import FIELD, MalformedMessage, Message
-from services.common.retry import brief, retry
+from services.contracts.messages import FIELD, MalformedMessage, Message
+from services.infra.retry import brief, retry
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)

@@ -5,9 +5,9 @@ value after `####`, scored by the built-in boxed_match (math-verify).
 
 from pathlib import Path
 
-from services.common.tasks.base import TaskError
-from services.common.tasks.dataset import DatasetRows, RowFormat, build_examples
-from services.common.tasks.dataset_files import DatasetLimits, read_jsonl
+from services.tasks.base import TaskError
+from services.tasks.dataset import DatasetRows, RowFormat, build_examples
+from services.tasks.dataset_files import DatasetLimits, read_jsonl
 
 PROMPT_TEMPLATE = "{question}\nAnswer:"
 SAMPLE_MATH_FILE = Path(__file__).parent / "data" / "gsm8k_sample.jsonl"

@@ -1,16 +1,16 @@
 """Client of the weight store: upload a model folder as a version, pull a version into a local
 folder with parallel range requests, verifying every sha256 before anything is loaded. The
 blocks come from the store's zero-copy block server and, given a swarm, from the peers that
-hold them (services.common.block_fetch).
+hold them (services.weights.block_fetch).
 
 A pull writes into `{dest}.partial` and renames it to `dest` only when every file checked out,
 so a folder named after a version is always complete. On any failure it tries the next replica.
 
 The manifest, the content digest of a version and the errors are the store boundary's contract
-(services.common.weight_contract): an upload or a pull compares the content digest of its files
+(services.weights.contract): an upload or a pull compares the content digest of its files
 with the store's manifest's. A version committed with another digest is a `WeightConflict`;
 every other failure to move a version is a `WeightTransferError`. The file work is in
-services.common.weight_files.
+services.weights.files.
 """
 
 import asyncio
@@ -27,11 +27,11 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from services.common.block_fetch import BlockFetch, Swarm
-from services.common.block_sources import plan_blocks
-from services.common.retry import brief
-from services.common.service import auth_headers
-from services.common.weight_contract import (
+from services.infra.retry import brief
+from services.infra.service import auth_headers
+from services.weights.block_fetch import BlockFetch, Swarm
+from services.weights.block_sources import plan_blocks
+from services.weights.contract import (
     FileEntry,
     Manifest,
     ManifestCommit,
@@ -39,7 +39,7 @@ from services.common.weight_contract import (
     WeightTransferError,
     manifest_digest,
 )
-from services.common.weight_files import (
+from services.weights.files import (
     UPLOAD_BLOCK,
     VersionFiles,
     fetch_range,

@@ -7,7 +7,7 @@ easy to see.
 
 import random
 
-from services.common.tasks.base import Example
+from services.tasks.base import Example
 
 
 class ArithmeticRows:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from services.common.weight_contract import FileEntry, WeightTransferError, content_digest
+from services.weights.contract import FileEntry, WeightTransferError, content_digest
 
 UPLOAD_BLOCK = 1024 * 1024  # bytes read at a time to hash or upload a file
 STREAM_BLOCK = 4 * 1024 * 1024  # bytes read at a time from a range response

@@ -7,7 +7,7 @@ for SIGKILL. Three ways in:
   reward processes, the trainer's ranks, the rollout worker's engine processes). It exits at
   once when the parent is already gone, since the kernel will then never send the signal.
 - The exec wrapper, for any program (redis-server, or a Python service before its imports):
-  `python -m services.common.lifeline PARENT_PID -- ARGV...` does the same, then execs ARGV.
+  `python -m services.infra.lifeline PARENT_PID -- ARGV...` does the same, then execs ARGV.
   The setting survives exec, except into a set-user-ID or set-group-ID program.
 - `Launcher`: the kernel sends the signal when the *thread* that forked the child exits, not
   when its process does. A child forked from a short-lived thread (a chaos replay's) would be
@@ -36,7 +36,7 @@ PR_SET_PDEATHSIG = 1
 ORPHANED_EXIT_CODE = 1  # the parent was gone before this process could tie itself to it
 USAGE_EXIT_CODE = 2
 NOT_RUNNABLE_EXIT_CODE = 127  # as a shell says "command not found"
-WRAPPER_MODULE = "services.common.lifeline"
+WRAPPER_MODULE = "services.infra.lifeline"
 # signals Python ignores at start; an ignored signal stays ignored across exec, so the wrapper
 # gives them back their default action first (as subprocess's restore_signals does)
 RESTORED_SIGNALS = ("SIGPIPE", "SIGXFSZ")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from services.common.runspec import BUILTIN_REWARDS, RunSpec
-from services.common.tasks import rewards
-from services.common.tasks.base import Example, TaskError
+from services.contracts.runspec import BUILTIN_REWARDS, RunSpec
+from services.tasks import rewards
+from services.tasks.base import Example, TaskError
 
 # A loaded reward: (prompt, response, example) -> score
 Scorer = Callable[[str, str, Example], float]

@@ -4,7 +4,7 @@ Keys are grouped by owner. A run's keys all start with `spotrl:run:{run_id}:` so
 inspected (or deleted) with one SCAN pattern. Nothing outside this module builds a key by hand.
 """
 
-from services.common.shards import MAX_COORDINATOR_SHARDS
+from services.contracts.shards import MAX_COORDINATOR_SHARDS
 
 PREFIX = "spotrl"
 
@@ -41,7 +41,7 @@ def run_manifests(run_id: str) -> str:
 
 
 def run_digests(run_id: str) -> str:
-    """Hash: weight version -> content digest (services.common.weights.content_digest) of the
+    """Hash: weight version -> content digest (services.weights.transfer.content_digest) of the
     files the trainer commits as that version, written before the version is committed and
     announced; a version is loaded only with this digest. Kept for the newest two versions."""
     return f"{PREFIX}:run:{run_id}:digests"
@@ -121,7 +121,7 @@ def jobs_stream(run_id: str, version: int) -> str:
 
 def deltas_stream(run_id: str, shard: int = 0) -> str:
     """Stream of token deltas from workers to a coordinator shard (of the requests it owns,
-    `common.shards`). An entry is deleted in the transaction that stores what it carried (the
+    `contracts.shards`). An entry is deleted in the transaction that stores what it carried (the
     shard's request table)."""
     return f"{PREFIX}:run:{run_id}:deltas{_shard(shard)}"
 
@@ -156,7 +156,7 @@ def worker_loads(run_id: str, worker_id: str) -> str:
 
 
 def run_trained(run_id: str) -> str:
-    """Hash: step -> the compact record (JSON, services.common.ledger) of what the trainer took
+    """Hash: step -> the compact record (JSON, services.state.ledger) of what the trainer took
     for that step; what audits read once the groups themselves are deleted."""
     return f"{PREFIX}:run:{run_id}:trained"
 

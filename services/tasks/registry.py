@@ -4,13 +4,13 @@ reward of their own (arithmetic: generated sums, exact_match; math: GSM8K rows, 
 
 from pathlib import Path
 
-from services.common.runspec import RunSpec
-from services.common.tasks.arithmetic import ArithmeticRows
-from services.common.tasks.base import Example, PromptSource, TaskError
-from services.common.tasks.dataset import DatasetRows, RowFormat, build_examples
-from services.common.tasks.dataset_files import DatasetLimits, read_rows
-from services.common.tasks.math_jsonl import SAMPLE_MATH_FILE, math_rows
-from services.common.tasks.reward_choice import RewardChoice, Scorer
+from services.contracts.runspec import RunSpec
+from services.tasks.arithmetic import ArithmeticRows
+from services.tasks.base import Example, PromptSource, TaskError
+from services.tasks.dataset import DatasetRows, RowFormat, build_examples
+from services.tasks.dataset_files import DatasetLimits, read_rows
+from services.tasks.math_jsonl import SAMPLE_MATH_FILE, math_rows
+from services.tasks.reward_choice import RewardChoice, Scorer
 
 TASK_NAMES = ("arithmetic", "math", "dataset")
 

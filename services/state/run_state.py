@@ -10,9 +10,9 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
-from services.common import keys
-from services.common.redis_streams import range_entries, text
-from services.common.runspec import LIVE_STATES
+from services.contracts import keys
+from services.contracts.runspec import LIVE_STATES
+from services.infra.redis_streams import range_entries, text
 
 T = TypeVar("T")
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from services.common.tasks.base import Example, TaskError
-from services.common.tasks.dataset_files import DatasetLimits, Rows
+from services.tasks.base import Example, TaskError
+from services.tasks.dataset_files import DatasetLimits, Rows
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ A task is deterministic given (seed, step): the coordinator and a restarted coor
 same prompts for the same step.
 """
 
-from services.common.tasks.base import Example, PromptSource, TaskError
-from services.common.tasks.dataset_files import DatasetLimits
-from services.common.tasks.registry import TASK_NAMES, Task, load_task, task_for_spec
-from services.common.tasks.reward_choice import RewardChoice
+from services.tasks.base import Example, PromptSource, TaskError
+from services.tasks.dataset_files import DatasetLimits
+from services.tasks.registry import TASK_NAMES, Task, load_task, task_for_spec
+from services.tasks.reward_choice import RewardChoice
 
 __all__ = [
     "TASK_NAMES",

@@ -24,7 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from services.common import keys
+from services.contracts import keys
 
 log = logging.getLogger(__name__)
 

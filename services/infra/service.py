@@ -25,13 +25,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from services.common import stack_dump
-from services.common.cancel import cancel_and_wait
-from services.common.redis_streams import REDIS_DOWN
-from services.common.retry import retry
+from services.infra import stack_dump
+from services.infra.cancel import cancel_and_wait
+from services.infra.redis_streams import REDIS_DOWN
+from services.infra.retry import retry
 
 if TYPE_CHECKING:
-    from services.common.settings import CommonSettings
+    from services.infra.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 # this process, as /healthz and the port file name it (a port alone may be another process's)
@@ -201,7 +201,7 @@ def serve(
     The socket is bound first (port 0: any free one; a port taken: the process exits 3), then
     `port_file` gets the port bound and this process's instance id, which /healthz also
     answers: a healthcheck reading it probes this process, never another one that holds the port
-    it was told (`services.common.healthcheck`).
+    it was told (`services.infra.healthcheck`).
 
     What was imported is moved out of the garbage collector's sight first (`gc.freeze`): a
     service's heap is mostly modules, and a full collection walking them paused the coordinator

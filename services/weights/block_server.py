@@ -23,7 +23,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter
 
-from services.common.weight_contract import MAX_VERSION
+from services.weights.contract import MAX_VERSION
 
 log = logging.getLogger(__name__)
 FILES = "/v1/models/{model}/versions/{version}/files/{name}"

@@ -45,7 +45,7 @@ class CommonSettings(BaseSettings):
     port_file: Path | None = Field(
         None,
         description="Write the port bound (port 0: a free one) and this process's id here; "
-        "`python -m services.common.healthcheck` probes that port and that process.",
+        "`python -m services.infra.healthcheck` probes that port and that process.",
     )
     log_level: str = Field("INFO", description="Python logging level.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")

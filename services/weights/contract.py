@@ -1,5 +1,5 @@
 """The contract of the weight store boundary, between the store (services/weightstore), which
-writes and serves manifests, and its client (common/weights.py), which commits and reads them:
+writes and serves manifests, and its client (weights/transfer.py), which commits and reads them:
 the manifest of a version (its JSON is what the store's API takes and returns), the content
 digest of a version, and the errors of a transfer (one base class: `WeightTransferError`).
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.runspec import shorten_path
-from services.common.tasks.base import TaskError
+from services.contracts.runspec import shorten_path
+from services.tasks.base import TaskError
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
 MAX_ERROR_CHARS = 300

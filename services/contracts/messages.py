@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Self
 
 import msgspec
 
-from services.common.shards import MAX_COORDINATOR_SHARDS
+from services.contracts.shards import MAX_COORDINATOR_SHARDS
 
 FinishReason = Literal["stop", "length", "abort"]
 Pool = Literal["reserved", "preemptible"]
@@ -94,7 +94,7 @@ class Job(Message, frozen=True, kw_only=True):
     # causes again is its own (poison requests are told from bystanders this way)
     isolate: bool = False
     # the run's coordinator shards: the worker sends the request's deltas to the stream of its
-    # shard (`common.shards.shard_of`)
+    # shard (`contracts.shards.shard_of`)
     shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_COORDINATOR_SHARDS)] = 1
 
 

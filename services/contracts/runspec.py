@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from services.common.shards import MAX_COORDINATOR_SHARDS
+from services.contracts.shards import MAX_COORDINATOR_SHARDS
 
 RunState = Literal["queued", "running", "stalled", "succeeded", "failed", "cancelled"]
 FINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -38,7 +38,7 @@ CONFIG_MAX_BYTES = 16 * 1024 * 1024  # a model's config.json
 READ_BLOCK_BYTES = 1024 * 1024
 
 
-# The rewards a spec names without code; the functions are in services/common/tasks/rewards.py.
+# The rewards a spec names without code; the functions are in services/tasks/rewards.py.
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "regex_match", "boxed_match")
 # A user reward: `module.path:function`, importable where the coordinator runs.
 USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)

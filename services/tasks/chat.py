@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from services.common.runspec import shorten_path
-from services.common.tasks.base import TaskError
+from services.contracts.runspec import shorten_path
+from services.tasks.base import TaskError
 
 CONFIG_MAX_BYTES = 16 * 1024 * 1024
 

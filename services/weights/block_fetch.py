@@ -17,10 +17,10 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-from services.common.block_sources import Block, Holding, SourcePicker
-from services.common.cancel import cancel_and_wait
-from services.common.weight_contract import WeightTransferError
-from services.common.weight_files import SourceBusy, SourceLacks, fetch_range
+from services.infra.cancel import cancel_and_wait
+from services.weights.block_sources import Block, Holding, SourcePicker
+from services.weights.contract import WeightTransferError
+from services.weights.files import SourceBusy, SourceLacks, fetch_range
 
 log = logging.getLogger(__name__)
 HOLDERS_S = 0.2  # how often the swarm is asked who holds what, while a pull goes on

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from services.common import keys
-from services.common.messages import Group
+from services.contracts import keys
+from services.contracts.messages import Group
 
 
 def _bitmap(indices: set[int]) -> str:

@@ -1,5 +1,5 @@
 """Where each block of a weight pull comes from: the store or a peer that holds it. Pure policy,
-no I/O: the pull (services.common.weights) asks `pick` for a source, then reports what came of
+no I/O: the pull (services.weights.transfer) asks `pick` for a source, then reports what came of
 the fetch.
 
 A version's blocks are numbered over its files in manifest order (`plan_blocks`). A peer holds
@@ -14,7 +14,7 @@ truth, is never dropped (its failure fails the pull, which tries the next replic
 import random
 from dataclasses import dataclass, field
 
-from services.common.weight_contract import FileEntry
+from services.weights.contract import FileEntry
 
 ALL = None  # a holder of every block of the version
 

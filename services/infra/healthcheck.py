@@ -1,4 +1,4 @@
-"""`python -m services.common.healthcheck`: exit 0 when this container's own service is healthy.
+"""`python -m services.infra.healthcheck`: exit 0 when this container's own service is healthy.
 
 With `SPOTRL_PORT_FILE` set, the service wrote the port it bound and its instance id there
 (`service.serve`): the check probes that port and accepts only an answer from that instance. A

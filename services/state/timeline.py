@@ -12,8 +12,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from services.common import keys
-from services.common.redis_streams import range_entries
+from services.contracts import keys
+from services.infra.redis_streams import range_entries
 
 EVENTS_MAXLEN = 20_000
 POOL_MAXLEN = 20_000
