@@ -1,96 +1,27 @@
-"""Coordinator: the REST API for runs and workers, and the scheduler that makes the oldest
-queued run active and drives its rollout manager.
+"""Coordinator: the REST API for runs and workers, and the scheduler (`scheduler`) that makes
+the oldest queued run active and drives its rollout manager.
 """
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import Gauge
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.contracts import keys
-from services.contracts.runspec import FINAL_STATES
-from services.coordinator import cleanup, dashboard, routes_runs, routes_workers
+from services.coordinator import dashboard, routes_runs, routes_workers
 from services.coordinator.observer import Observer
-from services.coordinator.rollout_manager import RunManager
-from services.coordinator.runs import RunFailed, RunStore
+from services.coordinator.runs import RunStore
+from services.coordinator.scheduler import schedule_runs
 from services.coordinator.settings import CoordinatorSettings
-from services.infra.http_limits import clip, guard_input
-from services.infra.redis_streams import connect, text, with_reconnect
+from services.infra.http_limits import guard_input
+from services.infra.redis_streams import connect
 from services.infra.retry import brief
 from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
-from services.state.run_state import RunStopped
 
 log = logging.getLogger(__name__)
-QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
-MAX_ERROR_CHARS = 1000
-
-
-def failure_text(exc: Exception) -> str:
-    """A failed run's error as users read it: the exception's type and message, cut short;
-    never its repr (the repr of a decoding error holds the bytes it could not decode)."""
-    return clip(f"{type(exc).__name__}: {exc}", MAX_ERROR_CHARS)
-
-
-async def ended_as(store: RunStore, run_id: str) -> str | None:
-    """The final state of a run (cancelled under its manager, say), or None while it is live."""
-    state = text(await store.r.hget(keys.run(run_id), "state"))
-    return state if state in FINAL_STATES else None
-
-
-async def settle(store: RunStore, run_id: str, state: str) -> None:
-    """The manager of a run that ended under it has stopped: drop what it wrote meanwhile."""
-    await cleanup.release_run(store.r, run_id, state, store.audit_ttl_s)
-    if await store.active() == run_id:
-        await store.r.delete(keys.ACTIVE_RUN)
-
-
-async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
-    """Forever: activate the oldest queued run (or resume the active one) and drive it."""
-    while True:
-        run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
-            store.activate_next, "activate run"
-        )
-        QUEUED.set(await with_reconnect(lambda: store.r.llen(keys.RUN_QUEUE), "run queue"))
-        if run_id is None:
-            await asyncio.sleep(settings.scheduler_poll_s)
-            continue
-        log.info("run %s active", run_id)
-        try:
-            spec = await store.spec(run_id)
-            await RunManager.configured(store.r, run_id, spec, settings).run()
-        except RunStopped as exc:
-            log.info("run %s stopped: %s", run_id, exc)
-            await settle(store, run_id, await ended_as(store, run_id) or "cancelled")
-            continue
-        except RunFailed as exc:  # it cannot go on: its reason is the error
-            log.error("run %s failed: %s", run_id, exc)
-            await store.finish(run_id, "failed", str(exc))
-            continue
-        except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
-            # Redis went away (or refused a write at its memory limit) mid-step: everything that
-            # landed is in Redis, each batch whole or not at all; resume from it
-            log.warning(
-                "run %s: redis unavailable (%s); resuming once it is back", run_id, brief(exc)
-            )
-            await asyncio.sleep(settings.scheduler_poll_s)
-            continue
-        except Exception as exc:
-            ended = await ended_as(store, run_id)
-            if ended is not None:  # its keys went while the manager still read them
-                log.info("run %s stopped (%s) under its manager: %s", run_id, ended, exc)
-                await settle(store, run_id, ended)
-                continue
-            log.exception("run %s failed", run_id)
-            await store.finish(run_id, "failed", failure_text(exc))
-            continue
-        await store.finish(run_id, "succeeded")
-        log.info("run %s succeeded", run_id)
 
 
 def build_app(settings: CoordinatorSettings) -> FastAPI:

@@ -48,7 +48,7 @@ from services.coordinator.scheduling import (
     serving,
 )
 from services.coordinator.settings import CoordinatorSettings
-from services.coordinator.shard import ShardProcesses, ShardView
+from services.coordinator.shard_group import ShardProcesses, ShardView
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_record import ShardSummary, adapt, record_rollout
 from services.coordinator.step_store import StepStore

@@ -78,3 +78,19 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
     assert "services.rollout.worker -> services.trainer.loop" in report
     assert "services.state.ledger -> tests" in report
     assert "services.infra.cancel -> services.weights.transfer" in report
+
+
+def test_no_module_of_services_is_in_an_import_cycle():
+    """No chain of imports leads from a module of services back to itself (an import inside a
+    function counts too: grimp reads every import statement)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("services")
+    cycles = sorted(
+        (module, imported)
+        for module in graph.modules
+        for imported in graph.find_modules_directly_imported_by(module)
+        if imported.startswith("services.")
+        and imported != module
+        and graph.chain_exists(imported, module)
+    )
+    assert cycles == [], cycles
