@@ -7,6 +7,7 @@ import httpx
 from services.infra.service import auth_headers
 
 RETRIES_503 = 5
+RETRIES_429 = 20  # a read over this client's rate waits its Retry-After, at most this often
 
 
 class CoordinatorError(RuntimeError):
@@ -21,13 +22,22 @@ class CoordinatorClient:
 
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
         """One request; a read answered 503 (Redis restarting) is tried again after its
-        Retry-After, a few times. Writes are not: the caller decides."""
-        for _ in range(RETRIES_503):
+        Retry-After, a few times, and so is one answered 429 (over this client's read rate).
+        Writes are not: the caller decides."""
+        unavailable = throttled = 0
+        while True:
             resp = self.http.request(method, path, **kwargs)
-            if resp.status_code != 503 or method != "GET":
+            if method != "GET" or resp.status_code not in (429, 503):
                 return resp
+            if resp.status_code == 503:
+                unavailable += 1
+                if unavailable >= RETRIES_503:
+                    return resp
+            else:
+                throttled += 1
+                if throttled >= RETRIES_429:
+                    return resp
             time.sleep(min(float(resp.headers.get("retry-after", "1")), 5.0))
-        return resp
 
     def _json(self, resp: httpx.Response, ok: tuple[int, ...] = (200,)):
         if resp.status_code not in ok:

@@ -1,5 +1,10 @@
-"""Coordinator: the REST API for runs and workers, and the scheduler (`scheduler`) that makes
-the oldest queued run active and drives its rollout manager.
+"""Coordinator: the control plane. The REST API for runs and workers, the dashboard and the
+metrics, answered from the read model (`read_model`), in this process; the scheduler, the rollout
+managers and the observer run in the data plane (`data_plane`), a child process this one starts,
+so that no read runs on the event loop that ingests token deltas.
+
+Reads (GET) are limited per client (`read_rate_per_s`, `read_burst`: 429 past them) and carry an
+ETag (304 to a poller that has the answer). Writes go to Redis with their checks, as before.
 """
 
 import logging
@@ -7,16 +12,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.coordinator import dashboard, routes_runs, routes_workers
-from services.coordinator.observer import Observer
+from services.coordinator.data_plane_process import DataPlaneProcess
+from services.coordinator.read_model import ReadModel
 from services.coordinator.runs import RunStore
-from services.coordinator.scheduler import schedule_runs
 from services.coordinator.settings import CoordinatorSettings
+from services.core.rate_limit import ClientBuckets
 from services.infra.http_limits import guard_input
+from services.infra.read_limit import ReadLimit
 from services.infra.redis_streams import connect
 from services.infra.retry import brief
 from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
@@ -24,21 +32,46 @@ from services.infra.service import BackgroundTasks, add_health_and_metrics, auth
 log = logging.getLogger(__name__)
 
 
+class CountedBuckets(ClientBuckets):
+    """Per-client read budgets that count the reads they refuse."""
+
+    def __init__(self, settings: CoordinatorSettings, refused: Counter) -> None:
+        super().__init__(settings.read_rate_per_s, settings.read_burst)
+        self.refused = refused
+
+    def take(self, client: str, now: float) -> float:
+        wait_s = super().take(client, now)
+        if wait_s > 0:
+            self.refused.inc()
+        return wait_s
+
+
 def build_app(settings: CoordinatorSettings) -> FastAPI:
     tasks = BackgroundTasks()
     r = connect(settings.redis_url)
     store = RunStore(r, settings.audit_ttl_s)
+    model = ReadModel(r, settings.read_refresh_s)
+    data_plane = DataPlaneProcess(settings)
     auth = auth_for(settings)
+    # this process's own metrics; the data plane's are relayed after them
+    registry = CollectorRegistry()
+    refused = Counter(
+        "spotrl_api_reads_refused_total",
+        "Reads answered 429: the client was over its read rate",
+        registry=registry,
+    )
+
+    async def exposition() -> bytes:
+        return generate_latest(registry) + await data_plane.metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks.start("scheduler", lambda: schedule_runs(store, settings))
-        observer = Observer(
-            r, settings.observe_s, settings.redis_memory_limit_mb, settings.forget_workers_after_s
-        )
-        tasks.start("observer", observer.forever)
+        await data_plane.start()
+        tasks.start("data plane", data_plane.watch)
+        tasks.start("read model", model.forever)
         yield
         await tasks.stop()
+        await data_plane.stop()
         await r.aclose()
 
     app = FastAPI(
@@ -46,10 +79,19 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         version="1",
         lifespan=lifespan,
         description="Runs (submit, follow, cancel), rollout workers, and the dashboard at `/`. "
-        "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set.",
+        "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set. "
+        "Reads are limited per client (429 with Retry-After past the limit) and carry an ETag.",
     )
-    add_health_and_metrics(app, "coordinator", tasks, auth=auth)
+    add_health_and_metrics(
+        app,
+        "coordinator",
+        tasks,
+        extra=lambda: {"data_plane": data_plane.status(), "read_model_fresh": model.fresh},
+        auth=auth,
+        exposition=exposition,
+    )
     guard_input(app, settings.api_token, settings.max_body_bytes)
+    app.add_middleware(ReadLimit, buckets=CountedBuckets(settings, refused))  # outermost
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
@@ -62,7 +104,7 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
             headers={"Retry-After": "2"},
         )
 
-    app.include_router(routes_runs.build_router(store, auth, settings))
-    app.include_router(routes_workers.build_router(r, auth))
+    app.include_router(routes_runs.build_router(store, model, auth, settings))
+    app.include_router(routes_workers.build_router(r, model, auth))
     dashboard.add_dashboard(app)
     return app

@@ -1,21 +1,23 @@
-"""/v1/runs: submit, list, inspect, cancel runs; read their per-step metrics and timeline."""
+"""/v1/runs: submit, list, inspect, cancel runs; read their per-step metrics and timeline.
+Reads are answered from the control plane's read model (`read_model`), never from Redis
+directly: a read costs no round trip (a timeline page of an older run, one)."""
 
 import asyncio
-import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
-from services.contracts import keys
 from services.contracts.runspec import ModelFolderError, RunSpec, TaskFileError
+from services.coordinator.read_model import ReadModel
+from services.coordinator.read_views import RunDocs
 from services.coordinator.reward_runner import check_loads
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
+from services.infra.read_limit import revalidated
 from services.infra.service import Auth, errors
 from services.state import timeline
-from services.state.step_metrics import StepRow
 from services.tasks import RewardChoice, TaskError, task_for_spec
 from services.tasks.chat import has_chat_template, no_template_error
 
@@ -87,45 +89,26 @@ def check_files(spec: RunSpec, max_task_file_bytes: int) -> None:
     spec.check_task_file(max_task_file_bytes)
 
 
-def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> APIRouter:
+def build_router(
+    store: RunStore, model: ReadModel, auth: Auth, settings: CoordinatorSettings
+) -> APIRouter:
+    """The routes of /v1/runs. Reads answer from the read model (`model`), with an ETag; writes
+    go to Redis and then refresh the run they wrote in the model."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
     write, read = auth.write, auth.read
     dataset_loads = asyncio.Semaphore(1)  # a dataset check holds its rows in memory
-    read_one = {**auth.read_errors, **errors(404)}
+    read_one = {**auth.read_errors, **errors(404, 503)}
 
-    async def public(run_id: str) -> RunPublic:
-        try:
-            run = await store.get(run_id)
-        except RunNotFound:
-            raise HTTPException(404, f"run {run_id} does not exist") from None
-        spec = RunSpec.model_validate_json(run["spec"])
-        version = await store.version(run_id)
-        rows = await store.steps(run_id)
-        # the newest step whose rollout is done
-        last = next((row for row in reversed(rows) if row.reward_mean is not None), StepRow())
-        incomplete = await store.r.hget(keys.trainer_state(run_id), "groups_incomplete")
-        return RunPublic(
-            id=run_id,
-            state=run["state"],
-            spec=spec,
-            step=version or 0,
-            steps=spec.steps,
-            weight_version=version,
-            reward_mean=last.reward_mean,
-            tokens_per_s=last.tokens_per_s,
-            groups_incomplete=int(incomplete or 0),
-            t_seed_s=float(run["t_seed_s"]) if "t_seed_s" in run else None,
-            n_prem_recommended=json.loads(run.get("n_prem_recommended", "null")),
-            preemptible_wanted=json.loads(run.get("preemptible_wanted", "null")),
-            created_at=float(run["created_at"]),
-            started_at=float(run["started_at"]) if "started_at" in run else None,
-            finished_at=float(run["finished_at"]) if "finished_at" in run else None,
-            error=run.get("error", ""),
-            stall_reason=run.get("stall_reason", "") if run["state"] == "stalled" else "",
-            stalled_since=float(run["stalled_since"]) if "stalled_since" in run else None,
-            groups_quarantined=int(run.get("groups_quarantined", 0)),
-            reward_errors=sum(row.reward_errors or 0 for row in rows),
-        )
+    def ready() -> None:
+        if not model.fresh:
+            raise HTTPException(503, "redis unavailable", {"Retry-After": "2"})
+
+    async def held(run_id: str) -> RunDocs:
+        ready()
+        docs = await model.run(run_id)
+        if docs is None:
+            raise HTTPException(404, f"run {run_id} does not exist")
+        return docs
 
     @router.post(
         "",
@@ -150,22 +133,33 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
         if problems:
             raise RequestValidationError(problems)
         run_id = await store.submit(spec)
+        await model.load(run_id, written=True)
         return RunCreated(id=run_id, state="queued")
 
-    @router.get("", response_model=list[RunPublic], dependencies=read, responses=auth.read_errors)
-    async def list_runs(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunPublic]:
-        return [await public(run_id) for run_id in await store.list_ids(limit)]
+    @router.get(
+        "",
+        response_model=list[RunPublic],
+        dependencies=read,
+        responses={**auth.read_errors, **errors(503)},
+    )
+    async def list_runs(
+        request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    ) -> Response:
+        ready()
+        doc = model.run_list(limit)
+        return revalidated(request, doc.body, doc.etag)
 
     @router.get("/{run_id}", response_model=RunPublic, dependencies=read, responses=read_one)
-    async def get_run(run_id: RunId) -> RunPublic:
-        return await public(run_id)
+    async def get_run(request: Request, run_id: RunId) -> Response:
+        doc = (await held(run_id)).public
+        return revalidated(request, doc.body, doc.etag)
 
     @router.get(
         "/{run_id}/metrics", response_model=RunMetrics, dependencies=read, responses=read_one
     )
-    async def metrics(run_id: RunId) -> RunMetrics:
-        await public(run_id)
-        return RunMetrics(run_id=run_id, steps=await store.metrics(run_id))
+    async def metrics(request: Request, run_id: RunId) -> Response:
+        doc = (await held(run_id)).metrics
+        return revalidated(request, doc.body, doc.etag)
 
     @router.get(
         "/{run_id}/timeline", response_model=RunTimeline, dependencies=read, responses=read_one
@@ -175,15 +169,12 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
         after_event: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
         after_sample: Annotated[str | None, Query(pattern=ENTRY_ID)] = None,
         count: Annotated[int, Query(ge=1, le=timeline.READ_MAX)] = timeline.READ_MAX,
-    ) -> RunTimeline:
+    ) -> Response:
         """Events and pool samples after the given entry ids (all of them when omitted):
         a client polls with the last ids it has."""
-        await public(run_id)
-        return RunTimeline(
-            run_id=run_id,
-            events=await timeline.read_events(store.r, run_id, after_event, count),
-            pool=await timeline.read_pool(store.r, run_id, after_sample, count),
-        )
+        await held(run_id)
+        body = await model.timeline(run_id, after_event, after_sample, count)
+        return Response(body, media_type="application/json")
 
     @router.post(
         "/{run_id}/cancel",
@@ -191,13 +182,16 @@ def build_router(store: RunStore, auth: Auth, settings: CoordinatorSettings) -> 
         dependencies=write,
         responses={**auth.write_errors, **errors(404, 409)},
     )
-    async def cancel(run_id: RunId) -> RunPublic:
+    async def cancel(run_id: RunId) -> Response:
         try:
             await store.cancel(run_id)
         except RunNotFound:
             raise HTTPException(404, f"run {run_id} does not exist") from None
         except RunNotCancellable as exc:
             raise HTTPException(409, str(exc)) from None
-        return await public(run_id)
+        docs = await model.load(run_id, written=True)
+        if docs is None:  # gone between the cancel and the read
+            raise HTTPException(404, f"run {run_id} does not exist")
+        return Response(docs.public.body, media_type="application/json")
 
     return router

@@ -1,23 +1,25 @@
-"""/v1/workers: rollout workers register here; operators list them with their liveness, order
-one to give work back, and forget workers that are gone."""
+"""/v1/workers: rollout workers register here; operators list them with their liveness (from the
+read model), order one to give work back, and forget workers that are gone."""
 
 import time
-from typing import Annotated, cast
+from typing import Annotated
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, HTTPException, Path, Response
+from fastapi import APIRouter, HTTPException, Path, Request, Response
 from redis.typing import EncodableT, FieldT
 
 from services.contracts import keys
 from services.contracts.messages import WorkerControl
-from services.coordinator.scheduling import crash_reports, heartbeats, order, registered_workers
+from services.coordinator.read_model import ReadModel
+from services.coordinator.scheduling import heartbeats, order
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
+from services.infra.read_limit import revalidated
 from services.infra.service import Auth, errors
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
 
 
-def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
+def build_router(r: aioredis.Redis, model: ReadModel, auth: Auth) -> APIRouter:
     router = APIRouter(prefix="/v1/workers", tags=["workers"])
     change = {**auth.write_errors, **errors(400, 404, 409, 413)}
 
@@ -39,37 +41,16 @@ def build_router(r: aioredis.Redis, auth: Auth) -> APIRouter:
         return WorkerPublic(**worker.model_dump(), alive=False)
 
     @router.get(
-        "", response_model=list[WorkerPublic], dependencies=auth.read, responses=auth.read_errors
+        "",
+        response_model=list[WorkerPublic],
+        dependencies=auth.read,
+        responses={**auth.read_errors, **errors(503)},
     )
-    async def list_workers(alive: bool | None = None) -> list[WorkerPublic]:
-        out = []
-        beats = await heartbeats(r)
-        ids = sorted(await registered_workers(r))
-        crashes = await crash_reports(r, ids)
-        for worker_id in ids:
-            # our connections answer bytes (redis-py types a reply bytes | str)
-            record = cast(dict[bytes, bytes], await r.hgetall(keys.worker(worker_id)))
-            info = {k.decode(): v.decode() for k, v in record.items()}
-            if "pool" not in info:  # forgotten meanwhile
-                continue
-            beat = beats.get(worker_id)
-            item = WorkerPublic(
-                id=worker_id,
-                pool=info["pool"],
-                engine=info["engine"],
-                slots=int(info["slots"]),
-                url=info.get("url", ""),
-                alive=beat is not None,
-                run_id=beat.run_id if beat else None,
-                version=beat.version if beat else None,
-                active=beat.active if beat else 0,
-                tokens_generated=beat.tokens_generated if beat else 0,
-                last_error=str(crashes.get(worker_id, {}).get("error", ""))
-                or (beat.error if beat else ""),
-            )
-            if alive is None or item.alive == alive:
-                out.append(item)
-        return out
+    async def list_workers(request: Request, alive: bool | None = None) -> Response:
+        if not model.fresh:
+            raise HTTPException(503, "redis unavailable", {"Retry-After": "2"})
+        doc = model.workers[alive]
+        return revalidated(request, doc.body, doc.etag)
 
     @router.post(
         "/{worker_id}/release",

@@ -90,6 +90,23 @@ class CoordinatorSettings(CommonSettings):
         description="A worker gone (no heartbeat) this long is dropped from the worker list, "
         "with its control stream and crash report: churn over days does not pile up.",
     )
+    read_refresh_s: float = Field(
+        0.25,
+        gt=0,
+        le=60,
+        description="Period of the control plane's read model: what the REST API, the "
+        "dashboard and the metrics answer is at most this old.",
+    )
+    read_rate_per_s: float = Field(
+        20.0,
+        gt=0,
+        le=100_000,
+        description="Reads (GET) one client (one address) may make a second; past it and its "
+        "burst, a read is answered 429 with Retry-After.",
+    )
+    read_burst: int = Field(
+        40, ge=1, le=1_000_000, description="Reads one client may make at once above its rate."
+    )
 
     @field_validator("reward_modules", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -97,6 +97,8 @@ ERROR_TEXT = {
     409: "Conflicts with the resource's state.",
     413: "Too large.",
     416: "Range not satisfiable.",
+    429: "Over this client's read rate: retry after the Retry-After header's seconds.",
+    503: "Redis is unavailable: nothing was changed; retry after the Retry-After header's seconds.",
 }
 
 
@@ -128,8 +130,10 @@ def add_health_and_metrics(
     tasks: BackgroundTasks,
     extra: Callable[[], dict] | None = None,
     auth: Auth | None = None,
+    exposition: Callable[[], Awaitable[bytes]] | None = None,
 ) -> None:
-    """/healthz stays open (probes carry no token); /metrics is a read."""
+    """/healthz stays open (probes carry no token); /metrics is a read: this process's
+    registry, or what `exposition` gives."""
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> JSONResponse:
@@ -151,7 +155,8 @@ def add_health_and_metrics(
         response_class=PlainTextResponse,
     )
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        body = await exposition() if exposition is not None else generate_latest()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 BEARER = HTTPBearer(auto_error=False, description="The deployment's API token (SPOTRL_API_TOKEN).")

@@ -1,0 +1,270 @@
+"""The control plane's read model: everything the REST API, the dashboard and `spotrl status`
+read, refreshed from Redis by one task every `read_refresh_s` and held as the JSON each GET
+serves, so that a read costs no Redis round trip and no conversion, whatever the number of
+readers. It runs in the control-plane process, never on the data plane's event loop.
+
+A refresh costs three pipelined round trips however many clients read: the run index and the
+worker index; the records of the runs that can still change (a finished run's answers are
+kept as they are), with the worker records; then the metrics rows that can still change and the
+newest entries of the newest runs' timelines. A run's answers are made again only when what
+they are made of changed.
+
+It holds at most `max_runs` runs (the newest; older ones are read from Redis when asked for, in
+one round trip) and the timelines of the newest `TIMELINE_RUNS`. A read it cannot answer from
+a fresh refresh (Redis unreachable at the last one) is a 503, as when Redis is down.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.contracts import keys
+from services.contracts.messages import Heartbeat, MalformedMessage
+from services.contracts.runspec import RunSpec
+from services.coordinator.read_views import (
+    Doc,
+    Entries,
+    RunDocs,
+    RunInputs,
+    run_docs,
+    run_list,
+    settled,
+    timeline_body,
+    worker_docs,
+    worker_list,
+)
+from services.infra.redis_streams import range_entries
+from services.infra.retry import brief
+from services.state import timeline
+from services.state.step_metrics import StepRow, from_hash
+
+log = logging.getLogger(__name__)
+TIMELINE_RUNS = 4  # the newest runs whose timelines are held
+REREAD_STEPS = 8  # metrics rows this close to a live run's newest are read again each refresh
+
+
+def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+class ReadModel:
+    def __init__(self, r: aioredis.Redis, refresh_s: float, max_runs: int = 1000) -> None:
+        self.r, self.refresh_s, self.max_runs = r, refresh_s, max_runs
+        self.runs: dict[str, RunDocs] = {}
+        self.order: list[str] = []  # run ids, newest first
+        self.workers: dict[bool | None, Doc] = worker_docs([])
+        self.timelines: dict[str, tuple[Entries, Entries]] = {}
+        self.fresh = False  # the last refresh succeeded
+
+    async def forever(self) -> None:
+        down = False
+        while True:
+            try:
+                await self.refresh()
+                if down:
+                    log.info("read model: redis is back")
+                down = False
+            except (RedisError, OSError) as exc:
+                self.fresh = False
+                if not down:
+                    log.warning("read model: redis unavailable (%s); reads answer 503", brief(exc))
+                down = True
+            await asyncio.sleep(self.refresh_s)
+
+    async def refresh(self) -> None:
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.zrevrange(keys.RUN_INDEX, 0, self.max_runs - 1)
+            pipe.smembers(keys.WORKER_INDEX)
+            raw_ids, raw_workers = await pipe.execute()
+        ids = [x.decode() for x in raw_ids]
+        worker_ids = sorted(x.decode() for x in raw_workers)
+        changing = [i for i in ids if i not in self.runs or not self.runs[i].final]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for run_id in changing:
+                self._queue_run(pipe, run_id)
+            self._queue_workers(pipe, worker_ids)
+            replies = await pipe.execute()
+        heads = [replies[i * 4 : i * 4 + 4] for i in range(len(changing))]
+        worker_replies = replies[len(changing) * 4 :]
+        async with self.r.pipeline(transaction=False) as pipe:
+            wanted = [
+                self._queue_rows(pipe, run_id, head)
+                for run_id, head in zip(changing, heads, strict=True)
+            ]
+            held = ids[:TIMELINE_RUNS]
+            for run_id in held:
+                self._queue_timeline(pipe, run_id)
+            replies = await pipe.execute()
+        n_rows = sum(map(len, wanted))
+        rows_replies, timeline_replies = replies[:n_rows], replies[n_rows:]
+        self._apply_runs(changing, heads, wanted, rows_replies)
+        self._apply_timelines(held, timeline_replies)
+        self._apply_workers(worker_ids, worker_replies)
+        self.order = [i for i in ids if i in self.runs]
+        for gone in set(self.runs) - set(self.order):
+            del self.runs[gone]
+        self.fresh = True
+
+    @staticmethod
+    def _queue_run(pipe: aioredis.client.Pipeline, run_id: str) -> None:
+        pipe.hgetall(keys.run(run_id))
+        pipe.get(keys.run_version(run_id))
+        pipe.zrange(keys.run_steps_done(run_id), 0, -1)
+        pipe.hget(keys.trainer_state(run_id), "groups_incomplete")
+
+    def _queue_rows(self, pipe: aioredis.client.Pipeline, run_id: str, head: list) -> list[int]:
+        """Queue the reads of the rows that may have changed; the steps they are of."""
+        steps = sorted(int(s) for s in head[2])
+        held = (
+            {row.step: row for row in self.runs[run_id].inputs.rows} if run_id in self.runs else {}
+        )
+        newest = steps[-1] if steps else 0
+        wanted = [s for s in steps if s not in held or s > newest - REREAD_STEPS]
+        for step in wanted:
+            pipe.hgetall(keys.run_step(run_id, step))
+        return wanted
+
+    def _apply_runs(
+        self, changing: list[str], heads: list[list], wanted: list[list[int]], rows_replies: list
+    ) -> None:
+        replies = iter(rows_replies)
+        for run_id, head, steps in zip(changing, heads, wanted, strict=True):
+            fresh_rows = {step: from_hash(next(replies), step) for step in steps}
+            if not head[0]:  # deleted meanwhile
+                continue
+            old = self.runs.get(run_id)
+            held = {row.step: row for row in old.inputs.rows} if old else {}
+            all_steps = sorted(int(s) for s in head[2])
+            rows = tuple(fresh_rows.get(s) or held.get(s) or StepRow(step=s) for s in all_steps)
+            inputs = RunInputs(
+                record=_decode(head[0]),
+                version=int(head[1]) if head[1] is not None else None,
+                groups_incomplete=int(head[3] or 0),
+                rows=rows,
+            )
+            if old is not None and old.inputs == inputs:
+                if settled(inputs.record, time.time()):
+                    self.runs[run_id] = replace(old, final=True)
+                continue
+            spec = old.spec if old else RunSpec.model_validate_json(inputs.record["spec"])
+            self.runs[run_id] = run_docs(run_id, inputs, spec, time.time())
+
+    @staticmethod
+    def _queue_workers(pipe: aioredis.client.Pipeline, worker_ids: list[str]) -> None:
+        for worker_id in worker_ids:
+            pipe.hgetall(keys.worker(worker_id))
+        if worker_ids:
+            pipe.mget([keys.worker_heartbeat(w) for w in worker_ids])
+            pipe.mget([keys.worker_crash(w) for w in worker_ids])
+
+    def _apply_workers(self, worker_ids: list[str], replies: list) -> None:
+        if not worker_ids:
+            self.workers = worker_docs([])
+            return
+        n = len(worker_ids)
+        records = {w: _decode(raw) for w, raw in zip(worker_ids, replies[:n], strict=True)}
+        beats, crashes = {}, {}
+        for worker_id, raw_beat, raw_crash in zip(
+            worker_ids, replies[n], replies[n + 1], strict=True
+        ):
+            if raw_beat is not None:
+                with contextlib.suppress(MalformedMessage):
+                    beats[worker_id] = Heartbeat.decode(raw_beat)
+            if raw_crash is not None:
+                try:
+                    report = json.loads(raw_crash)
+                except ValueError:
+                    continue
+                if isinstance(report, dict):
+                    crashes[worker_id] = report
+        self.workers = worker_docs(worker_list(records, beats, crashes))
+
+    def _queue_timeline(self, pipe: aioredis.client.Pipeline, run_id: str) -> None:
+        events, pool = self.timelines.get(run_id) or (
+            Entries(timeline.EVENTS_MAXLEN),
+            Entries(timeline.POOL_MAXLEN),
+        )
+        self.timelines[run_id] = events, pool
+        for stream, held in ((keys.run_events(run_id), events), (keys.run_pool(run_id), pool)):
+            start = f"({held.last_id}" if held.last_id else "-"
+            pipe.xrange(stream, min=start, max="+", count=timeline.READ_MAX)
+
+    def _apply_timelines(self, held: list[str], replies: list) -> None:
+        for i, run_id in enumerate(held):
+            for entries, reply in zip(
+                self.timelines[run_id], replies[2 * i : 2 * i + 2], strict=True
+            ):
+                entries.extend(
+                    [(eid.decode(), fields[b"e"]) for eid, fields in range_entries(reply)]
+                )
+        for gone in set(self.timelines) - set(held):
+            del self.timelines[gone]
+
+    # ---- reads: what the routes call ----
+
+    def run_list(self, limit: int) -> Doc:
+        return run_list([self.runs[i] for i in self.order[:limit]])
+
+    async def run(self, run_id: str) -> RunDocs | None:
+        """A run's answers: held, or read now in one round trip (a run older than the held
+        ones, or one written a moment ago)."""
+        held = self.runs.get(run_id)
+        if held is not None:
+            return held
+        return await self.load(run_id)
+
+    async def load(self, run_id: str, written: bool = False) -> RunDocs | None:
+        """Read one run now: a miss, or a run this process has just written (`written`: it is
+        held from now on, a new one first in the list)."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            self._queue_run(pipe, run_id)
+            head = await pipe.execute()
+        if not head[0]:
+            return None
+        steps = sorted(int(s) for s in head[2])
+        async with self.r.pipeline(transaction=False) as pipe:
+            for step in steps:
+                pipe.hgetall(keys.run_step(run_id, step))
+            raws = await pipe.execute()
+        inputs = RunInputs(
+            record=_decode(head[0]),
+            version=int(head[1]) if head[1] is not None else None,
+            groups_incomplete=int(head[3] or 0),
+            rows=tuple(from_hash(raw, step) for step, raw in zip(steps, raws, strict=True)),
+        )
+        spec = RunSpec.model_validate_json(inputs.record["spec"])
+        docs = run_docs(run_id, inputs, spec, time.time())
+        if written or run_id in self.runs:
+            self.runs[run_id] = docs
+            if run_id not in self.order:
+                self.order.insert(0, run_id)
+        return docs
+
+    async def timeline(
+        self, run_id: str, after_event: str | None, after_sample: str | None, count: int
+    ) -> bytes:
+        held = self.timelines.get(run_id)
+        if held is not None:
+            events, pool = held
+            return timeline_body(
+                run_id, events.page(after_event, count), pool.page(after_sample, count)
+            )
+        async with self.r.pipeline(transaction=False) as pipe:
+            for stream, after in (
+                (keys.run_events(run_id), after_event),
+                (keys.run_pool(run_id), after_sample),
+            ):
+                pipe.xrange(stream, min=f"({after}" if after else "-", max="+", count=count)
+            replies = await pipe.execute()
+        pages = []
+        for reply in replies:
+            page = Entries(count)
+            page.extend([(eid.decode(), fields[b"e"]) for eid, fields in range_entries(reply)])
+            pages.append(page.bodies)
+        return timeline_body(run_id, pages[0], pages[1])

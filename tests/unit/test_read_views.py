@@ -1,0 +1,105 @@
+"""What the read model serves (services.coordinator.read_views): a run's answers from what
+Redis holds, timeline pages from the held entries, the worker list."""
+
+import json
+
+from services.contracts.messages import Heartbeat
+from services.contracts.runspec import RunSpec
+from services.coordinator.read_views import (
+    FINAL_SETTLE_S,
+    Entries,
+    RunInputs,
+    run_docs,
+    run_list,
+    settled,
+    timeline_body,
+    worker_docs,
+    worker_list,
+)
+from services.state.step_metrics import StepRow
+
+SPEC = RunSpec(model="/models/m", steps=5)
+
+
+def inputs(state: str = "running", **record) -> RunInputs:
+    base = {"id": "r1", "spec": SPEC.model_dump_json(), "state": state, "created_at": "100.5"}
+    rows = (
+        StepRow(step=0, reward_mean=0.25, tokens_per_s=10.0, reward_errors=1),
+        StepRow(step=1, reward_mean=0.5, tokens_per_s=20.0, reward_errors=2),
+        StepRow(step=2, policy_loss=0.1),  # its rollout is not done
+    )
+    return RunInputs(record=base | record, version=2, groups_incomplete=1, rows=rows)
+
+
+def test_a_runs_public_record_and_metrics_as_the_api_shows_them():
+    docs = run_docs("r1", inputs(n_prem_recommended="3.5", started_at="101"), SPEC, now=200.0)
+    public = json.loads(docs.public.body)
+    assert public["id"] == "r1" and public["state"] == "running"
+    assert public["step"] == 2 and public["weight_version"] == 2 and public["steps"] == 5
+    assert public["reward_mean"] == 0.5 and public["tokens_per_s"] == 20.0  # newest rollout
+    assert public["reward_errors"] == 3 and public["groups_incomplete"] == 1
+    assert public["n_prem_recommended"] == 3.5 and public["started_at"] == 101.0
+    assert public["finished_at"] is None and public["stall_reason"] == ""
+    metrics = json.loads(docs.metrics.body)
+    assert [row["step"] for row in metrics["steps"]] == [0, 1, 2]
+    assert metrics["steps"][2] == {"step": 2, "policy_loss": 0.1}
+    assert not docs.final
+
+
+def test_a_run_is_final_once_it_ended_long_enough_ago():
+    ended = inputs("succeeded", finished_at="1000").record
+    assert not settled(ended, 1000 + FINAL_SETTLE_S - 1)
+    assert settled(ended, 1000 + FINAL_SETTLE_S + 1)
+    assert not settled(inputs("running").record, 10**10)
+
+
+def test_equal_answers_have_equal_etags_and_a_change_changes_it():
+    a = run_docs("r1", inputs(), SPEC, 0.0)
+    b = run_docs("r1", inputs(), SPEC, 0.0)
+    c = run_docs("r1", inputs(state="stalled", stall_reason="no workers"), SPEC, 0.0)
+    assert a.public.etag == b.public.etag != c.public.etag
+    assert json.loads(c.public.body)["stall_reason"] == "no workers"
+    listed = json.loads(run_list([a, c]).body)
+    assert [run["state"] for run in listed] == ["running", "stalled"]
+
+
+def test_timeline_pages_after_an_entry_id_and_the_cap_keeps_the_newest():
+    entries = Entries(cap=3)
+    entries.extend([(f"5-{i}", json.dumps({"at": i, "kind": "k"}).encode()) for i in range(4)])
+    assert entries.last_id == "5-3"
+    assert [json.loads(b)["id"] for b in entries.page(None, 10)] == ["5-1", "5-2", "5-3"]
+    assert [json.loads(b)["id"] for b in entries.page("5-1", 10)] == ["5-2", "5-3"]
+    assert [json.loads(b)["id"] for b in entries.page("5-1", 1)] == ["5-2"]
+    assert entries.page("9-0", 10) == []
+    body = json.loads(timeline_body("r1", entries.page(None, 2), []))
+    assert body == {
+        "run_id": "r1",
+        "events": [{"id": "5-1", "at": 1, "kind": "k"}, {"id": "5-2", "at": 2, "kind": "k"}],
+        "pool": [],
+    }
+
+
+def test_the_worker_list_with_liveness_and_errors():
+    records = {
+        "w2": {"pool": "preemptible", "engine": "hf", "slots": "4"},
+        "w1": {"pool": "reserved", "engine": "hf", "slots": "8", "url": "http://x"},
+        "gone": {"gone_since": "5"},  # forgotten meanwhile: no registration left
+    }
+    beat = Heartbeat(
+        worker_id="w1",
+        pool="reserved",
+        run_id="r1",
+        version=3,
+        active=2,
+        slots=8,
+        tokens_generated=7,
+        at=1.0,
+    )
+    workers = worker_list(records, {"w1": beat}, {"w2": {"error": "OOM"}})
+    assert [w.id for w in workers] == ["w1", "w2"]
+    assert workers[0].alive and workers[0].version == 3 and workers[0].active == 2
+    assert not workers[1].alive and workers[1].last_error == "OOM"
+    docs = worker_docs(workers)
+    assert [w["id"] for w in json.loads(docs[True].body)] == ["w1"]
+    assert [w["id"] for w in json.loads(docs[False].body)] == ["w2"]
+    assert len(json.loads(docs[None].body)) == 2
