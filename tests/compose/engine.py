@@ -11,10 +11,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from tests.integration.conftest import wait_until
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA_ROOT = Path(
     os.environ.get("SPOTRL_DOCKER_DATA_ROOT", Path.home() / ".cache" / "spotrl" / "docker")
 )
@@ -92,6 +94,24 @@ class DockerEngine:
             timeout=timeout_s,
             check=check,
         )
+
+    def build_images(self, timeout_s: float) -> float:
+        """Build the stack's images here with tools/offline-image.sh, or find them up to date;
+        the seconds it took. The script skips each step whose inputs are unchanged (the image:
+        a hash of every file it is made of) and every engine shares one data root, so a test
+        session builds them once, whichever test asks first."""
+        t0 = time.monotonic()
+        build = subprocess.run(
+            ["bash", "tools/offline-image.sh"],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if build.returncode != 0:
+            raise RuntimeError(f"tools/offline-image.sh: {build.stderr[-3000:]}")
+        return time.monotonic() - t0
 
     def log_tail(self, lines: int = 20) -> str:
         try:

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -53,6 +54,34 @@ def rdb(deployment):
     r = redis.Redis.from_url(deployment.redis_url)
     yield r
     r.close()
+
+
+def short_heartbeat_env(ttl_s: float = 1.5, grace_s: float = 5) -> dict[str, str]:
+    """Workers that beat every 0.3 s and count as dead `ttl_s` after their last beat, whose
+    engine steps last 40 ms at least (generation can be caught in the middle), and that leave
+    within `grace_s` of a notice."""
+    return {
+        "SPOTRL_HEARTBEAT_S": "0.3",
+        "SPOTRL_HEARTBEAT_TTL_S": str(ttl_s),
+        "SPOTRL_STEP_DELAY_MS": "40",
+        "SPOTRL_PREEMPT_GRACE_S": str(grace_s),
+    }
+
+
+def short_heartbeat_config(
+    folder: Path, preemptible: int, ttl_s: float = 1.5, grace_s: float = 5, **over
+) -> DeploymentConfig:
+    """`preemptible` preemptible workers of 4 slots, no reserved one, with a short heartbeat
+    (short_heartbeat_env): for tests that kill, freeze or notify workers mid-generation."""
+    return DeploymentConfig(
+        folder,
+        reserved=0,
+        preemptible=preemptible,
+        worker_slots=4,
+        flush_tokens=2,
+        extra_env=short_heartbeat_env(ttl_s, grace_s),
+        **over,
+    )
 
 
 def small_spec(model, **over) -> dict:

@@ -29,10 +29,10 @@ from services.contracts.runspec import RunSpec
 from services.core.cloud_notice import MAX_ANSWER_BYTES, Notice
 from services.rollout.notice import NoticeWatcher
 from services.rollout.settings import RolloutSettings
-from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     holds_unfinished_jobs,
     run_events,
+    short_heartbeat_config,
     small_spec,
     wait_final,
     wait_until,
@@ -183,20 +183,7 @@ def servers() -> Iterator[dict[str, MetadataServer]]:
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory):
     """No worker of its own: the test adds one watcher per cloud, then one plain worker."""
-    env = {
-        "SPOTRL_HEARTBEAT_S": "0.3",
-        "SPOTRL_HEARTBEAT_TTL_S": "1.5",
-        "SPOTRL_STEP_DELAY_MS": "40",
-        "SPOTRL_PREEMPT_GRACE_S": str(GRACE_S),
-    }
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("cloud-notice"),
-        reserved=0,
-        preemptible=0,
-        worker_slots=4,
-        flush_tokens=2,
-        extra_env=env,
-    )
+    return short_heartbeat_config(tmp_path_factory.mktemp("cloud-notice"), 0, grace_s=GRACE_S)
 
 
 def test_the_local_server_checks_the_imdsv2_token(metadata):

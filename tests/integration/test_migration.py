@@ -5,8 +5,12 @@ zero with migration off), acknowledged and staged in the step store, once; a del
 lease is refused and its worker told to drop the request."""
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis
+import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
@@ -64,99 +68,115 @@ async def alive(r, worker_id: str) -> None:
     await r.set(keys.worker_heartbeat(worker_id), b"beat", ex=30)
 
 
-async def queued_jobs(r, after: bytes) -> list[Job]:
-    """Jobs added to the stream after entry `after`."""
-    entries = await r.xrange(STREAM, min=f"({after.decode()}", max="+")
-    return [Job.from_fields(fields) for _, fields in entries]
-
-
 async def pending_by_consumer(r) -> dict[str, int]:
     summary = await r.xpending(STREAM, keys.WORKERS_GROUP)
     return {c["name"].decode(): int(c["pending"]) for c in summary["consumers"] or []}
 
 
+@dataclass
+class QueuedStep:
+    """Step STEP of RUN, its jobs queued and read (queue_and_read): the client, the coordinator's
+    request table and step store, the requests each reader holds, and the stream id of the last
+    job queued."""
+
+    r: aioredis.Redis
+    table: RequestTable
+    store: StepStore
+    held: dict[str, list[str]]
+    last: bytes
+
+    async def reclaim(self, migration: bool = True) -> list[str]:
+        """One pass of the coordinator's reclaim: the dead workers it found."""
+        return await reclaim_dead_workers(
+            self.r, STREAM, self.table, self.store, migration=migration
+        )
+
+    async def requeued(self) -> list[Job]:
+        """Jobs added to the stream after the step's own."""
+        entries = await self.r.xrange(STREAM, min=f"({self.last.decode()}", max="+")
+        return [Job.from_fields(fields) for _, fields in entries]
+
+
+@contextlib.asynccontextmanager
+async def queued_step(url: str, readers: dict[str, int]) -> AsyncIterator[QueuedStep]:
+    """The step queued and read by `readers` on a client of its own, closed at the end."""
+    r = connect(url)
+    try:
+        table = new_table()
+        held = await queue_and_read(r, table, readers)
+        last = (await r.xrevrange(STREAM, count=1))[0][0]
+        yield QueuedStep(r, table, StepStore(r, RUN, STEP), held, last)
+    finally:
+        await r.aclose()
+
+
 def test_a_dead_workers_requests_continue_under_a_new_lease_once(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
-        held = await queue_and_read(r, table, {"w-dead": 2, "w-alive": 2})
-        await alive(r, "w-alive")  # w-dead has no heartbeat: it died without notice
-        last = (await r.xrevrange(STREAM, count=1))[0][0]
-        rid_a, rid_b = held["w-dead"]
-        table.apply(delta(rid_a, 0, [7, 8], lease=0))  # it had flushed two tokens of one
+        async with queued_step(empty_redis_url, {"w-dead": 2, "w-alive": 2}) as step:
+            r, table, held = step.r, step.table, step.held
+            await alive(r, "w-alive")  # w-dead has no heartbeat: it died without notice
+            rid_a, rid_b = held["w-dead"]
+            table.apply(delta(rid_a, 0, [7, 8], lease=0))  # it had flushed two tokens of one
 
-        dead = await reclaim_dead_workers(r, STREAM, table, store, migration=True)
-        assert dead == ["w-dead"]
-        jobs = {job.request_id: job for job in await queued_jobs(r, last)}
-        assert sorted(jobs) == sorted(held["w-dead"])
-        assert (jobs[rid_a].lease, jobs[rid_a].prefix_ids) == (1, [7, 8])
-        assert (jobs[rid_a].remaining_tokens, jobs[rid_b].prefix_ids) == (4, [])
-        assert table.requests[rid_a].lease == table.requests[rid_b].lease == 1
-        for rid in held["w-alive"]:
-            assert table.requests[rid].lease == 0  # a live worker keeps its requests
-        assert await pending_by_consumer(r) == {"w-alive": 2}  # acknowledged, consumer gone
-        consumers = await r.xinfo_consumers(STREAM, keys.WORKERS_GROUP)
-        assert "w-dead" not in {c["name"].decode() for c in consumers}
+            assert await step.reclaim() == ["w-dead"]
+            jobs = {job.request_id: job for job in await step.requeued()}
+            assert sorted(jobs) == sorted(held["w-dead"])
+            assert (jobs[rid_a].lease, jobs[rid_a].prefix_ids) == (1, [7, 8])
+            assert (jobs[rid_a].remaining_tokens, jobs[rid_b].prefix_ids) == (4, [])
+            assert table.requests[rid_a].lease == table.requests[rid_b].lease == 1
+            for rid in held["w-alive"]:
+                assert table.requests[rid].lease == 0  # a live worker keeps its requests
+            assert await pending_by_consumer(r) == {"w-alive": 2}  # acknowledged, consumer gone
+            consumers = await r.xinfo_consumers(STREAM, keys.WORKERS_GROUP)
+            assert "w-dead" not in {c["name"].decode() for c in consumers}
 
-        restored = new_table()  # the new leases are in the step store, with the jobs
-        await StepStore(r, RUN, STEP).restore(restored)
-        assert restored.requests[rid_a].lease == 1
-        assert restored.requests[rid_a].token_ids == [7, 8]
+            restored = new_table()  # the new leases are in the step store, with the jobs
+            await StepStore(r, RUN, STEP).restore(restored)
+            assert restored.requests[rid_a].lease == 1
+            assert restored.requests[rid_a].token_ids == [7, 8]
 
-        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == []
-        assert len(await queued_jobs(r, last)) == 2  # migrated once, not at every pass
-        assert table.requests[rid_a].lease == 1
-        await r.aclose()
+            assert await step.reclaim() == []
+            assert len(await step.requeued()) == 2  # migrated once, not at every pass
+            assert table.requests[rid_a].lease == 1
 
     asyncio.run(scenario())
 
 
 def test_with_migration_off_a_dead_workers_request_starts_over(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
-        held = await queue_and_read(r, table, {"w-dead": 1})
-        last = (await r.xrevrange(STREAM, count=1))[0][0]
-        (rid,) = held["w-dead"]
-        table.apply(delta(rid, 0, [5, 5, 5], lease=0))
-        assert await reclaim_dead_workers(r, STREAM, table, store, migration=False) == ["w-dead"]
-        (job,) = await queued_jobs(r, last)
-        await r.aclose()
+        async with queued_step(empty_redis_url, {"w-dead": 1}) as step:
+            (rid,) = step.held["w-dead"]
+            step.table.apply(delta(rid, 0, [5, 5, 5], lease=0))
+            assert await step.reclaim(migration=False) == ["w-dead"]
+            (job,) = await step.requeued()
         assert (job.request_id, job.lease, job.prefix_ids, job.remaining_tokens) == (rid, 1, [], 6)
-        assert table.requests[rid].token_ids == [] and table.tokens_discarded == 3
+        assert step.table.requests[rid].token_ids == [] and step.table.tokens_discarded == 3
 
     asyncio.run(scenario())
 
 
 def test_a_job_whose_request_moved_on_is_acknowledged_not_migrated_again(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
-        held = await queue_and_read(r, table, {"w-dead": 2})
-        last = (await r.xrevrange(STREAM, count=1))[0][0]
-        moved, stays = held["w-dead"]
-        table.migrate(moved, "preemption")  # released before it died: already on lease 1
-        table.apply(delta(stays, 0, [1, 2, 3, 4, 5, 6], lease=0))  # and one it had finished
-        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == ["w-dead"]
-        assert await queued_jobs(r, last) == []
-        assert table.requests[moved].lease == 1 and table.requests[stays].lease == 0
-        assert await pending_by_consumer(r) == {}
-        await r.aclose()
+        async with queued_step(empty_redis_url, {"w-dead": 2}) as step:
+            table = step.table
+            moved, stays = step.held["w-dead"]
+            table.migrate(moved, "preemption")  # released before it died: already on lease 1
+            table.apply(delta(stays, 0, [1, 2, 3, 4, 5, 6], lease=0))  # and one it had finished
+            assert await step.reclaim() == ["w-dead"]
+            assert await step.requeued() == []
+            assert table.requests[moved].lease == 1 and table.requests[stays].lease == 0
+            assert await pending_by_consumer(step.r) == {}
 
     asyncio.run(scenario())
 
 
 def test_jobs_claimed_by_a_coordinator_that_died_are_requeued(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
         # a coordinator claimed these, then died before re-queueing them in its MULTI
-        held = await queue_and_read(r, table, {CLAIMER: 2})
-        last = (await r.xrevrange(STREAM, count=1))[0][0]
-        assert await reclaim_dead_workers(r, STREAM, table, store, migration=True) == []
-        jobs = await queued_jobs(r, last)
-        await r.aclose()
-        assert sorted(j.request_id for j in jobs) == sorted(held[CLAIMER])
+        async with queued_step(empty_redis_url, {CLAIMER: 2}) as step:
+            assert await step.reclaim() == []
+            jobs = await step.requeued()
+        assert sorted(j.request_id for j in jobs) == sorted(step.held[CLAIMER])
         assert all(j.lease == 1 for j in jobs)
 
     asyncio.run(scenario())
@@ -164,33 +184,28 @@ def test_jobs_claimed_by_a_coordinator_that_died_are_requeued(empty_redis_url):
 
 def test_a_worker_back_from_the_dead_is_fenced(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
-        held = await queue_and_read(r, table, {"w-dead": 1})
-        (rid,) = held["w-dead"]
-        await reclaim_dead_workers(r, STREAM, table, store, migration=True)
-        # it was only slow: it flushes under the lease it had, which moved on
-        assert table.apply(delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
-        assert table.requests[rid].token_ids == []
-        await fence(r, RUN, {"w-dead": {(rid, 0)}})
-        entries = await r.xrange(keys.worker_control("w-dead"))
-        (order,) = [WorkerControl.from_fields(fields) for _, fields in entries]
-        assert (order.action, order.run_id) == ("abort", RUN)
-        assert [(q.request_id, q.lease) for q in order.requests] == [(rid, 0)]
-        assert table.apply(delta(rid, 0, [4], lease=1)) is Applied.APPENDED  # the new lease
-        await r.aclose()
+        async with queued_step(empty_redis_url, {"w-dead": 1}) as step:
+            r, table = step.r, step.table
+            (rid,) = step.held["w-dead"]
+            await step.reclaim()
+            # it was only slow: it flushes under the lease it had, which moved on
+            assert table.apply(delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
+            assert table.requests[rid].token_ids == []
+            await fence(r, RUN, {"w-dead": {(rid, 0)}})
+            entries = await r.xrange(keys.worker_control("w-dead"))
+            (order,) = [WorkerControl.from_fields(fields) for _, fields in entries]
+            assert (order.action, order.run_id) == ("abort", RUN)
+            assert [(q.request_id, q.lease) for q in order.requests] == [(rid, 0)]
+            assert table.apply(delta(rid, 0, [4], lease=1)) is Applied.APPENDED  # the new lease
 
     asyncio.run(scenario())
 
 
 def test_reclaims_and_fences_are_on_the_runs_timeline(empty_redis_url):
     async def scenario():
-        r = connect(empty_redis_url)
-        table, store = new_table(), StepStore(r, RUN, STEP)
-        held = await queue_and_read(r, table, {"w-dead": 2})
-        await reclaim_dead_workers(r, STREAM, table, store, migration=True)
-        await fence(r, RUN, {"w-dead": {(held["w-dead"][0], 0)}})
-        await r.aclose()
+        async with queued_step(empty_redis_url, {"w-dead": 2}) as step:
+            await step.reclaim()
+            await fence(step.r, RUN, {"w-dead": {(step.held["w-dead"][0], 0)}})
 
     asyncio.run(scenario())
     with redis.Redis.from_url(empty_redis_url) as rdb:

@@ -13,12 +13,12 @@ import redis
 from services.cli.procs import Proc
 from services.contracts import keys
 from services.contracts.messages import Job
-from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
     finished_requests,
     read_groups,
     run_events,
+    short_heartbeat_config,
     small_spec,
     wait_final,
     wait_until,
@@ -34,20 +34,7 @@ MARGIN_TOKENS = 12
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory):
     """Three preemptible workers with a short heartbeat, for conftest's `deployment`."""
-    env = {
-        "SPOTRL_HEARTBEAT_S": "0.3",
-        "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
-        "SPOTRL_STEP_DELAY_MS": "40",
-        "SPOTRL_PREEMPT_GRACE_S": "5",
-    }
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("preempt"),
-        reserved=0,
-        preemptible=3,
-        worker_slots=4,
-        flush_tokens=2,
-        extra_env=env,
-    )
+    return short_heartbeat_config(tmp_path_factory.mktemp("preempt"), 3, HEARTBEAT_TTL_S)
 
 
 def spec(model):

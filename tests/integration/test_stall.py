@@ -13,11 +13,11 @@ from services.cli import procs
 from services.cli.audit import audit_run
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES, RunSpec
-from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
     read_groups,
     run_events,
+    short_heartbeat_config,
     small_spec,
     wait_final,
     wait_until,
@@ -31,20 +31,7 @@ K = 2
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory):
     """Two preemptible workers with a short heartbeat, for conftest's `deployment`."""
-    env = {
-        "SPOTRL_HEARTBEAT_S": "0.3",
-        "SPOTRL_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
-        "SPOTRL_STEP_DELAY_MS": "40",
-        "SPOTRL_PREEMPT_GRACE_S": "5",
-    }
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("stall"),
-        reserved=0,
-        preemptible=2,
-        worker_slots=4,
-        flush_tokens=2,
-        extra_env=env,
-    )
+    return short_heartbeat_config(tmp_path_factory.mktemp("stall"), 2, HEARTBEAT_TTL_S)
 
 
 def spec(model, **over):

@@ -3,6 +3,7 @@ clear 4xx errors that change nothing, auth, and the client's verified parallel p
 
 import asyncio
 import hashlib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,18 +14,25 @@ from services.weights.transfer import WeightClient, WeightTransferError
 TOKEN = "s3cret"
 
 
+def start_store(root: Path, settings: dict[str, str]) -> procs.Proc:
+    """A weight store with the token and `settings` (SPOTRL_ variables), its data and log under
+    `root`, healthy; the caller stops it."""
+    port = procs.free_port()
+    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data"), "SPOTRL_API_TOKEN": TOKEN}
+    env |= settings
+    proc = procs.start_service("weightstore", "services.weightstore.main", env, root, port)
+    try:
+        procs.wait_healthy([proc], 60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
-    port = procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(root / "data"),
-        "SPOTRL_API_TOKEN": TOKEN,
-        "SPOTRL_KEEP_VERSIONS": "3",
-    }
-    proc = procs.start_service("weightstore", "services.weightstore.main", env, root, port)
-    procs.wait_healthy([proc], 60)
+    proc = start_store(root, {"SPOTRL_KEEP_VERSIONS": "3"})
     yield proc.url, root
     proc.stop()
 
@@ -172,16 +180,8 @@ def test_an_upload_sends_only_what_changed_since_the_clients_last_commit(store, 
 def test_a_store_with_protected_reads_serves_its_files_to_the_token_only(tmp_path):
     """With SPOTRL_PROTECT_READS the file ranges need the token too: a pull with it works, one
     without it fails and leaves nothing behind."""
-    port = procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(tmp_path / "data"),
-        "SPOTRL_API_TOKEN": TOKEN,
-        "SPOTRL_PROTECT_READS": "true",
-    }
-    proc = procs.start_service("weightstore", "services.weightstore.main", env, tmp_path, port)
+    proc = start_store(tmp_path, {"SPOTRL_PROTECT_READS": "true"})
     try:
-        procs.wait_healthy([proc], 60)
         src = tmp_path / "src"
         src.mkdir()
         (src / "model.safetensors").write_bytes(bytes(range(256)) * 4000)

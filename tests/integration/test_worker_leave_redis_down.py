@@ -13,8 +13,13 @@ import pytest
 
 from services.cli.audit import audit_run
 from services.contracts.runspec import RunSpec
-from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import holds_unfinished_jobs, small_spec, wait_final, wait_until
+from tests.integration.conftest import (
+    holds_unfinished_jobs,
+    short_heartbeat_config,
+    small_spec,
+    wait_final,
+    wait_until,
+)
 
 GRACE_S = 3.0
 # the process's own start of shutdown and its interpreter's exit, on a loaded machine
@@ -26,20 +31,8 @@ WAIT_AT_MOST_S = 120.0  # how long the test waits for an exit, to report how lat
 def deployment_config(tmp_path_factory):
     """One preemptible worker with a short grace period, on a Redis that keeps its data over a
     restart (its append-only file)."""
-    env = {
-        "SPOTRL_HEARTBEAT_S": "0.3",
-        "SPOTRL_HEARTBEAT_TTL_S": "1.5",
-        "SPOTRL_STEP_DELAY_MS": "40",
-        "SPOTRL_PREEMPT_GRACE_S": str(GRACE_S),
-    }
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("redis-down"),
-        reserved=0,
-        preemptible=1,
-        worker_slots=4,
-        flush_tokens=2,
-        redis_appendonly=True,
-        extra_env=env,
+    return short_heartbeat_config(
+        tmp_path_factory.mktemp("redis-down"), 1, grace_s=GRACE_S, redis_appendonly=True
     )
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from tests.compose.engine import DockerEngine
 from tests.swarm.cluster import CACHE, Cluster
 
-ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ("spotrl:latest", "spotrl-base:bookworm")
 
 
@@ -35,18 +34,7 @@ def build_and_save(timeout_s: float = 2400.0) -> tuple[Path, dict[str, str], flo
     engine = DockerEngine()
     engine.start()
     try:
-        t0 = time.monotonic()
-        build = subprocess.run(
-            ["bash", "tools/offline-image.sh"],
-            cwd=ROOT,
-            env=engine.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if build.returncode != 0:
-            raise RuntimeError(f"tools/offline-image.sh: {build.stderr[-3000:]}")
-        build_s = time.monotonic() - t0
+        build_s = engine.build_images(timeout_s)
         ids = image_ids(engine.docker)
         key = hashlib.sha256(" ".join(sorted(ids.values())).encode()).hexdigest()[:16]
         tarball = CACHE / f"images-{key}.tar"
