@@ -48,7 +48,8 @@ from services.contracts.shards import shard_of
 from services.coordinator.migration import CLAIMER
 from services.coordinator.step_log import Arrays, replay
 from services.core.request_table import request_id, step_of
-from services.infra.redis_streams import entry_time_s
+from services.infra.redis_streams import entry_time_s, text
+from services.state import run_record
 
 POLL_S = 0.01  # how often a watch reads the run: the resolution of the times it reports
 
@@ -166,10 +167,10 @@ def distribution(values: Iterable[float | None]) -> dict:
 
 
 def run_spec(r: redis.Redis, run_id: str) -> RunSpec:
-    raw = r.hget(keys.run(run_id), "spec")
-    if raw is None:
+    record = run_record.read_sync(r, run_id, "spec")
+    if record is None:
         raise KeyError(f"no run {run_id}")
-    return RunSpec.model_validate_json(cast(bytes, raw))
+    return record.run_spec()
 
 
 def steps_in_flight(r: redis.Redis, run_id: str) -> list[int]:
@@ -209,12 +210,11 @@ def busiest_worker(r: redis.Redis, run_id: str, step: int) -> str | None:
         consumers = r.xinfo_consumers(keys.jobs_stream(run_id, step), keys.WORKERS_GROUP)
     except redis.ResponseError:  # no stream or no group yet
         return None
-    pending = {c["name"]: c["pending"] for c in consumers if c["pending"] > 0}
+    pending = {text(c["name"]) or "": c["pending"] for c in consumers if c["pending"] > 0}
     pending.pop(CLAIMER, None)  # the coordinator's own, between a claim and its re-queue
     if not pending:
         return None
-    name = max(pending, key=lambda n: pending[n])
-    return name.decode() if isinstance(name, bytes) else name
+    return max(pending, key=lambda n: pending[n])
 
 
 class RecoveryWatch:

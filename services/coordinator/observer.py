@@ -22,7 +22,7 @@ from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.coordinator.memory import MIB, RedisMemory, run_streams, stream_lengths
 from services.coordinator.scheduling import forget_gone_workers, heartbeats
-from services.infra.redis_streams import with_reconnect
+from services.infra.redis_streams import text, with_reconnect
 from services.state import timeline
 from services.state.run_state import active_run, committed_version
 
@@ -106,8 +106,7 @@ async def _group_backlog(r: aioredis.Redis, stream: str, group: str) -> tuple[in
     except ResponseError:
         return 0, 0  # no such stream yet
     for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        if name == group:
+        if text(g["name"]) == group:
             return int(g.get("lag") or 0), int(g.get("pending") or 0)
     return 0, 0
 

@@ -26,7 +26,6 @@ from redis.exceptions import RedisError
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, MalformedMessage
-from services.contracts.runspec import RunSpec
 from services.coordinator.read_views import (
     Doc,
     Entries,
@@ -41,16 +40,12 @@ from services.coordinator.read_views import (
 )
 from services.infra.redis_streams import range_entries
 from services.infra.retry import brief
-from services.state import timeline
+from services.state import run_record, timeline, trainer_state, worker_record
 from services.state.step_metrics import StepRow, from_hash
 
 log = logging.getLogger(__name__)
 TIMELINE_RUNS = 4  # the newest runs whose timelines are held
 REREAD_STEPS = 8  # metrics rows this close to a live run's newest are read again each refresh
-
-
-def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in raw.items()}
 
 
 class ReadModel:
@@ -60,7 +55,8 @@ class ReadModel:
         self.order: list[str] = []  # run ids, newest first
         self.workers: dict[bool | None, Doc] = worker_docs([])
         self.timelines: dict[str, tuple[Entries, Entries]] = {}
-        self.fresh = False  # the last refresh succeeded
+        self.refreshed_at: float | None = None  # clock of the last refresh, if it succeeded
+        self.stale_after_s = max(2.0, 8 * refresh_s)
 
     async def forever(self) -> None:
         down = False
@@ -71,7 +67,7 @@ class ReadModel:
                     log.info("read model: redis is back")
                 down = False
             except (RedisError, OSError) as exc:
-                self.fresh = False
+                self.refreshed_at = None
                 if not down:
                     log.warning("read model: redis unavailable (%s); reads answer 503", brief(exc))
                 down = True
@@ -109,14 +105,35 @@ class ReadModel:
         self.order = [i for i in ids if i in self.runs]
         for gone in set(self.runs) - set(self.order):
             del self.runs[gone]
-        self.fresh = True
+        self.refreshed_at = time.monotonic()
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the last refresh succeeded, and not longer ago than `stale_after_s` (Redis
+        frozen: a refresh that does not come back)."""
+        at = self.refreshed_at
+        return at is not None and time.monotonic() - at < self.stale_after_s
 
     @staticmethod
     def _queue_run(pipe: aioredis.client.Pipeline, run_id: str) -> None:
-        pipe.hgetall(keys.run(run_id))
+        run_record.queue_read(pipe, run_id)
         pipe.get(keys.run_version(run_id))
         pipe.zrange(keys.run_steps_done(run_id), 0, -1)
-        pipe.hget(keys.trainer_state(run_id), "groups_incomplete")
+        trainer_state.queue_read(pipe, run_id)
+
+    @staticmethod
+    def _inputs(run_id: str, head: list, rows: tuple[StepRow, ...]) -> RunInputs | None:
+        """What a run's answers are made of, from `_queue_run`'s replies (None: no such run)."""
+        record = run_record.from_reply(run_id, head[0])
+        if record is None:
+            return None
+        trained = trainer_state.from_reply(run_id, head[3])
+        return RunInputs(
+            record=record,
+            version=int(head[1]) if head[1] is not None else None,
+            groups_incomplete=trained.groups_incomplete if trained else 0,
+            rows=rows,
+        )
 
     def _queue_rows(self, pipe: aioredis.client.Pipeline, run_id: str, head: list) -> list[int]:
         """Queue the reads of the rows that may have changed; the steps they are of."""
@@ -136,29 +153,24 @@ class ReadModel:
         replies = iter(rows_replies)
         for run_id, head, steps in zip(changing, heads, wanted, strict=True):
             fresh_rows = {step: from_hash(next(replies), step) for step in steps}
-            if not head[0]:  # deleted meanwhile
-                continue
             old = self.runs.get(run_id)
             held = {row.step: row for row in old.inputs.rows} if old else {}
             all_steps = sorted(int(s) for s in head[2])
             rows = tuple(fresh_rows.get(s) or held.get(s) or StepRow(step=s) for s in all_steps)
-            inputs = RunInputs(
-                record=_decode(head[0]),
-                version=int(head[1]) if head[1] is not None else None,
-                groups_incomplete=int(head[3] or 0),
-                rows=rows,
-            )
+            inputs = self._inputs(run_id, head, rows)
+            if inputs is None:  # deleted meanwhile
+                continue
             if old is not None and old.inputs == inputs:
                 if settled(inputs.record, time.time()):
                     self.runs[run_id] = replace(old, final=True)
                 continue
-            spec = old.spec if old else RunSpec.model_validate_json(inputs.record["spec"])
+            spec = old.spec if old else inputs.record.run_spec()
             self.runs[run_id] = run_docs(run_id, inputs, spec, time.time())
 
     @staticmethod
     def _queue_workers(pipe: aioredis.client.Pipeline, worker_ids: list[str]) -> None:
         for worker_id in worker_ids:
-            pipe.hgetall(keys.worker(worker_id))
+            worker_record.queue_read(pipe, worker_id)
         if worker_ids:
             pipe.mget([keys.worker_heartbeat(w) for w in worker_ids])
             pipe.mget([keys.worker_crash(w) for w in worker_ids])
@@ -168,7 +180,11 @@ class ReadModel:
             self.workers = worker_docs([])
             return
         n = len(worker_ids)
-        records = {w: _decode(raw) for w, raw in zip(worker_ids, replies[:n], strict=True)}
+        records = {
+            w: record
+            for w, raw in zip(worker_ids, replies[:n], strict=True)
+            if (record := worker_record.from_reply(w, raw)) is not None
+        }
         beats, crashes = {}, {}
         for worker_id, raw_beat, raw_crash in zip(
             worker_ids, replies[n], replies[n + 1], strict=True
@@ -232,13 +248,11 @@ class ReadModel:
             for step in steps:
                 pipe.hgetall(keys.run_step(run_id, step))
             raws = await pipe.execute()
-        inputs = RunInputs(
-            record=_decode(head[0]),
-            version=int(head[1]) if head[1] is not None else None,
-            groups_incomplete=int(head[3] or 0),
-            rows=tuple(from_hash(raw, step) for step, raw in zip(steps, raws, strict=True)),
-        )
-        spec = RunSpec.model_validate_json(inputs.record["spec"])
+        rows = tuple(from_hash(raw, step) for step, raw in zip(steps, raws, strict=True))
+        inputs = self._inputs(run_id, head, rows)
+        if inputs is None:
+            return None
+        spec = inputs.record.run_spec()
         docs = run_docs(run_id, inputs, spec, time.time())
         if written or run_id in self.runs:
             self.runs[run_id] = docs

@@ -5,10 +5,12 @@ these; each answer is made once, as the JSON bytes every GET of it then serves.
 
 import bisect
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.contracts.messages import Heartbeat
+from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.coordinator.schemas import RunPublic, WorkerPublic
 from services.infra.read_limit import etag_of
@@ -31,23 +33,20 @@ class Doc:
 class RunInputs:
     """What a run's answers are made of, as read in one refresh (bytes as Redis gave them)."""
 
-    record: Mapping[str, str]  # the run's hash
+    record: RunRecord  # the run's hash
     version: int | None  # newest committed weight version
     groups_incomplete: int  # the trainer state's count
     rows: tuple[StepRow, ...]  # the per-step metrics rows, by step
 
 
 def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
-    """A run as GET /v1/runs/{id} shows it."""
+    """A run as GET /v1/runs/{id} shows it (infinity, "no limit", as null)."""
     run, rows = inputs.record, inputs.rows
     last = next((row for row in reversed(rows) if row.reward_mean is not None), StepRow())
-
-    def number(name: str) -> float | None:
-        return float(run[name]) if name in run else None
-
+    n_prem = run.n_prem_recommended
     return RunPublic(
         id=run_id,
-        state=run["state"],
+        state=run.state or "queued",
         spec=spec,
         step=inputs.version or 0,
         steps=spec.steps,
@@ -55,16 +54,16 @@ def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
         reward_mean=last.reward_mean,
         tokens_per_s=last.tokens_per_s,
         groups_incomplete=inputs.groups_incomplete,
-        t_seed_s=number("t_seed_s"),
-        n_prem_recommended=json.loads(run.get("n_prem_recommended", "null")),
-        preemptible_wanted=json.loads(run.get("preemptible_wanted", "null")),
-        created_at=float(run["created_at"]),
-        started_at=number("started_at"),
-        finished_at=number("finished_at"),
-        error=run.get("error", ""),
-        stall_reason=run.get("stall_reason", "") if run["state"] == "stalled" else "",
-        stalled_since=number("stalled_since"),
-        groups_quarantined=int(run.get("groups_quarantined", 0)),
+        t_seed_s=run.t_seed_s,
+        n_prem_recommended=None if n_prem is None or math.isinf(n_prem) else n_prem,
+        preemptible_wanted=run.preemptible_wanted,
+        created_at=run.created_at or 0.0,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        error=run.error,
+        stall_reason=run.stall_reason if run.state == "stalled" else "",
+        stalled_since=run.stalled_since,
+        groups_quarantined=run.groups_quarantined,
         reward_errors=sum(row.reward_errors or 0 for row in rows),
     )
 
@@ -83,11 +82,11 @@ class RunDocs:
 FINAL_SETTLE_S = 30.0  # a run finished this long ago gets no more writes (last rows included)
 
 
-def settled(record: Mapping[str, str], now: float) -> bool:
+def settled(record: RunRecord, now: float) -> bool:
     """Whether a run's record says it ended more than FINAL_SETTLE_S before `now`."""
-    if record.get("state") not in FINAL_STATES or "finished_at" not in record:
+    if record.state not in FINAL_STATES or record.finished_at is None:
         return False
-    return now - float(record["finished_at"]) > FINAL_SETTLE_S
+    return now - record.finished_at > FINAL_SETTLE_S
 
 
 def run_docs(run_id: str, inputs: RunInputs, spec: RunSpec, now: float) -> RunDocs:
@@ -110,7 +109,7 @@ def run_list(docs: list[RunDocs]) -> Doc:
 
 
 def worker_list(
-    records: Mapping[str, Mapping[str, str]],
+    records: Mapping[str, WorkerRecord],
     beats: Mapping[str, Heartbeat],
     crashes: Mapping[str, Mapping],
 ) -> list[WorkerPublic]:
@@ -118,15 +117,15 @@ def worker_list(
     out = []
     for worker_id in sorted(records):
         info, beat = records[worker_id], beats.get(worker_id)
-        if "pool" not in info:  # forgotten meanwhile
+        if info.pool is None:  # forgotten meanwhile: no registration left
             continue
         out.append(
             WorkerPublic(
                 id=worker_id,
-                pool=info["pool"],
-                engine=info["engine"],
-                slots=int(info["slots"]),
-                url=info.get("url", ""),
+                pool=info.pool,
+                engine=info.engine,
+                slots=info.slots,
+                url=info.url,
                 alive=beat is not None,
                 run_id=beat.run_id if beat else None,
                 version=beat.version if beat else None,

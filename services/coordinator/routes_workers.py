@@ -6,15 +6,16 @@ from typing import Annotated
 
 import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Path, Request, Response
-from redis.typing import EncodableT, FieldT
 
 from services.contracts import keys
 from services.contracts.messages import WorkerControl
+from services.contracts.records import WorkerRecord
 from services.coordinator.read_model import ReadModel
 from services.coordinator.scheduling import heartbeats, order
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
 from services.infra.read_limit import revalidated
 from services.infra.service import Auth, errors
+from services.state import worker_record
 
 WorkerId = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
 
@@ -31,10 +32,9 @@ def build_router(r: aioredis.Redis, model: ReadModel, auth: Auth) -> APIRouter:
         responses={**auth.write_errors, **errors(400, 413)},
     )
     async def register(worker: WorkerCreate) -> WorkerPublic:
-        record: dict[FieldT, EncodableT] = {k: v for k, v in worker.model_dump().items()}
-        record["registered_at"] = time.time()
+        record = WorkerRecord(**worker.model_dump(), registered_at=time.time())
         async with r.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.worker(worker.id), mapping=record)
+            worker_record.stage_register(pipe, record)
             pipe.sadd(keys.WORKER_INDEX, worker.id)
             pipe.delete(keys.worker_leaving(worker.id))  # a new incarnation
             await pipe.execute()

@@ -7,7 +7,7 @@ from services.contracts.runspec import FINAL_STATES
 from services.coordinator import cleanup
 from services.coordinator.runs import RunStore
 from services.infra.http_limits import clip
-from services.infra.redis_streams import text
+from services.state import run_record
 
 MAX_ERROR_CHARS = 1000
 
@@ -20,7 +20,7 @@ def failure_text(exc: Exception) -> str:
 
 async def ended_as(store: RunStore, run_id: str) -> str | None:
     """The final state of a run (cancelled under its manager, say), or None while it is live."""
-    state = text(await store.r.hget(keys.run(run_id), "state"))
+    state = await run_record.read_state(store.r, run_id)
     return state if state in FINAL_STATES else None
 
 

@@ -7,16 +7,16 @@ it is live, never out of a final state.
 
 import time
 import uuid
-from collections.abc import Mapping
 from typing import cast
 
 import redis.asyncio as aioredis
 
 from services.contracts import keys
-from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.contracts.records import RunRecord
+from services.contracts.runspec import FINAL_STATES, RunSpec, RunState
 from services.coordinator import cleanup
-from services.state import timeline
-from services.state.run_state import active_run, committed_version, set_if_live
+from services.state import run_record, timeline
+from services.state.run_state import active_run, committed_version
 from services.state.step_metrics import StepRow, read_steps, row_dict
 
 
@@ -33,14 +33,6 @@ class RunFailed(Exception):
     reason, shown as the run's error."""
 
 
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _decode(h: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in h.items()}
-
-
 class RunStore:
     def __init__(self, r: aioredis.Redis, audit_ttl_s: int = 600) -> None:
         self.r = r
@@ -49,29 +41,22 @@ class RunStore:
     async def submit(self, spec: RunSpec) -> str:
         run_id = time.strftime("r%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         now = time.time()
+        record = RunRecord(id=run_id, spec=spec.model_dump_json(), state="queued", created_at=now)
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                keys.run(run_id),
-                mapping={
-                    "id": run_id,
-                    "spec": spec.model_dump_json(),
-                    "state": "queued",
-                    "created_at": now,
-                },
-            )
+            run_record.stage_create(pipe, record)
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
             await pipe.execute()
         return run_id
 
-    async def get(self, run_id: str) -> dict[str, str]:
-        h = await self.r.hgetall(keys.run(run_id))
-        if not h:
+    async def get(self, run_id: str) -> RunRecord:
+        record = await run_record.read(self.r, run_id)
+        if record is None:
             raise RunNotFound(run_id)
-        return _decode(h)
+        return record
 
     async def spec(self, run_id: str) -> RunSpec:
-        return RunSpec.model_validate_json((await self.get(run_id))["spec"])
+        return (await self.get(run_id)).run_spec()
 
     async def list_ids(self, limit: int = 100) -> list[str]:
         ids = cast(list[bytes], await self.r.zrevrange(keys.RUN_INDEX, 0, limit - 1))
@@ -89,54 +74,48 @@ class RunStore:
             if raw is None:
                 return None
             run_id = cast(bytes, raw).decode()
-            state = await self.r.hget(keys.run(run_id), "state")
-            if state == b"queued":
+            if await run_record.read_state(self.r, run_id) == "queued":
                 break
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.run(run_id), mapping={"state": "running", "started_at": time.time()})
+            run_record.stage_start(pipe, run_id, time.time())
             pipe.set(keys.ACTIVE_RUN, run_id)
             await pipe.execute()
         await timeline.emit(self.r, run_id, "state", state="running")
         return run_id
 
-    async def _set_if_live(self, run_id: str, fields: dict, drop: tuple[str, ...] = ()) -> bool:
-        return await set_if_live(self.r, run_id, fields, drop)
-
     async def mark_stalled(self, run_id: str, reason: str, since: float) -> bool:
         """A live run cannot progress: say why (False if it is no longer live)."""
-        fields = {"state": "stalled", "stall_reason": reason, "stalled_since": since}
-        if not await self._set_if_live(run_id, fields):
+        stalled = await run_record.set_if_live(
+            self.r, run_id, state="stalled", stall_reason=reason, stalled_since=since
+        )
+        if not stalled:
             return False
         await timeline.emit(self.r, run_id, "state", state="stalled", reason=reason)
         return True
 
     async def update_stall_reason(self, run_id: str, reason: str) -> bool:
-        return await self._set_if_live(run_id, {"stall_reason": reason})
+        return await run_record.set_if_live(self.r, run_id, stall_reason=reason)
 
     async def mark_running(self, run_id: str, reason: str) -> bool:
         """A stalled run can progress again (False if it is no longer live)."""
-        fields = {"state": "running"}
-        if not await self._set_if_live(run_id, fields, ("stall_reason", "stalled_since")):
+        drop = ("stall_reason", "stalled_since")
+        if not await run_record.set_if_live(self.r, run_id, drop, state="running"):
             return False
         await timeline.emit(self.r, run_id, "state", state="running", reason=reason)
         return True
 
-    async def finish(self, run_id: str, state: str, error: str = "") -> None:
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                keys.run(run_id),
-                mapping={"state": state, "finished_at": time.time(), "error": error},
-            )
-            await pipe.execute()
-        await timeline.emit(self.r, run_id, "state", state=state, error=error)
+    async def finish(self, run_id: str, state: RunState, error: str = "") -> None:
+        """End the run (unless it has ended already: a cancel that landed first stays) and
+        release what it held."""
+        await run_record.finish(self.r, run_id, state, error)
         await cleanup.release_run(self.r, run_id, state, self.audit_ttl_s)
         if await self.active() == run_id:
             await self.r.delete(keys.ACTIVE_RUN)
 
     async def cancel(self, run_id: str) -> str:
         run = await self.get(run_id)
-        if run["state"] in FINAL_STATES:
-            raise RunNotCancellable(f"run {run_id} is already {run['state']}")
+        if run.state in FINAL_STATES:
+            raise RunNotCancellable(f"run {run_id} is already {run.state}")
         await self.r.lrem(keys.RUN_QUEUE, 0, run_id)
         await self.finish(run_id, "cancelled")
         return "cancelled"

@@ -21,7 +21,7 @@ from services.core.stall import (
     WorkerView,
     blocker,
 )
-from services.infra.redis_streams import text
+from services.state import run_record
 
 log = logging.getLogger(__name__)
 STALLS = Counter("spotrl_coordinator_run_stalls_total", "Times the active run became stalled")
@@ -39,9 +39,9 @@ class StallWatch:
 
     async def start(self) -> None:
         """Pick up a stall from before a restart, and the workers that served the run."""
-        run = await self.r.hmget(keys.run(self.run_id), ["state", "stalled_since", "stall_reason"])
-        if run[0] == b"stalled" and run[1] is not None:
-            self.tracker.restore(float(run[1]), text(run[2]) or "")
+        run = await run_record.read(self.r, self.run_id, "state", "stalled_since", "stall_reason")
+        if run is not None and run.state == "stalled" and run.stalled_since is not None:
+            self.tracker.restore(run.stalled_since, run.stall_reason)
         ids = await registered_workers(self.r)
         async with self.r.pipeline(transaction=False) as pipe:
             for worker_id in ids:

@@ -18,6 +18,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from services.contracts import keys
+from services.contracts.records import StepMeta
 from services.coordinator.step_log import RecordWriter, replay
 from services.core.request_table import RequestTable
 
@@ -43,8 +44,8 @@ class StepStore:
 
     async def restore(self, table: RequestTable) -> float | None:
         """Load a step begun earlier into `table`; its start time, or None for a new step."""
-        meta = await self.r.hgetall(self.meta)
-        if not meta:
+        meta = StepMeta.from_hash(await self.r.hgetall(self.meta), self.meta)
+        if meta.started_at is None:
             return None
         # our connections answer bytes (redis-py types a reply bytes | str)
         states = cast(dict[bytes, bytes], await self.r.hgetall(self.state))
@@ -78,10 +79,10 @@ class StepStore:
         done = {int(p) for p in await self.r.smembers(self.published)}
         table.pending_groups -= done
         table.unfinished_count = len(table.unfinished())
-        return float(meta[b"started_at"])
+        return meta.started_at
 
     def stage_queued(self, pipe, started_at: float) -> None:
-        pipe.hset(self.meta, mapping={"queued": 1, "started_at": started_at})
+        pipe.hset(self.meta, mapping=StepMeta.to_fields(queued=1, started_at=started_at))
         pipe.expire(self.meta, TTL_S)
 
     def stage_requests(self, pipe, table: RequestTable, rids: set[str]) -> None:

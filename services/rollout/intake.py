@@ -25,6 +25,7 @@ from services.rollout.context import WorkerContext
 from services.rollout.control import Control
 from services.rollout.presence import register
 from services.rollout.weight_loader import VersionLoader
+from services.state import run_record
 from services.state.run_state import active_run, committed_version, wait_for_version
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,9 @@ class JobIntake:
 
     async def _staleness(self, run_id: str) -> int:
         """The run's max_staleness, from its spec (0 where it cannot be read)."""
-        raw = await with_reconnect(lambda: self.ctx.r.hget(keys.run(run_id), "spec"), "spec")
+        run = await with_reconnect(lambda: run_record.read(self.ctx.r, run_id, "spec"), "spec")
         try:
-            return max(0, int(json.loads(raw or b"{}").get("max_staleness", 0)))
+            return max(0, int(json.loads(run.spec if run else "{}").get("max_staleness", 0)))
         except (ValueError, TypeError, AttributeError):
             return 0
 

@@ -1,9 +1,6 @@
-"""The run pointers every service reads (the active run, its committed version), and changing
-a run's state only while it is live (running or stalled), in one step inside Redis.
-
-The coordinator moves a run between running and stalled and fails it; the trainer fails it when
-its weights were taken over. Either may race a cancel: a run in a final state is never changed.
-"""
+"""The run pointers every service reads (the active run, its committed version), whether a
+run is live (running or stalled), and waiting for what the trainer and the coordinator announce.
+The run's own hash is `run_record`'s."""
 
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -13,6 +10,7 @@ import redis.asyncio as aioredis
 from services.contracts import keys
 from services.contracts.runspec import LIVE_STATES
 from services.infra.redis_streams import range_entries, text
+from services.state import run_record
 
 T = TypeVar("T")
 
@@ -20,27 +18,6 @@ T = TypeVar("T")
 class RunStopped(Exception):
     """The run is no longer live (cancelled, failed, deleted): the loop driving it stops; the
     message is its state."""
-
-
-# Only while the run is live (ARGV[1], ARGV[2]): HDEL the ARGV[3] fields that follow, then HSET
-# the name, value pairs after them.
-_SET_IF_LIVE = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= ARGV[1] and state ~= ARGV[2] then return 0 end
-local n = tonumber(ARGV[3])
-if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 4, 3 + n)) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4 + n))
-return 1
-"""
-
-
-async def set_if_live(
-    r: aioredis.Redis, run_id: str, fields: dict, drop: tuple[str, ...] = ()
-) -> bool:
-    """Drop `drop` and set `fields` on the run's hash if it is live; whether it was."""
-    pairs = [x for kv in fields.items() for x in kv]
-    args = [*LIVE_STATES, len(drop), *drop, *pairs]
-    return bool(await r.eval(_SET_IF_LIVE, 1, keys.run(run_id), *args))
 
 
 async def active_run(r: aioredis.Redis) -> str | None:
@@ -51,7 +28,7 @@ async def active_run(r: aioredis.Redis) -> str | None:
 async def ensure_live(r: aioredis.Redis, run_id: str) -> None:
     """Raise RunStopped (its message the run's state, or "deleted") unless the run is live: running
     or stalled."""
-    state = text(await r.hget(keys.run(run_id), "state"))
+    state = await run_record.read_state(r, run_id)
     if state not in LIVE_STATES:
         raise RunStopped(state or "deleted")
 

@@ -21,8 +21,8 @@ from services.contracts import keys
 from services.infra.compute import compute
 from services.infra.redis_streams import text
 from services.infra.retry import retry
-from services.state import timeline
-from services.state.run_state import RunStopped, set_if_live
+from services.state import run_record
+from services.state.run_state import RunStopped
 from services.weights.contract import Manifest, WeightConflict, WeightTransferError
 from services.weights.files import hash_files
 from services.weights.transfer import WeightClient
@@ -33,11 +33,10 @@ FIRST_RETRY_S, MAX_RETRY_S = 0.5, 10.0  # while no weight store replica answers
 
 
 async def fail_run(r: aioredis.Redis, run_id: str, reason: str) -> NoReturn:
-    """Fail the run (as the coordinator's RunStore.finish does) and stop training it."""
+    """Fail the run (a cancel that landed first stays) and stop training it; the coordinator
+    releases what the run held once it sees it ended."""
     log.error("run %s failed: %s", run_id, reason)
-    fields = {"state": "failed", "finished_at": time.time(), "error": reason}
-    if await set_if_live(r, run_id, fields):  # a cancel that landed first stays
-        await timeline.emit(r, run_id, "state", state="failed", error=reason)
+    await run_record.finish(r, run_id, "failed", reason)
     raise RunStopped(f"failed: {reason}")
 
 

@@ -4,6 +4,7 @@ Redis holds, timeline pages from the held entries, the worker list."""
 import json
 
 from services.contracts.messages import Heartbeat
+from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import RunSpec
 from services.coordinator.read_views import (
     FINAL_SETTLE_S,
@@ -22,17 +23,17 @@ SPEC = RunSpec(model="/models/m", steps=5)
 
 
 def inputs(state: str = "running", **record) -> RunInputs:
-    base = {"id": "r1", "spec": SPEC.model_dump_json(), "state": state, "created_at": "100.5"}
+    base = {"id": "r1", "spec": SPEC.model_dump_json(), "state": state, "created_at": 100.5}
     rows = (
         StepRow(step=0, reward_mean=0.25, tokens_per_s=10.0, reward_errors=1),
         StepRow(step=1, reward_mean=0.5, tokens_per_s=20.0, reward_errors=2),
         StepRow(step=2, policy_loss=0.1),  # its rollout is not done
     )
-    return RunInputs(record=base | record, version=2, groups_incomplete=1, rows=rows)
+    return RunInputs(record=RunRecord(**(base | record)), version=2, groups_incomplete=1, rows=rows)
 
 
 def test_a_runs_public_record_and_metrics_as_the_api_shows_them():
-    docs = run_docs("r1", inputs(n_prem_recommended="3.5", started_at="101"), SPEC, now=200.0)
+    docs = run_docs("r1", inputs(n_prem_recommended=3.5, started_at=101.0), SPEC, now=200.0)
     public = json.loads(docs.public.body)
     assert public["id"] == "r1" and public["state"] == "running"
     assert public["step"] == 2 and public["weight_version"] == 2 and public["steps"] == 5
@@ -40,6 +41,8 @@ def test_a_runs_public_record_and_metrics_as_the_api_shows_them():
     assert public["reward_errors"] == 3 and public["groups_incomplete"] == 1
     assert public["n_prem_recommended"] == 3.5 and public["started_at"] == 101.0
     assert public["finished_at"] is None and public["stall_reason"] == ""
+    unlimited = run_docs("r1", inputs(n_prem_recommended=float("inf")), SPEC, now=200.0)
+    assert json.loads(unlimited.public.body)["n_prem_recommended"] is None
     metrics = json.loads(docs.metrics.body)
     assert [row["step"] for row in metrics["steps"]] == [0, 1, 2]
     assert metrics["steps"][2] == {"step": 2, "policy_loss": 0.1}
@@ -47,7 +50,7 @@ def test_a_runs_public_record_and_metrics_as_the_api_shows_them():
 
 
 def test_a_run_is_final_once_it_ended_long_enough_ago():
-    ended = inputs("succeeded", finished_at="1000").record
+    ended = inputs("succeeded", finished_at=1000.0).record
     assert not settled(ended, 1000 + FINAL_SETTLE_S - 1)
     assert settled(ended, 1000 + FINAL_SETTLE_S + 1)
     assert not settled(inputs("running").record, 10**10)
@@ -81,9 +84,9 @@ def test_timeline_pages_after_an_entry_id_and_the_cap_keeps_the_newest():
 
 def test_the_worker_list_with_liveness_and_errors():
     records = {
-        "w2": {"pool": "preemptible", "engine": "hf", "slots": "4"},
-        "w1": {"pool": "reserved", "engine": "hf", "slots": "8", "url": "http://x"},
-        "gone": {"gone_since": "5"},  # forgotten meanwhile: no registration left
+        "w2": WorkerRecord(id="w2", pool="preemptible", engine="hf", slots=4),
+        "w1": WorkerRecord(id="w1", pool="reserved", engine="hf", slots=8, url="http://x"),
+        "gone": WorkerRecord(id="gone", gone_since=5.0),  # forgotten: no registration left
     }
     beat = Heartbeat(
         worker_id="w1",
