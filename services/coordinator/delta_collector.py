@@ -7,7 +7,7 @@ written in one MULTI with the acknowledgement of what was read. Deltas of a step
 (finished, or fenced stragglers) are counted as unknown and dropped with the read.
 
 It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
-`rollout_manager.py`, which calls `collect` in its loop.
+`step_shard.py` (the step's leader and followers), which calls `collect` in its loop.
 """
 
 import asyncio
@@ -41,6 +41,7 @@ from services.infra.redis_streams import (
     entry_time_s,
     while_out_of_memory,
 )
+from services.state import run_record
 from services.tasks import Example
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ class DeltaCollector:
         for p in outcome.dropped:
             staged.xadd(groups_stream, table.dropped_group(p).fields())
             store.stage_quarantined(staged, p)
-            staged.hincrby(keys.run(self.run_id), "groups_quarantined", 1)
+            run_record.stage_quarantined(staged, self.run_id)
 
     async def _say_oom(self, reason: str) -> None:
         """Redis refuses writes for memory: the run is stalled, saying so, where Redis takes

@@ -17,17 +17,16 @@ from redis.typing import StreamIdT
 
 from services.contracts import keys
 from services.contracts.messages import (
-    DeltaBatch,
     Job,
     MalformedMessage,
     ReleaseReason,
     RequestLease,
     WorkerControl,
 )
-from services.contracts.shards import shard_of
 from services.coordinator.step_store import StepStore
-from services.core.collect import keeps_tokens
+from services.core.reclaim import Reclaim, expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
+from services.infra.redis_streams import text
 from services.state import timeline
 
 log = logging.getLogger(__name__)
@@ -51,71 +50,21 @@ async def reclaim_dead_workers(
 ) -> list[str]:
     """Migrate the requests held by readers of `stream` whose heartbeat expired; their names.
 
-    The claim moves the dead reader's entries to the coordinator's own consumer; the new leases,
-    the continuation jobs and the acknowledgement of the claimed entries then land in one MULTI.
-    Entries claimed by a coordinator that died before that MULTI are pending under its consumer,
-    which has no heartbeat: the next pass reclaims them the same way. With coordinator shards
-    (`contracts.shards`) a request of another shard's table goes, in the same MULTI, to that
-    shard's deltas stream as released by the dead worker (cause `death`): the shard migrates it
-    as it would the worker's own release."""
-    dead, keep = [], keeps_tokens(migration, "death")
-    for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
-        name = consumer["name"]
-        name = name.decode() if isinstance(name, bytes) else name
-        if consumer["pending"] == 0 or await r.exists(keys.worker_heartbeat(name)):
-            continue
-        pending = await r.xpending_range(
-            stream, keys.WORKERS_GROUP, min="-", max="+", count=100_000, consumername=name
-        )
-        ids: list[StreamIdT] = [p["message_id"] for p in pending]
-        claimed: Claimed = []
-        if ids:
-            # redis-py types the reply for any connection (text, or ids only with justid); ours
-            # answers bytes, and without justid each entry is (id, fields)
-            claimed = cast(Claimed, await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids))
-        moved: list[Job] = []
-        other_shards: dict[int, list[RequestLease]] = {}  # requests of another shard's table
-        for entry_id, fields in claimed:
-            if fields is None:
-                continue
-            try:
-                job = Job.from_fields(fields)
-            except MalformedMessage as exc:
-                log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
-                continue
-            if job.request_id not in table.requests and table.shards > 1:
-                lease = RequestLease(request_id=job.request_id, lease=job.lease)
-                other_shards.setdefault(shard_of(job.request_id, table.shards), []).append(lease)
-                continue
-            new = table.migrate(job.request_id, "death", keep, lease=job.lease)
-            if new is not None:
-                moved.append(new)
-        async with r.pipeline(transaction=True) as pipe:
-            store.stage_requests(pipe, table, {job.request_id for job in moved})
-            for job in moved:
-                pipe.xadd(stream, job.fields())
-            for shard, leases in other_shards.items():
-                # the shard that holds them migrates them as the worker's own release would
-                released = DeltaBatch(
-                    worker_id=name,
-                    version=table.version,
-                    items=[],
-                    released=leases,
-                    release_reason="death",
-                )
-                pipe.xadd(keys.deltas_stream(table.run_id, shard), released.fields())
-            if ids:
-                pipe.xack(stream, keys.WORKERS_GROUP, *ids)
-            if name != CLAIMER:
-                pipe.xgroup_delconsumer(stream, keys.WORKERS_GROUP, name)
-            await pipe.execute()
-        await count_migrations(r, table, "death", len(moved))
-        handed = sum(len(leases) for leases in other_shards.values())
-        if name == CLAIMER:
+    The claim moves the dead reader's entries to the coordinator's own consumer; what becomes of
+    them is decided by `core.reclaim.plan_reclaim` and written, with the acknowledgement of the
+    claimed entries, in one MULTI. Entries claimed by a coordinator that died before that MULTI
+    are pending under its consumer and are reclaimed the same way on the next pass."""
+    dead = []
+    for name in await expired_readers_of(r, stream):
+        ids, jobs = await claim(r, stream, name)
+        plan = plan_reclaim(table, name, jobs, migration, CLAIMER)
+        await write_reclaim(r, stream, table, store, ids, plan)
+        await count_migrations(r, table, "death", len(plan.moved))
+        if not plan.dead:
             log.warning(
                 "re-queued %d jobs claimed before a coordinator restart (%d to other shards)",
-                len(moved),
-                handed,
+                len(plan.moved),
+                plan.handed_count,
             )
             continue
         DEAD.inc()
@@ -126,11 +75,72 @@ async def reclaim_dead_workers(
         log.warning(
             "worker %s missed its heartbeat: migrated %d of its %d jobs (%d by other shards)",
             name,
-            len(moved),
+            len(plan.moved),
             len(ids),
-            handed,
+            plan.handed_count,
         )
     return dead
+
+
+async def expired_readers_of(r: aioredis.Redis, stream: str) -> list[str]:
+    """The readers of `stream` that hold jobs and whose heartbeat key is gone."""
+    pending: dict[str, int] = {}
+    for consumer in await r.xinfo_consumers(stream, keys.WORKERS_GROUP):
+        pending[text(consumer["name"]) or ""] = int(consumer["pending"])
+    holding = [name for name, n in pending.items() if n > 0]
+    async with r.pipeline(transaction=False) as pipe:
+        for name in holding:
+            pipe.exists(keys.worker_heartbeat(name))
+        beating = await pipe.execute()
+    alive = {name for name, n in zip(holding, beating, strict=True) if n}
+    return expired_readers(pending, alive)
+
+
+async def claim(r: aioredis.Redis, stream: str, name: str) -> tuple[list[StreamIdT], list[Job]]:
+    """Move every entry `name` holds to the coordinator's consumer: their ids, and the jobs
+    that can be read (an entry deleted while pending has none)."""
+    pending = await r.xpending_range(
+        stream, keys.WORKERS_GROUP, min="-", max="+", count=100_000, consumername=name
+    )
+    ids: list[StreamIdT] = [p["message_id"] for p in pending]
+    if not ids:
+        return ids, []
+    # redis-py types the reply for any connection (text, or ids only with justid); ours answers
+    # bytes, and without justid each entry is (id, fields)
+    claimed = cast(Claimed, await r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids))
+    jobs = []
+    for entry_id, fields in claimed:
+        if fields is None:
+            continue
+        try:
+            jobs.append(Job.from_fields(fields))
+        except MalformedMessage as exc:
+            log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
+    return ids, jobs
+
+
+async def write_reclaim(
+    r: aioredis.Redis,
+    stream: str,
+    table: RequestTable,
+    store: StepStore,
+    ids: list[StreamIdT],
+    plan: Reclaim,
+) -> None:
+    """The reclaim of one reader in one MULTI: the moved requests' new leases, their
+    continuation jobs, the releases handed to other shards, the acknowledgement of the claimed
+    entries and the dead reader's consumer deleted."""
+    async with r.pipeline(transaction=True) as pipe:
+        store.stage_requests(pipe, table, {job.request_id for job in plan.moved})
+        for job in plan.moved:
+            pipe.xadd(stream, job.fields())
+        for shard, released in plan.handed.items():
+            pipe.xadd(keys.deltas_stream(table.run_id, shard), released.fields())
+        if ids:
+            pipe.xack(stream, keys.WORKERS_GROUP, *ids)
+        if plan.dead:
+            pipe.xgroup_delconsumer(stream, keys.WORKERS_GROUP, plan.reader)
+        await pipe.execute()
 
 
 async def fence(r: aioredis.Redis, run_id: str, stale: dict[str, set[tuple[str, int]]]) -> None:

@@ -1,14 +1,13 @@
-"""The asyncio shell around the seeding controller and the balancer for one step: who is in
-which pool, when the reserved pool steps aside, and which worker releases how many requests.
-All decisions come from `seeding.py` and `balancer.py`; this module only reads Redis and sends
-orders.
+"""The asyncio shell around the step controller (`core.step_controller`: the seeding window,
+the recall, the read cap and the load balancing of one step), and the worker reads the leader
+needs (heartbeats, crash reports, the worker index). All decisions come from the core; this
+module only reads Redis and writes what a decision asks for.
 """
 
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -16,8 +15,9 @@ from prometheus_client import Gauge
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, MalformedMessage, WorkerControl
-from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
-from services.core.seeding import recall, seeding_over
+from services.core.step_controller import Actions, StepController
+from services.infra.redis_streams import text
+from services.state import worker_record
 
 log = logging.getLogger(__name__)
 WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])
@@ -73,15 +73,8 @@ async def forget_gone_workers(
     dropped. A worker's `gone_since` is set when it is first seen gone, cleared while alive."""
     ids = await registered_workers(r)
     gone = [w for w in ids if w not in alive]
-    async with r.pipeline(transaction=False) as pipe:
-        for worker_id in alive & set(ids):
-            pipe.hdel(keys.worker(worker_id), "gone_since")
-        for worker_id in gone:
-            pipe.hsetnx(keys.worker(worker_id), "gone_since", now)
-            pipe.hget(keys.worker(worker_id), "gone_since")
-        replies = await pipe.execute()
-    since = replies[len(replies) - 2 * len(gone) :][1::2]
-    stale = [w for w, t in zip(gone, since, strict=True) if t and now - float(t) > after_s]
+    since = await worker_record.mark_gone(r, alive & set(ids), gone, now)
+    stale = [w for w, t in since.items() if t is not None and now - t > after_s]
     forgotten = []
     for worker_id in stale:
         if await r.exists(keys.worker_heartbeat(worker_id)):
@@ -114,17 +107,6 @@ def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:
     return counts
 
 
-def serving(beats: dict[str, Heartbeat], run_id: str, step: int) -> int:
-    """The workers that serve the step's version or will once they have loaded it: alive on
-    the run or idle (an idle worker follows the active run), not failed, not stepped aside for
-    this version."""
-    return sum(
-        1
-        for b in beats.values()
-        if b.run_id in (run_id, None) and not b.error and not (b.paused and b.version == step)
-    )
-
-
 CAP_TTL_S = 3600  # a read cap outlives a coordinator that dies mid-step by this long at most
 
 
@@ -132,132 +114,86 @@ async def order(r: aioredis.Redis, worker_id: str, control: WorkerControl) -> No
     await r.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
 
 
-@dataclass
 class StepScheduler:
-    """Seeding window and load balancing of one step."""
+    """The shell of one step's `StepController`: reads what a tick needs (the step's pending
+    jobs per reader) and writes what it decides in one MULTI."""
 
-    r: aioredis.Redis
-    run_id: str
-    step: int
-    jobs_stream: str
-    window_s: float
-    started: float
-    seed_start: float | None = None  # when a reserved worker first held the step's weights
-    seeded_out: bool = False
-    seed_end: float | None = None
-    release_gate: ReleaseGate = field(default_factory=ReleaseGate)
-    fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
-    recalled: float | None = None  # when the reserved pool was called back to the step
-    staleness: int = 0  # max_staleness: workers holding versions step - k .. step serve it
-    clock: Callable[[], float] = time.monotonic  # the monotonic clock of `started` (tests step it)
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        step: int,
+        jobs_stream: str,
+        window_s: float,
+        started: float,
+        fair_reads: bool = True,
+        staleness: int = 0,
+        clock: Callable[[], float] = time.monotonic,  # the clock of `started` (tests step it)
+    ) -> None:
+        self.r, self.jobs_stream, self.clock = r, jobs_stream, clock
+        self.control = StepController(run_id, step, window_s, started, fair_reads, staleness)
+
+    @property
+    def seeded_out(self) -> bool:
+        return self.control.seeded_out
+
+    @property
+    def seed_end(self) -> float | None:
+        return self.control.seed_end
 
     async def start(self, workers: dict[str, Heartbeat]) -> None:
-        T_SEED.set(self.window_s if self.window_s != float("inf") else -1)
-        if await self.r.exists(keys.seed_done(self.run_id, self.step)):
-            self.seeded_out, self.seed_end = True, self.started  # a resumed step: already over
-            return
-        if not any(b.pool == "reserved" for b in workers.values()):
-            await self._end_seeding({})  # nothing to seed with: the trainer may start
+        c = self.control
+        T_SEED.set(c.window_s if c.window_s != float("inf") else -1)
+        seed_done = bool(await self.r.exists(keys.seed_done(c.run_id, c.step)))
+        await self._carry_out(c.start(workers, seed_done, self.clock()))
 
     async def tick(self, unfinished: int, beats: dict[str, Heartbeat]) -> None:
         """One pass, given the step's unfinished requests (every coordinator shard's) and every
         alive worker's heartbeat (`heartbeats`)."""
-        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
-        count_pools(workers)
-        reserved = [b for b in workers.values() if b.pool == "reserved"]
-        if self.seed_start is None and any(self._serves(b) for b in reserved):
-            self.seed_start = self.clock()  # the window runs from when seeding can start
-        n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
-        if not self.seeded_out and seeding_over(
-            self.clock(), self.seed_start, self.window_s, len(reserved), n_preemptible
-        ):
-            await self._end_seeding(workers)
-        if self.recalled is None and recall(self.seeded_out, n_preemptible, unfinished):
-            await self._recall(reserved)
-        if self.fair_reads:
-            cap = read_cap(unfinished, serving(beats, self.run_id, self.step))
-            await self.r.set(keys.read_cap(self.run_id, self.step), cap, ex=CAP_TTL_S)
-        await self._balance(unfinished, workers)
+        count_pools({w: b for w, b in beats.items() if b.run_id == self.control.run_id})
+        summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
+        executing = {
+            (text(c["name"]) or ""): int(c["pending"]) for c in summary.get("consumers") or []
+        }
+        pending = int(summary.get("pending") or 0)
+        actions = self.control.tick(self.clock(), unfinished, beats, executing, pending)
+        await self._carry_out(actions)
 
     async def finish(self) -> None:
         """Rollout is over; with no preemptible pool the reserved one did it all."""
-        if not self.seeded_out:
-            await self._end_seeding({})
-            self.seed_end = None  # the window never closed during the step
+        await self._carry_out(self.control.finish(self.clock()))
 
-    def _serves(self, beat: Heartbeat) -> bool:
-        """Whether the worker holds a version that may generate this step."""
-        return beat.version is not None and self.step - self.staleness <= beat.version <= self.step
-
-    async def _end_seeding(self, workers: dict[str, Heartbeat]) -> None:
-        reserved = {
-            w: b.version
-            for w, b in workers.items()
-            if b.pool == "reserved" and b.version is not None and self._serves(b)
-        }
-        for worker_id, version in reserved.items():
-            await order(
-                self.r,
-                worker_id,
-                WorkerControl(action="pause", run_id=self.run_id, version=version),
-            )
-        self.seeded_out, self.seed_end = True, self.clock()
+    async def _carry_out(self, actions: Actions) -> None:
+        """A decision's orders, seeding end and read cap, in one MULTI."""
+        c = self.control
+        if not (actions.orders or actions.seed_end is not None or actions.read_cap is not None):
+            return
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.set(keys.seed_done(self.run_id, self.step), self.seed_end, ex=3600)
-            pipe.xadd(
-                keys.seeding_over(self.run_id), {"step": self.step}, maxlen=1, approximate=False
-            )
+            for worker_id, control in actions.orders:
+                pipe.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
+            if actions.seed_end is not None:
+                pipe.set(keys.seed_done(c.run_id, c.step), actions.seed_end, ex=3600)
+                over = keys.seeding_over(c.run_id)
+                pipe.xadd(over, {"step": c.step}, maxlen=1, approximate=False)
+            if actions.read_cap is not None:
+                pipe.set(keys.read_cap(c.run_id, c.step), actions.read_cap, ex=CAP_TTL_S)
             await pipe.execute()
-        if reserved:
+        self._log(actions)
+
+    def _log(self, actions: Actions) -> None:
+        c = self.control
+        if actions.paused and c.seed_end is not None:
             log.info(
                 "step %d: seeding window over after %.2fs; %d reserved workers step aside",
-                self.step,
-                self.seed_end - self.started,
-                len(reserved),
+                c.step,
+                c.seed_end - c.started,
+                actions.paused,
             )
-
-    async def _recall(self, reserved: list[Heartbeat]) -> None:
-        """No preemptible worker is left: the reserved workers resume the step."""
-        self.recalled = self.clock()
-        for beat in reserved:
-            await order(
-                self.r,
-                beat.worker_id,
-                WorkerControl(
-                    action="resume",
-                    run_id=self.run_id,
-                    # paused at the version it holds (one step's, or an earlier one in flight)
-                    version=self.step if not self.staleness else (beat.version or 0),
-                ),
+        if actions.recalled:
+            log.warning(
+                "step %d: no preemptible worker left; %d reserved workers resume it",
+                c.step,
+                actions.resumed,
             )
-        log.warning(
-            "step %d: no preemptible worker left; %d reserved workers resume it",
-            self.step,
-            len(reserved),
-        )
-
-    async def _balance(self, unfinished: int, workers: dict[str, Heartbeat]) -> None:
-        summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
-        executing = {
-            (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]): int(c["pending"])
-            for c in summary.get("consumers") or []
-        }
-        queued = unfinished - int(summary.get("pending") or 0)
-        loads = [
-            WorkerLoad(w, executing.get(w, 0), b.plateau or b.slots)
-            for w, b in workers.items()
-            if b.version == self.step and not b.paused and not b.error
-        ]
-        if self.fair_reads:
-            loads = equal_caps(loads)
-        orders, _ = self.release_gate.due(releases(loads, queued), self.clock())
-        for worker_id, count in orders.items():
-            await order(
-                self.r, worker_id, WorkerControl(action="release", run_id=self.run_id, count=count)
-            )
-            log.info(
-                "step %d: %s holds %d over its cap: release ordered",
-                self.step,
-                worker_id,
-                count,
-            )
+        for worker_id, count in actions.released.items():
+            log.info("step %d: %s holds %d over its cap: release ordered", c.step, worker_id, count)

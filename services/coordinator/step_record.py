@@ -7,7 +7,6 @@ It does not decide anything itself: the update comes from `core.seeding`, the fi
 step's request table and times.
 """
 
-import json
 import logging
 import math
 import time
@@ -17,7 +16,6 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
-from services.contracts import keys
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.request_table import Applied, RequestTable
 from services.core.seeding import (
@@ -27,7 +25,7 @@ from services.core.seeding import (
     after_step,
     train_compute_s,
 )
-from services.state import timeline
+from services.state import run_record, timeline
 from services.state.step_metrics import StepRow, read_step, record_step
 
 log = logging.getLogger(__name__)
@@ -105,6 +103,42 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
         return self.reward_sum / max(1, self.trained)
 
 
+def rollout_row(
+    version: int,
+    summary: ShardSummary,
+    times: StepTimes,
+    window: float,
+    pools: dict[str, int],
+    redis_mem_mib: float,
+    lengths: dict[str, int],
+) -> StepRow:
+    """The rollout fields of a step's metrics row."""
+    rollout_s = times.rollout_end - times.started
+    tokens = summary.response_tokens
+    seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
+    return StepRow(
+        version=version,
+        reward_mean=summary.mean_reward,
+        response_tokens=tokens,
+        response_len_mean=tokens / max(1, summary.requests),
+        rollout_s=rollout_s,
+        tokens_per_s=tokens / max(rollout_s, 1e-9),
+        stale_deltas=summary.stale_deltas,
+        tokens_received=summary.tokens_received,
+        tokens_discarded=summary.tokens_discarded,
+        regenerated_tokens=summary.tokens_received - tokens,
+        migrations=summary.migrations,
+        t_seed_s=window,  # inf (no window) is stored as null
+        seed_s=seed_end - times.started,
+        workers_reserved=pools["reserved"],
+        workers_preemptible=pools["preemptible"],
+        groups_quarantined=summary.groups_quarantined,
+        reward_errors=summary.reward_errors,
+        redis_mem_mib=round(redis_mem_mib, 1),
+        stream_lengths=lengths,
+    )
+
+
 async def record_rollout(
     r: aioredis.Redis,
     run_id: str,
@@ -119,36 +153,12 @@ async def record_rollout(
     `summary` of its request tables (every shard's)."""
     rollout_s = times.rollout_end - times.started
     ROLLOUT_S.observe(rollout_s)
-    tokens = summary.response_tokens
-    mean_reward = summary.mean_reward
+    tokens, mean_reward = summary.response_tokens, summary.mean_reward
     reward_errors = summary.reward_errors
-    seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
-    await record_step(
-        r,
-        run_id,
-        step,
-        StepRow(
-            version=version,
-            reward_mean=mean_reward,
-            response_tokens=tokens,
-            response_len_mean=tokens / max(1, summary.requests),
-            rollout_s=rollout_s,
-            tokens_per_s=tokens / max(rollout_s, 1e-9),
-            stale_deltas=summary.stale_deltas,
-            tokens_received=summary.tokens_received,
-            tokens_discarded=summary.tokens_discarded,
-            regenerated_tokens=summary.tokens_received - tokens,
-            migrations=summary.migrations,
-            t_seed_s=window,  # inf (no window) is stored as null
-            seed_s=seed_end - times.started,
-            workers_reserved=pools["reserved"],
-            workers_preemptible=pools["preemptible"],
-            groups_quarantined=summary.groups_quarantined,
-            reward_errors=reward_errors,
-            redis_mem_mib=round((await RedisMemory(r).read()).used_mib, 1),
-            stream_lengths=await stream_lengths(r, run_streams(run_id, step)),
-        ),
-    )
+    used_mib = (await RedisMemory(r).read()).used_mib
+    lengths = await stream_lengths(r, run_streams(run_id, step))
+    row = rollout_row(version, summary, times, window, pools, used_mib, lengths)
+    await record_step(r, run_id, step, row)
     REWARD.set(mean_reward)
     STEP_TOK_S.set(tokens / max(rollout_s, 1e-9))
     await timeline.emit(
@@ -200,13 +210,6 @@ async def adapt(
     )
     await record_step(r, run_id, step, row)
     wanted = pool.after_step(update.n_prem_recommended)
-    await r.hset(
-        keys.run(run_id),
-        mapping={
-            "t_seed_s": update.t_seed_next_s,
-            "n_prem_recommended": json.dumps(n_prem),
-            "preemptible_wanted": json.dumps(wanted),
-        },
-    )
+    await run_record.set_seeding(r, run_id, update.t_seed_next_s, update.n_prem_recommended, wanted)
     N_PREM.set(n_prem or 0)
     WANTED.set(wanted or 0)

@@ -44,7 +44,7 @@ def shard_processes(deployment, run_id: str) -> dict[int, psutil.Process]:
     """The coordinator's shard processes of the run, by shard (zombies left out)."""
     out = {}
     try:
-        children = psutil.Process(deployment.procs["coordinator"].pid).children()
+        children = psutil.Process(deployment.procs["coordinator"].pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return {}
     for child in children:

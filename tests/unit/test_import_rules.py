@@ -1,8 +1,10 @@
 """The import rules of docs/design.md, as import-linter contracts ([tool.importlinter] in
 pyproject.toml): the deciding core and the contract modules import no I/O framework and no
-service, the simulator imports no shell, the shared packages are layered (contracts and core at the
-bottom, then infra and tasks, then state and weights, then the services), no service imports
-another, and no runtime module imports the test harness. The second test shows that the same contracts catch a broken rule."""
+service, the simulator imports no shell, the shared packages are layered (contracts and core at
+the bottom, then infra and tasks, then state and weights, then the services), no service imports
+another, no runtime module imports the test harness, and the coordinator's modules are layered
+(entry point, control plane, scheduler, the step's leader and follower, the shells, the run
+records). The second test shows that the same contracts catch a broken rule."""
 
 import subprocess
 import sys
@@ -12,6 +14,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+# the modules the coordinator-layers contract names (each layer must exist)
+COORDINATOR_LAYERS = (
+    *("main", "app", "routes_runs", "routes_workers", "dashboard", "read_model", "read_views"),
+    *("data_plane", "data_plane_process", "scheduler", "shard", "rollout_manager"),
+    *("step_leader", "step_follower", "step_shard", "open_step", "delta_collector"),
+    "scheduling",
+    *("stall_watch", "memory", "quarantine", "migration", "step_record", "step_store"),
+    *("step_log", "reward_runner", "reward_worker", "reward_protocol", "observer"),
+    *("shard_group", "runs", "run_end", "settings", "schemas", "cleanup"),
+)
 
 
 def lint_imports(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -62,22 +76,26 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
         "services.tasks.base",
     ):
         write(tmp_path, module)
+    for name in COORDINATOR_LAYERS:
+        write(tmp_path, f"services.coordinator.{name}")
     write(tmp_path, "services.core.balancer", "import redis\n")
     write(tmp_path, "services.sim.steps", "from services.coordinator import app\n")
     write(tmp_path, "services.rollout.worker", "from services.trainer import loop\n")
     write(tmp_path, "services.state.ledger", "import tests.harness.deploy\n")
     write(tmp_path, "services.infra.cancel", "from services.weights import transfer\n")
+    write(tmp_path, "services.coordinator.runs", "from services.coordinator import scheduler\n")
     write(tmp_path, "tests.harness.deploy")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
     out = lint_imports(tmp_path, env)
     assert out.returncode == 1, out.stdout + out.stderr
     report = out.stdout
-    assert "0 kept, 5 broken" in report, report
+    assert "0 kept, 6 broken" in report, report
     assert "services.core.balancer -> redis" in report
     assert "services.sim.steps -> services.coordinator.app" in report
     assert "services.rollout.worker -> services.trainer.loop" in report
     assert "services.state.ledger -> tests" in report
     assert "services.infra.cancel -> services.weights.transfer" in report
+    assert "services.coordinator.runs -> services.coordinator.scheduler" in report
 
 
 def test_no_module_of_services_is_in_an_import_cycle():
