@@ -94,12 +94,14 @@ test-swarm: setup
 	$(PY) -m pytest -q -m swarm
 	@if [ -f .spotrl/test-swarm.json ]; then cat .spotrl/test-swarm.json; fi
 
-# ruff, then the import rules ([tool.importlinter] in pyproject.toml), then the type checker
+# ruff, then the import rules ([tool.importlinter] in pyproject.toml), the size limits
+# (tools/size_limits.py: files <= 350 lines, functions <= 60 but route tables), then the type checker
 # ([tool.mypy]). `pre-commit install` runs ruff and the import rules before each commit.
 lint: setup
 	$(VENV)/bin/ruff format --check services tests bench
 	$(VENV)/bin/ruff check services tests bench
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m tools.size_limits
 	$(VENV)/bin/mypy
 
 # The docs site: docs/configuration.md must match the settings classes, then MkDocs builds

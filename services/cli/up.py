@@ -3,9 +3,10 @@ model if it is missing, submits one run, shows its progress, restarts rollout wo
 (`services.cli.supervisor`), stops everything on exit or Ctrl-C and prints a JSON summary as the
 last line. It exits through `UpAborted` when a core service dies or the run cannot progress.
 Killed outright (SIGKILL, the OOM killer), it takes every process it started with it
-(`procs.start`); SIGTERM stops them as Ctrl-C does.
+(`procs.start`); SIGTERM stops them as Ctrl-C does. The summary is made in up_summary.py.
 """
 
+import dataclasses
 import json
 import os
 import secrets
@@ -14,14 +15,13 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient, CoordinatorError
 from services.cli.follow import console, follow_run, progress_bar
 from services.cli.local_deployment import DeploymentConfig, LocalDeployment
-from services.cli.plots import plot_run
 from services.cli.procs import Proc, ProcessDied
-from services.cli.supervisor import Death, StallGuard, WorkerSupervisor, error_headline
+from services.cli.supervisor import Death, StallGuard, WorkerSupervisor
+from services.cli.up_summary import aborted_summary, finished_summary
 from services.contracts.runspec import RunSpec
 
 
@@ -39,36 +39,6 @@ def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: 
             lambda s, n, loss: bar.update(task_id, completed=s, info=f"loss {loss:.3f}"),
         )
     return model
-
-
-def migration_totals(rows: list[dict]) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for row in rows:
-        for cause, n in (row.get("migrations") or {}).items():
-            totals[cause] = totals.get(cause, 0) + n
-    return totals
-
-
-def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
-    rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
-    tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
-    step_s = [row["step_s"] for row in rows if "step_s" in row]
-    return {
-        "run_id": run["id"],
-        "state": run["state"],
-        "steps": run["step"],
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
-        "groups_incomplete": run["groups_incomplete"],
-        "reward_errors": sum(row.get("reward_errors") or 0 for row in rows),
-        "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,  # rollout windows only
-        "step_s_mean": sum(step_s) / len(step_s) if step_s else None,  # whole steps
-        "migrations": migration_totals(rows),
-        "t_seed_s_last": next((r["t_seed_s"] for r in reversed(rows) if "t_seed_s" in r), None),
-        "n_prem_recommended": run.get("n_prem_recommended"),
-        "preemptible_wanted": run.get("preemptible_wanted"),
-        "wall_s": round(wall_s, 1),
-    }
 
 
 class UpAborted(RuntimeError):
@@ -106,13 +76,6 @@ def report_death(death: Death) -> None:
     console.print(f"restarting it in {death.restart_in_s:g} s", soft_wrap=True)
 
 
-def died_reason(exc: ProcessDied) -> str:
-    """One line for the summary: who exited with what, and its error line."""
-    first, _, log_text = str(exc).partition("\n")
-    headline = error_headline(log_text)
-    return f"{first.rstrip(':')}: {headline}" if headline else first.rstrip(":")
-
-
 def local_sizing(spec: RunSpec, preemptible: int, cores: int) -> tuple[int, int]:
     """A local deployment's worker slots and trainer threads. Slots: a whole step at once (B x n,
     64 to 1024): the hf engine prefills the running set again whenever a request joins, so one
@@ -123,6 +86,20 @@ def local_sizing(spec: RunSpec, preemptible: int, cores: int) -> tuple[int, int]
     slots = min(max(spec.prompts_per_step * spec.group_size, 64), 1024)
     trainer_threads = 2 if preemptible == 0 and cores >= 2 else 1
     return slots, trainer_threads
+
+
+def sized_for(config: DeploymentConfig, spec: RunSpec, cores: int) -> DeploymentConfig:
+    """The deployment `config` with the worker slots, trainer threads and reward modules that
+    `spec` asks for (`local_sizing`)."""
+    slots, trainer_threads = local_sizing(spec, config.preemptible, cores)
+    # who runs `spotrl up` is the operator: the reward it names may be imported
+    reward_module = spec.reward_module()
+    return dataclasses.replace(
+        config,
+        worker_slots=slots,
+        trainer_threads=trainer_threads,
+        reward_modules=[reward_module] if reward_module else [],
+    )
 
 
 def up(
@@ -146,13 +123,8 @@ def up(
     targets = chaos.targets(preemptible) if chaos else []
     if targets:
         preemptible = targets[0][1]
-    # who runs `spotrl up` is the operator: the reward it names may be imported
-    reward_module = spec.reward_module()
-    slots, trainer_threads = local_sizing(spec, preemptible, os.cpu_count() or 1)
     config = DeploymentConfig(
         run_dir,
-        worker_slots=slots,
-        trainer_threads=trainer_threads,
         reserved=reserved,
         preemptible=preemptible,
         api_token=api_token,
@@ -161,52 +133,13 @@ def up(
         engine=engine,
         extra_env=chaos.worker_env() if chaos else {},
         worker_env=worker_env or {},
-        reward_modules=[reward_module] if reward_module else [],
     )
+    config = sized_for(config, spec, os.cpu_count() or 1)
     deployment = LocalDeployment(config)
     console.print(f"starting services (logs in {run_dir / 'logs'})", soft_wrap=True)
-    runner = None
-    run: dict = {"id": None, "state": "queued", "step": 0}
-    supervisor = None
     try:
-        deployment.start(on_ready=announce)
-        # the chaos replay owns the preemptible workers: it starts and kills them on purpose
-        watched = [
-            p.name for p in deployment.workers() if not (chaos and "-preemptible-" in p.name)
-        ]
-        supervisor = WorkerSupervisor(deployment, watched, time.monotonic, report_death)
-        guard = StallGuard(spec.stall_timeout_s)
-        client = CoordinatorClient(deployment.coordinator_url, api_token)
-        run["id"] = client.submit(json.loads(spec.model_dump_json()))
-        if chaos:
-            # the scaler: no more workers than the coordinator wants (`run` follows the run)
-            wanted = (lambda: run.get("preemptible_wanted")) if chaos.follow_wanted else None
-            runner = ChaosRunner(
-                deployment, targets, chaos.sigterm_fraction, spec.seed, wanted=wanted
-            )
-            runner.start()
-        run = follow_supervised(client, deployment, run, supervisor, guard)
-        if runner:
-            runner.stop()
-        summary = finished_summary(client, deployment, run, spec, run_dir, started)
-        summary["engine"] = engine
-        if runner:
-            summary["chaos"] = runner.counts
-    except (ProcessDied, UpAborted, CoordinatorError) as exc:
-        console.print(f"spotrl up stopped: {exc}", style="bold red", markup=False, soft_wrap=True)
-        reason = died_reason(exc) if isinstance(exc, ProcessDied) else str(exc)
-        summary = {
-            "run_id": run["id"],
-            "state": "aborted",
-            "run_state": run["state"],
-            "error": reason,
-            "stall_reason": run.get("stall_reason") or "",
-            "steps": run["step"],
-            "wall_s": round(time.monotonic() - started, 1),
-        }
+        summary, supervisor = drive(deployment, spec, chaos, targets, api_token, run_dir, started)
     finally:
-        if runner:
-            runner.stop()
         console.print("stopping services")
         deployment.stop()
     summary["seed"] = spec.seed
@@ -214,6 +147,68 @@ def up(
     summary["worker_restarts"] = supervisor.restarts if supervisor else 0
     summary["worker_last_error"] = supervisor.last_error if supervisor else ""
     return summary
+
+
+def drive(
+    deployment: LocalDeployment,
+    spec: RunSpec,
+    chaos: ChaosOptions | None,
+    targets: list[tuple[float, int]],
+    api_token: str | None,
+    run_dir: Path,
+    started: float,
+) -> tuple[dict, WorkerSupervisor | None]:
+    """Start the deployment, submit the run and follow it to a final state (or stop early:
+    the summary says why); the summary, and the supervisor if it started. The chaos replay
+    is stopped on the way out, the deployment is not."""
+    runner = None
+    run: dict = {"id": None, "state": "queued", "step": 0}
+    supervisor = None
+    try:
+        deployment.start(on_ready=announce)
+        supervisor = watch_workers(deployment, chaos)
+        client = CoordinatorClient(deployment.coordinator_url, api_token)
+        run["id"] = client.submit(json.loads(spec.model_dump_json()))
+        runner = start_chaos(deployment, chaos, targets, spec.seed, run)
+        guard = StallGuard(spec.stall_timeout_s)
+        run = follow_supervised(client, deployment, run, supervisor, guard)
+        if runner:
+            runner.stop()
+        summary = finished_summary(client, deployment, run, spec, run_dir, started)
+        summary["engine"] = deployment.config.engine
+        if runner:
+            summary["chaos"] = runner.counts
+    except (ProcessDied, UpAborted, CoordinatorError) as exc:
+        console.print(f"spotrl up stopped: {exc}", style="bold red", markup=False, soft_wrap=True)
+        summary = aborted_summary(exc, run, time.monotonic() - started)
+    finally:
+        if runner:
+            runner.stop()
+    return summary, supervisor
+
+
+def watch_workers(deployment: LocalDeployment, chaos: ChaosOptions | None) -> WorkerSupervisor:
+    """The supervisor that restarts the workers that die, but those the chaos replay owns (it
+    starts and kills the preemptible workers on purpose)."""
+    watched = [p.name for p in deployment.workers() if not (chaos and "-preemptible-" in p.name)]
+    return WorkerSupervisor(deployment, watched, time.monotonic, report_death)
+
+
+def start_chaos(
+    deployment: LocalDeployment,
+    chaos: ChaosOptions | None,
+    targets: list[tuple[float, int]],
+    seed: int,
+    run: dict,
+) -> ChaosRunner | None:
+    """The chaos replay, started (None without one). With `follow_wanted` it is the scaler: no
+    more workers than the coordinator wants, as `run` (kept up to date) says."""
+    if not chaos:
+        return None
+    wanted = (lambda: run.get("preemptible_wanted")) if chaos.follow_wanted else None
+    runner = ChaosRunner(deployment, targets, chaos.sigterm_fraction, seed, wanted=wanted)
+    runner.start()
+    return runner
 
 
 def follow_supervised(
@@ -243,26 +238,3 @@ def follow_supervised(
     except httpx.HTTPError:
         deployment.check_alive()  # a dead coordinator says so; anything else goes up
         raise
-
-
-def finished_summary(
-    client: CoordinatorClient,
-    deployment: LocalDeployment,
-    run: dict,
-    spec: RunSpec,
-    run_dir: Path,
-    started: float,
-) -> dict:
-    """The summary of a run that reached a final state, with its metrics, plot and audit."""
-    if run["state"] != "succeeded":
-        message = f"run {run['id']} {run['state']}: {run['error']}"
-        console.print(message, style="bold red", markup=False, soft_wrap=True)
-    rows = client.metrics(run["id"])
-    (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
-    summary = summarize(run, rows, time.monotonic() - started)
-    summary["error"] = run.get("error") or ""
-    summary["stall_reason"] = run.get("stall_reason") or ""
-    summary["metrics_file"] = str(run_dir / "metrics.json")
-    summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run['id']}"))
-    audit = audit_run(deployment.redis_url, run["id"], spec, steps=run["step"])
-    return summary | {"lost": audit["lost"], "duplicated": audit["duplicated"]}

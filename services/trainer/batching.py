@@ -135,3 +135,16 @@ def packed(rows: list[Row]) -> MicroBatch:
         pos.extend(range(r.tokens))
     tables = _response_tables(rows, starts)
     return MicroBatch(torch.tensor([ids]), None, torch.tensor([pos]), *tables)
+
+
+def stale_tokens(runs: list[tuple[int, int]], n: int, version: int) -> list[bool] | None:
+    """Which of a response's `n` tokens weights older than `version` generated, from its
+    (offset, version) runs; None when none did (every token of a synchronous step)."""
+    if all(v >= version for _, v in runs):
+        return None
+    out = [False] * n
+    for i, (start, v) in enumerate(runs):
+        end = runs[i + 1][0] if i + 1 < len(runs) else n
+        if v < version:
+            out[start:end] = [True] * (end - start)
+    return out

@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -179,3 +180,30 @@ class BackgroundWriter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+def training_state(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict:
+    """A single process's training state: weights, optimizer moments, the LR schedule's
+    position and the RNG (of the CPU, and of the GPUs where there are)."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng,
+    }
+
+
+def load_training_state(
+    state: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any
+) -> None:
+    """Put back a state `training_state` took."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if "scheduler" in state:  # a checkpoint from before schedules: the schedule's start
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])

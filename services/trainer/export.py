@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARD_BYTES = 1 << 30
@@ -70,3 +70,15 @@ def write_files(files: dict[str, bytes], folder: Path) -> Path:
     for name, data in files.items():
         (folder / name).write_bytes(data)
     return folder
+
+
+def read_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load a version's safetensors files (a folder `write_files` wrote, any dtype) into the
+    model, each tensor in the dtype and on the device of the model's own."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    own = model.state_dict()
+    model.load_state_dict(
+        {k: v.to(own[k].device, own[k].dtype) for k, v in tensors.items()}, strict=True
+    )

@@ -61,3 +61,15 @@ def build_scheduler(
         return lr_multiplier(step, spec.lr_scheduler_type, spec.warmup_steps, total)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, done: int
+) -> None:
+    """Put a schedule (`build_scheduler`'s) and its optimizer's learning rates where they are
+    after `done` optimizer steps."""
+    scheduler.last_epoch = done
+    groups = optimizer.param_groups
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(done)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() answers

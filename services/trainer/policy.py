@@ -28,40 +28,44 @@ micro-batches again, once per further iteration, each followed by an optimizer s
 is always to the rollout's logprobs (the policy that sampled), as TRL's second and later
 iterations use the logprobs from before the first.
 
-A pass (batching.py, grpo.response_logprobs): micro-batches of `micro_batch_size` sequences,
-padded, or, with `max_tokens_per_micro_batch`, cut by tokens and packed into one row without
-padding; the decoder's last hidden states, then the LM head at the response's positions only,
-`logprob_chunk_tokens` at a time. Compute in bfloat16 autocast where `train_precision` says so
-(weights and optimizer state stay float32); decoder layers checkpointed with
-`gradient_checkpointing`. The forward is one module (`ResponseScorer`), which sharded.py shards
-over N ranks.
+A pass runs the model through scorer.py, in micro-batches of `micro_batch_size` sequences
+(padded) or cut by `max_tokens_per_micro_batch` (packed), as batching.py lays them out.
 """
 
-import contextlib
 import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from services.contracts.messages import Group
 from services.contracts.runspec import RunSpec
 from services.state.step_metrics import StepRow
-from services.trainer.batching import MicroBatch, Row, cut_by_count, cut_by_tokens, packed, padded
-from services.trainer.checkpoint import read_state, snapshot_of
-from services.trainer.export import DTYPES, companion_files, weight_files, write_files
-from services.trainer.grpo import (
-    LossParts,
-    StepSize,
-    batch_scale,
-    group_advantages,
-    grpo_loss,
-    response_logprobs,
+from services.trainer.batching import (
+    Row,
+    cut_by_count,
+    cut_by_tokens,
+    packed,
+    padded,
+    stale_tokens,
 )
-from services.trainer.optim import build_optimizer, build_scheduler
+from services.trainer.checkpoint import (
+    load_training_state,
+    read_state,
+    snapshot_of,
+    training_state,
+)
+from services.trainer.export import (
+    DTYPES,
+    companion_files,
+    read_weights,
+    weight_files,
+    write_files,
+)
+from services.trainer.grpo import LossParts, StepSize, batch_scale, group_advantages, grpo_loss
+from services.trainer.optim import build_optimizer, build_scheduler, set_schedule
+from services.trainer.scorer import ResponseScorer, compile_layers, score
 from services.trainer.stats import PassStats, step_row
 
 
@@ -164,7 +168,7 @@ class Policy:
             for batch in batches:
                 self._backward(batch, size, 1.0, self.stats)
 
-    def _place(self, scorer: "ResponseScorer") -> "ResponseScorer":
+    def _place(self, scorer: ResponseScorer) -> ResponseScorer:
         """Where the model's parameters live: whole on this process here; sharded over the
         ranks in sharded.py."""
         return scorer
@@ -190,11 +194,11 @@ class Policy:
         else:
             batch = padded(rows, self.pad_id)
         adv = torch.tensor([r.advantage * adv_scale for r in rows], dtype=torch.float32)
-        logp = self._logprobs(self.scorer, batch)
+        logp = score(self.scorer, batch, self.device, self.autocast)
         ref_logp = None
         if self.ref_scorer is not None:
             with torch.no_grad():
-                ref_logp = self._logprobs(self.ref_scorer, batch)
+                ref_logp = score(self.ref_scorer, batch, self.device, self.autocast)
         return grpo_loss(
             logp,
             batch.old_logprobs.to(self.device),
@@ -210,27 +214,6 @@ class Policy:
             stale=None if batch.stale is None else batch.stale.to(self.device),
             behaviour_cap=self.spec.behaviour_cap,
         )
-
-    def _logprobs(self, scorer: "ResponseScorer", batch: MicroBatch) -> torch.Tensor:
-        """[N, T] logprobs of the micro-batch's response tokens under the scorer's model."""
-        dev = self.device
-        precision = (
-            torch.autocast(torch.device(dev).type, dtype=torch.bfloat16)
-            if self.autocast
-            else contextlib.nullcontext()
-        )
-        with precision:
-            # no attention mask even when padded: rows are right-padded and attention is causal,
-            # so no token of a sequence sees a pad, and sdpa may take its causal kernels (flash
-            # on a GPU) instead of a masked one; pads' own states are never read
-            return scorer(
-                batch.input_ids.to(dev),
-                None,
-                _to(batch.position_ids, dev),
-                batch.positions.to(dev),
-                batch.targets.to(dev),
-                batch.mask.to(dev),
-            )
 
     def optimizer_step(self) -> StepRow:
         """Finish the step's gradient and apply it, then take the step's further iterations;
@@ -293,15 +276,7 @@ class Policy:
     def state(self) -> dict:
         """Everything a resumed trainer needs besides the data position: weights (fp32),
         optimizer moments, the LR schedule's position and the RNG."""
-        rng: dict[str, Any] = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": rng,
-        }
+        return training_state(self.model, self.optimizer, self.scheduler)
 
     def snapshot(self, folder: Path) -> Callable[[], None]:
         """Take a copy of the state now, for a checkpoint in `folder` (an empty scratch folder);
@@ -313,34 +288,16 @@ class Policy:
         self.load_state(read_state(folder))
 
     def load_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if "scheduler" in state:  # a checkpoint from before schedules: the schedule's start
-            self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        load_training_state(state, self.model, self.optimizer, self.scheduler)
 
     def schedule_at(self, version: int) -> None:
         """Put the learning-rate schedule where it is after `version` RL steps (a trainer that
         resumed from the weight store, its checkpoint older or missing)."""
-        done = version * self.spec.num_iterations
-        sched = self.scheduler
-        sched.last_epoch = done
-        groups = self.optimizer.param_groups
-        for group, base, factor in zip(groups, sched.base_lrs, sched.lr_lambdas, strict=True):
-            group["lr"] = base * factor(done)
-        sched._last_lr = [group["lr"] for group in groups]  # what get_last_lr() answers
+        set_schedule(self.optimizer, self.scheduler, version * self.spec.num_iterations)
 
     def load_weights(self, folder: Path) -> None:
         """Take the weights of a committed version (a folder `export` wrote)."""
-        tensors: dict[str, torch.Tensor] = {}
-        for path in sorted(Path(folder).glob("*.safetensors")):
-            tensors.update(load_file(path))
-        own = self.model.state_dict()
-        self.model.load_state_dict(
-            {k: v.to(own[k].device, own[k].dtype) for k, v in tensors.items()}, strict=True
-        )
+        read_weights(self.model, folder)
 
     def export_files(self) -> dict[str, bytes]:
         """The current weights as the files of a Hugging Face folder (safetensors shards in the
@@ -354,77 +311,6 @@ class Policy:
     def export(self, folder: Path) -> Path:
         """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
         return write_files(self.export_files(), folder)
-
-
-class ResponseScorer(torch.nn.Module):
-    """A causal LM's logprobs of response tokens, as one module: the decoder's last hidden
-    states, then the LM head at the response's positions only, in chunks
-    (grpo.response_logprobs). One module, so that a sharded model's root is this one: its
-    forward gathers the embeddings and the LM head, which the head's chunks use directly."""
-
-    def __init__(self, lm: torch.nn.Module, spec: RunSpec, softcap: float | None) -> None:
-        super().__init__()
-        self.lm: Any = lm  # a transformers causal LM
-        self.temperature = spec.temperature
-        self.chunk_tokens = spec.logprob_chunk_tokens
-        self.softcap = softcap
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        targets: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        out = self.lm.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        hidden = out.last_hidden_state
-        head = self.lm.get_output_embeddings()
-        return response_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
-            head.weight,
-            head.bias,
-            positions,
-            targets,
-            mask,
-            self.temperature,
-            self.chunk_tokens,
-            self.softcap,
-        )
-
-
-def stale_tokens(runs: list[tuple[int, int]], n: int, version: int) -> list[bool] | None:
-    """Which of a response's `n` tokens weights older than `version` generated, from its
-    (offset, version) runs; None when none did (every token of a synchronous step)."""
-    if all(v >= version for _, v in runs):
-        return None
-    out = [False] * n
-    for i, (start, v) in enumerate(runs):
-        end = runs[i + 1][0] if i + 1 < len(runs) else n
-        if v < version:
-            out[start:end] = [True] * (end - start)
-    return out
-
-
-def compile_layers(model: torch.nn.Module) -> None:
-    """torch.compile each decoder layer in place: the layers run the same code, so one compiled
-    graph serves all of them (their parameters are its inputs); the embeddings, the LM head's
-    chunks and the loss stay eager."""
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"torch_compile: {type(model).__name__} has no list of decoder layers")
-    for layer in layers:
-        layer.compile()
-
-
-def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
 
 
 def auto_dtype(choice: str, device: str) -> str:

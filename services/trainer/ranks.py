@@ -20,27 +20,21 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from services.contracts.messages import Group
 from services.contracts.runspec import RunSpec
 from services.infra.lifeline import die_with_parent
+from services.state.step_metrics import StepRow
+
+if TYPE_CHECKING:
+    from services.trainer.sharded import ShardedPolicy
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # a follower waits this long for rank 0's next call
-# the policy's calls that rank 0 hands on
-CALLS = (
-    "accumulate",
-    "optimizer_step",
-    "snapshot",
-    "restore",
-    "load_weights",
-    "export_files",
-    "schedule_at",
-)
-
 _control: Any = None  # the process group of the calls
 
 
@@ -85,9 +79,10 @@ def _receive() -> tuple[str, tuple]:
 
 
 class Leader:
-    """Rank 0's policy: a `ShardedPolicy` whose every call the other ranks make too."""
+    """Rank 0's policy: a `ShardedPolicy` whose every call the other ranks make too (a
+    `protocol.ScheduledPolicy`)."""
 
-    def __init__(self, policy: Any) -> None:
+    def __init__(self, policy: "ShardedPolicy") -> None:
         self._policy = policy
         self._lock = threading.Lock()
 
@@ -96,10 +91,26 @@ class Leader:
             _send(name, args)
             return getattr(self._policy, name)(*args)
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name not in CALLS:
-            raise AttributeError(name)
-        return lambda *args: self._call(name, *args)
+    def accumulate(self, groups: list[Group]) -> None:
+        self._call("accumulate", groups)
+
+    def optimizer_step(self) -> StepRow:
+        return self._call("optimizer_step")
+
+    def snapshot(self, folder: Path) -> Callable[[], None]:
+        return self._call("snapshot", folder)
+
+    def restore(self, folder: Path) -> None:
+        self._call("restore", folder)
+
+    def load_weights(self, folder: Path) -> None:
+        self._call("load_weights", folder)
+
+    def export_files(self) -> dict[str, bytes]:
+        return self._call("export_files")
+
+    def schedule_at(self, version: int) -> None:
+        self._call("schedule_at", version)
 
 
 def lead(model_dir: Path, spec: RunSpec, device: str) -> Leader:

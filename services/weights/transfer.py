@@ -9,8 +9,9 @@ so a folder named after a version is always complete. On any failure it tries th
 The manifest, the content digest of a version and the errors are the store boundary's contract
 (services.weights.contract): an upload or a pull compares the content digest of its files
 with the store's manifest's. A version committed with another digest is a `WeightConflict`;
-every other failure to move a version is a `WeightTransferError`. The file work is in
-services.weights.files.
+every other failure to move a version is a `WeightTransferError`. This module is the client's
+state and its tries over replicas; the requests of one upload are in upload.py, the file work
+of one pull in pull.py (and files.py).
 """
 
 import asyncio
@@ -21,39 +22,26 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ValidationError
 
-from services.infra.retry import brief
 from services.infra.service import auth_headers
+from services.weights.answers import parse_answer, read_manifest
 from services.weights.block_fetch import BlockFetch, Swarm
 from services.weights.block_sources import plan_blocks
 from services.weights.contract import (
     FileEntry,
     Manifest,
-    ManifestCommit,
     WeightConflict,
     WeightTransferError,
     manifest_digest,
 )
-from services.weights.files import (
-    UPLOAD_BLOCK,
-    VersionFiles,
-    fetch_range,
-    link_or_copy,
-    read_complete,
-    reusable,
-    scan_folder,
-    sha256_file,
-    write_complete,
-)
+from services.weights.files import VersionFiles, read_complete, scan_folder, write_complete
+from services.weights.pull import check_manifest, fetch_whole, prepare_partial
+from services.weights.upload import already_committed, post_commit, put_files
 
 log = logging.getLogger(__name__)
-A = TypeVar("A", bound=BaseModel)
-CHUNK_BYTES = 32 * 1024 * 1024  # bytes per range request of a file with no block hashes
 # httpx builds a TLS context (reading the CA bundle: ~20 ms of CPU) for every client it makes,
 # even one that speaks plain HTTP; one per process is enough
 tls_context = functools.cache(httpx.create_ssl_context)
@@ -67,21 +55,6 @@ class PullResult:
     seconds: float
     digest: str  # content digest of the files pulled
     from_peers: int = 0  # of `bytes`, those that other pullers served (the rest: the store)
-
-
-def parse_answer(cls: type[A], resp: httpx.Response, what: str) -> A:
-    """A store's answer as its contract type; WeightTransferError when it does not fit."""
-    try:
-        return cls.model_validate_json(resp.content)
-    except ValidationError as exc:
-        raise WeightTransferError(f"{what}: malformed answer ({brief(exc)})") from exc
-
-
-def read_manifest(resp: httpx.Response, what: str) -> Manifest:
-    """The manifest a store answered with (200), else WeightTransferError."""
-    if resp.status_code != 200:
-        raise WeightTransferError(f"manifest of {what}: {resp.status_code} {resp.text}")
-    return parse_answer(Manifest, resp, f"manifest of {what}")
 
 
 class WeightClient:
@@ -150,27 +123,25 @@ class WeightClient:
             for name in local.content
             if name in unchanged
         }
-        sent = await self._put_files(
+        sent = await put_files(
             http, prefix, local, [name for name in local.content if name not in unchanged]
         )
         if sent is None:
-            return await self._already_committed(http, prefix, local, model, version)
+            return await already_committed(http, prefix, local, model, version)
         entries |= sent
-        resp = await self._commit(
-            http, prefix, [entries[n] for n in local.content], metadata, reuse
-        )
+        resp = await post_commit(http, prefix, [entries[n] for n in local.content], metadata, reuse)
         if resp.status_code == 400 and unchanged:
-            sent = await self._put_files(
+            sent = await put_files(
                 http, prefix, local, [name for name in local.content if name in unchanged]
             )
             if sent is None:
-                return await self._already_committed(http, prefix, local, model, version)
+                return await already_committed(http, prefix, local, model, version)
             entries |= sent
-            resp = await self._commit(
+            resp = await post_commit(
                 http, prefix, [entries[n] for n in local.content], metadata, None
             )
         if resp.status_code == 409:
-            return await self._already_committed(http, prefix, local, model, version)
+            return await already_committed(http, prefix, local, model, version)
         if resp.status_code != 201:
             raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
         self._uploaded[base, model] = (version, dict(local.sha256))
@@ -185,66 +156,6 @@ class WeightClient:
         if earlier is None or earlier[0] >= version:
             return None, set()
         return earlier[0], {n for n, sha in local.sha256.items() if earlier[1].get(n) == sha}
-
-    @staticmethod
-    async def _put_files(
-        http, prefix: str, local: VersionFiles, names: list[str]
-    ) -> dict[str, FileEntry] | None:
-        """Upload the files `names` at once (most are small: one at a time, each costs a round
-        trip); the store's entry of each, or None if the version is committed already."""
-
-        async def put(name: str) -> httpx.Response:
-            data = local.content[name]
-
-            async def blocks(path: Path):
-                with open(path, "rb") as fh:
-                    while block := fh.read(UPLOAD_BLOCK):
-                        yield block
-
-            return await http.put(
-                f"{prefix}/files/{name}",
-                content=data if isinstance(data, bytes) else blocks(data),
-                headers={"x-sha256": local.sha256[name]},
-            )
-
-        answers = await asyncio.gather(*(put(name) for name in names))
-        entries = {}
-        for name, resp in zip(names, answers, strict=True):
-            if resp.status_code == 409:
-                return None
-            if resp.status_code != 200:
-                raise WeightTransferError(f"upload {name}: {resp.status_code} {resp.text}")
-            entries[name] = parse_answer(FileEntry, resp, f"upload {name}")
-        return entries
-
-    @staticmethod
-    async def _commit(
-        http, prefix: str, entries: list[FileEntry], metadata: dict, reuse: int | None
-    ) -> httpx.Response:
-        try:
-            commit = ManifestCommit(files=entries, metadata=metadata, reuse_version=reuse)
-        except ValidationError as exc:
-            raise WeightTransferError(f"commit {prefix}: {brief(exc)}") from exc
-        body = commit.model_dump(mode="json", include={"files", "metadata", "reuse_version"})
-        return await http.post(f"{prefix}/commit", json=body)
-
-    @staticmethod
-    async def _already_committed(
-        http, prefix: str, local: VersionFiles, model: str, version: int
-    ) -> Manifest:
-        """The store has the version: ours (an earlier attempt) only with our content digest."""
-        manifest = read_manifest(await http.get(f"{prefix}/manifest"), f"v{version}")
-        stored = manifest_digest(manifest)
-        if stored != local.digest:
-            raise WeightConflict(
-                model,
-                version,
-                "in the store was committed by someone else",
-                stored,
-                local.digest,
-                "ours",
-            )
-        return manifest
 
     async def stored_digest(self, model: str, version: int) -> str | None:
         """Content digest of a committed version, from the first replica that has it; None when
@@ -349,30 +260,8 @@ class WeightClient:
             async with self._http(60.0) as http:
                 resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
             manifest = read_manifest(resp, f"{model} v{version}")
-        named = (manifest.model, manifest.version)
-        if named != (model, version):
-            raise WeightTransferError(f"asked for {model} v{version}, the manifest names {named}")
-        digest = manifest_digest(manifest)
-        if expect_digest is not None and digest != expect_digest:
-            raise WeightConflict(
-                model,
-                version,
-                "in the store is not the one announced",
-                digest,
-                expect_digest,
-                "announced",
-            )
-        partial = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        same = reusable(reuse, manifest.files)
-        for entry in manifest.files:
-            path = partial / entry.name
-            if entry.name in same:
-                link_or_copy(same[entry.name], path)
-                continue
-            with open(path, "wb") as fh:
-                fh.truncate(entry.size)
+        digest = check_manifest(manifest, model, version, expect_digest)
+        partial, same = prepare_partial(dest, reuse, manifest.files)
         blocks = plan_blocks(manifest.files)
         files_path = f"/v1/models/{model}/versions/{version}/files"
         fetch = BlockFetch(
@@ -384,7 +273,14 @@ class WeightClient:
                 await swarm.verified([b for b in blocks if b.name in same])
             await asyncio.gather(
                 fetch.run([b for b in blocks if b.name not in same]),
-                self._fetch_whole(fetch.store + files_path, partial, manifest.files, same),
+                fetch_whole(
+                    fetch.store + files_path,
+                    partial,
+                    manifest.files,
+                    same,
+                    self.parallel,
+                    self.headers,
+                ),
             )
             write_complete(partial, version, digest, {e.name: e.sha256 for e in manifest.files})
             shutil.rmtree(dest, ignore_errors=True)
@@ -401,35 +297,6 @@ class WeightClient:
         return PullResult(
             dest, version, fetched, time.monotonic() - started, digest, fetch.from_peers
         )
-
-    async def _fetch_whole(
-        self, files_url: str, folder: Path, entries: list[FileEntry], same: dict[str, Path]
-    ) -> None:
-        """The files without block hashes (an older store's), from the store in ranges of
-        CHUNK_BYTES, each checked whole once it is in."""
-        gate = asyncio.Semaphore(self.parallel)
-        whole = [e for e in entries if e.blocks() is None and e.name not in same]
-
-        async def chunk(entry: FileEntry, start: int) -> None:
-            end = min(start + CHUNK_BYTES, entry.size) - 1
-            async with gate:
-                await asyncio.to_thread(
-                    fetch_range,
-                    f"{files_url}/{entry.name}",
-                    folder / entry.name,
-                    start,
-                    end,
-                    None,
-                    self.headers,
-                )
-
-        await asyncio.gather(
-            *(chunk(e, start) for e in whole for start in range(0, e.size, CHUNK_BYTES))
-        )
-        for entry in whole:
-            got = await asyncio.to_thread(sha256_file, folder / entry.name)
-            if got != entry.sha256:
-                raise WeightTransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
 
     def _missed(self, base: str) -> None:
         """An attempt on `base` failed: ask where it serves its blocks again (a replica that

@@ -64,28 +64,43 @@ COMMITS = Counter("spotrl_weightstore_commits_total", "Versions committed")
 MANIFESTS = Counter("spotrl_weightstore_manifests_served_total", "Manifests served")
 
 
-def build_app(settings: WeightStoreSettings) -> FastAPI:
-    storage = WeightStorage(
-        settings.root, settings.keep_versions, settings.replica_id, settings.block_bytes
+def block_server(settings: WeightStoreSettings, storage: WeightStorage) -> BlockServer | None:
+    """The zero-copy block server of the committed files, where the settings ask for one."""
+    if not settings.serve_blocks:
+        return None
+    return BlockServer(
+        partial(committed_file, storage),
+        settings.host,
+        settings.block_port,
+        settings.api_token if settings.protect_reads else None,
+        settings.max_serving,
+        settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
     )
-    tasks = BackgroundTasks()
-    auth = auth_for(settings)
-    blocks = None
-    if settings.serve_blocks:
-        blocks = BlockServer(
-            partial(committed_file, storage),
-            settings.host,
-            settings.block_port,
-            settings.api_token if settings.protect_reads else None,
-            settings.max_serving,
-            settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
-        )
+
+
+def discard_staging(
+    storage: WeightStorage, settings: WeightStoreSettings, model: str, own: bool = False
+) -> None:
+    """Drop the model's uploads left uncommitted longer than `stale_staging_s` (with `own`,
+    this process's too: at start, none of them is still under way)."""
+    gone = storage.discard_staging(model, settings.stale_staging_s, time.time(), own)
+    if gone:
+        log.info("%s: discarded the staging of %s", model, ", ".join(gone))
+
+
+def lifespan_of(
+    settings: WeightStoreSettings,
+    storage: WeightStorage,
+    tasks: BackgroundTasks,
+    blocks: BlockServer | None,
+):
+    """The app's lifespan: staging emptied and the block server started, then stopped."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # An upload cut off before its commit is never served: staging starts empty.
         for model in storage.models():
-            discard_staging(model, own=True)
+            discard_staging(storage, settings, model, own=True)
         if blocks is not None:
             blocks.start()
         yield
@@ -93,11 +108,17 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
         if blocks is not None:
             blocks.stop()
 
-    def discard_staging(model: str, own: bool = False) -> None:
-        gone = storage.discard_staging(model, settings.stale_staging_s, time.time(), own)
-        if gone:
-            log.info("%s: discarded the staging of %s", model, ", ".join(gone))
+    return lifespan
 
+
+def build_app(settings: WeightStoreSettings) -> FastAPI:
+    storage = WeightStorage(
+        settings.root, settings.keep_versions, settings.replica_id, settings.block_bytes
+    )
+    tasks = BackgroundTasks()
+    auth = auth_for(settings)
+    blocks = block_server(settings, storage)
+    lifespan = lifespan_of(settings, storage, tasks, blocks)
     app = FastAPI(title="spotrl weight store", version="1", lifespan=lifespan)
     app.state.storage = storage
     add_health_and_metrics(app, "weightstore", tasks, auth=auth)
@@ -140,7 +161,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
         committed = storage.commit(model, version, manifest, manifest.reuse_version)
         COMMITS.inc()
-        discard_staging(model)
+        discard_staging(storage, settings, model)
         log.info(
             "committed %s v%d (%d files, %d bytes)",
             model,

@@ -12,8 +12,7 @@ from services.cli import procs
 from services.contracts import keys
 from services.coordinator.scheduling import StepScheduler
 from services.state.run_state import wait_for_version
-from services.trainer.loop import TrainerLoop
-from services.trainer.settings import TrainerSettings
+from services.trainer.run_trainer import wait_seeding
 from services.trainer.versions import VersionPublisher
 from services.weights.transfer import WeightClient
 
@@ -65,17 +64,15 @@ def test_the_trainer_wakes_when_the_coordinator_ends_seeding(redis_url, tmp_path
     """The coordinator's end of a step's seeding window (its own code) wakes the trainer's
     wait, which would otherwise look again only after NEVER_MS; a window ended before the wait
     is seen at once; the wake-up stream keeps one entry."""
-    monkeypatch.setattr("services.trainer.loop.SEED_WAIT_MS", NEVER_MS)
+    monkeypatch.setattr("services.trainer.run_trainer.SEED_WAIT_MS", NEVER_MS)
 
     async def scenario():
         r = aioredis.from_url(redis_url)
         await r.hset(keys.run(RUN), "state", "running")
-        settings = TrainerSettings(redis_url=redis_url, work_dir=tmp_path / "t")
-        trainer = TrainerLoop(settings, r)
         seeding = [StepScheduler(r, RUN, step, "jobs", float("inf"), 0.0) for step in range(3)]
         await seeding[0].finish()
-        await asyncio.wait_for(trainer._wait_seeding(RUN, 0), 30)
-        waiter = asyncio.create_task(trainer._wait_seeding(RUN, 1))
+        await asyncio.wait_for(wait_seeding(r, RUN, 0), 30)
+        waiter = asyncio.create_task(wait_seeding(r, RUN, 1))
         await blocked(r, waiter)
         await seeding[1].finish()
         await asyncio.wait_for(waiter, 30)

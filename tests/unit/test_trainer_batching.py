@@ -130,7 +130,7 @@ def test_bfloat16_autocast_stays_near_float32(tiny_model, long_tailed_rows):
 
 
 def test_stale_tokens_come_from_the_version_runs():
-    from services.trainer.policy import stale_tokens
+    from services.trainer.batching import stale_tokens
 
     assert stale_tokens([], 4, version=3) is None  # runs not recorded: nothing is stale
     assert stale_tokens([(0, 3)], 4, version=3) is None  # a synchronous step

@@ -1,0 +1,183 @@
+"""The instances' half of the simulation: the trace offering and taking back instances, the
+scaler holding the pool the coordinator wants, boots, weight pulls (in the foreground at boot,
+in the background under asynchronous RL), preemptions with or without notice, and their
+detection when a dead instance's heartbeat expires.
+
+What a preempted instance held goes through the services' own flush and migration code
+(requests.py); what is modelled here is time and the cloud's choices (a random victim).
+"""
+
+import itertools
+import random
+from typing import TYPE_CHECKING, TypeVar
+
+from services.contracts.messages import DeltaBatch, DeltaItem, ReleaseReason
+from services.sim.engine import SimEngine
+from services.sim.scenario import Scenario
+from services.sim.state import Instance, StepState, Totals
+from services.sim.systems import SystemSpec
+
+T = TypeVar("T")
+
+
+class InstanceLifecycle:
+    """Mixed into `Simulation`. The state and the methods of the other halves it uses are
+    declared here with their types; `Simulation` sets and defines them."""
+
+    sc: Scenario
+    system: SystemSpec
+    now: float
+    version: int  # latest committed weights
+    rng: random.Random  # the cloud's choice of victims
+    totals: Totals
+    instances: dict[str, Instance]
+    spot_timeline: list[tuple[float, int]]  # the trace: instances offered
+    available: int  # instances the cloud offers now
+    wanted: int | None  # the pool the coordinator asks for (None: all)
+    _names: itertools.count
+
+    if TYPE_CHECKING:
+
+        def at(self, t: float, kind: str, payload: object = None) -> None: ...
+        def step_of(self, rid: str) -> StepState: ...
+        def by_step(self, items: list[tuple[StepState, T]]) -> list[tuple[StepState, list[T]]]: ...
+        def held_version(self, inst: Instance, st: StepState) -> int: ...
+        def delta(
+            self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
+        ) -> DeltaItem: ...
+        def collect(self, st: StepState, batch: DeltaBatch) -> None: ...
+        def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None: ...
+        def migrate(self, rid: str, cause: str, lease: int) -> None: ...
+
+    def on_target(self, count: int) -> None:
+        """The trace: the cloud now offers `count` instances. An instance it takes back is
+        preempted (a random one of those held); a scaler holds min(offered, wanted)."""
+        self.available = count
+        self.spot_timeline.append((self.now, count))
+        self.hold(count if self.wanted is None else min(count, self.wanted), scale_in=False)
+
+    def want(self, wanted: int | None) -> None:
+        """The scaler follows the coordinator's `preemptible_wanted`, between steps (the pool
+        is idle then: an instance handed back loses no work)."""
+        self.wanted = wanted
+        target = self.available if wanted is None else min(self.available, wanted)
+        self.hold(target, scale_in=True)
+
+    def hold(self, count: int, scale_in: bool) -> None:
+        live = [i for i in self.pool_instances() if i.state != "noticed"]
+        for _ in range(count - len(live)):
+            name = f"spot-{next(self._names)}"
+            price = self.sc.cloud.spot_instance_per_h
+            if self.system.pool == "fixed":
+                price = self.sc.cloud.ondemand_instance_per_h
+            self.instances[name] = Instance(
+                name, "preemptible", SimEngine(self.sc.spot_engine), price, self.now
+            )
+            self.at(self.now + self.sc.cloud.startup_s, "booted", name)
+        excess = max(0, len(live) - count)
+        if not scale_in:
+            for victim in self.rng.sample(live, excess):
+                self.preempt(victim)
+            return
+        # handed back: those not serving yet first, then the newest
+        order = {"booting": 0, "pulling": 1, "up": 2}
+        live.sort(key=lambda i: (order.get(i.state, 3), -i.born_s))
+        for inst in live[:excess]:
+            self.release(inst, len(inst.engine.running), "preemption")  # none between steps
+            self.totals.scaled_in += 1
+            self.on_gone(inst.name)
+
+    def pool_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.pool == "preemptible" and i.state != "gone"]
+
+    def on_booted(self, name: str) -> None:
+        inst = self.instances[name]
+        if inst.state == "booting":
+            self.pull(inst)
+
+    def pull(self, inst: Instance) -> None:
+        inst.state = "pulling"
+        self.at(self.now + self.pull_s(), "pulled", (inst.name, self.version))
+
+    def pull_s(self) -> float:
+        """A pull started now: the weight store's egress is shared by every pull under way
+        (with peer-to-peer fan-out, the pullers serve each other: `TransferModel`)."""
+        pulling = sum(
+            1
+            for i in self.instances.values()
+            if i.state == "pulling" or (i.fetching and i.state == "up")
+        )
+        seconds = self.sc.transfer.pull_s(pulling)
+        self.totals.pulls += 1
+        self.totals.pull_s += seconds
+        self.totals.max_pull_s = max(self.totals.max_pull_s, seconds)
+        return seconds
+
+    def fetch(self, inst: Instance) -> None:
+        """Asynchronous RL: pull the latest version in the background; the instance keeps
+        generating its running requests with the weights it holds."""
+        inst.fetching = True
+        self.at(self.now + self.pull_s(), "fetched", (inst.name, self.version))
+
+    def on_fetched(self, payload: tuple[str, int]) -> None:
+        """The pull is loaded: the instance switches to it between two decode steps and its
+        running requests continue under it (no drain, no restart)."""
+        name, version = payload
+        inst = self.instances[name]
+        inst.fetching = False
+        if inst.state != "up":
+            return  # preempted (or told to go) meanwhile
+        inst.version = version
+        if version < self.version:
+            self.fetch(inst)  # a newer version was committed meanwhile
+
+    def on_pulled(self, payload: tuple[str, int]) -> None:
+        name, version = payload
+        inst = self.instances[name]
+        if inst.state != "pulling":
+            return  # preempted while pulling
+        inst.version = version
+        if version >= self.version:
+            inst.state = "up"
+        elif self.system.max_staleness:
+            inst.state = "up"  # it may serve the steps its version is recent enough for
+            self.fetch(inst)
+        else:
+            self.pull(inst)  # a newer version was committed meanwhile
+
+    def preempt(self, inst: Instance) -> None:
+        self.totals.preemptions += 1
+        notice = self.sc.cloud.notice_s
+        if notice > 0 and inst.state != "booting":
+            self.release(inst, len(inst.engine.running), "preemption")  # flush, release, exit
+            inst.state = "noticed"
+            self.at(self.now + notice, "gone", inst.name)
+            return
+        held, items = [], []
+        for rid in list(inst.engine.running):
+            st = self.step_of(rid)
+            run, tokens = inst.engine.remove(rid)
+            self.totals.generated += tokens
+            flushed = tokens - tokens % self.sc.flush_tokens
+            self.totals.lost_unflushed += tokens - flushed
+            items.append((st, self.delta(st, rid, run.lease, run.offset, flushed, False)))
+            held.append((rid, run.lease))
+        for st, step_items in self.by_step(items):  # what it flushed before it died
+            self.collect(
+                st,
+                DeltaBatch(
+                    worker_id=inst.name, version=self.held_version(inst, st), items=step_items
+                ),
+            )
+        self.on_gone(inst.name)
+        if held:
+            self.at(self.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
+
+    def on_gone(self, name: str) -> None:
+        inst = self.instances[name]
+        inst.state, inst.gone_s = "gone", self.now
+
+    def on_detected(self, held: list[tuple[str, int]]) -> None:
+        """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
+        for rid, lease in held:
+            self.migrate(rid, "death", lease)

@@ -1,0 +1,222 @@
+"""The requests' half of the simulation: instances reading jobs up to their plateau batch size
+(the oldest step's first, under each step's read cap with `fair_reads`), Algorithm 2's releases
+(`balancer.releases`), and every flush (a release, a finished request, what a dying instance
+flushed) applied by the coordinator's own `collect.apply_batches` on the step's
+`RequestTable`, whose completed groups go to the trainer (steps.py).
+"""
+
+from typing import TYPE_CHECKING, TypeVar
+
+from services.contracts.messages import (
+    DeltaBatch,
+    DeltaItem,
+    FinishReason,
+    Job,
+    ReleaseReason,
+    RequestLease,
+)
+from services.core.balancer import WorkerLoad, read_cap
+from services.core.collect import CollectRules, apply_batches, keeps_tokens
+from services.core.step_controller import balance_orders
+from services.sim.scenario import Scenario
+from services.sim.state import Instance, StepState, Totals
+from services.sim.systems import SystemSpec
+
+T = TypeVar("T")
+
+
+class RequestFlow:
+    """Mixed into `Simulation`. The state and the methods of the other halves it uses are
+    declared here with their types; `Simulation` sets and defines them."""
+
+    sc: Scenario
+    system: SystemSpec
+    now: float
+    totals: Totals
+    instances: dict[str, Instance]
+    inflight: dict[int, StepState]  # steps queued and not committed, oldest first
+    max_lag: int  # the most a job's step was ahead of its instance's weights at start
+    rules: CollectRules
+
+    if TYPE_CHECKING:
+
+        def at(self, t: float, kind: str, payload: object = None) -> None: ...
+        def group_done(self, st: StepState, prompt: int) -> None: ...
+
+    def step_of(self, rid: str) -> StepState:
+        """The step in flight that request `rid` belongs to."""
+        for st in self.inflight.values():
+            if rid in st.lengths:
+                return st
+        raise KeyError(f"request {rid} belongs to no step in flight")
+
+    def by_step(self, items: list[tuple[StepState, T]]) -> list[tuple[StepState, list[T]]]:
+        """`items` grouped by their step, oldest step first, each in its order."""
+        out: dict[int, tuple[StepState, list[T]]] = {}
+        for st, item in items:
+            out.setdefault(st.step, (st, []))[1].append(item)
+        return [out[step] for step in sorted(out)]
+
+    def held_version(self, inst: Instance, st: StepState) -> int:
+        """The weights the instance generated the step's tokens with, as its flush says."""
+        return inst.version if inst.version is not None else st.step
+
+    def takes(self, inst: Instance, st: StepState) -> bool:
+        """Whether the instance may read the step's jobs: up, not stepped aside, holding a
+        version no older than the step minus k (none newer than the step exists while it
+        runs). With k > 0 the reserved engines read only the steps they were recalled for."""
+        k = self.system.max_staleness
+        return (
+            inst.state == "up"
+            and not inst.paused
+            and inst.version is not None
+            and st.step - k <= inst.version <= st.step
+            and (k == 0 or inst.pool != "reserved" or st.recalled)
+        )
+
+    def takers(self, st: StepState) -> list[Instance]:
+        return [i for i in self.instances.values() if self.takes(i, st)]
+
+    def held(self, inst: Instance, st: StepState) -> int:
+        """Requests of the step the instance runs."""
+        if len(self.inflight) == 1:
+            return inst.engine.batch
+        return sum(1 for rid in inst.engine.running if rid in st.lengths)
+
+    def dispatch(self) -> None:
+        """Ready instances read jobs up to their plateau batch size, as each polls the stream
+        (least loaded first), the oldest step's first; with `fair_reads`, up to each step's
+        read cap too."""
+        for st in list(self.inflight.values()):
+            self.dispatch_step(st)
+
+    def dispatch_step(self, st: StepState) -> None:
+        if not st.queue:
+            return
+        takers = sorted(self.takers(st), key=lambda i: (i.engine.batch, i.name))
+        held = {i.name: self.held(i, st) for i in takers}
+        cap = read_cap(len(st.queue) + sum(held.values()), self.serving(st))
+        for inst in takers:
+            room = inst.slots() - inst.engine.batch
+            if self.system.fair_reads:
+                room = min(room, cap - held[inst.name])
+            for _ in range(max(0, room)):
+                if not st.queue:
+                    return
+                self.start_job(inst, st.queue.popleft())
+
+    def serving(self, st: StepState) -> int:
+        """The instances serving the step's version or loading it, as the coordinator counts
+        them (`core.step_controller.serving`): registered, and not a reserved engine that
+        stepped aside."""
+        return sum(
+            1
+            for i in self.instances.values()
+            if i.has_heartbeat and (i.pool != "reserved" or not st.seeded_out)
+        )
+
+    def start_job(self, inst: Instance, job: Job) -> None:
+        st = self.step_of(job.request_id)
+        assert inst.version is not None and inst.version >= st.step - self.system.max_staleness
+        self.max_lag = max(self.max_lag, st.step - inst.version)
+        tokens = st.lengths[job.request_id] - len(job.prefix_ids)
+        context = len(job.prompt_ids) + len(job.prefix_ids)
+        inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
+
+    def balance(self) -> None:
+        """Algorithm 2 over the instances that serve some step in flight, with the cooldown of
+        the oldest step still rolling out; a release gives back the oldest requests, of any
+        step, which go back to their steps' queues."""
+        rolling = [st for st in self.inflight.values() if st.rollout_end_s is None]
+        if not self.system.balancing or not rolling:
+            return
+        steps = list(self.inflight.values())
+        takers = {
+            i.name: i for i in self.instances.values() if any(self.takes(i, st) for st in steps)
+        }
+        loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
+        queued = sum(len(st.queue) for st in steps)
+        gate = rolling[0].release_gate
+        orders, held = balance_orders(loads, queued, self.system.fair_reads, gate, self.now)
+        for at in held:
+            self.at(at, "wake")
+        for name, count in orders.items():
+            self.release(takers[name], count, "balance")
+        self.dispatch()
+
+    def on_wake(self, _: object) -> None:
+        """Nothing to do: the loop balances after every event."""
+
+    def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None:
+        """The worker flushes and gives back `count` requests (oldest first, as the worker)."""
+        items = []
+        for rid in list(inst.engine.running)[:count]:
+            st = self.step_of(rid)
+            run, tokens = inst.engine.remove(rid)
+            self.totals.generated += tokens
+            delta = self.delta(st, rid, run.lease, run.offset, tokens, finished=False)
+            items.append((st, (delta, RequestLease(request_id=rid, lease=run.lease))))
+        for st, pairs in self.by_step(items):
+            batch = DeltaBatch(
+                worker_id=inst.name,
+                version=self.held_version(inst, st),
+                items=[d for d, _ in pairs],
+                released=[r for _, r in pairs],
+                release_reason=cause,
+            )
+            self.collect(st, batch)
+
+    def migrate(self, rid: str, cause: str, lease: int) -> None:
+        """The coordinator reclaims a request of a dead worker (`migration.py`)."""
+        st = self.step_of(rid)
+        before = st.table.tokens_discarded
+        job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
+        self.totals.discarded += st.table.tokens_discarded - before
+        if job is not None:
+            self.queue_continuations(st, {cause: [job]})
+
+    def delta(
+        self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
+    ) -> DeltaItem:
+        """What a worker flushes for one request (token values do not matter here)."""
+        reason: FinishReason | None = None
+        if finished:
+            full = st.lengths[rid] >= self.sc.workload.max_response_tokens
+            reason = "length" if full else "stop"
+        return DeltaItem(
+            request_id=rid,
+            lease=lease,
+            offset=offset,
+            token_ids=[0] * tokens,
+            logprobs=[0.0] * tokens,
+            finished=finished,
+            finish_reason=reason,
+        )
+
+    def collect(self, st: StepState, batch: DeltaBatch) -> None:
+        """The coordinator applies a flush of the step's requests (`collect.apply_batches`, as
+        the services do): the continuations are queued and the groups it completed go to the
+        trainer."""
+        before = st.table.tokens_discarded
+        outcome = apply_batches(st.table, [batch], self.rules)
+        self.totals.discarded += st.table.tokens_discarded - before
+        self.queue_continuations(st, outcome.released)
+        groups = st.table.completed_groups(outcome.finished)
+        st.table.mark_published(groups)
+        for prompt in groups:
+            self.group_done(st, prompt)
+
+    def queue_continuations(self, st: StepState, released: dict[str, list[Job]]) -> None:
+        for cause, jobs in released.items():
+            st.queue.extend(jobs)
+            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + len(jobs)
+
+    def finish_request(self, inst: Instance, rid: str) -> None:
+        st = self.step_of(rid)
+        run, _ = inst.engine.remove(rid)
+        tokens = round(run.stop_level - run.join_level)
+        self.totals.generated += tokens
+        item = self.delta(st, rid, run.lease, run.offset, tokens, finished=True)
+        self.collect(
+            st, DeltaBatch(worker_id=inst.name, version=self.held_version(inst, st), items=[item])
+        )
