@@ -46,11 +46,21 @@ class CountedBuckets(ClientBuckets):
         return wait_s
 
 
+async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+    """A write that found Redis away: nothing was changed; the client may try again."""
+    return JSONResponse(
+        {"detail": f"redis unavailable: {brief(exc)}"},
+        status_code=503,
+        headers={"Retry-After": "2"},
+    )
+
+
 def build_app(settings: CoordinatorSettings) -> FastAPI:
     tasks = BackgroundTasks()
-    r = connect(settings.redis_url)
+    r = connect(settings.redis_url, retry_once=True)  # writes, now and then
     store = RunStore(r, settings.audit_ttl_s)
-    model = ReadModel(r, settings.read_refresh_s)
+    reads = connect(settings.redis_url, fail_fast=True)  # a refresh knows at once Redis is gone
+    model = ReadModel(reads, settings.read_refresh_s)
     data_plane = DataPlaneProcess(settings)
     auth = auth_for(settings)
     # this process's own metrics; the data plane's are relayed after them
@@ -73,6 +83,7 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         await tasks.stop()
         await data_plane.stop()
         await r.aclose()
+        await reads.aclose()
 
     app = FastAPI(
         title="spotrl coordinator",
@@ -93,17 +104,8 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
     guard_input(app, settings.api_token, settings.max_body_bytes)
     app.add_middleware(ReadLimit, buckets=CountedBuckets(settings, refused))  # outermost
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
-    @app.exception_handler(OutOfMemoryError)
-    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
-        # nothing was changed; the client may try again once Redis is back
-        return JSONResponse(
-            {"detail": f"redis unavailable: {brief(exc)}"},
-            status_code=503,
-            headers={"Retry-After": "2"},
-        )
-
+    for error in (RedisConnectionError, RedisTimeoutError, OutOfMemoryError):
+        app.add_exception_handler(error, redis_down)
     app.include_router(routes_runs.build_router(store, model, auth, settings))
     app.include_router(routes_workers.build_router(r, model, auth))
     dashboard.add_dashboard(app)

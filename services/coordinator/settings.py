@@ -98,14 +98,14 @@ class CoordinatorSettings(CommonSettings):
         "dashboard and the metrics answer is at most this old.",
     )
     read_rate_per_s: float = Field(
-        20.0,
+        10.0,
         gt=0,
         le=100_000,
         description="Reads (GET) one client (one address) may make a second; past it and its "
         "burst, a read is answered 429 with Retry-After.",
     )
     read_burst: int = Field(
-        40, ge=1, le=1_000_000, description="Reads one client may make at once above its rate."
+        20, ge=1, le=1_000_000, description="Reads one client may make at once above its rate."
     )
 
     @field_validator("reward_modules", mode="before")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -53,8 +55,21 @@ def entry_time_s(entry_id: bytes) -> float:
     return int(entry_id.split(b"-", 1)[0]) / 1000
 
 
-def connect(url: str) -> aioredis.Redis:
-    return aioredis.from_url(url, decode_responses=False, health_check_interval=10)
+def connect(url: str, fail_fast: bool = False, retry_once: bool = False) -> aioredis.Redis:
+    """A connection pool to Redis. `fail_fast`: no retries inside a command, and short socket
+    timeouts, for a reader that must know at once when Redis is gone (it retries by itself).
+    `retry_once`: a command whose connection turns out dead (Redis restarted since it was last
+    used) is sent once more on a new one, for a pool used now and then (an API's writes)."""
+    if fail_fast:
+        return aioredis.from_url(
+            url,
+            decode_responses=False,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=1.0,
+            socket_timeout=5.0,
+        )
+    retry = Retry(NoBackoff(), 1) if retry_once else None
+    return aioredis.from_url(url, decode_responses=False, health_check_interval=10, retry=retry)
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:
