@@ -116,6 +116,7 @@ def main() -> None:
                 r.connection_pool.disconnect()
                 restarts[target] += 1
                 turn += 1
+            wait_final(client, run_id)  # the API's answer may trail Redis by a refresh
             run = client.run(run_id)
             wall_s = time.monotonic() - started
             trained = int(r.hget(keys.trainer_state(run_id), "steps_trained") or 0)

@@ -91,7 +91,7 @@ class CoordinatorSettings(CommonSettings):
         "with its control stream and crash report: churn over days does not pile up.",
     )
     read_refresh_s: float = Field(
-        0.25,
+        0.1,
         gt=0,
         le=60,
         description="Period of the control plane's read model: what the REST API, the "
