@@ -15,7 +15,7 @@ from services.coordinator.reward_runner import check_loads
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
-from services.infra.read_limit import revalidated
+from services.infra.read_limit import NOT_MODIFIED, revalidated
 from services.infra.service import Auth, errors
 from services.state import timeline
 from services.tasks import RewardChoice, TaskError, task_for_spec
@@ -97,7 +97,7 @@ def build_router(
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
     write, read = auth.write, auth.read
     dataset_loads = asyncio.Semaphore(1)  # a dataset check holds its rows in memory
-    read_one = {**auth.read_errors, **errors(404, 503)}
+    read_one = {**auth.read_errors, **NOT_MODIFIED, **errors(404, 429, 503)}
 
     def ready() -> None:
         if not model.fresh:
@@ -140,7 +140,7 @@ def build_router(
         "",
         response_model=list[RunPublic],
         dependencies=read,
-        responses={**auth.read_errors, **errors(503)},
+        responses={**auth.read_errors, **NOT_MODIFIED, **errors(429, 503)},
     )
     async def list_runs(
         request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100

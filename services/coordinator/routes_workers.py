@@ -13,7 +13,7 @@ from services.contracts.records import WorkerRecord
 from services.coordinator.read_model import ReadModel
 from services.coordinator.scheduling import heartbeats, order
 from services.coordinator.schemas import WorkerCreate, WorkerOrdered, WorkerPublic, WorkerRelease
-from services.infra.read_limit import revalidated
+from services.infra.read_limit import NOT_MODIFIED, revalidated
 from services.infra.service import Auth, errors
 from services.state import worker_record
 
@@ -44,7 +44,7 @@ def build_router(r: aioredis.Redis, model: ReadModel, auth: Auth) -> APIRouter:
         "",
         response_model=list[WorkerPublic],
         dependencies=auth.read,
-        responses={**auth.read_errors, **errors(503)},
+        responses={**auth.read_errors, **NOT_MODIFIED, **errors(429, 503)},
     )
     async def list_workers(request: Request, alive: bool | None = None) -> Response:
         if not model.fresh:

@@ -18,6 +18,10 @@ from services.core.rate_limit import ClientBuckets, retry_after_s
 from services.infra.http_limits import Receive, Scope, Send
 
 READ_METHODS = frozenset({"GET", "HEAD"})
+# OpenAPI `responses` of a read that carries an ETag (with `errors(429, ...)`)
+NOT_MODIFIED: dict[int | str, dict] = {
+    304: {"description": "Not modified: the If-None-Match ETag is the answer's current one."}
+}
 JSON = "application/json"
 
 

@@ -4,6 +4,7 @@ and its shutdown) with the same port and settings, and restart Redis on its data
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from services.cli import procs
 from services.cli.local_deployment import DeploymentConfig, LocalDeployment
@@ -11,7 +12,17 @@ from services.cli.local_deployment import DeploymentConfig, LocalDeployment
 __all__ = ["Deployment", "DeploymentConfig"]
 
 
+# The tests and benchmarks are one client (127.0.0.1) that reads the API as often as a check
+# needs: they lift the coordinator's per-client read limit unless a test sets its own
+# (tests/integration/test_control_plane.py tests the limit itself).
+TEST_READ_LIMITS = {"SPOTRL_READ_RATE_PER_S": "100000", "SPOTRL_READ_BURST": "100000"}
+
+
 class Deployment(LocalDeployment):
+    def __init__(self, config: DeploymentConfig) -> None:
+        extra_env = TEST_READ_LIMITS | config.extra_env
+        super().__init__(replace(config, extra_env=extra_env))
+
     @property
     def weightstore_urls(self) -> list[str]:
         return self.weightstore_url.split(",")
