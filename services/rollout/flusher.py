@@ -5,8 +5,15 @@ them in the engine and release them in a flush, for the coordinator to migrate.
 
 It decides nothing itself (when a flush is due, what it carries and what stays pending are the
 buffer's), and it never reads a stream.
+
+A flush is delivered whole, whoever cancels its caller (a worker told to leave stops its tasks
+mid-flush): the send, the buffer's record that it was sent and the acknowledgement run as one
+task of their own, and the next flush waits for it. Without that, a flush that reached Redis
+but was cut off before it was recorded as sent went again with the next one, its tokens
+received twice.
 """
 
+import asyncio
 import logging
 import time
 
@@ -27,17 +34,30 @@ FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")
 class Flusher:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+        self._order = asyncio.Lock()  # one flush at a time, in the order they are taken
+        self._delivery: asyncio.Task[None] | None = None  # the newest flush's delivery
 
     async def flush(
         self, released: list[RequestLease] | None = None, reason: ReleaseReason = "preemption"
     ) -> None:
         """Send the tokens pending (and `released`, after them); what a failed send carried
         stays pending for the next flush."""
+        async with self._order:
+            previous = self._delivery
+            if previous is not None and not previous.done():
+                await asyncio.wait({previous})  # cut off from its caller: it ends first
+            ctx = self.ctx
+            flush = ctx.buffer.take(time.monotonic(), ctx.version or 0, released, reason)
+            if flush is None or ctx.run_id is None:
+                return
+            delivery = asyncio.create_task(self._deliver(ctx.run_id, flush))
+            delivery.add_done_callback(_retrieved)
+            self._delivery = delivery
+            await asyncio.shield(delivery)
+
+    async def _deliver(self, run_id: str, flush: Flush) -> None:
+        """Send a flush, record it as sent, acknowledge the jobs it ended."""
         ctx = self.ctx
-        flush = ctx.buffer.take(time.monotonic(), ctx.version or 0, released, reason)
-        if flush is None or ctx.run_id is None:
-            return
-        run_id = ctx.run_id
         by_shard = split_by_shard(flush.batch, ctx.inbox.shards)
 
         async def send() -> None:
@@ -96,3 +116,9 @@ class Flusher:
         if leases:
             log.info("released %d requests (%s)", len(leases), reason)
         return len(leases)
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """A delivery whose caller was cancelled has nobody awaiting it: its error is logged here."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a flush cut off from its caller failed: %s", task.exception())

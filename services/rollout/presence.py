@@ -22,10 +22,16 @@ from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 10.0
+NOT_NOW = (429, 503)  # the coordinator says "later": over a rate, or its Redis away
+
+
+class CoordinatorNotNow(Exception):
+    """The coordinator answered "not now" (`NOT_NOW`): registering is tried again."""
 
 
 async def register(s: RolloutSettings) -> None:
-    """Register with the coordinator; a refusal is a RuntimeError (not retried)."""
+    """Register with the coordinator, again while it is unreachable or says "not now"; a
+    refusal is a RuntimeError (not retried)."""
     body = {
         "id": s.worker_id,
         "pool": s.pool,
@@ -39,11 +45,16 @@ async def register(s: RolloutSettings) -> None:
             resp = await http.post(
                 f"{s.coordinator_url}/v1/workers", json=body, headers=auth_headers(s.api_token)
             )
+        if resp.status_code in NOT_NOW:
+            raise CoordinatorNotNow(f"{resp.status_code} {resp.text}")
         if resp.status_code != 201:
             raise RuntimeError(f"registration refused: {resp.status_code} {resp.text}")
 
     await retry(
-        post, "register (coordinator not reachable)", on=(httpx.HTTPError,), first_delay_s=0.2
+        post,
+        "register (coordinator not reachable)",
+        on=(httpx.HTTPError, CoordinatorNotNow),
+        first_delay_s=0.2,
     )
     log.info("registered %s (%s pool)", s.worker_id, s.pool)
 
