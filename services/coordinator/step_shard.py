@@ -14,6 +14,7 @@ hang) lives as long as the run. No step is queued while Redis is near its memory
 (`memory.py`).
 """
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -52,7 +53,7 @@ JOBS_TTL_S = 600
 CHECK_S = 0.25  # period of the cancel and dead-worker checks
 
 
-class StepShard:
+class StepShard(abc.ABC):
     """The shard `shard` of a run's steps (`contracts.shards`); subclassed by the leader and the
     follower, which fill in the hooks."""
 
@@ -88,12 +89,15 @@ class StepShard:
 
     async def _enter(self, stack: contextlib.AsyncExitStack) -> None:
         """What lives as long as the run's steps (the leader: the other shards)."""
+        return None  # a hook: nothing by default
 
     async def _started(self) -> None:
         """The collector is ready, before the first step (the leader: its stall watch)."""
+        return None  # a hook: nothing by default
 
     async def _retired(self, step: int, done: StepDone) -> None:
         """The version trained on `step` is committed."""
+        return None  # a hook: nothing by default
 
     def _window(self, pools: dict[str, int]) -> float:
         """The seeding window of a step opened with these pools."""
@@ -101,12 +105,15 @@ class StepShard:
 
     def _stage_read_cap(self, pipe, table: RequestTable, beats: dict[str, Heartbeat]) -> None:
         """Anything to queue with the step's jobs (the leader: the fair-reads cap)."""
+        return None  # a hook: nothing by default
 
     async def _opened(self, step: OpenStep) -> None:
         """The step is queued and live."""
+        return None  # a hook: nothing by default
 
+    @abc.abstractmethod
     async def _drive_step(self, step: OpenStep) -> StepDone:
-        raise NotImplementedError
+        """Run the step until this shard's part of it is done (leader: the whole step's)."""
 
     # -- the steps --------------------------------------------------------------------------
 
