@@ -28,6 +28,7 @@ VARIANTS = ("to_thread", "compute")
 async def one_variant(model: Path, variant: str, reps: int, batch: int, tokens: int) -> float:
     """Median seconds to generate `batch` x `tokens` through HFEngine.step in this process."""
     from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
     from services.rollout.engines import hf
 
     if variant == "to_thread":  # the engine as it was: each call on a free pool thread
@@ -45,8 +46,7 @@ async def one_variant(model: Path, variant: str, reps: int, batch: int, tokens: 
                     version=0,
                     prompt_ids=[5, 6, 7, 8, 9, 10],
                     remaining_tokens=tokens,
-                    temperature=1.0,
-                    top_p=1.0,
+                    sampling=SamplingParams(),
                     seed=i,
                 )
             )

@@ -27,7 +27,7 @@ what the trainer was given, against the plan (a response whose tokens differ fro
 counted in `mismatched`). CPU shares are CPU-seconds per second of the run, by process; `wait_`
 the share of it the process's main thread was ready to run but waited for a core. The workers run
 at `--worker-nice` (their autogroup's nice value), standing for machines of their own.
-`--shards K` runs the run with K coordinator shards (`RunSpec.coordinator_shards`): the
+`--shards K` runs the run with K coordinator shards (`RunSpec.rollout.coordinator_shards`): the
 coordinator's CPU is its own process's, `cpu_coordinator_shards` that of shards 1..K-1.
 
 `--collect-only` measures the collector alone: the coordinator's DeltaCollector in this process,
@@ -73,7 +73,9 @@ from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.reward_runner import open_runner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
+from services.core.collect import CollectRules
 from services.core.request_table import RequestTable
+from services.core.step_controller import StepController
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect
 from services.state.run_state import committed_version
@@ -99,7 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=2048, help="requests a worker holds at most")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument(
-        "--shards", type=int, default=1, help="coordinator processes (RunSpec.coordinator_shards)"
+        "--shards",
+        type=int,
+        default=1,
+        help="coordinator processes (RunSpec.rollout.coordinator_shards)",
     )
     p.add_argument("--prompts", type=int, default=2048, help="prompts per step (B)")
     p.add_argument("--group-size", type=int, default=8)
@@ -559,17 +564,18 @@ async def collect_only(
     )
     run_id = "collect-only"
     r = connect(redis_url)
-    rewards = await open_runner(RewardChoice.from_spec(spec), spec.reward_timeout_s, 1)
+    rewards = await open_runner(RewardChoice.from_spec(spec), spec.scoring.reward_timeout_s, 1)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     collector = DeltaCollector(r, run_id, spec, RunStore(r), tokenizer, [EOS_ID], rewards)
     await collector.start()
-    prompts = [[3, 4, 5]] * spec.prompts_per_step
-    table = RequestTable(
-        run_id, 0, 0, prompts, spec.group_size, spec.max_new_tokens, 1.0, 1.0, 0, []
-    )
-    live = {0: LiveStep(table, StepStore(r, run_id, 0), [])}
+    prompts = [[3, 4, 5]] * spec.training.prompts_per_step
+    table = RequestTable(run_id, 0, 0, prompts, spec.training.group_size, spec.sampling, 0, [])
+    control = StepController(table, CollectRules.for_run(spec))
+    live = {0: LiveStep(control, StepStore(r, run_id, 0), [])}
     rids = list(table.requests)
-    plan = TokenPlan(spec.max_new_tokens, 1, EOS_ID, [int(t) for t in TOKEN_IDS.split(",")], 0)
+    plan = TokenPlan(
+        spec.sampling.max_new_tokens, 1, EOS_ID, [int(t) for t in TOKEN_IDS.split(",")], 0
+    )
     redis = psutil.Process(redis_pid)
     stream, per = keys.deltas_stream(run_id), args.tokens_per_flush
     cpu_s = redis_s = feed_s = 0.0  # in collect: this thread's, Redis's; Redis's in XADDs

@@ -107,7 +107,7 @@ def main() -> None:
                 if args.no_crash:
                     wait_final(client, run_id)
                     break
-                step = mid_step(r, run_id, spec.prompts_per_step, step, 600)
+                step = mid_step(r, run_id, spec.training.prompts_per_step, step, 600)
                 if step < 0:
                     break
                 target = ORDER[turn % len(ORDER)]
@@ -126,7 +126,7 @@ def main() -> None:
         json.dumps(
             {
                 "state": run["state"],
-                "steps": spec.steps,
+                "steps": spec.training.steps,
                 "steps_trained": trained,
                 "lost": audit["lost"],
                 "duplicated": audit["duplicated"],

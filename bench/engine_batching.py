@@ -23,6 +23,7 @@ def main() -> None:
     import torch
 
     from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
     from services.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(args.threads)
@@ -40,8 +41,7 @@ def main() -> None:
                     version=0,
                     prompt_ids=prompt,
                     remaining_tokens=args.tokens,
-                    temperature=1.0,
-                    top_p=1.0,
+                    sampling=SamplingParams(),
                     seed=i,
                 )
             )

@@ -54,6 +54,7 @@ def step_prompts(model: Path, seed: int, step: int, count: int) -> list[list[int
 
 def jobs_for(prompts: list[list[int]], group_size: int, tokens: int) -> list:
     from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
 
     return [
         Job(
@@ -63,8 +64,7 @@ def jobs_for(prompts: list[list[int]], group_size: int, tokens: int) -> list:
             version=0,
             prompt_ids=prompt,
             remaining_tokens=tokens,
-            temperature=1.0,
-            top_p=1.0,
+            sampling=SamplingParams(),
             seed=p * 1000 + s,
         )
         for p, prompt in enumerate(prompts)

@@ -80,7 +80,11 @@ def one_run(dep, client, r, spec: RunSpec, kill_at: float | None, kills: list[st
     victims: list[str] = []
     if kill_at is not None:
         goal = (
-            start_tokens + kill_at * spec.prompts_per_step * spec.group_size * spec.max_new_tokens
+            start_tokens
+            + kill_at
+            * spec.training.prompts_per_step
+            * spec.training.group_size
+            * spec.sampling.max_new_tokens
         )
         while collected_tokens(dep.coordinator_url) < goal:
             time.sleep(0.01)
@@ -142,8 +146,9 @@ def main() -> None:
         calm = calm_runs[0] | {"rollout_s": sum(c["rollout_s"] for c in calm_runs) / 2}
         migration = one_run(dep, client, r, base, args.kill_at, kills)
         one_run(dep, client, r, base, None, [])  # warm the replacement workers up
+        no_migration = base.rollout.model_copy(update={"migration": False})
         recompute = one_run(
-            dep, client, r, base.model_copy(update={"migration": False}), args.kill_at, kills
+            dep, client, r, base.model_copy(update={"rollout": no_migration}), args.kill_at, kills
         )
     over_mig = migration["rollout_s"] - calm["rollout_s"]
     over_rec = recompute["rollout_s"] - calm["rollout_s"]

@@ -183,7 +183,9 @@ def main() -> None:
     # enough for a replacement to take several steps to join; cancelled once the schedule is done
     steps = args.warmup + 20 * args.rounds
     spec = bench_spec(model, steps, args.max_new_tokens)
-    step_tokens = spec.prompts_per_step * spec.group_size * spec.max_new_tokens
+    step_tokens = (
+        spec.training.prompts_per_step * spec.training.group_size * spec.sampling.max_new_tokens
+    )
     worker_env = settings_env(
         RolloutSettings,
         step_delay_ms=args.step_delay_ms,

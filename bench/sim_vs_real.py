@@ -75,6 +75,7 @@ def measure_engine(model: Path, prompt: list[int], tokens: int) -> tuple[dict[in
     import torch
 
     from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
     from services.rollout.engines.hf import HFEngine
 
     torch.set_num_threads(1)
@@ -90,8 +91,7 @@ def measure_engine(model: Path, prompt: list[int], tokens: int) -> tuple[dict[in
                 version=0,
                 prompt_ids=prompt,
                 remaining_tokens=tokens,
-                temperature=1.0,
-                top_p=1.0,
+                sampling=SamplingParams(),
                 seed=i,
             )
             engine.add(job)
@@ -115,11 +115,11 @@ def prompts_of(model: Path, spec: RunSpec, steps: int) -> tuple[list[int], float
     from services.tasks import load_task
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    task = load_task(spec.task, spec.task_path)
+    task = load_task(spec.data.task, spec.data.task_path)
     ids = [
         tokenizer.encode(e.prompt).ids
         for step in range(steps)
-        for e in task.examples(spec.seed, step, spec.prompts_per_step)
+        for e in task.examples(spec.seed, step, spec.training.prompts_per_step)
     ]
     return ids[0], statistics.fmean(len(x) for x in ids)
 
@@ -210,7 +210,7 @@ def real_run(work: Path, spec: RunSpec, args, preemptible: int, kill_step: int |
         raise RuntimeError(f"real run {run_id} ended {run['state']}: {run}")
     commits = {e["step"]: e["at"] for e in events if e["kind"] == "trained"}
     rollout_done = {e["step"]: e["at"] for e in events if e["kind"] == "rollout_done"}
-    steps = range(1, spec.steps)
+    steps = range(1, spec.training.steps)
     step_s = [commits[k] - commits[k - 1] for k in steps]
     train_s = [rows[k]["train_s"] - rows[k]["train_wait_s"] - rows[k]["seed_wait_s"] for k in steps]
     return {

@@ -40,6 +40,7 @@ def require_vllm():
 def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
     """A token-level job for engine tests: continue `prompt + prefix` for `n` tokens."""
     from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
 
     return Job(
         run_id="r",
@@ -49,8 +50,7 @@ def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(
         prompt_ids=list(prompt),
         prefix_ids=list(prefix),
         remaining_tokens=n,
-        temperature=temperature,
-        top_p=1.0,
+        sampling=SamplingParams(temperature=temperature),
         seed=seed,
         stop_token_ids=list(stop),
     )

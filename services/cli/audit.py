@@ -21,8 +21,8 @@ def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = No
         records = read_records(cast(dict[bytes, bytes], r.hgetall(keys.run_trained(run_id))))
     finally:
         r.close()
-    steps = spec.steps if steps is None else steps
-    n = spec.group_size
+    steps = spec.training.steps if steps is None else steps
+    n = spec.training.group_size
     complete = duplicated = quarantined = tokens = 0
     staleness: int | None = None  # the most versions a trained token lagged its step by
     for step in range(steps):
@@ -38,7 +38,7 @@ def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = No
         tokens += rec["tokens"]
         if rec.get("oldest_version") is not None:
             staleness = max(staleness or 0, step - rec["oldest_version"])
-    expected = (steps * spec.prompts_per_step - quarantined) * n
+    expected = (steps * spec.training.prompts_per_step - quarantined) * n
     return {
         "expected_responses": expected,
         "responses": complete,

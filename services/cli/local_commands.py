@@ -103,9 +103,9 @@ def _dataset_usage_error(args: argparse.Namespace) -> str | None:
             "spotrl up --dataset needs --model: the base model spotrl up builds knows only the "
             "arithmetic task"
         )
-    from services.contracts.runspec import RunSpec
+    from services.contracts.runspec import FLAT_FIELDS
 
-    if args.task == RunSpec.model_fields["task"].default:
+    if args.task == FLAT_FIELDS["task"].default:
         args.task = "dataset"
     if Path(args.dataset).exists():
         args.dataset = str(Path(args.dataset).resolve())

@@ -19,7 +19,7 @@ from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
 from services.cli.scale import cmd_scale
 from services.cli.scale_settings import ScaleSettings
 from services.cli.spec_flags import add_spec_flags
-from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
+from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, FLAT_FIELDS
 from services.infra.settings import CommonSettings, env_name
 from services.rollout.settings import RolloutSettings
 
@@ -124,7 +124,7 @@ def _add_chaos(sub: Subparsers) -> None:
 def _add_init_model(sub: Subparsers) -> None:
     p = sub.add_parser("init-model", help="build and pre-train a small base model")
     p.add_argument("out")
-    task = RunSpec.model_fields["task"]
+    task = FLAT_FIELDS["task"]
     p.add_argument("--task", default=task.default, choices=get_args(task.annotation))
     p.add_argument("--task-path")
     p.add_argument("--pretrain-steps", type=int, default=EMBEDDED_PRETRAIN_STEPS)

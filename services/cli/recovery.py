@@ -177,7 +177,7 @@ def steps_in_flight(r: redis.Redis, run_id: str) -> list[int]:
     """The steps whose jobs may be held now: from the newest committed version, up to the
     run's max_staleness beyond it."""
     version = int(cast(bytes, r.get(keys.run_version(run_id))) or 0)
-    return list(range(version, version + run_spec(r, run_id).max_staleness + 1))
+    return list(range(version, version + run_spec(r, run_id).rollout.max_staleness + 1))
 
 
 def held_requests(
@@ -233,12 +233,14 @@ class RecoveryWatch:
         still holds right after added); `at`: the loss, unix seconds. The watch, the Redis host
         and whoever gives `at` share one clock (one host, or synchronised ones)."""
         spec = run_spec(r, run_id)
-        if not spec.migration:
+        if not spec.rollout.migration:
             raise ValueError("recovery is measured with migration on")
         self.r, self.run_id, self.worker_id, self.cause = r, run_id, worker_id, cause
         self.tracker = RecoveryTracker(held, at)
         self.steps = sorted({step_of(rid) for rid in held})
-        self.logs = sorted({(step_of(rid), shard_of(rid, spec.coordinator_shards)) for rid in held})
+        self.logs = sorted(
+            {(step_of(rid), shard_of(rid, spec.rollout.coordinator_shards)) for rid in held}
+        )
         self.after = {step: "-" for step in self.steps}  # last jobs entry read, per step
         self.read = dict.fromkeys(self.logs, 0)  # log records replayed, per (step, shard)
         self.arrays: dict[tuple[int, int], dict[tuple[int, int], Arrays]] = {

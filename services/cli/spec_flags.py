@@ -1,5 +1,6 @@
 """`spotrl up`'s run options, generated from the run spec: one flag per `RunSpec` field, named
-after it (`--prompts-per-step` sets `prompts_per_step`), its help the field's description, its
+after it whatever its section (`--prompts-per-step` sets `training.prompts_per_step`: the flat
+names of `FLAT_FIELDS`, which RunSpec takes as they are), its help the field's description, its
 choices those of a `Literal`, its default the embedded preset (`EMBEDDED_DEFAULTS`) over the
 field's own. Values are checked by `RunSpec` itself (`spec_from_args`), so `spotrl up` refuses
 exactly what the REST API refuses, and an error names the flag and the field.
@@ -15,7 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from services.contracts.runspec import EMBEDDED_DEFAULTS, RunSpec
+from services.contracts.runspec import EMBEDDED_DEFAULTS, FLAT_FIELDS, SECTION_OF, RunSpec
 
 # Fields `spotrl up` sets itself: the model folder (it builds one when none is named).
 NOT_FLAGS = frozenset({"model"})
@@ -50,7 +51,7 @@ def _help(name: str, info: FieldInfo, default: Any, optional: bool) -> str:
 
 
 def flag_options(name: str, info: FieldInfo, default: Any) -> dict[str, Any]:
-    """`add_argument` keywords for one RunSpec field."""
+    """`add_argument` keywords for one RunSpec field (`FLAT_FIELDS`)."""
     annotation: Any = info.annotation
     optional = False
     if get_origin(annotation) in (Union, types.UnionType):
@@ -81,7 +82,8 @@ def flag_options(name: str, info: FieldInfo, default: Any) -> dict[str, Any]:
 def add_spec_flags(
     parser: argparse.ArgumentParser, preset: Mapping[str, Any] = EMBEDDED_DEFAULTS
 ) -> None:
-    """One flag per RunSpec field but `NOT_FLAGS`, in the spec's order, in a group of their own;
+    """One flag per RunSpec field but `NOT_FLAGS`, in the spec's order (top-level fields, then
+    each section's), in a group of their own;
     defaults from `preset`, else the field's."""
     group = parser.add_argument_group(
         "run spec",
@@ -90,7 +92,7 @@ def add_spec_flags(
         + ", ".join(f"{k}={v!r}" for k, v in preset.items()).replace("%", "%%")
         + "), else the spec's own.",
     )
-    for name, info in RunSpec.model_fields.items():
+    for name, info in FLAT_FIELDS.items():
         if name in NOT_FLAGS:
             continue
         default = preset.get(name, info.default)
@@ -99,7 +101,7 @@ def add_spec_flags(
 
 def spec_from_args(args: argparse.Namespace, **fields: Any) -> RunSpec:
     """The RunSpec the flags ask for, with `fields` (the model) on top; raises ValidationError."""
-    values = {name: getattr(args, name) for name in RunSpec.model_fields if name not in NOT_FLAGS}
+    values = {name: getattr(args, name) for name in FLAT_FIELDS if name not in NOT_FLAGS}
     for name in ZERO_IS_NONE:
         if values.get(name) == 0:
             values[name] = None
@@ -107,10 +109,13 @@ def spec_from_args(args: argparse.Namespace, **fields: Any) -> RunSpec:
 
 
 def describe_errors(exc: ValidationError) -> str:
-    """One line per error, naming the flag and the field: `--top-p (top_p): Input should...`."""
+    """One line per error, naming the flag and the field by its place:
+    `--top-p (sampling.top_p): Input should...`."""
     lines = []
     for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else ""
-        where = f"{flag(field)} ({field})" if field in RunSpec.model_fields else "run spec"
+        field = str(error["loc"][-1]) if error["loc"] else ""
+        place = ".".join(str(part) for part in error["loc"])
+        known = field in FLAT_FIELDS and place in (field, f"{SECTION_OF.get(field)}.{field}")
+        where = f"{flag(field)} ({place})" if known else "run spec"
         lines.append(f"{where}: {error['msg']}")
     return "\n".join(lines)

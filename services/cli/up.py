@@ -83,7 +83,7 @@ def local_sizing(spec: RunSpec, preemptible: int, cores: int) -> tuple[int, int]
     preemptible worker the trainer and the reserved workers take turns (a step is synchronous),
     so the trainer may use two cores; beside preemptible workers, which generate while it
     trains, one."""
-    slots = min(max(spec.prompts_per_step * spec.group_size, 64), 1024)
+    slots = min(max(spec.training.prompts_per_step * spec.training.group_size, 64), 1024)
     trainer_threads = 2 if preemptible == 0 and cores >= 2 else 1
     return slots, trainer_threads
 
@@ -93,7 +93,7 @@ def sized_for(config: DeploymentConfig, spec: RunSpec, cores: int) -> Deployment
     `spec` asks for (`local_sizing`)."""
     slots, trainer_threads = local_sizing(spec, config.preemptible, cores)
     # who runs `spotrl up` is the operator: the reward it names may be imported
-    reward_module = spec.reward_module()
+    reward_module = spec.scoring.reward_module()
     return dataclasses.replace(
         config,
         worker_slots=slots,
@@ -118,7 +118,7 @@ def up(
     """Run `spec` on a local deployment (its model folder is built first when missing); the
     summary that `spotrl up` prints."""
     started = time.monotonic()
-    ensure_model(Path(spec.model), spec.task, spec.task_path, pretrain_steps)
+    ensure_model(Path(spec.model), spec.data.task, spec.data.task_path, pretrain_steps)
     run_dir = new_run_dir(work_dir)
     targets = chaos.targets(preemptible) if chaos else []
     if targets:
@@ -170,7 +170,7 @@ def drive(
         client = CoordinatorClient(deployment.coordinator_url, api_token)
         run["id"] = client.submit(json.loads(spec.model_dump_json()))
         runner = start_chaos(deployment, chaos, targets, spec.seed, run)
-        guard = StallGuard(spec.stall_timeout_s)
+        guard = StallGuard(spec.faults.stall_timeout_s)
         run = follow_supervised(client, deployment, run, supervisor, guard)
         if runner:
             runner.stop()

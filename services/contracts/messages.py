@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Self
 
 import msgspec
 
+from services.contracts.sampling import SamplingParams
 from services.contracts.shards import MAX_COORDINATOR_SHARDS
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -83,11 +84,9 @@ class Job(Message, frozen=True, kw_only=True):
     prompt_ids: list[int]
     prefix_ids: list[int] = []  # tokens already collected for this request (a continuation)
     remaining_tokens: Annotated[int, msgspec.Meta(ge=1)]
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)]  # 0 = greedy
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # sample among the k likeliest; 0 = all
-    # > 1 penalises the prompt's and response's tokens (logits > 0 divided, < 0 multiplied)
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    # the run's (spec.sampling): temperature, top-p, top-k, repetition penalty; its
+    # max_new_tokens is the whole response's budget, remaining_tokens what this job may add
+    sampling: SamplingParams
     seed: int  # per-request sampling seed
     stop_token_ids: list[int] = []
     # run with nothing beside it: the request was running when a worker crashed, so a crash it

@@ -100,7 +100,9 @@ class RunRecord(HashRecord, kw_only=True):
     UNBOUNDED: ClassVar[frozenset[str]] = frozenset({"n_prem_recommended"})
 
     id: str = ""  # the run id (also the hash's key)
-    spec: str = ""  # the RunSpec as JSON text, as submitted (`run_spec()` parses it)
+    # the RunSpec as JSON text, sectioned (`run_spec()` parses it; a spec stored flat, before
+    # sections, parses too)
+    spec: str = ""
     state: RunState | None = None  # None: the hash has no state (never written whole)
     created_at: float | None = None  # submitted, unix s
     started_at: float | None = None  # made active (running), unix s

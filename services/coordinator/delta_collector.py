@@ -1,10 +1,10 @@
 """Collecting a run's token deltas into the request tables of the steps in flight (one, or with
 asynchronous RL up to max_staleness + 1): one read of the deltas stream at a time, its batches
-split by step (`core.collect.split_by_step`) and applied to each step's table by
-`core.collect.apply_batches`, finished responses decoded and scored (`reward_runner.py`: a reward
-that fails scores 0 and is counted in the step's reward_errors), and the outcome of every step
-written in one MULTI with the acknowledgement of what was read. Deltas of a step not in flight
-(finished, or fenced stragglers) are counted as unknown and dropped with the read.
+split by step and applied to each step's controller (`core.step_controller.route_deltas`, then
+`StepController.update_from_deltas`), finished responses decoded and scored (`reward_runner.py`:
+a reward that fails scores 0 and is counted in the step's reward_errors), and the outcome of
+every step written in one MULTI with the acknowledgement of what was read. Deltas of a step not
+in flight (finished, or fenced stragglers) are counted as unknown and dropped with the read.
 
 It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
 `step_shard.py` (the step's leader and followers), which calls `collect` in its loop.
@@ -32,8 +32,9 @@ from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
-from services.core.collect import CollectOutcome, CollectRules, apply_batches, split_by_step
+from services.core.collect import CollectOutcome
 from services.core.request_table import Applied, RequestTable
+from services.core.step_controller import StepController, route_deltas
 from services.infra.redis_streams import (
     StagedWrites,
     StreamConsumer,
@@ -80,13 +81,18 @@ def gc_paused() -> Iterator[None]:
 
 @dataclass
 class LiveStep:
-    """A step whose rollout is in flight: what its deltas are applied to."""
+    """A step whose rollout is in flight: its controller (what its deltas are applied to) and
+    its stored state."""
 
-    table: RequestTable
+    control: StepController
     store: StepStore
     examples: list[Example]
     reward_errors: int = 0  # reward calls that scored 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set after each apply
+
+    @property
+    def table(self) -> RequestTable:
+        return self.control.table
 
 
 class DeltaCollector:
@@ -108,7 +114,6 @@ class DeltaCollector:
         deltas stream."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
-        self.rules = CollectRules.for_run(spec)
         self.deltas = StreamConsumer(
             r, keys.deltas_stream(run_id, shard), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
         )
@@ -200,15 +205,12 @@ class DeltaCollector:
     def _apply(
         self, live: dict[int, LiveStep], messages: list[tuple[bytes, DeltaBatch]]
     ) -> list[tuple[LiveStep, CollectOutcome]]:
-        """Apply a read's batches to the tables of their steps (CPU only)."""
-        out = []
-        for step, batches in split_by_step([batch for _, batch in messages]).items():
-            into = live.get(step)
-            if into is None:  # a step not in flight: nothing of it is applied any more
-                OUTCOMES[Applied.UNKNOWN.value].inc(sum(len(b.items) for b in batches))
-                continue
-            out.append((into, apply_batches(into.table, batches, self.rules)))
-        return out
+        """Apply a read's batches to the controllers of their steps (CPU only)."""
+        steps = {step: into.control for step, into in live.items()}
+        applied, unknown = route_deltas(steps, [batch for _, batch in messages])
+        if unknown:  # of steps not in flight: nothing of them is applied any more
+            OUTCOMES[Applied.UNKNOWN.value].inc(unknown)
+        return [(live[control.step], outcome) for control, outcome in applied]
 
     async def _after(self, into: LiveStep, outcome: CollectOutcome, groups: list[int]) -> None:
         """What follows a step's applied outcome once it is stored."""

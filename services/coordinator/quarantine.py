@@ -38,7 +38,7 @@ async def report_poison(
             f"{len(req.crashed_on)} workers ({', '.join(req.crashed_on)}); last error: "
             f"{worker_id}: {error[:ERROR_CHARS]}"
         )
-        if spec.on_poison == "fail_run":
+        if spec.faults.on_poison == "fail_run":
             raise RunFailed(reason)
         QUARANTINED.inc()
         log.warning("step %d: group %d dropped: %s", table.step, req.prompt_index, reason)

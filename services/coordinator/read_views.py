@@ -49,7 +49,7 @@ def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
         state=run.state or "queued",
         spec=spec,
         step=inputs.version or 0,
-        steps=spec.steps,
+        steps=spec.training.steps,
         weight_version=inputs.version,
         reward_mean=last.reward_mean,
         tokens_per_s=last.tokens_per_s,

@@ -44,7 +44,7 @@ class RunManager:
                 limits=settings.dataset_limits(),
                 shard=shard,
             )
-        shards = spec.coordinator_shards
+        shards = spec.rollout.coordinator_shards
         return StepLeader(
             r,
             run_id,

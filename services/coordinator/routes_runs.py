@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
-from services.contracts.runspec import ModelFolderError, RunSpec, TaskFileError
+from services.contracts.runspec import ModelFolderError, RunSpec, TaskFileError, place_of
 from services.coordinator.read_model import ReadModel
 from services.coordinator.read_views import RunDocs
 from services.coordinator.reward_runner import check_loads
@@ -28,13 +28,13 @@ RunId = Annotated[str, Path(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9.
 def over_step_caps(spec: RunSpec, max_requests: int, max_tokens: int) -> list[dict[str, Any]]:
     """Validation errors (FastAPI's shape) for a spec whose one step is bigger than the
     coordinator takes: requests (prompts x responses) and response tokens bound its memory."""
-    requests = spec.prompts_per_step * spec.group_size
-    tokens = requests * spec.max_new_tokens
+    requests = spec.training.prompts_per_step * spec.training.group_size
+    tokens = requests * spec.sampling.max_new_tokens
     found = []
     if requests > max_requests:
         found.append(
             {
-                "loc": ("body", "prompts_per_step"),
+                "loc": ("body", *place_of("prompts_per_step")),
                 "msg": f"prompts_per_step x group_size = {requests} requests per step, over "
                 f"the coordinator's limit of {max_requests} (SPOTRL_MAX_STEP_REQUESTS)",
                 "type": "value_error",
@@ -43,7 +43,7 @@ def over_step_caps(spec: RunSpec, max_requests: int, max_tokens: int) -> list[di
     if tokens > max_tokens:
         found.append(
             {
-                "loc": ("body", "max_new_tokens"),
+                "loc": ("body", *place_of("max_new_tokens")),
                 "msg": f"prompts_per_step x group_size x max_new_tokens = {tokens} tokens per "
                 f"step, over the coordinator's limit of {max_tokens} (SPOTRL_MAX_STEP_TOKENS)",
                 "type": "value_error",
@@ -53,8 +53,8 @@ def over_step_caps(spec: RunSpec, max_requests: int, max_tokens: int) -> list[di
 
 
 def field_error(field: str, exc: Exception) -> list[dict[str, Any]]:
-    """One validation error (FastAPI's shape) on a field of the spec."""
-    return [{"loc": ("body", field), "msg": str(exc), "type": "value_error"}]
+    """One validation error (FastAPI's shape) on a field of the spec, named by its place."""
+    return [{"loc": ("body", *place_of(field)), "msg": str(exc), "type": "value_error"}]
 
 
 async def task_problems(
@@ -69,13 +69,13 @@ async def task_problems(
         choice.check_allowed(settings.reward_modules)
     except TaskError as exc:
         return field_error("reward", exc)
-    if spec.chat_template and not await asyncio.to_thread(has_chat_template, spec.model):
+    if spec.data.chat_template and not await asyncio.to_thread(has_chat_template, spec.model):
         return field_error("chat_template", no_template_error(spec.model))
     try:
         async with loads:
             await asyncio.to_thread(task_for_spec, spec, settings.dataset_limits())
     except TaskError as exc:
-        return field_error("dataset" if spec.task == "dataset" else "task_path", exc)
+        return field_error("dataset" if spec.data.task == "dataset" else "task_path", exc)
     try:
         await check_loads(choice)
     except TaskError as exc:

@@ -115,23 +115,18 @@ async def order(r: aioredis.Redis, worker_id: str, control: WorkerControl) -> No
 
 
 class StepScheduler:
-    """The shell of one step's `StepController`: reads what a tick needs (the step's pending
-    jobs per reader) and writes what it decides in one MULTI."""
+    """The leader's shell of one step's `StepController` (the one its deltas go to): reads what
+    a tick needs (the step's pending jobs per reader) and writes what it decides in one
+    MULTI."""
 
     def __init__(
         self,
         r: aioredis.Redis,
-        run_id: str,
-        step: int,
+        control: StepController,
         jobs_stream: str,
-        window_s: float,
-        started: float,
-        fair_reads: bool = True,
-        staleness: int = 0,
         clock: Callable[[], float] = time.monotonic,  # the clock of `started` (tests step it)
     ) -> None:
-        self.r, self.jobs_stream, self.clock = r, jobs_stream, clock
-        self.control = StepController(run_id, step, window_s, started, fair_reads, staleness)
+        self.r, self.control, self.jobs_stream, self.clock = r, control, jobs_stream, clock
 
     @property
     def seeded_out(self) -> bool:
@@ -141,11 +136,12 @@ class StepScheduler:
     def seed_end(self) -> float | None:
         return self.control.seed_end
 
-    async def start(self, workers: dict[str, Heartbeat]) -> None:
+    async def start(self, workers: dict[str, Heartbeat], window_s: float, started: float) -> None:
+        """The step is opened at `started` (on `clock`) with a seeding window of `window_s`."""
         c = self.control
-        T_SEED.set(c.window_s if c.window_s != float("inf") else -1)
+        T_SEED.set(window_s if window_s != float("inf") else -1)
         seed_done = bool(await self.r.exists(keys.seed_done(c.run_id, c.step)))
-        await self._carry_out(c.start(workers, seed_done, self.clock()))
+        await self._carry_out(c.start(workers, seed_done, window_s, started, self.clock()))
 
     async def tick(self, unfinished: int, beats: dict[str, Heartbeat]) -> None:
         """One pass, given the step's unfinished requests (every coordinator shard's) and every

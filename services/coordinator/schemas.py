@@ -30,7 +30,7 @@ class RunPublic(BaseModel):
     preemptible_wanted: int | None = Field(
         None,
         description="Preemptible workers a scaler should hold: N_prem times the spec's "
-        "pool_headroom, rounded up (null until a step is trained: hold what you can get).",
+        "rollout.pool_headroom, rounded up (null until a step is trained: hold what you can get).",
     )
     created_at: float
     started_at: float | None

@@ -60,11 +60,11 @@ class StepLeader(StepShard):
             shard=0,
         )
         self.shard_processes = shard_processes
-        self.stall = StallWatch(r, run_id, stall_after_s, spec.stall_timeout_s)
+        self.stall = StallWatch(r, run_id, stall_after_s, spec.faults.stall_timeout_s)
         self.seeding = SeedingController(
-            wait_share=spec.seeding_wait_share, backoff=spec.seeding_backoff
+            wait_share=spec.rollout.seeding_wait_share, backoff=spec.rollout.seeding_backoff
         )
-        self.pool = PoolSizer(spec.pool_headroom)
+        self.pool = PoolSizer(spec.rollout.pool_headroom)
         self.scheds: dict[int, StepScheduler] = {}  # each step's in flight
 
     async def _enter(self, stack: contextlib.AsyncExitStack) -> None:
@@ -80,12 +80,14 @@ class StepLeader(StepShard):
     def _window(self, pools: dict[str, int]) -> float:
         # asynchronous: the reserved pool trains; no seeding window (it is recalled as ever
         # when no preemptible worker is left)
-        return 0.0 if self.spec.max_staleness else self.seeding.window_s(pools["preemptible"])
+        return (
+            0.0 if self.spec.rollout.max_staleness else self.seeding.window_s(pools["preemptible"])
+        )
 
     def _stage_read_cap(self, pipe, table: RequestTable, beats: dict[str, Heartbeat]) -> None:
         """With fair reads the step's read cap goes with its jobs, so that the first worker to
         hold the version never reads more than its share."""
-        if self.spec.fair_reads:
+        if self.spec.rollout.fair_reads:
             n_serving = serving(beats, self.run_id, table.step)
             step_requests = len(table.prompts) * table.group_size  # every shard's
             cap = read_cap(step_requests, n_serving)
@@ -93,17 +95,8 @@ class StepLeader(StepShard):
 
     async def _opened(self, step: OpenStep) -> None:
         n = step.live.table.step
-        sched = StepScheduler(
-            self.r,
-            self.run_id,
-            n,
-            keys.jobs_stream(self.run_id, n),
-            step.window,
-            step.started,
-            fair_reads=self.spec.fair_reads,
-            staleness=self.spec.max_staleness,
-        )
-        await sched.start(step.workers)
+        sched = StepScheduler(self.r, step.live.control, keys.jobs_stream(self.run_id, n))
+        await sched.start(step.workers, step.window, step.started)
         self.scheds[n] = sched
 
     async def _drive_step(self, step: OpenStep) -> StepDone:
@@ -114,7 +107,7 @@ class StepLeader(StepShard):
         jobs = keys.jobs_stream(self.run_id, table.step)
         others = ShardView(self.r, self.run_id, table.step, self.shards)
         while not await self._until_change(step.live, others, all_shards=True):
-            await reclaim_dead_workers(self.r, jobs, table, store, self.spec.migration)
+            await reclaim_dead_workers(self.r, jobs, table, store, self.spec.rollout.migration)
             beats = await heartbeats(self.r)
             await sched.tick(table.unfinished_count + await others.unfinished(table), beats)
             if table.step == min(self.live):  # the step the trainer waits for

@@ -36,7 +36,9 @@ from services.coordinator.reward_runner import open_runner
 from services.coordinator.scheduling import count_pools, heartbeats
 from services.coordinator.shard_group import ShardView
 from services.coordinator.step_store import StepStore
+from services.core.collect import CollectRules
 from services.core.request_table import RequestTable
+from services.core.step_controller import StepController
 from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import ensure_group, with_reconnect
 from services.state.run_state import ensure_live, wait_for_version
@@ -75,7 +77,7 @@ class StepShard(abc.ABC):
         shard: int = 0,
     ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
-        self.shard, self.shards = shard, spec.coordinator_shards
+        self.shard, self.shards = shard, spec.rollout.coordinator_shards
         self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
         self.model_dir = Path(spec.model)
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
@@ -124,7 +126,7 @@ class StepShard(abc.ABC):
         RewardChoice.from_spec(spec).check_allowed(self.reward_modules)
         task = task_for_spec(spec, self.limits)
         prompts = PromptEncoder(
-            self.model_dir, self.tokenizer, spec.chat_template, spec.system_prompt
+            self.model_dir, self.tokenizer, spec.data.chat_template, spec.data.system_prompt
         )
         return task, prompts
 
@@ -132,7 +134,7 @@ class StepShard(abc.ABC):
         """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
         self.task, self.prompts = await asyncio.to_thread(self._load)
         rewards = await open_runner(
-            self.task.reward_choice, self.spec.reward_timeout_s, self.reward_processes
+            self.task.reward_choice, self.spec.scoring.reward_timeout_s, self.reward_processes
         )
         try:
             self.collector = DeltaCollector(
@@ -157,14 +159,14 @@ class StepShard(abc.ABC):
         """Keep the steps in flight that the committed version allows (step s once version
         s - max_staleness is committed), collect their deltas in one task, and retire each
         step once the version trained on it is committed."""
-        k = self.spec.max_staleness
+        k = self.spec.rollout.max_staleness
         self.committed = await self._wait_version(0)
         flight: dict[int, asyncio.Task[StepDone]] = {}
         next_step = self.committed
         collecting: asyncio.Task[None] | None = None
         try:
-            while self.committed < self.spec.steps:
-                while next_step < self.spec.steps and next_step <= self.committed + k:
+            while self.committed < self.spec.training.steps:
+                while next_step < self.spec.training.steps and next_step <= self.committed + k:
                     opened = await self._open_step(next_step)
                     flight[next_step] = asyncio.create_task(self._drive_step(opened))
                     next_step += 1
@@ -214,11 +216,11 @@ class StepShard(abc.ABC):
     async def _open_step(self, step: int) -> OpenStep:
         """Queue the step (or restore it after a restart); it is live (its deltas are applied)
         from before its jobs are queued."""
-        examples = self.task.examples(self.spec.seed, step, self.spec.prompts_per_step)
+        examples = self.task.examples(self.spec.seed, step, self.spec.training.prompts_per_step)
         prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
         table = self._table(step, prompt_ids)
         store = StepStore(self.r, self.run_id, step, self.shard)
-        live = LiveStep(table, store, examples)
+        live = LiveStep(self._controller(table), store, examples)
         beats = await heartbeats(self.r)
         began = await self._queue(live, beats)
         workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
@@ -262,17 +264,19 @@ class StepShard(abc.ABC):
             step,
             step,
             prompt_ids,
-            spec.group_size,
-            spec.max_new_tokens,
-            spec.temperature,
-            spec.top_p,
+            spec.training.group_size,
+            spec.sampling,
             spec.seed,
-            [] if spec.ignore_eos else self.stop_ids,
-            top_k=spec.top_k,
-            repetition_penalty=spec.repetition_penalty,
+            [] if spec.sampling.ignore_eos else self.stop_ids,
             shard=self.shard,
             shards=self.shards,
         )
+
+    def _controller(self, table: RequestTable) -> StepController:
+        """The step's controller, with the run's rules for moving requests and for reads."""
+        spec = self.spec
+        rules = CollectRules.for_run(spec)
+        return StepController(table, rules, spec.rollout.fair_reads, spec.rollout.max_staleness)
 
     async def _queue(self, live: LiveStep, beats: dict[str, Heartbeat]) -> float:
         """Queue the step's jobs (this shard's), or restore a step queued before a restart; when

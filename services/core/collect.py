@@ -43,10 +43,10 @@ class CollectRules:
     @classmethod
     def for_run(cls, spec: RunSpec) -> "CollectRules":
         return cls(
-            spec.migration,
-            spec.max_request_crashes,
-            spec.on_poison == "drop_group",
-            spec.max_staleness or None,
+            spec.rollout.migration,
+            spec.faults.max_request_crashes,
+            spec.faults.on_poison == "drop_group",
+            spec.rollout.max_staleness or None,
         )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.contracts.messages import DeltaItem, FinishReason, Group, Job, Response
+from services.contracts.sampling import SamplingParams
 from services.contracts.shards import shard_of_prompt
 
 
@@ -79,23 +80,19 @@ class RequestTable:
         version: int,
         prompts: list[list[int]],
         group_size: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
+        sampling: SamplingParams,
         seed: int,
         stop_token_ids: list[int],
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
         shard: int = 0,
         shards: int = 1,
     ) -> None:
         """The requests of the prompts of `shard` of `shards` (`contracts.shards`): all of them
-        with one shard; `prompts` are always the step's all, by index."""
+        with one shard; `prompts` are always the step's all, by index. Each response gets
+        `sampling.max_new_tokens` tokens at most."""
         self.run_id, self.step, self.version = run_id, step, version
         self.shard, self.shards = shard, shards
         self.group_size = group_size
-        self.temperature, self.top_p = temperature, top_p
-        self.top_k, self.repetition_penalty = top_k, repetition_penalty
+        self.sampling = sampling
         self.stop_token_ids = stop_token_ids
         self.requests: dict[str, RequestState] = {}
         self.prompts = prompts
@@ -109,7 +106,7 @@ class RequestTable:
                     p,
                     s,
                     prompt_ids,
-                    max_new_tokens,
+                    sampling.max_new_tokens,
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(mine)
@@ -138,10 +135,7 @@ class RequestTable:
             prompt_ids=r.prompt_ids,
             prefix_ids=list(r.token_ids),
             remaining_tokens=max(1, r.remaining),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
+            sampling=self.sampling,
             seed=r.seed,
             stop_token_ids=self.stop_token_ids,
             isolate=bool(r.crashed_on),

@@ -1,10 +1,17 @@
-"""The step controller: what the step's leader decides for one step, as a pure object (vLLM v1's
-scheduler model: one object decides, one loop carries its decisions out). Heartbeats, the
-step's unfinished requests (every shard's), each worker's executing requests and a monotonic
-clock in; `Actions` out: the orders to send workers (pause, resume, release), the seeding
-window's end to record, the read cap to publish. No Redis: `coordinator/scheduling.py` reads
-what goes in and writes a tick's actions in one MULTI. The simulator takes its balancing from
-`balance_orders` too.
+"""The step controller: what is decided for one step in flight, as a pure object (vLLM v1's
+scheduler model: one object decides, one loop carries its decisions out). Two kinds of event
+come in:
+- a read of token deltas (`update_from_deltas`): applied to the step's `RequestTable` by
+  `core.collect.apply_batches`; out comes a `CollectOutcome` (requests to store, continuation
+  jobs to queue, responses to score, stale leases to fence, groups quarantined);
+  `route_deltas` splits a read among the steps in flight;
+- a tick (`tick`): heartbeats, the step's unfinished requests (every shard's), each worker's
+  executing requests and a monotonic clock; out come `Actions`: the orders to send workers
+  (pause, resume, release), the seeding window's end to record, the read cap to publish.
+No Redis: the coordinator's shells (`delta_collector.py`, `scheduling.py`) read what goes in and
+write each decision in one MULTI. Every coordinator shard holds one per step for its deltas; the
+leader (shard 0) also ticks it. The simulator drives the same object: its flushes go through
+`update_from_deltas` and its balancing through `balance`.
 
 Seeding (`core.seeding`): the reserved pool generates for the step's window T_seed, counted from
 when a reserved worker first holds a version that may generate the step, then steps aside
@@ -14,10 +21,13 @@ executing, and a worker over its cap is ordered to release the excess, at most o
 cooldown.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.contracts.messages import Heartbeat, WorkerControl
+from services.contracts.messages import DeltaBatch, Heartbeat, WorkerControl
 from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
+from services.core.collect import CollectOutcome, CollectRules, apply_batches, split_by_step
+from services.core.request_table import RequestTable
 from services.core.seeding import recall, seeding_over
 
 
@@ -57,23 +67,53 @@ class Actions:
 
 @dataclass
 class StepController:
-    """Seeding window, recall, read cap and load balancing of one step."""
+    """One step in flight: its request table and the run's rules for moving requests; on the
+    leader, its seeding window, recall, read cap and load balancing too."""
 
-    run_id: str
-    step: int
-    window_s: float
-    started: float  # monotonic, when the step began
+    table: RequestTable
+    rules: CollectRules = field(default_factory=CollectRules)
     fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
     staleness: int = 0  # max_staleness: workers holding versions step - k .. step serve it
+    window_s: float = 0.0  # the seeding window, set by `start`
+    started: float = 0.0  # monotonic, when the step began; set by `start`
     seed_start: float | None = None  # when a reserved worker first held the step's weights
     seeded_out: bool = False
     seed_end: float | None = None
     recalled: float | None = None  # when the reserved pool was called back to the step
     release_gate: ReleaseGate = field(default_factory=ReleaseGate)
 
-    def start(self, workers: dict[str, Heartbeat], seed_done: bool, now: float) -> Actions:
-        """The step is opened, with the workers alive on the run; `seed_done` when its window
-        was over before a restart."""
+    @property
+    def run_id(self) -> str:
+        return self.table.run_id
+
+    @property
+    def step(self) -> int:
+        return self.table.step
+
+    def update_from_deltas(self, batches: list[DeltaBatch]) -> CollectOutcome:
+        """A read's batches of this step, in read order: applied to the request table (fenced
+        by lease, appended once); what the shell must store, queue, score and fence."""
+        return apply_batches(self.table, batches, self.rules)
+
+    def balance(
+        self, loads: list[WorkerLoad], queued: int, now: float
+    ) -> tuple[dict[str, int], list[float]]:
+        """Release orders for workers over their cap (`balance_orders`, with this step's
+        cooldown), and when each one held back is due."""
+        return balance_orders(loads, queued, self.fair_reads, self.release_gate, now)
+
+    def start(
+        self,
+        workers: dict[str, Heartbeat],
+        seed_done: bool,
+        window_s: float,
+        started: float,
+        now: float,
+    ) -> Actions:
+        """The step is opened (at `started`, monotonic) with the workers alive on the run and
+        a seeding window of `window_s`; `seed_done` when its window was over before a
+        restart."""
+        self.window_s, self.started = window_s, started
         if seed_done:
             self.seeded_out, self.seed_end = True, self.started  # a resumed step: already over
             return Actions()
@@ -110,9 +150,7 @@ class StepController:
             for w, b in workers.items()
             if b.version == self.step and not b.paused and not b.error
         ]
-        wanted, _ = balance_orders(
-            loads, unfinished - pending, self.fair_reads, self.release_gate, now
-        )
+        wanted, _ = self.balance(loads, unfinished - pending, now)
         for worker_id, count in wanted.items():
             order = WorkerControl(action="release", run_id=self.run_id, count=count)
             out.orders.append((worker_id, order))
@@ -151,3 +189,19 @@ class StepController:
             resume = WorkerControl(action="resume", run_id=self.run_id, version=version)
             out.orders.append((beat.worker_id, resume))
         out.recalled, out.resumed = True, len(reserved)
+
+
+def route_deltas(
+    steps: Mapping[int, StepController], batches: list[DeltaBatch]
+) -> tuple[list[tuple[StepController, CollectOutcome]], int]:
+    """One read of a run's deltas, split by step (`collect.split_by_step`) and applied to the
+    steps in flight; and the delta items of steps not in flight (finished, or
+    fenced stragglers), which nothing applies any more."""
+    out, unknown = [], 0
+    for step, part in split_by_step(batches).items():
+        control = steps.get(step)
+        if control is None:
+            unknown += sum(len(b.items) for b in part)
+            continue
+        out.append((control, control.update_from_deltas(part)))
+    return out, unknown

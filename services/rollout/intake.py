@@ -10,7 +10,6 @@ generation task drives it), and it decides no placement (the coordinator does).
 
 import asyncio
 import contextlib
-import json
 import logging
 
 from services.contracts import keys
@@ -110,9 +109,11 @@ class JobIntake:
     async def _staleness(self, run_id: str) -> int:
         """The run's max_staleness, from its spec (0 where it cannot be read)."""
         run = await with_reconnect(lambda: run_record.read(self.ctx.r, run_id, "spec"), "spec")
+        if run is None:
+            return 0
         try:
-            return max(0, int(json.loads(run.spec if run else "{}").get("max_staleness", 0)))
-        except (ValueError, TypeError, AttributeError):
+            return run.run_spec().rollout.max_staleness
+        except ValueError:  # pydantic's ValidationError: a spec that is not one
             return 0
 
     async def _read_jobs(self, run_id: str, version: int) -> None:

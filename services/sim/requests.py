@@ -1,8 +1,9 @@
 """The requests' half of the simulation: instances reading jobs up to their plateau batch size
 (the oldest step's first, under each step's read cap with `fair_reads`), Algorithm 2's releases
-(`balancer.releases`), and every flush (a release, a finished request, what a dying instance
-flushed) applied by the coordinator's own `collect.apply_batches` on the step's
-`RequestTable`, whose completed groups go to the trainer (steps.py).
+(`balancer.releases`, through the step controller's `balance`), and every flush (a release, a
+finished request, what a dying instance flushed) applied by the coordinator's own step
+controller (`update_from_deltas`) to the step's `RequestTable`, whose completed groups go to
+the trainer (steps.py).
 """
 
 from typing import TYPE_CHECKING, TypeVar
@@ -16,8 +17,7 @@ from services.contracts.messages import (
     RequestLease,
 )
 from services.core.balancer import WorkerLoad, read_cap
-from services.core.collect import CollectRules, apply_batches, keeps_tokens
-from services.core.step_controller import balance_orders
+from services.core.collect import keeps_tokens
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -36,7 +36,6 @@ class RequestFlow:
     instances: dict[str, Instance]
     inflight: dict[int, StepState]  # steps queued and not committed, oldest first
     max_lag: int  # the most a job's step was ahead of its instance's weights at start
-    rules: CollectRules
 
     if TYPE_CHECKING:
 
@@ -136,8 +135,7 @@ class RequestFlow:
         }
         loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
         queued = sum(len(st.queue) for st in steps)
-        gate = rolling[0].release_gate
-        orders, held = balance_orders(loads, queued, self.system.fair_reads, gate, self.now)
+        orders, held = rolling[0].control.balance(loads, queued, self.now)
         for at in held:
             self.at(at, "wake")
         for name, count in orders.items():
@@ -194,11 +192,11 @@ class RequestFlow:
         )
 
     def collect(self, st: StepState, batch: DeltaBatch) -> None:
-        """The coordinator applies a flush of the step's requests (`collect.apply_batches`, as
-        the services do): the continuations are queued and the groups it completed go to the
-        trainer."""
+        """The coordinator applies a flush of the step's requests (the step controller's
+        `update_from_deltas`, as the services do): the continuations are queued and the groups
+        it completed go to the trainer."""
         before = st.table.tokens_discarded
-        outcome = apply_batches(st.table, [batch], self.rules)
+        outcome = st.control.update_from_deltas([batch])
         self.totals.discarded += st.table.tokens_discarded - before
         self.queue_continuations(st, outcome.released)
         groups = st.table.completed_groups(outcome.finished)

@@ -24,7 +24,7 @@ import itertools
 import math
 import random
 
-from services.contracts.runspec import RunSpec
+from services.contracts.runspec import RolloutSection
 from services.core.collect import CollectRules
 from services.core.seeding import PoolSizer, SeedingController, recall
 from services.sim.engine import SimEngine
@@ -74,12 +74,12 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow):
         self.pool_sizer = (
             PoolSizer(headroom) if system.pool == "trace" and headroom is not None else None
         )
-        defaults = RunSpec.model_fields
+        defaults = RolloutSection()
         self.seeding = SeedingController(
             t_seed_s=t_seed[system.seeding],
             eta=scenario.seeding_eta,
-            wait_share=defaults["seeding_wait_share"].default,
-            backoff=defaults["seeding_backoff"].default,
+            wait_share=defaults.seeding_wait_share,
+            backoff=defaults.seeding_backoff,
             max_seed_s=1e9,
         )
         for i in range(scenario.reserved_engines * system.reserved_nodes):

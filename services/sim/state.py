@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.contracts.messages import Job, Pool
-from services.core.balancer import ReleaseGate
 from services.core.request_table import RequestTable
+from services.core.step_controller import StepController
 from services.sim.engine import SimEngine
 
 InstanceState = Literal["booting", "pulling", "up", "noticed", "gone"]
@@ -47,7 +47,7 @@ class StepState:
     """One RL step in flight."""
 
     step: int
-    table: RequestTable
+    control: StepController  # the coordinator's own: its request table, rules and cooldown
     lengths: dict[str, int]  # request -> length at which it stops (physics, never scheduling)
     prompt_tokens: list[int]
     queue: deque[Job]
@@ -69,7 +69,10 @@ class StepState:
     train_wait_s: float = 0.0
     idle_since_s: float | None = None
     optimize_waiting: bool = False  # all trained; the optimizer waits for the last commit
-    release_gate: ReleaseGate = field(default_factory=ReleaseGate)  # the balancer's cooldown
+
+    @property
+    def table(self) -> RequestTable:
+        return self.control.table
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.contracts.messages import ReleaseReason
+from services.contracts.sampling import SamplingParams
+from services.core.collect import CollectRules
 from services.core.request_table import RequestTable, request_id
 from services.core.seeding import (
     PoolSizer,
@@ -27,6 +29,7 @@ from services.core.seeding import (
     recommended_pool_size,
     train_compute_s,
 )
+from services.core.step_controller import StepController
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -38,6 +41,7 @@ class StepProtocol:
 
     sc: Scenario
     system: SystemSpec
+    rules: CollectRules
     seed: int
     now: float
     version: int  # latest committed weights
@@ -87,9 +91,7 @@ class StepProtocol:
             version=step,
             prompts=[[0] * n for n in work.prompt_tokens],
             group_size=sc.workload.group_size,
-            max_new_tokens=sc.workload.max_response_tokens,
-            temperature=1.0,
-            top_p=1.0,
+            sampling=SamplingParams(max_new_tokens=sc.workload.max_response_tokens),
             seed=self.seed,
             stop_token_ids=[],
         )
@@ -104,7 +106,7 @@ class StepProtocol:
             window = 0.0  # asynchronous: the reserved node trains (it is recalled if need be)
         st = StepState(
             step,
-            table,
+            StepController(table, self.rules, self.system.fair_reads),
             lengths,
             work.prompt_tokens,
             deque(table.initial_jobs()),

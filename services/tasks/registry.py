@@ -44,23 +44,25 @@ class Task:
 def task_for_spec(spec: RunSpec, limits: DatasetLimits | None = None) -> Task:
     """The task a run spec names, its rows read and checked (TaskError)."""
     limits = limits or DatasetLimits()
-    if spec.task == "arithmetic":
+    if spec.data.task == "arithmetic":
         return Task("arithmetic", ArithmeticRows(), RewardChoice("exact_match"))
-    if spec.task == "math":
-        math = math_rows(spec.task_path or SAMPLE_MATH_FILE, spec.shuffle, limits)
+    if spec.data.task == "math":
+        math = math_rows(spec.data.task_path or SAMPLE_MATH_FILE, spec.data.shuffle, limits)
         return Task("math", math, RewardChoice("boxed_match"))
-    if spec.dataset is None:
+    if spec.data.dataset is None:
         raise TaskError("task 'dataset' needs a dataset")
     choice = RewardChoice.from_spec(spec)
     fmt = RowFormat(
-        spec.prompt_field,
-        spec.answer_field,
-        spec.prompt_template,
+        spec.data.prompt_field,
+        spec.data.answer_field,
+        spec.data.prompt_template,
         answer_required=choice.builtin,
         check_answer=choice.check_answer,
     )
-    rows = read_rows(spec.dataset, spec.dataset_split, limits)
-    return Task("dataset", DatasetRows(build_examples(rows, fmt, limits), spec.shuffle), choice)
+    rows = read_rows(spec.data.dataset, spec.data.dataset_split, limits)
+    return Task(
+        "dataset", DatasetRows(build_examples(rows, fmt, limits), spec.data.shuffle), choice
+    )
 
 
 def load_task(name: str, path: str | Path | None = None) -> Task:
@@ -74,5 +76,6 @@ def load_task(name: str, path: str | Path | None = None) -> Task:
         raise TaskError("the arithmetic task reads no file")
     if name == "math":
         return Task("math", math_rows(path or SAMPLE_MATH_FILE), RewardChoice("boxed_match"))
-    spec = RunSpec(model="-", task=name, dataset=str(path) if path else None)
+    data = {"task": name, "dataset": str(path) if path else None}
+    spec = RunSpec.model_validate({"model": "-", "data": data})
     return task_for_spec(spec)

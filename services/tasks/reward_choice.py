@@ -58,7 +58,7 @@ class RewardChoice:
 
     @classmethod
     def from_spec(cls, spec: RunSpec) -> "RewardChoice":
-        return cls(spec.reward, spec.answer_regex, spec.reward_tolerance)
+        return cls(spec.scoring.reward, spec.scoring.answer_regex, spec.scoring.reward_tolerance)
 
     @property
     def builtin(self) -> bool:

@@ -39,13 +39,13 @@ def decayed(param: torch.nn.Parameter) -> bool:
 def build_optimizer(model: torch.nn.Module, spec: RunSpec) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if decayed(p)], "weight_decay": spec.weight_decay},
+        {"params": [p for p in params if decayed(p)], "weight_decay": spec.optimizer.weight_decay},
         {"params": [p for p in params if not decayed(p)], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
-        lr=spec.learning_rate,
-        betas=(spec.adam_beta1, spec.adam_beta2),
+        lr=spec.optimizer.learning_rate,
+        betas=(spec.optimizer.adam_beta1, spec.optimizer.adam_beta2),
         eps=ADAM_EPS,
         # one kernel over all the parameters on a GPU; the CPU keeps torch's default
         fused=True if params and all(p.is_cuda for p in params) else None,
@@ -55,10 +55,12 @@ def build_optimizer(model: torch.nn.Module, spec: RunSpec) -> torch.optim.AdamW:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, spec: RunSpec
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    total = spec.steps * spec.num_iterations
+    total = spec.training.steps * spec.training.num_iterations
 
     def factor(step: int) -> float:
-        return lr_multiplier(step, spec.lr_scheduler_type, spec.warmup_steps, total)
+        return lr_multiplier(
+            step, spec.optimizer.lr_scheduler_type, spec.optimizer.warmup_steps, total
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

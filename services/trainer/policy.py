@@ -82,19 +82,19 @@ class Policy:
             raise ValueError("models with tied embeddings are not supported; untie them first")
         model = model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`
         model.train()
-        if spec.gradient_checkpointing:
+        if spec.training.gradient_checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         # bfloat16 compute over float32 weights and optimizer state (autocast), or float32
-        self.autocast = auto_dtype(spec.train_precision, device) == "bfloat16"
+        self.autocast = auto_dtype(spec.training.train_precision, device) == "bfloat16"
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.ref = None
         self.ref_scorer = None
-        if spec.beta > 0:
+        if spec.loss.beta > 0:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-            if spec.torch_compile:
+            if spec.training.torch_compile:
                 compile_layers(self.ref)
             self.ref_scorer = self._place(ResponseScorer(self.ref, spec, self.softcap))
-        if spec.torch_compile:
+        if spec.training.torch_compile:
             compile_layers(model)
         self.model = model
         self.scorer = self._place(ResponseScorer(model, spec, self.softcap))
@@ -102,13 +102,13 @@ class Policy:
         self.scheduler = build_scheduler(self.optimizer, spec)
         self.pad_id = self.model.config.pad_token_id or 0
         # backward waits for optimizer_step: the batch std scales the policy term, not the KL
-        self.deferred = spec.scale_rewards == "batch" and spec.beta > 0
-        self._keeps_rows = self.deferred or spec.num_iterations > 1
+        self.deferred = spec.loss.scale_rewards == "batch" and spec.loss.beta > 0
+        self._keeps_rows = self.deferred or spec.training.num_iterations > 1
         # zero-advantage responses need no pass: bnpo's share depends on the micro-batch
         # (every response counts in its token mean), and the KL term has gradient of its own
-        self.skips_flat_groups = spec.loss_type != "bnpo" and spec.beta == 0
+        self.skips_flat_groups = spec.loss.loss_type != "bnpo" and spec.loss.beta == 0
         # what a published version holds: its weights in this dtype, beside these files
-        self.weight_dtype = auto_dtype(spec.weight_dtype, device)
+        self.weight_dtype = auto_dtype(spec.training.weight_dtype, device)
         self._companions = companion_files(self.model_dir, self.weight_dtype)
         self._new_step()
 
@@ -123,8 +123,8 @@ class Policy:
     def _size(self, exact: bool) -> StepSize:
         """The step's sizes; with `exact` False, the provisional token count of a pipelined
         micro-batch."""
-        n = self.spec.prompts_per_step * self.spec.group_size
-        budget = self.spec.max_new_tokens
+        n = self.spec.training.prompts_per_step * self.spec.training.group_size
+        budget = self.spec.sampling.max_new_tokens
         return StepSize(n, budget, self.tokens if exact else n * budget)
 
     def accumulate(self, groups: list[Group]) -> None:
@@ -133,7 +133,7 @@ class Policy:
         for g in groups:
             rewards = [r.reward for r in g.responses]
             self.rewards.extend(rewards)
-            advantages = group_advantages(rewards, self.spec.scale_rewards)
+            advantages = group_advantages(rewards, self.spec.loss.scale_rewards)
             for resp, adv in zip(g.responses, advantages, strict=True):
                 if not resp.token_ids:
                     continue
@@ -153,10 +153,10 @@ class Policy:
         self._take(batches)
 
     def _cut(self, rows: list[Row], final: bool) -> tuple[list[list[Row]], list[Row]]:
-        budget = self.spec.max_tokens_per_micro_batch
+        budget = self.spec.training.max_tokens_per_micro_batch
         if budget is not None:
             return cut_by_tokens(rows, budget, final)
-        return cut_by_count(rows, self.spec.micro_batch_size, final)
+        return cut_by_count(rows, self.spec.training.micro_batch_size, final)
 
     def _take(self, batches: list[list[Row]]) -> None:
         """Keep micro-batches for a later pass where needed; backpropagate them now unless
@@ -189,7 +189,7 @@ class Policy:
     ) -> LossParts:
         """The loss of these rows (all of a micro-batch, or with `whole` a part of one)."""
         # packed (no padding) when micro-batches are cut by tokens, else padded
-        if self.spec.max_tokens_per_micro_batch is not None:
+        if self.spec.training.max_tokens_per_micro_batch is not None:
             batch = packed(rows)
         else:
             batch = padded(rows, self.pad_id)
@@ -205,14 +205,14 @@ class Policy:
             adv.to(self.device),
             batch.mask.to(self.device),
             size,
-            epsilon=self.spec.epsilon,
-            epsilon_high=self.spec.epsilon_high,
-            loss_type=self.spec.loss_type,
+            epsilon=self.spec.loss.epsilon,
+            epsilon_high=self.spec.loss.epsilon_high,
+            loss_type=self.spec.loss.loss_type,
             ref_logprobs=ref_logp,
-            beta=self.spec.beta,
+            beta=self.spec.loss.beta,
             whole=whole,
             stale=None if batch.stale is None else batch.stale.to(self.device),
-            behaviour_cap=self.spec.behaviour_cap,
+            behaviour_cap=self.spec.loss.behaviour_cap,
         )
 
     def optimizer_step(self) -> StepRow:
@@ -221,19 +221,19 @@ class Policy:
         if self.waiting:
             batches, self.waiting = self._cut(self.waiting, final=True)
             self._take(batches)
-        adv_scale = batch_scale(self.rewards) if self.spec.scale_rewards == "batch" else 1.0
+        adv_scale = batch_scale(self.rewards) if self.spec.loss.scale_rewards == "batch" else 1.0
         exact = self._size(exact=True)
         if self.deferred:
             for batch in self.batches:
                 self._backward(batch, exact, adv_scale, self.stats)
         else:
             factor = adv_scale
-            if self.spec.loss_type == "dapo" and exact.tokens > 0:
+            if self.spec.loss.loss_type == "dapo" and exact.tokens > 0:
                 factor *= self._size(exact=False).tokens / exact.tokens
             self._scale_gradient(factor)
             self.stats.policy_loss *= adv_scale  # it was measured with the centred rewards
         passes, grad_norms = [self.stats], [self._apply()]
-        for _ in range(self.spec.num_iterations - 1):
+        for _ in range(self.spec.training.num_iterations - 1):
             stats = PassStats()
             for batch in self.batches:
                 self._backward(batch, exact, adv_scale, stats)
@@ -265,7 +265,7 @@ class Policy:
         if all(p.grad is None for p in params):  # a step of skipped responses only: the
             for p in params:  # gradient of training them, zero (weight decay and momentum on)
                 p.grad = torch.zeros_like(p)
-        limit = self.spec.max_grad_norm or math.inf  # 0: no clipping
+        limit = self.spec.optimizer.max_grad_norm or math.inf  # 0: no clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
         self.optimizer.step()
         self.scheduler.step()
@@ -293,7 +293,7 @@ class Policy:
     def schedule_at(self, version: int) -> None:
         """Put the learning-rate schedule where it is after `version` RL steps (a trainer that
         resumed from the weight store, its checkpoint older or missing)."""
-        set_schedule(self.optimizer, self.scheduler, version * self.spec.num_iterations)
+        set_schedule(self.optimizer, self.scheduler, version * self.spec.training.num_iterations)
 
     def load_weights(self, folder: Path) -> None:
         """Take the weights of a committed version (a folder `export` wrote)."""

@@ -83,7 +83,7 @@ class RunTrainer:
         """Train the run's remaining steps; RunStopped when it is cancelled or fails."""
         step = await self._start()
         try:
-            while step < self.spec.steps:
+            while step < self.spec.training.steps:
                 await ensure_live(self.r, self.run_id)
                 self.status = {"run_id": self.run_id, "step": step, "state": "training"}
                 await self._train_step(step)
@@ -178,7 +178,11 @@ class RunTrainer:
         seed_wait_s = await wait_seeding(self.r, self.run_id, step)
         spec = self.spec
         intake = StepIntake(
-            self.run_id, step, spec.prompts_per_step, spec.group_size, staleness=spec.max_staleness
+            self.run_id,
+            step,
+            spec.training.prompts_per_step,
+            spec.training.group_size,
+            staleness=spec.rollout.max_staleness,
         )
         wait_s, compute_s = await self._take_groups(intake)
         self.ahead = intake.ahead
@@ -204,7 +208,7 @@ class RunTrainer:
             groups_incomplete=intake.ledger.incomplete,
         )
         # with k >= 1 the next step's held groups train while this version goes out
-        await self.publisher.start(step, intake, row, background=spec.max_staleness > 0)
+        await self.publisher.start(step, intake, row, background=spec.rollout.max_staleness > 0)
 
     async def _checkpoint(self, version: int, intake: StepIntake) -> float:
         """Checkpoint the state of `version` when due and no write is in flight: the step waits

@@ -24,8 +24,8 @@ class ResponseScorer(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, spec: RunSpec, softcap: float | None) -> None:
         super().__init__()
         self.lm: Any = lm  # a transformers causal LM
-        self.temperature = spec.temperature
-        self.chunk_tokens = spec.logprob_chunk_tokens
+        self.temperature = spec.sampling.temperature
+        self.chunk_tokens = spec.training.logprob_chunk_tokens
         self.softcap = softcap
 
     def forward(

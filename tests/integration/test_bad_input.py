@@ -25,6 +25,7 @@ from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
+from services.contracts.runspec.spec import sectioned
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import collected, small_spec, wait_final
@@ -197,7 +198,7 @@ def healthy(service_url) -> None:
 def valid_bodies(tiny_model) -> dict[tuple[str, str], dict]:
     """A body each JSON route takes; the cases below spoil one field at a time."""
     return {
-        ("post", "/v1/runs"): small_spec(tiny_model),
+        ("post", "/v1/runs"): sectioned(small_spec(tiny_model)),  # the spec's own form
         ("post", "/v1/workers"): {
             "id": "bad-input-w",
             "pool": "preemptible",

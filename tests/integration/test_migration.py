@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
+from services.contracts.sampling import SamplingParams
 from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
 from services.coordinator.step_store import StepStore
 from services.core.request_table import Applied, RequestTable
@@ -33,9 +34,7 @@ def new_table() -> RequestTable:
         version=STEP,
         prompts=[[1, 2], [3, 4]],
         group_size=2,
-        max_new_tokens=6,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=6),
         seed=3,
         stop_token_ids=[0],
     )

@@ -103,7 +103,7 @@ def test_reserved_worker_seeds_then_steps_aside(tmp_path, tiny_model):
     assert rows[1]["t_seed_s"] == pytest.approx(first["t_seed_next_s"])
     assert run["t_seed_s"] is not None and run["n_prem_recommended"] > 0
     # the pool a scaler should hold: the mean N_prem of the last 3 steps times the headroom
-    headroom = RunSpec.model_validate(spec).pool_headroom
+    headroom = RunSpec.model_validate(spec).rollout.pool_headroom
     recent = [row["n_prem_recommended"] for row in rows[-3:]]
     wanted = max(1, math.ceil(sum(recent) / len(recent) * headroom))
     assert run["preemptible_wanted"] == wanted, (run, recent)

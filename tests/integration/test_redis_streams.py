@@ -4,6 +4,7 @@ import asyncio
 import random
 
 from services.contracts.messages import Job
+from services.contracts.sampling import SamplingParams
 from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import (
     StagedWrites,
@@ -24,8 +25,7 @@ def job(i: int) -> Job:
         version=0,
         prompt_ids=[1],
         remaining_tokens=2,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(),
         seed=i,
     )
 
@@ -94,7 +94,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     from services.core.request_table import RequestTable
 
     def new_table():
-        return RequestTable("rs", 0, 0, [[1, 2]], 2, 8, 1.0, 1.0, 0, [])
+        return RequestTable("rs", 0, 0, [[1, 2]], 2, SamplingParams(max_new_tokens=8), 0, [])
 
     def item(offset, tokens, finished=False):
         return DeltaItem(

@@ -8,8 +8,10 @@ import time
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, Job, WorkerControl
+from services.contracts.sampling import SamplingParams
 from services.coordinator.scheduling import StepScheduler, alive_workers, forget_gone_workers
 from services.core.request_table import RequestTable
+from services.core.step_controller import StepController
 from services.infra.redis_streams import connect, ensure_group
 
 RUN, STEP = "run-sched", 2
@@ -37,9 +39,7 @@ def new_table(prompts: int = 3, group_size: int = 2) -> RequestTable:
         version=STEP,
         prompts=[[1, 2]] * prompts,
         group_size=group_size,
-        max_new_tokens=4,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=4),
         seed=1,
         stop_token_ids=[0],
     )
@@ -59,17 +59,15 @@ class SteppedClock:
 
 
 def scheduler(r, window_s: float = WINDOW_S, clock=None, fair_reads=True) -> StepScheduler:
+    """The leader's shell of a step controller; `start` opens the step with this window."""
     clock = clock or SteppedClock()
-    return StepScheduler(
-        r=r,
-        run_id=RUN,
-        step=STEP,
-        jobs_stream=keys.jobs_stream(RUN, STEP),
-        window_s=window_s,
-        started=clock(),
-        clock=clock,
-        fair_reads=fair_reads,
-    )
+    control = StepController(new_table(), fair_reads=fair_reads, window_s=window_s)
+    control.started = clock()
+    return StepScheduler(r, control, keys.jobs_stream(RUN, STEP), clock=clock)
+
+
+async def start(sched: StepScheduler, workers: dict[str, Heartbeat]) -> None:
+    await sched.start(workers, sched.control.window_s, sched.control.started)
 
 
 async def queue_jobs(r, table: RequestTable) -> str:
@@ -141,7 +139,7 @@ def test_the_reserved_pool_steps_aside_once_its_window_is_over(empty_redis_url):
             "r-1": beat("r-1", "reserved", version=STEP - 1),
             "p-1": beat("p-1", "preemptible"),
         }
-        await sched.start(loading)
+        await start(sched, loading)
         assert not sched.seeded_out
         await sched.tick(table.unfinished_count, loading)
         clock.advance(WINDOW_S * 1.5)
@@ -174,7 +172,7 @@ def test_without_a_preemptible_pool_the_reserved_one_never_steps_aside(empty_red
         table, sched = new_table(), scheduler(r, window_s=0.05, clock=clock)
         await queue_jobs(r, table)
         reserved_only = {"r-1": beat("r-1", "reserved")}
-        await sched.start(reserved_only)
+        await start(sched, reserved_only)
         await sched.tick(table.unfinished_count, reserved_only)
         clock.advance(0.2)
         await sched.tick(table.unfinished_count, reserved_only)
@@ -196,13 +194,13 @@ def test_with_no_reserved_worker_seeding_is_over_at_once_and_a_resumed_step_stay
         table = new_table()
         await queue_jobs(r, table)
         sched = scheduler(r, window_s=60.0)
-        await sched.start({"p-1": beat("p-1", "preemptible")})
+        await start(sched, {"p-1": beat("p-1", "preemptible")})
         assert sched.seeded_out  # nothing to seed with: the trainer may start
         assert await r.exists(keys.seed_done(RUN, STEP))
 
         resumed = scheduler(r, window_s=60.0)  # a restarted coordinator on the same step
         workers = {"r-1": beat("r-1", "reserved"), "p-1": beat("p-1", "preemptible")}
-        await resumed.start(workers)
+        await start(resumed, workers)
         assert resumed.seeded_out
         await resumed.tick(table.unfinished_count, workers)
         assert await orders(r, "r-1") == []  # not told to step aside a second time
@@ -223,7 +221,7 @@ def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty
             "idle": beat("idle", "preemptible"),
         }
         sched = scheduler(r, fair_reads=False)  # Algorithm 2 as the paper states it
-        await sched.start(workers)
+        await start(sched, workers)
         await sched.tick(table.unfinished_count, workers)
         released = await orders(r, "busy")
         assert [(o.action, o.run_id, o.count) for o in released] == [("release", RUN, 2)]
@@ -235,7 +233,7 @@ def test_a_worker_over_its_plateau_releases_the_excess_while_another_idles(empty
 
         paused = workers | {"idle": beat("idle", "preemptible", paused=True)}
         other = scheduler(r, fair_reads=False)
-        await other.start(paused)
+        await start(other, paused)
         await other.tick(
             table.unfinished_count, paused
         )  # a paused worker is no idle worker to balance onto
@@ -264,7 +262,7 @@ def test_fair_reads_publish_an_equal_share_and_balance_onto_it(empty_redis_url):
             "failed": beat("failed", "preemptible", error="engine died"),
         }
         sched = scheduler(r, window_s=60.0)
-        await sched.start(workers)
+        await start(sched, workers)
         await sched.tick(table.unfinished_count, workers)
         assert int(await r.get(keys.read_cap(RUN, STEP))) == 4  # 12 over busy, idle, loading
         released = await orders(r, "busy")  # over its equal share of the executing (6)

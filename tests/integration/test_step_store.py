@@ -7,6 +7,7 @@ import asyncio
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem
+from services.contracts.sampling import SamplingParams
 from services.coordinator.step_store import StepStore
 from services.core.request_table import RequestTable
 from services.infra.redis_streams import connect
@@ -22,9 +23,7 @@ def new_table(max_new_tokens: int = 4) -> RequestTable:
         version=STEP,
         prompts=[[1, 2], [3], [4, 5, 6]],
         group_size=2,
-        max_new_tokens=max_new_tokens,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens),
         seed=7,
         stop_token_ids=[0],
     )

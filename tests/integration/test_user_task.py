@@ -128,19 +128,23 @@ def test_what_cannot_run_is_refused_at_submit(client, deployment, tiny_model, tm
     bad_row.write_text('{"a": 1, "b": 2}\n{"a": 1}\n')
     before = len(client.runs())
     cases = [
-        ({"reward": "os.path:join"}, "reward", "'os.path' is not on the coordinator's allow list"),
-        ({"reward": f"{MODULE}:nope"}, "reward", "has no function 'nope'"),
-        ({"dataset": str(tmp_path / "none.jsonl")}, "dataset", "does not exist"),
-        ({"dataset": str(bad_row)}, "dataset", "bad.jsonl:2: no field 'b'"),
-        ({"chat_template": True}, "chat_template", "has no chat template"),
+        (
+            {"reward": "os.path:join"},
+            "scoring.reward",
+            "'os.path' is not on the coordinator's allow list",
+        ),
+        ({"reward": f"{MODULE}:nope"}, "scoring.reward", "has no function 'nope'"),
+        ({"dataset": str(tmp_path / "none.jsonl")}, "data.dataset", "does not exist"),
+        ({"dataset": str(bad_row)}, "data.dataset", "bad.jsonl:2: no field 'b'"),
+        ({"chat_template": True}, "data.chat_template", "has no chat template"),
     ]
-    for over, field, message in cases:
+    for over, place, message in cases:  # the field named by its place in the sectioned spec
         resp = httpx.post(
             f"{deployment.coordinator_url}/v1/runs", json=user_spec(tiny_model, dataset) | over
         )
         assert resp.status_code == 422, resp.text
         (error,) = resp.json()["detail"]
-        assert error["loc"] == ["body", field] and message in error["msg"], error
+        assert error["loc"] == ["body", *place.split(".")] and message in error["msg"], error
     assert len(client.runs()) == before
 
 

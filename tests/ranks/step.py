@@ -24,11 +24,11 @@ from services.trainer.export import write_files
 def groups(spec: RunSpec, step: int) -> list[Group]:
     rng = random.Random(step)
     out = []
-    for i in range(spec.prompts_per_step):
+    for i in range(spec.training.prompts_per_step):
         prompt = [rng.randrange(5, 40) for _ in range(rng.randrange(3, 9))]
         responses = []
-        for _ in range(spec.group_size):
-            n = rng.randrange(1, spec.max_new_tokens + 1)
+        for _ in range(spec.training.group_size):
+            n = rng.randrange(1, spec.sampling.max_new_tokens + 1)
             tokens = [rng.randrange(5, 40) for _ in range(n)]
             responses.append(
                 Response(

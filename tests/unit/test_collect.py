@@ -215,6 +215,7 @@ def test_deltas_from_a_version_older_than_the_bound_are_not_taken_and_continue_e
 
 def replace_step(t, step):
     """The test table as a table of `step` (request ids and versions renamed)."""
+    from services.contracts.sampling import SamplingParams
     from services.core.request_table import RequestTable
 
     return RequestTable(
@@ -223,9 +224,7 @@ def replace_step(t, step):
         version=step,
         prompts=[[1, 2]] * len(t.prompts),
         group_size=t.group_size,
-        max_new_tokens=5,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=5),
         seed=0,
         stop_token_ids=[0],
     )

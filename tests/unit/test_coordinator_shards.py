@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from services.contracts import keys
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
 from services.contracts.runspec import RunSpec
+from services.contracts.sampling import SamplingParams
 from services.contracts.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of_prompt
 from services.coordinator.step_record import ShardSummary
 from services.core.collect import split_by_shard
@@ -21,7 +22,7 @@ def item(rid: str, offset: int = 0) -> DeltaItem:
 
 def table(shard: int, shards: int, prompts: int = 7, group: int = 3) -> RequestTable:
     return RequestTable(
-        "run", 2, 2, [[1, p] for p in range(prompts)], group, 8, 1.0, 1.0, 0, [0],
+        "run", 2, 2, [[1, p] for p in range(prompts)], group, SamplingParams(), 0, [0],
         shard=shard, shards=shards,
     )  # fmt: skip
 

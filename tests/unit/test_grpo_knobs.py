@@ -176,10 +176,10 @@ def test_constant_takes_no_warmup():
 
 
 def test_scale_rewards_takes_trls_booleans():
-    assert RunSpec(model="/m", scale_rewards=True).scale_rewards == "group"
-    assert RunSpec(model="/m", scale_rewards=False).scale_rewards == "none"
-    assert RunSpec.model_validate_json('{"model": "/m", "scale_rewards": false}').scale_rewards == (
-        "none"
-    )
+    assert RunSpec(model="/m", scale_rewards=True).loss.scale_rewards == "group"
+    assert RunSpec(model="/m", scale_rewards=False).loss.scale_rewards == "none"
+    assert RunSpec.model_validate_json(
+        '{"model": "/m", "scale_rewards": false}'
+    ).loss.scale_rewards == ("none")
     with pytest.raises(ValueError):
         RunSpec(model="/m", scale_rewards="std")

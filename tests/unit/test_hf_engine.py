@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from services.contracts.sampling import SamplingParams
 from services.rollout.engines.hf import HFEngine
 from services.rollout.engines.sampling import sample_token
 from tests.conftest import make_job as job
@@ -169,17 +170,21 @@ def test_stop_token_and_length_finish_reasons(engine_and_model):
 
 def test_sampling_is_seeded_by_request_and_position():
     logits = torch.randn(50)
-    draws = {sample_token(logits, 1.0, 1.0, seed=3, position=p)[0] for p in range(30)}
+    draws = {sample_token(logits, SamplingParams(), seed=3, position=p)[0] for p in range(30)}
     assert len(draws) > 1
-    assert sample_token(logits, 1.0, 1.0, 3, 7) == sample_token(logits, 1.0, 1.0, 3, 7)
-    token, logprob = sample_token(logits, 0.0, 1.0, 0, 0)
+    assert sample_token(logits, SamplingParams(), 3, 7) == sample_token(
+        logits, SamplingParams(), 3, 7
+    )
+    token, logprob = sample_token(logits, SamplingParams(temperature=0.0), 0, 0)
     assert token == int(logits.argmax())
     assert logprob == pytest.approx(torch.log_softmax(logits, -1).max().item())
 
 
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.tensor([10.0, 9.0, -10.0, -10.0])
-    seen = {sample_token(logits, 1.0, 0.5, seed=s, position=0)[0] for s in range(50)}
+    seen = {
+        sample_token(logits, SamplingParams(top_p=0.5), seed=s, position=0)[0] for s in range(50)
+    }
     assert seen == {0}
 
 

@@ -3,6 +3,7 @@ import pytest
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Group, Job, MalformedMessage
 from services.contracts.runspec import ModelFolderError, RunSpec
+from services.contracts.sampling import SamplingParams
 from services.tasks import TaskError, load_task
 
 
@@ -15,8 +16,7 @@ def test_messages_roundtrip_through_msgpack():
         prompt_ids=[1, 2],
         prefix_ids=[3],
         remaining_tokens=4,
-        temperature=0.7,
-        top_p=0.9,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9),
         seed=5,
         stop_token_ids=[0],
     )

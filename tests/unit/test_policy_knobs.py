@@ -31,7 +31,9 @@ def knobs(tiny_model, **over) -> RunSpec:
 def own_logprobs(policy: Policy, prompt: list[int], response: list[int]) -> list[float]:
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logp = token_logprobs(policy.model(input_ids=ids).logits, ids, policy.spec.temperature)
+        logp = token_logprobs(
+            policy.model(input_ids=ids).logits, ids, policy.spec.sampling.temperature
+        )
     return logp[0, len(prompt) - 1 :].tolist()
 
 
@@ -78,7 +80,7 @@ def whole_step_gradient(policy: Policy, groups: list[Group]) -> list[torch.Tenso
     """The step's gradient the plain way: the exact advantages and sizes, response by response."""
     spec = policy.spec
     advantages = step_advantages(
-        [[r.reward for r in g.responses] for g in groups], spec.scale_rewards
+        [[r.reward for r in g.responses] for g in groups], spec.loss.scale_rewards
     )
     tokens = sum(len(r.token_ids) for g in groups for r in g.responses)
     size = StepSize(PROMPTS * RESPONSES, BUDGET, tokens)
@@ -86,25 +88,25 @@ def whole_step_gradient(policy: Policy, groups: list[Group]) -> list[torch.Tenso
         for r, adv in zip(g.responses, group_adv, strict=True):
             ids = torch.tensor([g.prompt_ids + r.token_ids])
             start = len(g.prompt_ids) - 1
-            logp = token_logprobs(policy.model(input_ids=ids).logits, ids, spec.temperature)[
-                :, start:
-            ]
+            logp = token_logprobs(
+                policy.model(input_ids=ids).logits, ids, spec.sampling.temperature
+            )[:, start:]
             ref = None
             if policy.ref is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(policy.ref(input_ids=ids).logits, ids, spec.temperature)[
-                        :, start:
-                    ]
+                    ref = token_logprobs(
+                        policy.ref(input_ids=ids).logits, ids, spec.sampling.temperature
+                    )[:, start:]
             parts = grpo_loss(
                 logp,
                 torch.tensor([r.logprobs]),
                 torch.tensor([adv], dtype=torch.float32),
                 torch.ones_like(logp),
                 size,
-                epsilon=spec.epsilon,
-                loss_type=spec.loss_type,
+                epsilon=spec.loss.epsilon,
+                loss_type=spec.loss.loss_type,
                 ref_logprobs=ref,
-                beta=spec.beta,
+                beta=spec.loss.beta,
             )
             parts.loss.backward()
     return [p.grad.clone() for p in policy.model.parameters()]
@@ -133,7 +135,8 @@ def test_the_pipelined_gradient_is_the_whole_steps(
     policy.accumulate(groups[1:])
     row = policy.optimizer_step()
     # bnpo over micro-batches of one response each is grpo
-    reference_spec = spec.model_copy(update={"loss_type": "grpo"}) if loss_type == "bnpo" else spec
+    grpo = spec.loss.model_copy(update={"loss_type": "grpo"})
+    reference_spec = spec.model_copy(update={"loss": grpo}) if loss_type == "bnpo" else spec
     reference = whole_step_gradient(Policy(tiny_model, reference_spec), groups)
     for got, want in zip(seen[0], reference, strict=True):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-7)
@@ -206,7 +209,7 @@ def test_the_lr_schedule_resumes_from_the_policy_state(tiny_model):
     for _ in range(2):
         assert b.optimizer.param_groups[0]["lr"] == pytest.approx(a.optimizer.param_groups[0]["lr"])
         ones_step(a), ones_step(b)
-    assert b.optimizer.param_groups[0]["lr"] < spec.learning_rate / 2  # past the middle
+    assert b.optimizer.param_groups[0]["lr"] < spec.optimizer.learning_rate / 2  # past the middle
 
 
 def test_a_trainer_resumed_from_the_weight_store_takes_up_the_schedule(tiny_model):

@@ -3,6 +3,7 @@ on this shard's table under the lease each carried, handed to the shard that hol
 dropped), with no Redis."""
 
 from services.contracts.messages import DeltaItem
+from services.contracts.sampling import SamplingParams
 from services.core.reclaim import expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
 
@@ -14,9 +15,7 @@ def table(shard=0, shards=1, prompts=4):
         version=0,
         prompts=[[1, 2]] * prompts,
         group_size=2,
-        max_new_tokens=5,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=5),
         seed=0,
         stop_token_ids=[0],
         shard=shard,

@@ -8,6 +8,7 @@ import pytest
 
 from services.cli.recovery import RecoveryTracker, distribution
 from services.contracts.messages import Job
+from services.contracts.sampling import SamplingParams
 
 AT = 1000.0
 
@@ -21,8 +22,7 @@ def job(rid: str, lease: int, prefix: int) -> Job:
         prompt_ids=[1, 2],
         prefix_ids=list(range(prefix)),
         remaining_tokens=8,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(),
         seed=1,
     )
 

@@ -1,4 +1,5 @@
 from services.contracts.messages import DeltaItem
+from services.contracts.sampling import SamplingParams
 from services.core.request_table import Applied, RequestTable
 
 
@@ -9,9 +10,7 @@ def table(n=2, prompts=2, max_new=5):
         version=0,
         prompts=[[1, 2]] * prompts,
         group_size=n,
-        max_new_tokens=max_new,
-        temperature=1.0,
-        top_p=1.0,
+        sampling=SamplingParams(max_new_tokens=max_new),
         seed=0,
         stop_token_ids=[0],
     )

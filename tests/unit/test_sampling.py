@@ -1,6 +1,6 @@
 """Sampling knobs (top_k, repetition_penalty) from the run spec to the job to the transformers
-engine's draw: the same filters as transformers, logprobs of the distribution drawn from, and old
-job messages still decode."""
+engine's draw: the same filters as transformers, logprobs of the distribution drawn from, and
+bounds checked where a job is decoded."""
 
 import math
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.contracts.messages import Job, MalformedMessage
+from services.contracts.sampling import SamplingParams
 from services.core.request_table import RequestTable
 from services.rollout.engines.sampling import keep_likeliest, penalise_repeats, sample_token
 
@@ -16,13 +17,13 @@ from services.rollout.engines.sampling import keep_likeliest, penalise_repeats, 
 def test_top_k_1_is_greedy():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
     for seed in range(20):
-        token, logprob = sample_token(logits, 1.0, 1.0, seed, 0, top_k=1)
+        token, logprob = sample_token(logits, SamplingParams(top_k=1), seed, 0)
         assert token == int(logits.argmax()) and logprob == 0.0  # all the mass on one token
 
 
 def test_top_k_draws_among_the_k_likeliest_with_renormalised_logprobs():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
-    draws = {sample_token(logits, 1.0, 1.0, s, 0, top_k=2) for s in range(60)}
+    draws = {sample_token(logits, SamplingParams(top_k=2), s, 0) for s in range(60)}
     assert {t for t, _ in draws} == {0, 1}
     kept = torch.log_softmax(logits[:2], -1)
     for token, logprob in draws:
@@ -65,24 +66,25 @@ def test_repetition_penalty_lowers_a_seen_tokens_probability():
         penalised = torch.log_softmax(penalise_repeats(logits, seen, 2.0), -1)[token]
         assert penalised < plain
     # the draw's logprob is under the penalised distribution
-    token, logprob = sample_token(logits, 1.0, 1.0, 0, 0, repetition_penalty=2.0, context=seen)
+    penalised = SamplingParams(repetition_penalty=2.0)
+    token, logprob = sample_token(logits, penalised, 0, 0, context=seen)
     expected = torch.log_softmax(penalise_repeats(logits, seen, 2.0), -1)[token]
     assert logprob == pytest.approx(expected.item())
     # greedy follows the penalised logits: token 0 is no longer the likeliest
-    assert sample_token(logits, 0.0, 1.0, 0, 0, repetition_penalty=2.0, context=seen)[0] == 1
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample_token(logits, greedy, 0, 0, context=seen)[0] == 1
 
 
 def test_the_request_table_puts_the_knobs_in_every_job():
-    table = RequestTable(
-        "r", 0, 0, [[1, 2]], 2, 4, 1.0, 0.9, 0, [], top_k=20, repetition_penalty=1.1
-    )
+    sampling = SamplingParams(max_new_tokens=4, top_p=0.9, top_k=20, repetition_penalty=1.1)
+    table = RequestTable("r", 0, 0, [[1, 2]], 2, sampling, 0, [])
     for job in table.initial_jobs():
-        assert (job.top_k, job.repetition_penalty, job.top_p) == (20, 1.1, 0.9)
+        assert job.sampling == sampling
         assert Job.decode(job.encode()) == job
 
 
-def old_job(**fields) -> bytes:
-    """A job as a coordinator from before top_k and repetition_penalty encoded it."""
+def encoded_job(**sampling) -> bytes:
+    """A job as a coordinator encodes it, with `sampling` as the only sampling fields."""
     base = {
         "run_id": "r",
         "request_id": "0:0:0",
@@ -90,24 +92,32 @@ def old_job(**fields) -> bytes:
         "version": 0,
         "prompt_ids": [1],
         "remaining_tokens": 2,
-        "temperature": 1.0,
-        "top_p": 1.0,
+        "sampling": sampling,
         "seed": 3,
     }
-    return msgspec.msgpack.encode(base | fields)
+    return msgspec.msgpack.encode(base)
 
 
-def test_jobs_without_the_knobs_decode_with_them_off():
-    job = Job.decode(old_job())
-    assert (job.top_k, job.repetition_penalty) == (0, 1.0)
+def test_knobs_left_out_of_a_job_decode_off():
+    job = Job.decode(encoded_job(temperature=0.5))
+    assert job.sampling == SamplingParams(temperature=0.5)
+    assert (job.sampling.top_k, job.sampling.repetition_penalty) == (0, 1.0)
 
 
 @pytest.mark.parametrize(
-    "bad", [{"top_k": -1}, {"repetition_penalty": 0.0}, {"repetition_penalty": math.nan}]
+    "bad",
+    [
+        {"top_k": -1},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": math.nan},
+        {"temperature": 11.0},
+        {"top_p": 0.0},
+        {"max_new_tokens": 0},
+    ],
 )
 def test_job_knobs_are_bounded(bad):
     with pytest.raises(MalformedMessage):
-        Job.decode(old_job(**bad))
+        Job.decode(encoded_job(**bad))
 
 
 def mixed_draws(n: int):
@@ -115,10 +125,15 @@ def mixed_draws(n: int):
     top-k and a repetition penalty (drawn row by row)."""
     from services.rollout.engines.sampling import Draw
 
+    filtered = SamplingParams(top_k=5, repetition_penalty=1.3)
     return [
-        Draw(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9, seed=i, position=i)
+        Draw(
+            SamplingParams(temperature=[1.0, 0.7, 0.0][i % 3], top_p=1.0 if i % 4 else 0.9),
+            seed=i,
+            position=i,
+        )
         if i % 5
-        else Draw(1.0, 1.0, i, i, top_k=5, repetition_penalty=1.3, context=[1, 2, 3])
+        else Draw(filtered, i, i, context=[1, 2, 3])
         for i in range(n)
     ]
 
@@ -136,7 +151,7 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     reversed_batch = sample_rows(logits.flip(0), draws[::-1])[::-1]
     assert together == alone == reversed_batch
     for (token, logprob), d, row in zip(together, draws, logits, strict=True):
-        if d.temperature == 0:
+        if d.sampling.temperature == 0:
             assert token == int(row.argmax())
         assert math.isfinite(logprob) and logprob <= 0.0
 
@@ -148,7 +163,7 @@ def test_draws_follow_the_distribution():
     logits = probs.log()
     counts = torch.zeros(4)
     for seed in range(4000):
-        token, logprob = sample_token(logits, 1.0, 1.0, seed, 0)
+        token, logprob = sample_token(logits, SamplingParams(), seed, 0)
         counts[token] += 1
         assert logprob == pytest.approx(math.log(probs[token].item()), abs=1e-5)
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)

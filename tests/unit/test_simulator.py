@@ -39,9 +39,9 @@ def run(system, targets, steps=8, **cloud):
 
 
 def test_same_seed_same_result_and_another_seed_differs():
-    a = compare(small_scenario(), CHURN, horizon_s=3600, seed=1).result()
-    b = compare(small_scenario(), CHURN, horizon_s=3600, seed=1).result()
-    c = compare(small_scenario(), CHURN, horizon_s=3600, seed=2).result()
+    a = compare(small_scenario(), CHURN, horizon_s=1800, seed=1).result()
+    b = compare(small_scenario(), CHURN, horizon_s=1800, seed=1).result()
+    c = compare(small_scenario(), CHURN, horizon_s=1800, seed=2).result()
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert a["systems"]["hybrid"] != c["systems"]["hybrid"]
 
@@ -137,7 +137,7 @@ def test_cli_prints_the_comparison_as_its_last_line(capsys, tmp_path):
 
     trace = DATA / "aws-g4dn-xlarge-us-east-1c-2020-11-20.csv"
     png = tmp_path / "t.png"
-    args = ["--trace", str(trace), "--hours", "1.5", "--start-hours", "6", "--plot", str(png)]
+    args = ["--trace", str(trace), "--hours", "0.5", "--start-hours", "6", "--plot", str(png)]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("reserved-only", "reserved-x2", "disagg-bal", "hybrid", "hybrid-no-seeding"):

@@ -1,5 +1,6 @@
 """One source of defaults: `spotrl up`'s run flags come from RunSpec (names, help, choices,
-bounds) with the embedded preset on top, and the settings a local deployment gives each service
+bounds; one flag per field of every section, named by the field alone, as before sections) with
+the embedded preset on top, and the settings a local deployment gives each service
 are rendered from that service's settings class."""
 
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from services.cli.main import build_parser, main
 from services.cli.spec_flags import NOT_FLAGS, flag, spec_from_args
-from services.contracts.runspec import EMBEDDED_DEFAULTS, RunSpec
+from services.contracts.runspec import EMBEDDED_DEFAULTS, FLAT_FIELDS, RunSpec
 from services.infra.settings import CommonSettings, env_name, settings_env
 from services.rollout.settings import RolloutSettings
 
@@ -21,7 +22,7 @@ def test_every_run_spec_field_is_a_flag_of_up_with_its_description(capsys):
     with pytest.raises(SystemExit):
         main(["up", "--help"])
     shown = " ".join(capsys.readouterr().out.split())  # help text is wrapped
-    for name, info in RunSpec.model_fields.items():
+    for name, info in FLAT_FIELDS.items():
         if name in NOT_FLAGS:
             continue
         assert hasattr(up_args(), name), name
@@ -34,22 +35,18 @@ def test_up_runs_the_embedded_preset_by_default():
     spec = spec_from_args(up_args(), model="/m")
     assert spec == RunSpec(model="/m", **EMBEDDED_DEFAULTS)
     # the run `spotrl up` has always made: 40 steps of 32 prompts x 8 responses of 6 tokens
-    assert (spec.steps, spec.prompts_per_step, spec.group_size, spec.max_new_tokens) == (
-        40,
-        32,
-        8,
-        6,
-    )
-    assert (spec.learning_rate, spec.temperature, spec.seed, spec.stall_timeout_s) == (
+    training, sampling = spec.training, spec.sampling
+    assert (training.steps, training.prompts_per_step, training.group_size) == (40, 32, 8)
+    assert (sampling.max_new_tokens, sampling.temperature) == (6, 1.0)
+    assert (spec.optimizer.learning_rate, spec.seed, spec.faults.stall_timeout_s) == (
         1e-4,
-        1.0,
         0,
         300.0,
     )
 
 
 def test_the_preset_names_run_spec_fields_with_valid_values():
-    assert set(EMBEDDED_DEFAULTS) <= set(RunSpec.model_fields)
+    assert set(EMBEDDED_DEFAULTS) <= set(FLAT_FIELDS)
     RunSpec(model="/m", **EMBEDDED_DEFAULTS)
 
 
@@ -77,25 +74,43 @@ def test_flags_take_types_choices_and_switches_from_the_spec():
         ),
         model="/m",
     )
-    assert (spec.micro_batch_size, spec.beta, spec.epsilon, spec.top_p) == (4, 0.05, 0.1, 0.9)
-    assert (spec.weight_dtype, spec.migration, spec.ignore_eos) == ("bfloat16", False, True)
-    assert (spec.on_poison, spec.task, spec.task_path) == ("fail_run", "math", "q.jsonl")
+    assert (
+        spec.training.micro_batch_size,
+        spec.loss.beta,
+        spec.loss.epsilon,
+        spec.sampling.top_p,
+    ) == (4, 0.05, 0.1, 0.9)
+    assert (spec.training.weight_dtype, spec.rollout.migration, spec.sampling.ignore_eos) == (
+        "bfloat16",
+        False,
+        True,
+    )
+    assert (spec.faults.on_poison, spec.data.task, spec.data.task_path) == (
+        "fail_run",
+        "math",
+        "q.jsonl",
+    )
     with pytest.raises(SystemExit):
         up_args("--weight-dtype", "int8")  # not one of the Literal's choices
 
 
 def test_stall_timeout_zero_or_none_waits_for_ever():
-    assert spec_from_args(up_args("--stall-timeout-s", "0"), model="/m").stall_timeout_s is None
-    assert spec_from_args(up_args("--stall-timeout-s", "none"), model="/m").stall_timeout_s is None
-    assert spec_from_args(up_args("--stall-timeout-s", "30"), model="/m").stall_timeout_s == 30.0
+    def stall_timeout_s(value: str) -> float | None:
+        return spec_from_args(
+            up_args("--stall-timeout-s", value), model="/m"
+        ).faults.stall_timeout_s
+
+    assert stall_timeout_s("0") is None
+    assert stall_timeout_s("none") is None
+    assert stall_timeout_s("30") == 30.0
 
 
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--prompts-per-step", "0"], "--prompts-per-step (prompts_per_step)"),
-        (["--top-p", "1.5"], "--top-p (top_p)"),
-        (["--stall-timeout-s", "-1"], "--stall-timeout-s (stall_timeout_s)"),
+        (["--prompts-per-step", "0"], "--prompts-per-step (training.prompts_per_step)"),
+        (["--top-p", "1.5"], "--top-p (sampling.top_p)"),
+        (["--stall-timeout-s", "-1"], "--stall-timeout-s (faults.stall_timeout_s)"),
         (["--task-path", "q.jsonl"], "task_path is only used by the math task"),
     ],
 )

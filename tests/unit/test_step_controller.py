@@ -3,9 +3,11 @@ heartbeats, counts and a clock, with no Redis (the shell is `coordinator/schedul
 
 import math
 
-from services.contracts.messages import Heartbeat
+from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
+from services.contracts.sampling import SamplingParams
 from services.core.balancer import ReleaseGate, WorkerLoad
-from services.core.step_controller import StepController, balance_orders, serving
+from services.core.request_table import RequestTable
+from services.core.step_controller import StepController, balance_orders, route_deltas, serving
 
 RUN, STEP = "run", 2
 
@@ -25,7 +27,13 @@ def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heart
 
 
 def control(window_s: float = 5.0, fair_reads: bool = True) -> StepController:
-    return StepController(RUN, STEP, window_s, started=0.0, fair_reads=fair_reads)
+    """A step's controller whose step opens (`start`) at 0 with a window of `window_s`."""
+    table = RequestTable(RUN, STEP, STEP, [[1, 2]] * 8, 2, SamplingParams(max_new_tokens=4), 1, [0])
+    return StepController(table, fair_reads=fair_reads, window_s=window_s)
+
+
+def start(c: StepController, workers: dict[str, Heartbeat], seed_done: bool, now: float):
+    return c.start(workers, seed_done, c.window_s, 0.0, now)
 
 
 def actions_of(out) -> list[tuple[str, str]]:
@@ -35,7 +43,7 @@ def actions_of(out) -> list[tuple[str, str]]:
 def test_the_window_runs_from_when_a_reserved_worker_holds_the_step_then_it_steps_aside():
     c = control(window_s=5.0)
     beats = {"r-1": beat("r-1", "reserved", version=STEP - 1), "p-1": beat("p-1", "preemptible")}
-    assert c.start(beats, seed_done=False, now=0.0).orders == []
+    assert start(c, beats, seed_done=False, now=0.0).orders == []
     c.tick(1.0, 16, beats, {}, 0)
     assert c.seed_start is None  # still loading the step's weights
     beats["r-1"] = beat("r-1", "reserved")
@@ -47,10 +55,10 @@ def test_the_window_runs_from_when_a_reserved_worker_holds_the_step_then_it_step
 
 def test_no_reserved_worker_ends_seeding_at_once_and_a_resumed_step_is_over():
     c = control()
-    out = c.start({"p-1": beat("p-1", "preemptible")}, seed_done=False, now=3.0)
+    out = start(c, {"p-1": beat("p-1", "preemptible")}, seed_done=False, now=3.0)
     assert out.seed_end == 3.0 and out.orders == []
     resumed = control()
-    assert resumed.start({}, seed_done=True, now=9.0).seed_end is None
+    assert start(resumed, {}, seed_done=True, now=9.0).seed_end is None
     assert resumed.seeded_out and resumed.seed_end == 0.0
 
 
@@ -94,3 +102,31 @@ def test_finish_without_a_window_closed_ends_seeding_with_no_seed_end():
     out = c.finish(4.0)
     assert out.seed_end == 4.0 and c.seeded_out and c.seed_end is None
     assert c.finish(5.0).seed_end is None
+
+
+def delta(rid: str, tokens: list[int], finished: bool = False) -> DeltaItem:
+    return DeltaItem(
+        request_id=rid,
+        lease=0,
+        offset=0,
+        token_ids=tokens,
+        logprobs=[0.0] * len(tokens),
+        finished=finished,
+        finish_reason="stop" if finished else None,
+    )
+
+
+def test_a_read_of_deltas_goes_to_the_controllers_of_its_steps_and_other_steps_are_counted():
+    c = control()
+    flush = DeltaBatch(
+        worker_id="p-1",
+        version=STEP,
+        items=[delta(f"{STEP}:0:0", [5, 0], finished=True), delta(f"{STEP + 1}:0:0", [7])],
+    )
+    applied, unknown = route_deltas({STEP: c}, [flush])
+    assert unknown == 1  # the next step is not in flight here
+    [(into, outcome)] = applied
+    assert into is c and outcome.finished == [f"{STEP}:0:0"] and outcome.tokens_appended == 2
+    assert c.table.requests[f"{STEP}:0:0"].token_ids == [5, 0]
+    again, _ = route_deltas({STEP: c}, [flush])  # the same flush read twice: appended once
+    assert again[0][1].tokens_appended == 0

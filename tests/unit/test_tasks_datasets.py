@@ -186,10 +186,9 @@ def test_spec_validation_of_the_task_fields():
             RunSpec(model="m", **fields)
         return str(caught.value)
 
-    assert RunSpec(model="m", dataset="d.jsonl").task == "dataset"
-    assert RunSpec(model="m", dataset="d.jsonl", reward="pkg.mod:score_1").reward_module() == (
-        "pkg.mod"
-    )
+    assert RunSpec(model="m", dataset="d.jsonl").data.task == "dataset"
+    spec = RunSpec(model="m", dataset="d.jsonl", reward="pkg.mod:score_1")
+    assert spec.scoring.reward_module() == "pkg.mod"
     assert "module.path:function" in refused(dataset="d.jsonl", reward="os.system")
     assert "module.path:function" in refused(dataset="d.jsonl", reward="a:b:c")
     assert "positional" in refused(dataset="d.jsonl", prompt_template="{} {0}")
@@ -197,13 +196,17 @@ def test_spec_validation_of_the_task_fields():
     assert "width" in refused(dataset="d.jsonl", prompt_template="{q:>99999999}")
     assert "valid format string" in refused(dataset="d.jsonl", prompt_template="{q")
     assert "regular expression" in refused(dataset="d.jsonl", answer_regex="(")
-    assert "needs answer_regex" in refused(dataset="d.jsonl", reward="regex_match")
-    assert "only used by reward regex_match" in refused(dataset="d.jsonl", answer_regex="x")
-    assert "only used with chat_template" in refused(system_prompt="be brief")
-    assert "reward is only used with a dataset" in refused(task="math", reward="numeric_match")
-    assert "prompt_field is only used" in refused(prompt_field="question")
-    assert "not used by the built-in task" in refused(task="math", dataset="d.jsonl")
-    assert "needs a dataset" in refused(task="dataset")
+    # a rule between fields names each by its place in the sectioned spec
+    regex = "needs scoring.answer_regex"
+    assert regex in refused(dataset="d.jsonl", reward="regex_match")
+    regex = "scoring.answer_regex is only used by scoring.reward regex_match"
+    assert regex in refused(dataset="d.jsonl", answer_regex="x")
+    assert "only used with data.chat_template" in refused(system_prompt="be brief")
+    builtin = "scoring.reward is only used with a dataset"
+    assert builtin in refused(task="math", reward="numeric_match")
+    assert "data.prompt_field is only used" in refused(prompt_field="question")
+    assert "data.dataset is not used by the built-in task" in refused(task="math", dataset="d")
+    assert "needs a data.dataset" in refused(task="dataset")
 
 
 def test_prompts_in_the_models_chat_template(tmp_path):

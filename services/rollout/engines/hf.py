@@ -48,15 +48,9 @@ def pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 def draw_of(seq: Sequence) -> Draw:
     job = seq.job
-    return Draw(
-        job.temperature,
-        job.top_p,
-        job.seed,
-        seq.offset,
-        job.top_k,
-        job.repetition_penalty,
-        seq.context if job.repetition_penalty != 1.0 else (),
-    )
+    sampling = job.sampling
+    context = seq.context if sampling.repetition_penalty != 1.0 else ()
+    return Draw(sampling, job.seed, seq.offset, context)
 
 
 class HFEngine:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.contracts.sampling import SamplingParams
+
 MASK64 = (1 << 64) - 1
 
 
@@ -24,23 +26,15 @@ MASK64 = (1 << 64) - 1
 class Draw:
     """What one row's draw depends on besides its logits."""
 
-    temperature: float
-    top_p: float
+    sampling: SamplingParams  # the run's temperature, top-k, top-p, repetition penalty
     seed: int
     position: int
-    top_k: int = 0
-    repetition_penalty: float = 1.0
     context: Collection[int] = ()  # the tokens before it, for the repetition penalty
 
     @property
     def plain(self) -> bool:
         """Sampled at a temperature with no filter: computed with the batch."""
-        return (
-            self.temperature > 0
-            and self.top_k == 0
-            and self.top_p >= 1.0
-            and (self.repetition_penalty == 1.0)
-        )
+        return self.sampling.plain
 
 
 def uniform(seed: int, position: int) -> float:
@@ -81,10 +75,11 @@ def keep_likeliest(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
 def row_logprobs(logits: torch.Tensor, d: Draw) -> torch.Tensor:
     """One row's log-probs under the distribution its token is drawn from (greedy: the
     penalised logits' log-softmax)."""
-    logits = penalise_repeats(logits, d.context, d.repetition_penalty)
-    if d.temperature == 0:
+    sp = d.sampling
+    logits = penalise_repeats(logits, d.context, sp.repetition_penalty)
+    if sp.temperature == 0:
         return torch.log_softmax(logits, dim=-1)
-    return keep_likeliest(torch.log_softmax(logits / d.temperature, dim=-1), d.top_k, d.top_p)
+    return keep_likeliest(torch.log_softmax(logits / sp.temperature, dim=-1), sp.top_k, sp.top_p)
 
 
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -100,7 +95,9 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[tuple[int, float]]:
     """Draw one token per row of `logits` (rows x vocabulary); (token, its logprob) each."""
     logits = logits.float()
-    temps = torch.tensor([d.temperature if d.plain else 1.0 for d in draws]).to(logits.device)
+    temps = torch.tensor([d.sampling.temperature if d.plain else 1.0 for d in draws]).to(
+        logits.device
+    )
     logp = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
     for i, d in enumerate(draws):
         if not d.plain:
@@ -109,7 +106,7 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[tuple[int, floa
     u = u.to(logits.device)
     tokens = inverse_cdf(logp, u)
     for i, d in enumerate(draws):
-        if d.temperature == 0:
+        if d.sampling.temperature == 0:
             tokens[i] = torch.argmax(logp[i])
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
@@ -117,16 +114,12 @@ def sample_rows(logits: torch.Tensor, draws: list[Draw]) -> list[tuple[int, floa
 
 def sample_token(
     logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
+    sampling: SamplingParams,
     seed: int,
     position: int,
-    *,
-    top_k: int = 0,
-    repetition_penalty: float = 1.0,
     context: Collection[int] = (),
 ) -> tuple[int, float]:
     """Draw one token from a row of logits, `context` being the tokens before it (prompt and
     response): what `sample_rows` draws for that row in any batch."""
-    draw = Draw(temperature, top_p, seed, position, top_k, repetition_penalty, context)
+    draw = Draw(sampling, seed, position, context)
     return sample_rows(logits.unsqueeze(0), [draw])[0]

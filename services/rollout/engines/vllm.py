@@ -211,13 +211,13 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        job = seq.job
+        job, sampling = seq.job, seq.job.sampling
         params = SamplingParams(
             max_tokens=job.remaining_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            top_k=job.top_k,  # 0: off
-            repetition_penalty=job.repetition_penalty,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0: off
+            repetition_penalty=sampling.repetition_penalty,
             seed=continuation_seed(job.seed, len(job.prefix_ids)),
             stop_token_ids=list(job.stop_token_ids),
             ignore_eos=True,

@@ -1,0 +1,71 @@
+"""The run spec (`RunSpec`) in sections, and what goes with it: the embedded default run, the
+states of a run, the checks of the files a spec names. Everything is imported from here:
+`from services.contracts.runspec import RunSpec`.
+
+- `spec`: `RunSpec`, the table of its sections (`SECTIONS`, `SECTION_OF`, `FLAT_FIELDS`), the
+  flat form's mapping, `EMBEDDED_DEFAULTS`;
+- `data`, `training`, `rollout`: the sections (`sampling` is `contracts.sampling.SamplingParams`);
+- `task_files`: the model folder and task file checks, prompt templates;
+- `states`: `RunState`, `FINAL_STATES`, `LIVE_STATES`.
+"""
+
+from services.contracts.runspec.data import (
+    BUILTIN_REWARDS,
+    USER_REWARD,
+    DataSection,
+    ScoringSection,
+)
+from services.contracts.runspec.rollout import FaultsSection, RolloutSection
+from services.contracts.runspec.spec import (
+    DATASET_FIELDS,
+    EMBEDDED_DEFAULTS,
+    EMBEDDED_PRETRAIN_STEPS,
+    FLAT_FIELDS,
+    SECTION_OF,
+    SECTIONS,
+    RunSpec,
+    place_of,
+)
+from services.contracts.runspec.states import FINAL_STATES, LIVE_STATES, RunState
+from services.contracts.runspec.task_files import (
+    MAX_PATH_CHARS,
+    MAX_TEXT_CHARS,
+    ModelFolderError,
+    TaskFileError,
+    check_text_file,
+    shorten_path,
+    template_fields,
+)
+from services.contracts.runspec.training import LossSection, OptimizerSection, TrainingSection
+from services.contracts.sampling import SamplingParams
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DATASET_FIELDS",
+    "EMBEDDED_DEFAULTS",
+    "EMBEDDED_PRETRAIN_STEPS",
+    "FINAL_STATES",
+    "FLAT_FIELDS",
+    "LIVE_STATES",
+    "MAX_PATH_CHARS",
+    "MAX_TEXT_CHARS",
+    "SECTIONS",
+    "SECTION_OF",
+    "USER_REWARD",
+    "DataSection",
+    "FaultsSection",
+    "LossSection",
+    "ModelFolderError",
+    "OptimizerSection",
+    "RolloutSection",
+    "RunSpec",
+    "RunState",
+    "SamplingParams",
+    "ScoringSection",
+    "TaskFileError",
+    "TrainingSection",
+    "check_text_file",
+    "place_of",
+    "shorten_path",
+    "template_fields",
+]
