@@ -60,9 +60,10 @@ lock: $(VLLM_STAMP)
 up: setup
 	$(VENV)/bin/spotrl up
 
-# The tests cover both engines (vLLM is installed into $(VENV) for them), in a fixed order.
+# The tests cover both engines (vLLM is installed into $(VENV) for them), in a fixed order; the
+# 30 slowest are listed at the end, so that every CI log says where its time went.
 test: setup-vllm setup-chart
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The same tests in a random order (pytest-randomly); SEED=<n> repeats an order.
 test-random: setup-vllm
