@@ -2,7 +2,8 @@
 
 `apply_batches` applies the batches of one read to the `RequestTable` (fenced by lease, appended
 once) and decides what follows: the requests whose stored state changed, the responses that
-finished (to score), the stale deltas to fence, the released requests to continue elsewhere
+finished (to score), the multi-turn episodes whose turn ended (for the environment,
+`core.episodes`), the stale deltas to fence, the released requests to continue elsewhere
 (their continuation jobs), the crashes that made a request poison, and the groups that poison
 dropped. The coordinator's shell then scores, finds the completed groups and writes all of it in
 one MULTI; the simulator calls the same function with the batches its workers flush.
@@ -54,6 +55,7 @@ class CollectRules:
 class CollectOutcome:
     changed: set[str] = field(default_factory=set)  # requests whose stored state changed
     finished: list[str] = field(default_factory=list)  # responses complete now: to score
+    turn_ended: list[str] = field(default_factory=list)  # multi-turn: for the environment
     stale: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # worker -> to fence
     released: dict[str, list[Job]] = field(default_factory=dict)  # cause -> continuations
     poisoned: list[tuple[str, str]] = field(default_factory=list)  # (request, last worker)
@@ -74,6 +76,7 @@ def apply_batches(
     # the loop below runs for every delta of the run: names looked up once
     changed, finished = out.changed.add, out.finished.append
     appended, done, stale = Applied.APPENDED, Applied.FINISHED, Applied.STALE_LEASE
+    turn_ended = Applied.TURN_ENDED
     for batch in batches:
         if bound is not None and batch.version < bound:
             _out_of_bound(table, batch, out)
@@ -89,6 +92,9 @@ def apply_batches(
                 finished(item.request_id)
             elif applied is stale:
                 out.stale.setdefault(batch.worker_id, set()).add((item.request_id, item.lease))
+            elif applied is turn_ended:
+                changed(item.request_id)
+                out.turn_ended.append(item.request_id)
         _release(table, batch, rules, out)
     for outcome, n in table.stats.items():
         if n != stats_before[outcome]:

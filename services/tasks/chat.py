@@ -5,6 +5,12 @@ then).
 
 The rendered text holds the template's special tokens as text; it is encoded without adding
 special tokens again, as `apply_chat_template(tokenize=True)` does.
+
+Multi-turn episodes (`core.episodes`): an environment's observation after a model turn is
+rendered the same way, as what the template puts between the model's turn and its next one
+(`observation`): the end of the assistant's turn that the model did not write itself, the
+observation as a tool or user message, and the generation prompt. The run's tools go to the
+template (`tools=[...]`, as transformers takes them) with every rendering.
 """
 
 import json
@@ -16,6 +22,7 @@ from services.contracts.runspec import shorten_path
 from services.tasks.base import TaskError
 
 CONFIG_MAX_BYTES = 16 * 1024 * 1024
+TURN = "\x00spotrl-model-turn\x00"  # stands for a model turn's text in a rendering
 
 
 def has_chat_template(model_dir: str | Path) -> bool:
@@ -47,8 +54,10 @@ class PromptEncoder:
         tokenizer: Tokenizer,
         chat_template: bool = False,
         system_prompt: str | None = None,
+        tools: list[dict] | None = None,
     ) -> None:
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
+        self.tools = tools or None  # OpenAI/HF function tools, for the chat template
         self.chat = None
         if chat_template:
             if not has_chat_template(model_dir):
@@ -63,13 +72,45 @@ class PromptEncoder:
         """What the model is given as text."""
         if self.chat is None:
             return prompt
+        return self._render(self._opening(prompt), True)
+
+    def _opening(self, prompt: str) -> list[dict]:
         messages = [{"role": "user", "content": prompt}]
         if self.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        assert self.chat is not None
         rendered = self.chat.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
         )
         return str(rendered)
+
+    def observation(self, role: str, content: str, stop_text: str) -> str:
+        """The text that follows a model turn which ended with `stop_text` (its stop token as
+        text; "" when the token budget cut it): the observation as it is, or with a chat
+        template, the rest of the assistant's turn end, the observation as a `role` message
+        and the generation prompt of the next turn."""
+        if self.chat is None:
+            return content
+        before = [*self._opening("?"), {"role": "assistant", "content": TURN}]
+        head = self._render(before, False)
+        full = self._render([*before, {"role": role, "content": content}], True)
+        if TURN not in head or not full.startswith(head):
+            raise TaskError(
+                "the model's chat template renders a conversation's past turns differently "
+                "once a message follows them: it cannot carry a multi-turn episode"
+            )
+        end = head[head.index(TURN) + len(TURN) :]  # what closes the assistant's turn
+        if stop_text and end.startswith(stop_text):
+            end = end[len(stop_text) :]  # the model wrote that part itself
+        return end + full[len(head) :]
+
+    def encode_observation(self, role: str, content: str, stop_text: str) -> list[int]:
+        """Token ids of `observation` (no special tokens added: the template's are text)."""
+        text = self.observation(role, content, stop_text)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
         """Token ids of each prompt (CPU-bound: the coordinator runs it in a thread)."""

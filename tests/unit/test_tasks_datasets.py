@@ -232,3 +232,38 @@ def test_prompts_in_the_models_chat_template(tmp_path):
     chat = PromptEncoder(tmp_path, fast, chat_template=True, system_prompt="hi")
     assert chat.text("1+1=") == "<s>hi</s><u>1+1=</u>A:"
     assert chat.encode(["1+1="]) == [fast.encode("<s>hi</s><u>1+1=</u>A:").ids]
+
+
+QWEN_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_observation_is_what_the_chat_template_puts_between_two_model_turns(tmp_path):
+    """Multi-turn: after a model turn that ended with its stop token, the rest of the turn's
+    end, the observation as a tool message and the next generation prompt; no template: the
+    observation as it is."""
+    from tokenizers import Tokenizer
+
+    from services.trainer.init_model import train_tokenizer
+
+    tokenizer = train_tokenizer(["<|im_start|>user\n1+1=<|im_end|>\n", "tool says 2"], 300)
+    tokenizer.save_pretrained(tmp_path)
+    fast = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert PromptEncoder(tmp_path, fast).observation("user", " no\n1+1=", "") == " no\n1+1="
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_LIKE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = PromptEncoder(tmp_path, fast, chat_template=True)
+    after_stop = chat.observation("tool", "2", "<|im_end|>")
+    assert after_stop == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+    cut = chat.observation("tool", "2", "")  # the budget cut the turn: its end is added whole
+    assert cut == "<|im_end|>\n" + after_stop[1:]
+    assert chat.encode_observation("tool", "2", "<|im_end|>") == (
+        fast.encode(after_stop, add_special_tokens=False).ids
+    )
+    config["chat_template"] = "{{ messages | length }}"  # the past renders differently
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TaskError, match="cannot carry a multi-turn episode"):
+        PromptEncoder(tmp_path, fast, chat_template=True).observation("tool", "2", "")

@@ -1,0 +1,103 @@
+"""Multi-turn episodes on a step's request table (issue 40): a response is a trajectory of model
+turns and the environment's observations between them, collected token by token as ever.
+
+A model turn is a job like any other: its deltas are fenced by lease and appended once, and it
+migrates between workers token by token. When it ends (a stop token, or the token budget), the
+request does not finish: it waits for the environment (`RequestState.awaiting`), and no job of it
+is out. The environment's answer (`Observation`) comes back through `observe`:
+- the episode goes on: the observation's tokens are appended as *not generated* (a span in
+  `RequestState.observed`: masked out of the loss, placeholder logprobs), the lease is bumped and
+  the continuation job (prompt, every token so far, what is left of the budget) is returned: the
+  next turn is queued as any continuation is, so it may run on any worker;
+- the episode is over (the environment says so, `max_turns` turns were taken, or no room is left
+  in the token budget for the observation and one more token): the response finishes, its reward
+  the sum of its turns' rewards (the documented rule).
+The budget (`max_new_tokens` of the run's sampling) counts every token of the trajectory, the
+observations' too: it bounds the context a trajectory grows to. Pure: no Redis, no environment
+code (the coordinator's shell runs the environment and calls `observe`).
+"""
+
+from dataclasses import dataclass, field
+
+from services.contracts.messages import FinishReason, Job
+from services.core.request_table import Applied, RequestState, RequestTable
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The environment's answer to a model turn, as the table takes it."""
+
+    token_ids: list[int]  # the observation as the model reads it (chat markup included)
+    reward: float  # this turn's reward contribution
+    done: bool  # the environment ends the episode
+
+
+@dataclass
+class Episode:
+    """What a request's episode holds besides its tokens."""
+
+    turns: int = 1  # model turns begun
+    rewards: list[float] = field(default_factory=list)  # each judged turn's contribution
+
+
+class EpisodeTable(RequestTable):
+    """A request table whose responses are multi-turn episodes of at most `max_turns` model
+    turns."""
+
+    def __init__(self, *args, max_turns: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, not {max_turns}")
+        self.max_turns = max_turns
+        self.episodes = {rid: Episode() for rid in self.requests}
+
+    def _ended(self, r: RequestState, reason: FinishReason) -> Applied:
+        r.awaiting = reason
+        return Applied.TURN_ENDED
+
+    def awaiting(self) -> list[str]:
+        """The requests whose last turn waits for the environment (after a restart: each is
+        asked again; environments are functions of the row and the history)."""
+        return [
+            rid
+            for rid, r in self.requests.items()
+            if r.awaiting is not None and r.prompt_index not in self.quarantined
+        ]
+
+    def turns(self, rid: str) -> list[list[int]]:
+        """The tokens of each model turn of `rid`, in order (the spans between observations)."""
+        r = self.requests[rid]
+        out, at = [], 0
+        for offset, length in r.observed:
+            out.append(r.token_ids[at:offset])
+            at = offset + length
+        out.append(r.token_ids[at:])
+        return out
+
+    def observe(self, rid: str, lease: int, answer: Observation) -> Job | None:
+        """The environment answered the last turn of `rid` (under `lease`): the job of its next
+        turn, or None when the episode is over (then `rid` is finished and scored) or the
+        answer is stale (not awaited, or for another lease)."""
+        r = self.requests.get(rid)
+        if r is None or r.awaiting is None or lease != r.lease or r.done:
+            return None
+        episode = self.episodes[rid]
+        episode.rewards.append(answer.reward)
+        room = r.max_new_tokens - len(r.token_ids) - len(answer.token_ids)
+        if answer.done or episode.turns >= self.max_turns or room < 1:
+            r.finish_reason, r.awaiting = r.awaiting, None
+            r.reward = sum(episode.rewards)
+            self._finished(r)
+            return None
+        r.observed.append((len(r.token_ids), len(answer.token_ids)))
+        r.token_ids.extend(answer.token_ids)
+        r.logprobs.extend([0.0] * len(answer.token_ids))
+        r.awaiting = None
+        r.lease += 1
+        episode.turns += 1
+        return self.job(rid)
+
+    def generated_tokens(self, rid: str) -> int:
+        """The tokens of `rid` that the model generated (observations left out)."""
+        r = self.requests[rid]
+        return len(r.token_ids) - sum(length for _, length in r.observed)
