@@ -14,7 +14,9 @@ template (`tools=[...]`, as transformers takes them) with every rendering.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -57,7 +59,8 @@ class PromptEncoder:
         tools: list[dict] | None = None,
     ) -> None:
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
-        self.tools = tools or None  # OpenAI/HF function tools, for the chat template
+        # OpenAI/HF function tools, for the chat template (which also takes functions)
+        self.tools: list[dict | Callable[..., Any]] | None = list(tools) if tools else None
         self.chat = None
         if chat_template:
             if not has_chat_template(model_dir):
