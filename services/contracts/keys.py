@@ -79,6 +79,13 @@ def step_shards(run_id: str, step: int) -> str:
     return f"{PREFIX}:run:{run_id}:step:{step}:shards"
 
 
+def step_episodes(run_id: str, step: int, shard: int = 0) -> str:
+    """Hash: request id -> its multi-turn episode as JSON (`core.episodes.Episode`: turns,
+    rewards, observations, the spans of tokens not generated, whether a turn awaits the
+    environment); only in runs with an environment."""
+    return f"{PREFIX}:run:{run_id}:step:{step}:episodes{_shard(shard)}"
+
+
 def step_log(run_id: str, step: int, shard: int = 0) -> str:
     """List: one record per coordinator read that changed the shard's requests of the step:
     their new tokens, logprobs and weight versions (`coordinator.step_log`); replayed in order

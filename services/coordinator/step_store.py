@@ -7,10 +7,12 @@ reason and the workers that crashed running it, its tokens, their logprobs and t
 that generated them (one record per read in the step's log, `step_log.py`: a read costs Redis one
 append, whatever the number of requests it changed, and holds their new tokens only), the groups
 already handed to the trainer and those quarantined (dropped: a request of theirs crashed too many
-workers). The coordinator stages these writes in the same MULTI as the jobs it queues, the groups
-it publishes and the deltas it acknowledges, so each batch lands whole or not at all; a batch that
-did not land is read again from the coordinator's pending deltas, and applying it again changes
-nothing that landed (offsets make deltas idempotent).
+workers), and in a run with an environment each request's episode (`core.episodes`: its turns,
+rewards, observations, the spans of tokens it did not generate, a turn awaiting the
+environment). The coordinator stages these writes in the same MULTI as the jobs it queues, the
+groups it publishes and the deltas it acknowledges, so each batch lands whole or not at all; a
+batch that did not land is read again from the coordinator's pending deltas, and applying it
+again changes nothing that landed (offsets make deltas idempotent).
 """
 
 from typing import cast
@@ -20,6 +22,7 @@ import redis.asyncio as aioredis
 from services.contracts import keys
 from services.contracts.records import StepMeta
 from services.coordinator.step_log import RecordWriter, replay
+from services.core.episodes import Episode, EpisodeTable
 from services.core.request_table import RequestTable
 
 TTL_S = 24 * 3600
@@ -35,6 +38,7 @@ class StepStore:
         self.published = keys.step_published(run_id, step, shard)
         self.quarantined = keys.step_quarantined(run_id, step, shard)
         self.log = keys.step_log(run_id, step, shard)
+        self.episodes = keys.step_episodes(run_id, step, shard)
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
         self.saved_runs: dict[str, int] = {}  # version runs of each request already in Redis
@@ -74,12 +78,32 @@ class StepStore:
                 req.version_runs = got.version_runs
             self.saved_len[rid] = len(req.token_ids)
             self.saved_runs[rid] = len(req.version_runs)
+        if isinstance(table, EpisodeTable):
+            await self._restore_episodes(table)
         for p in await self.r.smembers(self.quarantined):
             table.quarantine(int(p))
         done = {int(p) for p in await self.r.smembers(self.published)}
         table.pending_groups -= done
         table.unfinished_count = len(table.unfinished())
         return meta.started_at
+
+    async def _restore_episodes(self, table: EpisodeTable) -> None:
+        stored = cast(dict[bytes, bytes], await self.r.hgetall(self.episodes))
+        for raw_rid, raw in stored.items():
+            rid = raw_rid.decode()
+            if rid in table.requests:
+                table.episodes[rid] = Episode.restore(raw, table.requests[rid])
+
+    def stage_episodes(self, pipe, table: EpisodeTable, rids: set[str]) -> None:
+        """The episodes of these requests (a turn ended, or the environment answered one), in
+        the MULTI of the read that changed them."""
+        if not rids:
+            return
+        requests, episodes = table.requests, table.episodes
+        pipe.hset(
+            self.episodes, mapping={rid: episodes[rid].to_json(requests[rid]) for rid in rids}
+        )
+        self._expire(pipe, self.episodes)
 
     def stage_queued(self, pipe, started_at: float) -> None:
         pipe.hset(self.meta, mapping=StepMeta.to_fields(queued=1, started_at=started_at))
@@ -150,7 +174,7 @@ class StepStore:
 
     def scratch_keys(self) -> list[str]:
         """Every key of this step's copy."""
-        return [self.meta, self.state, self.published, self.quarantined, self.log]
+        return [self.meta, self.state, self.published, self.quarantined, self.log, self.episodes]
 
     async def expire_soon(self, ttl_s: int = 600) -> None:
         """The step is over: its copy is kept a while for audits, then goes."""

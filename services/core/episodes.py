@@ -17,6 +17,7 @@ observations' too: it bounds the context a trajectory grows to. Pure: no Redis, 
 code (the coordinator's shell runs the environment and calls `observe`).
 """
 
+import json
 from dataclasses import dataclass, field
 
 from services.contracts.messages import FinishReason, Job
@@ -30,6 +31,8 @@ class Observation:
     token_ids: list[int]  # the observation as the model reads it (chat markup included)
     reward: float  # this turn's reward contribution
     done: bool  # the environment ends the episode
+    text: str = ""  # the observation as the environment wrote it
+    role: str = "tool"  # as a chat message: "tool" or "user"
 
 
 @dataclass
@@ -38,6 +41,28 @@ class Episode:
 
     turns: int = 1  # model turns begun
     rewards: list[float] = field(default_factory=list)  # each judged turn's contribution
+    said: list[tuple[str, str]] = field(default_factory=list)  # each answer's (role, text)
+
+    def to_json(self, r: RequestState) -> str:
+        """The episode and its request's multi-turn state, as the step's store keeps them."""
+        return json.dumps(
+            {
+                "turns": self.turns,
+                "rewards": self.rewards,
+                "said": self.said,
+                "observed": r.observed,
+                "awaiting": r.awaiting,
+            }
+        )
+
+    @classmethod
+    def restore(cls, raw: str | bytes, r: RequestState) -> "Episode":
+        """An episode stored by `to_json`, its request's state set again."""
+        got = json.loads(raw)
+        r.observed = [(int(o), int(n)) for o, n in got["observed"]]
+        r.awaiting = got["awaiting"]
+        said = [(str(role), str(text)) for role, text in got["said"]]
+        return cls(int(got["turns"]), [float(x) for x in got["rewards"]], said)
 
 
 class EpisodeTable(RequestTable):
@@ -83,6 +108,7 @@ class EpisodeTable(RequestTable):
             return None
         episode = self.episodes[rid]
         episode.rewards.append(answer.reward)
+        episode.said.append((answer.role, answer.text))
         room = r.max_new_tokens - len(r.token_ids) - len(answer.token_ids)
         if answer.done or episode.turns >= self.max_turns or room < 1:
             r.finish_reason, r.awaiting = r.awaiting, None

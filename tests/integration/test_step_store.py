@@ -9,6 +9,7 @@ from services.contracts import keys
 from services.contracts.messages import DeltaItem
 from services.contracts.sampling import SamplingParams
 from services.coordinator.step_store import StepStore
+from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import RequestTable
 from services.infra.redis_streams import connect
 
@@ -149,7 +150,8 @@ def test_a_finished_steps_copy_expires(empty_redis_url):
         table.apply(delta("3:0:0", 0, [1, 2]))
         table.quarantine(1)
         await stage(r, store, table, ["3:0:0"], queued_at=1.0, published=[0], quarantined=[1])
-        keys_ = store.scratch_keys()
+        # every key of the copy but the episodes', which only a run with an environment has
+        keys_ = [k for k in store.scratch_keys() if k != keys.step_episodes(RUN, STEP)]
         assert await r.exists(*keys_) == len(keys_), keys_
         ttls = [await r.ttl(k) for k in keys_]
         assert all(t > 600 for t in ttls), ttls  # kept while the step may resume
@@ -157,5 +159,45 @@ def test_a_finished_steps_copy_expires(empty_redis_url):
         ttls = [await r.ttl(k) for k in keys_]
         await r.aclose()
         assert all(0 < t <= 30 for t in ttls), ttls
+
+    asyncio.run(scenario())
+
+
+def test_a_multi_turn_episode_is_restored_with_its_turns_observations_and_awaited_turn(
+    empty_redis_url,
+):
+    """A restarted coordinator finds each episode as staged: the observation tokens (in the
+    log as any tokens), the spans the model did not generate, the rewards and what the
+    environment said so far, and a turn still waiting for the environment."""
+
+    def episodes() -> EpisodeTable:
+        return EpisodeTable(
+            RUN, STEP, STEP, [[1, 2]], 2, SamplingParams(max_new_tokens=12), 7, [0], max_turns=3
+        )
+
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = episodes(), StepStore(r, RUN, STEP)
+        a, b = "3:0:0", "3:0:1"
+        table.apply_all([delta(a, 0, [5, 0], finish="stop"), delta(b, 0, [6, 0], finish="stop")])
+        table.observe(a, 0, Observation([40, 41], 0.25, False, " no", "user"))
+        table.apply(delta(a, 4, [7], lease=1))
+        async with r.pipeline(transaction=True) as pipe:
+            store.stage_queued(pipe, 1.0)
+            store.stage_requests(pipe, table, {a, b})
+            store.stage_episodes(pipe, table, {a, b})
+            await pipe.execute()
+        again = episodes()
+        assert await StepStore(r, RUN, STEP).restore(again) == 1.0
+        assert snapshot(again) == snapshot(table)
+        for rid in (a, b):
+            assert again.requests[rid].observed == table.requests[rid].observed
+            assert again.requests[rid].awaiting == table.requests[rid].awaiting
+            assert again.episodes[rid] == table.episodes[rid]
+        assert again.requests[a].observed == [(2, 2)]
+        assert again.episodes[a].said == [("user", " no")]
+        assert again.awaiting() == [b] and again.turns(a) == [[5, 0], [7]]
+        assert keys.step_episodes(RUN, STEP) in store.scratch_keys()
+        await r.aclose()
 
     asyncio.run(scenario())
