@@ -1,0 +1,79 @@
+"""What the environment runner and its processes say to each other over the process's stdin and
+stdout: frames of a 4-byte big-endian length and a msgpack body (never pickle).
+
+runner -> process: `LoadEnvironment` once, then one call at a time (`OpeningCall`, `StepCall`).
+process -> runner: `Loaded` once, then one `Reply` per call.
+"""
+
+import struct
+from typing import IO, Any, TypeVar
+
+import msgspec
+
+from services.environments.protocol import Feedback, Turn
+
+HEADER = struct.Struct(">I")
+MAX_REPLY_BYTES = 1024 * 1024  # an observation is at most 16 Ki characters; tools are bounded
+T = TypeVar("T")
+
+
+class LoadEnvironment(msgspec.Struct, frozen=True):
+    name: str  # a built-in's name, or module.path:Class
+    memory_limit_bytes: int  # RLIMIT_AS of the process; 0: none
+    isolate_network: bool  # enter a network namespace of its own before loading
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    error: str = ""  # why the environment could not be loaded; empty when it was
+    network_refused: bool = False  # the error is that no network namespace could be entered
+    tools: list[dict[str, Any]] = []  # the environment's tools
+    max_turns: int = 0
+
+
+class OpeningCall(msgspec.Struct, frozen=True, tag="opening"):
+    row: dict[str, Any]  # the dataset row
+
+
+class StepCall(msgspec.Struct, frozen=True, tag="step"):
+    row: dict[str, Any]
+    turns: list[Turn]  # the model's turns so far, the last one to answer
+    feedback: list[Feedback]  # the answers to the turns before the last
+
+
+Call = OpeningCall | StepCall
+
+
+class Reply(msgspec.Struct, frozen=True):
+    error: str = ""  # protocol.ERROR_KINDS' raised or bad_feedback; empty when it worked
+    detail: str = ""  # the exception's type and message, or what is wrong, cut short
+    opening: str = ""  # an OpeningCall's answer
+    feedback: Feedback | None = None  # a StepCall's answer
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def frame(message: Any) -> bytes:
+    body = _ENCODER.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes, kind: Any) -> Any:
+    return msgspec.msgpack.decode(body, type=kind)
+
+
+def read_frame(stream: IO[bytes], kind: Any) -> Any:
+    """The next message from a blocking stream (the process's side); None at its end."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(header)
+    body = stream.read(size)
+    if len(body) < size:
+        return None
+    return decode(body, kind)
+
+
+def write_frame(stream: IO[bytes], message: Any) -> None:
+    stream.write(frame(message))
+    stream.flush()
