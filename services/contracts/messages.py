@@ -25,6 +25,7 @@ Encodable = bytes | bytearray | memoryview | str | int | float
 StreamFields = dict[Encodable, Encodable]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class MalformedMessage(ValueError):
@@ -156,6 +157,10 @@ class Response(Message, frozen=True, kw_only=True):
     # the weight version of each token, as (offset, version) runs: the version generated the
     # tokens from its offset to the next run's; [] from a coordinator that did not record them
     version_runs: list[tuple[NonNegative, NonNegative]] = []
+    # the tokens the model did not generate (a multi-turn episode's observations: tool results,
+    # feedback), as (offset, length) spans, in order and not overlapping (contracts.spans); their
+    # logprobs are placeholders (0.0), never used. [] when the model generated every token
+    observed: list[tuple[NonNegative, Positive]] = []
 
 
 class Group(Message, frozen=True, kw_only=True):

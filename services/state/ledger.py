@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import Group
+from services.contracts.spans import generated_count
 
 
 def _bitmap(indices: set[int]) -> str:
@@ -55,7 +56,8 @@ class StepLedger:
         self.responses += len(group.responses)
         self._hash.update(group.prompt_index.to_bytes(4, "little"))
         for resp in group.responses:
-            self.tokens += len(resp.token_ids)
+            # the tokens the model generated: a multi-turn response's observations are not trained
+            self.tokens += generated_count(resp.observed, len(resp.token_ids))
             for _, version in resp.version_runs:
                 if self.oldest_version is None or version < self.oldest_version:
                     self.oldest_version = version

@@ -3,6 +3,10 @@ advantages (`scale_rewards`), the token-level clipped objective (`epsilon`, `eps
 an optional penalty to the reference policy (`beta`, the "k3" KL estimator), and the token-loss
 aggregations (`loss_type`). No model, no I/O: the policy feeds them tensors.
 
+Every token sum, mean and count here is over the `mask`: the tokens the model generated. A
+multi-turn response's observation tokens are out of it, so they weigh in no loss, KL, clip
+fraction or size, whatever the loss_type.
+
 Every aggregation is written as one micro-batch's share of the step's loss, so that the step's
 loss is the sum of its micro-batches' shares: the trainer backpropagates micro-batches as their
 groups arrive and the summed gradient is that of the whole step. What a share divides by comes
@@ -64,7 +68,7 @@ class StepSize:
 
     sequences: int  # responses the step trains on: prompts_per_step x group_size
     max_new_tokens: int  # the response budget (dr_grpo's constant)
-    tokens: float  # response tokens in the step (dapo)
+    tokens: float  # generated response tokens in the step (dapo): observations not counted
 
 
 def aggregate(
@@ -105,14 +109,14 @@ class LossParts:
     policy: float  # mean over responses of each one's token-mean policy loss
     kl: float  # the same mean of the k3 KL to the reference (0 without one)
     clip_fraction: float  # share of tokens whose clipped term was taken
-    tokens: int
+    tokens: int  # tokens in the mask: generated response tokens
 
 
 def grpo_loss(
     logprobs: torch.Tensor,  # [N, T] log pi_theta(token) for response tokens
     old_logprobs: torch.Tensor,  # [N, T] log pi_old(token): the rollout's sampling logprobs
     advantages: torch.Tensor,  # [N]
-    mask: torch.Tensor,  # [N, T] 1 on response tokens
+    mask: torch.Tensor,  # [N, T] 1 on generated response tokens (0: observation or padding)
     size: StepSize,
     *,
     epsilon: float = 0.2,

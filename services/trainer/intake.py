@@ -2,13 +2,14 @@
 loop reads, asks `StepIntake.take` which groups to train on, parks the refused ones and trains.
 
 A group is refused (parked, with the reason) when it is of an earlier step (or one past the
-steps in flight), of a prompt the step already took (it came twice: never trained twice), or has
-another number of responses than n. A group of a later step in flight (asynchronous RL: steps
-s+1..s+k are generated while s trains) is held, unacknowledged, for its own step: `ahead`. A
-quarantined group (a request of it crashed too many workers) counts toward the step's B and is
-never trained on. Every entry the step takes or refuses is kept, to be acknowledged once the
-step's version is committed; the trained ledger and the groups for the rollout dump are built on
-the way.
+steps in flight), of a prompt the step already took (it came twice: never trained twice), has
+another number of responses than n, or has a response whose observation spans do not fit its
+tokens (`Response.observed`: out of order, overlapping, empty or past its end). A group of a
+later step in flight (asynchronous RL: steps s+1..s+k are generated while s trains) is held,
+unacknowledged, for its own step: `ahead`. A quarantined group (a request of it crashed too many
+workers) counts toward the step's B and is never trained on. Every entry the step takes or
+refuses is kept, to be acknowledged once the step's version is committed; the trained ledger and
+the groups for the rollout dump are built on the way.
 """
 
 import logging
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter
 
 from services.contracts.messages import Group
+from services.contracts.spans import span_error
 from services.infra.redis_streams import Read
 from services.state.ledger import StepLedger
 
@@ -96,4 +98,11 @@ class StepIntake:
             self.ledger.incomplete += 1
             GROUPS.labels("incomplete").inc()
             return f"{len(group.responses)} responses, want n={self.group_size}"
+        for i, resp in enumerate(group.responses):
+            error = span_error(resp.observed, len(resp.token_ids))
+            if error is not None:
+                GROUPS.labels("malformed").inc()
+                reason = f"response {i} of group {group.prompt_index}: observed {error}"
+                log.warning("run %s step %d: parking a group: %s", self.run_id, self.step, reason)
+                return reason
         return None

@@ -23,6 +23,11 @@ the optimizer step and the metrics are those of training them, up to float round
 the policy mostly solves (or mostly fails) that is most of the step: verl's and DAPO's dynamic
 sampling drop such groups from the batch for the same reason.
 
+A multi-turn response's observation tokens (`Response.observed`: tool results, feedback) are
+context, never trained: its row carries the mask of the tokens the model generated, and the
+step's token count (dapo) and metrics count generated tokens only. A response with no generated
+token is left out, as an empty one is.
+
 `num_iterations` > 1: after the step's first optimizer step, `optimizer_step()` runs the step's
 micro-batches again, once per further iteration, each followed by an optimizer step; the ratio
 is always to the rollout's logprobs (the policy that sampled), as TRL's second and later
@@ -41,6 +46,7 @@ import torch
 
 from services.contracts.messages import Group
 from services.contracts.runspec import RunSpec
+from services.contracts.spans import generated_count, generated_mask
 from services.state.step_metrics import StepRow
 from services.trainer.batching import (
     Row,
@@ -135,15 +141,18 @@ class Policy:
             self.rewards.extend(rewards)
             advantages = group_advantages(rewards, self.spec.loss.scale_rewards)
             for resp, adv in zip(g.responses, advantages, strict=True):
-                if not resp.token_ids:
+                n = len(resp.token_ids)
+                generated = generated_mask(resp.observed, n)  # None: no observation token
+                trained = generated_count(resp.observed, n)
+                if not trained:
                     continue
-                self.tokens += len(resp.token_ids)
+                self.tokens += trained
                 if adv == 0.0 and self.skips_flat_groups:
                     self.skipped.sequences += 1
-                    self.skipped.tokens += len(resp.token_ids)
+                    self.skipped.tokens += trained
                     continue
-                stale = stale_tokens(resp.version_runs, len(resp.token_ids), g.version)
-                rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale))
+                stale = stale_tokens(resp.version_runs, n, g.version)
+                rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale, generated))
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
         # a step of R rows (its responses less the skipped ones) makes ceil(R /
         # micro_batch_size) passes however its groups arrive (by tokens: as many as cutting

@@ -71,7 +71,7 @@ class ShardedPolicy(Policy):
         weight = float(self.world)
         if not mine:  # a pass all the same, weighted 0
             mine, weight = rows[:1], 0.0
-        whole = (len(rows), sum(len(r.response_ids) for r in rows))
+        whole = (len(rows), sum(r.generated_tokens for r in rows))  # observations not trained
         parts = self._loss(mine, size, adv_scale, whole)
         (parts.loss * weight).backward()
         if weight:

@@ -12,7 +12,7 @@ class PassStats:
     """What one pass over the step's responses trained."""
 
     sequences: int = 0
-    tokens: int = 0
+    tokens: int = 0  # generated response tokens: observation tokens are never trained
     policy_loss: float = 0.0  # sums over sequences
     kl: float = 0.0
     clipped_tokens: float = 0.0
