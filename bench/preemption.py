@@ -59,6 +59,14 @@ def collected_tokens(url: str) -> float:
     return 0.0
 
 
+def replace_workers(dep, names: list[str]) -> None:
+    """A new preemptible worker in the place of each of these (stopped or killed) for the
+    next run."""
+    for name in names:
+        dep.procs.pop(name).popen.wait(30)
+        dep.add_worker("preemptible")
+
+
 def bench_spec(model: Path, steps: int, max_new_tokens: int) -> RunSpec:
     """The run the preemption and recovery benchmarks repeat: 8 prompts of 4 samples, each of
     exactly `max_new_tokens` tokens (EOS ignored), so that every step does the same work."""
@@ -96,9 +104,7 @@ def one_run(dep, client, r, spec: RunSpec, kill_at: float | None, kills: list[st
     run = wait_final(client, run_id)
     row = client.metrics(run_id)[0]
     audit = audit_run(dep.redis_url, run_id, spec)
-    for name in victims:  # replace the victims for the next run
-        dep.procs.pop(name).popen.wait(30)
-        dep.add_worker("preemptible")
+    replace_workers(dep, victims)
     return {
         "state": run["state"],
         "rollout_s": row["rollout_s"],

@@ -27,15 +27,18 @@ from tokenizers import Tokenizer
 from services.contracts import keys
 from services.contracts.messages import DeltaBatch
 from services.contracts.runspec import RunSpec
+from services.coordinator.episode_shell import EpisodeShell
 from services.coordinator.migration import count_migrations, fence
 from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectOutcome
+from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
 from services.core.step_controller import StepController, route_deltas
 from services.infra.redis_streams import (
+    Read,
     StagedWrites,
     StreamConsumer,
     ensure_group,
@@ -88,6 +91,7 @@ class LiveStep:
     store: StepStore
     examples: list[Example]
     reward_errors: int = 0  # reward calls that scored 0
+    episode_stats: EpisodeStats = field(default_factory=EpisodeStats)  # multi-turn runs
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set after each apply
 
     @property
@@ -109,11 +113,13 @@ class DeltaCollector:
         stop_ids: list[int],
         rewards: RewardRunner,
         shard: int = 0,
+        episodes: EpisodeShell | None = None,
     ) -> None:
         """Of the requests of coordinator shard `shard` (`contracts.shards`), read from its own
         deltas stream."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
+        self.episodes = episodes  # a run with an environment: its turns are answered
         self.deltas = StreamConsumer(
             r, keys.deltas_stream(run_id, shard), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
         )
@@ -175,26 +181,61 @@ class DeltaCollector:
         with gc_paused():
             read = self.deltas.decode(entries)
             applied = self._apply(live, read.messages)
+        await self._settle(applied, read)
+
+    async def resume_turns(self, into: LiveStep) -> None:
+        """A step restored after a restart: its turns that waited for the environment are
+        answered now (an environment is a function of the row and the history)."""
+        table = into.table
+        if self.episodes is None or not isinstance(table, EpisodeTable):
+            return
+        awaiting = table.awaiting()
+        if awaiting:
+            outcome = CollectOutcome(changed=set(awaiting), turn_ended=awaiting)
+            await self._settle([(into, outcome)], None)
+
+    async def _settle(
+        self, applied: list[tuple[LiveStep, CollectOutcome]], read: Read[DeltaBatch] | None
+    ) -> None:
+        """What follows applied outcomes: finished responses scored (or, in multi-turn
+        episodes, ended turns answered by the environment); then in one MULTI the requests that
+        changed, the jobs to queue, the groups completed and the acknowledgement of `read`."""
         parts: list[tuple[LiveStep, CollectOutcome, list[int]]] = []
         for into, outcome in applied:
-            if outcome.finished:
+            if self.episodes is not None:
+                await self._answer_turns(into, outcome)
+            elif outcome.finished:
                 into.table.score(await self.score(into, outcome.finished))
             parts.append((into, outcome, into.table.completed_groups(outcome.finished)))
         staged = StagedWrites()
         with gc_paused():
             for into, outcome, groups in parts:
                 self._stage_outcome(staged, into.table, into.store, outcome, groups)
-        self.deltas.stage_ack(staged, read.ids, delete=True)
+        if read is not None:
+            self.deltas.stage_ack(staged, read.ids, delete=True)
         await while_out_of_memory(lambda: self._store(staged), "store deltas", self._say_oom)
         stored = time.time()
-        for entry_id in read.ids:
+        for entry_id in read.ids if read is not None else ():
             LAG_S.observe(max(0.0, stored - entry_time_s(entry_id)))
         if self.oom_stalled:
             self.oom_stalled = False
             await self.runs.mark_running(self.run_id, "redis takes writes again")
         for into, outcome, groups in parts:
             await self._after(into, outcome, groups)
-        await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+        if read is not None:
+            await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
+
+    async def _answer_turns(self, into: LiveStep, outcome: CollectOutcome) -> None:
+        """The environment answers the turns that ended: the next turns' jobs are queued with
+        the outcome, the episodes over are finished (scored by their turns' rewards)."""
+        table = into.table
+        if not outcome.turn_ended or self.episodes is None or not isinstance(table, EpisodeTable):
+            return
+        jobs, over = await self.episodes.answer(
+            table, into.examples, outcome.turn_ended, into.episode_stats
+        )
+        outcome.next_turns.extend(jobs)
+        outcome.finished.extend(over)
 
     async def _store(self, staged: StagedWrites) -> None:
         """One attempt at the read's MULTI; packing it allocates much, and its round trip is
@@ -236,8 +277,10 @@ class DeltaCollector:
         groups: list[int],
     ) -> None:
         store.stage_requests(staged, table, outcome.changed)
+        if outcome.turn_ended and isinstance(table, EpisodeTable):
+            store.stage_episodes(staged, table, set(outcome.turn_ended))
         jobs = keys.jobs_stream(self.run_id, table.version)
-        for continuations in outcome.released.values():
+        for continuations in (*outcome.released.values(), outcome.next_turns):
             for job in continuations:
                 staged.xadd(jobs, job.fields())
         groups_stream = keys.groups_stream(self.run_id)

@@ -22,10 +22,12 @@ import time
 from dataclasses import replace
 
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, MalformedMessage
+from services.contracts.runspec import RunSpec
 from services.coordinator.read_views import (
     Doc,
     Entries,
@@ -57,6 +59,7 @@ class ReadModel:
         self.timelines: dict[str, tuple[Entries, Entries]] = {}
         self.refreshed_at: float | None = None  # clock of the last refresh, if it succeeded
         self.stale_after_s = max(2.0, 8 * refresh_s)
+        self.unreadable: set[str] = set()  # runs whose stored spec does not validate (logged)
 
     async def forever(self) -> None:
         down = False
@@ -164,8 +167,21 @@ class ReadModel:
                 if settled(inputs.record, time.time()):
                     self.runs[run_id] = replace(old, final=True)
                 continue
-            spec = old.spec if old else inputs.record.run_spec()
+            spec = old.spec if old else self._spec(run_id, inputs)
+            if spec is None:
+                continue
             self.runs[run_id] = run_docs(run_id, inputs, spec, time.time())
+
+    def _spec(self, run_id: str, inputs: RunInputs) -> RunSpec | None:
+        """The run's stored spec; None (the run is not shown, said once) for one that no longer
+        validates (stored by an older version with other rules): a read never fails on it."""
+        try:
+            return inputs.record.run_spec()
+        except ValidationError as exc:
+            if run_id not in self.unreadable:
+                self.unreadable.add(run_id)
+                log.warning("run %s: its stored spec does not validate, not shown: %s", run_id, exc)
+            return None
 
     @staticmethod
     def _queue_workers(pipe: aioredis.client.Pipeline, worker_ids: list[str]) -> None:
@@ -252,7 +268,9 @@ class ReadModel:
         inputs = self._inputs(run_id, head, rows)
         if inputs is None:
             return None
-        spec = inputs.record.run_spec()
+        spec = self._spec(run_id, inputs)
+        if spec is None:
+            return None
         docs = run_docs(run_id, inputs, spec, time.time())
         if written or run_id in self.runs:
             self.runs[run_id] = docs

@@ -43,6 +43,7 @@ class RunManager:
                 reward_processes=settings.reward_processes,
                 limits=settings.dataset_limits(),
                 shard=shard,
+                environments=settings.environment_limits(),
             )
         shards = spec.rollout.coordinator_shards
         return StepLeader(
@@ -56,4 +57,5 @@ class RunManager:
             reward_processes=settings.reward_processes,
             limits=settings.dataset_limits(),
             shard_processes=ShardProcesses(run_id, shards, settings) if shards > 1 else None,
+            environments=settings.environment_limits(),
         )

@@ -15,6 +15,7 @@ from services.coordinator.reward_runner import check_loads
 from services.coordinator.runs import RunNotCancellable, RunNotFound, RunStore
 from services.coordinator.schemas import RunCreated, RunMetrics, RunPublic, RunTimeline
 from services.coordinator.settings import CoordinatorSettings
+from services.environments.choice import EnvironmentChoice
 from services.infra.read_limit import NOT_MODIFIED, revalidated
 from services.infra.service import Auth, errors
 from services.state import timeline
@@ -60,15 +61,20 @@ def field_error(field: str, exc: Exception) -> list[dict[str, Any]]:
 async def task_problems(
     spec: RunSpec, settings: CoordinatorSettings, loads: asyncio.Semaphore
 ) -> list[dict[str, Any]]:
-    """Validation errors for a spec's task, cheapest check first: a reward module not on the
-    allow list, a chat template the model lacks, a dataset that does not load (read and checked
-    off the event loop, `loads` at a time), a reward that does not import (in a reward process:
-    never in this one)."""
+    """Validation errors for a spec's task, cheapest check first: a reward or environment
+    module not on the allow list, a chat template the model lacks, a dataset that does not
+    load (read and checked off the event loop, `loads` at a time), a reward that does not
+    import (in a reward process: never in this one)."""
     choice = RewardChoice.from_spec(spec)
     try:
         choice.check_allowed(settings.reward_modules)
     except TaskError as exc:
         return field_error("reward", exc)
+    if spec.episode.environment is not None:  # imported by the environment's processes only
+        try:
+            EnvironmentChoice(spec.episode.environment).check_allowed(settings.environment_modules)
+        except TaskError as exc:
+            return field_error("environment", exc)
     if spec.data.chat_template and not await asyncio.to_thread(has_chat_template, spec.model):
         return field_error("chat_template", no_template_error(spec.model))
     try:

@@ -1,11 +1,23 @@
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import NoDecode
 
 from services.contracts.runspec import USER_REWARD
 from services.infra.settings import CommonSettings
 from services.tasks.dataset_files import DatasetLimits
+
+
+@dataclass(frozen=True)
+class EnvironmentLimits:
+    """What the coordinator's settings allow a run's environment."""
+
+    modules: Collection[str] = ()  # user environments' modules allowed
+    processes: int = 2
+    memory_limit_mb: int = 2048
+    allow_network: bool = False
 
 
 class CoordinatorSettings(CommonSettings):
@@ -62,6 +74,32 @@ class CoordinatorSettings(CommonSettings):
         "boxed_match), each killed and started again when a call takes longer than the spec's "
         "reward_timeout_s.",
     )
+    environment_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Modules whose classes a run spec may name as its environment "
+        "(module:Class), comma-separated; the operator makes them importable (PYTHONPATH). "
+        "Empty: built-in environments only.",
+    )
+    environment_processes: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Processes that run a multi-turn run's environment (one call each at a "
+        "time), each killed and started again when a call takes longer than the spec's "
+        "environment_timeout_s.",
+    )
+    environment_memory_mb: int = Field(
+        2048,
+        ge=64,
+        le=1 << 20,
+        description="Address space of each environment process (RLIMIT_AS); a call past it "
+        "fails and is counted.",
+    )
+    environment_network: bool = Field(
+        False,
+        description="Let environments reach the network (False: each environment process "
+        "runs in a network namespace of its own, with no interface up).",
+    )
     audit_ttl_s: int = Field(
         600,
         ge=0,
@@ -108,16 +146,24 @@ class CoordinatorSettings(CommonSettings):
         20, ge=1, le=1_000_000, description="Reads one client may make at once above its rate."
     )
 
-    @field_validator("reward_modules", mode="before")
+    @field_validator("reward_modules", "environment_modules", mode="before")
     @classmethod
-    def _split_modules(cls, value: object) -> object:
+    def _split_modules(cls, value: object, info: ValidationInfo) -> object:
         if isinstance(value, str):
             value = [m.strip() for m in value.split(",") if m.strip()]
         if isinstance(value, list):
             for module in value:
                 if not isinstance(module, str) or not USER_REWARD.fullmatch(f"{module}:f"):
-                    raise ValueError("reward_modules: comma-separated module.path names")
+                    raise ValueError(f"{info.field_name}: comma-separated module.path names")
         return value
+
+    def environment_limits(self) -> EnvironmentLimits:
+        return EnvironmentLimits(
+            tuple(self.environment_modules),
+            self.environment_processes,
+            self.environment_memory_mb,
+            self.environment_network,
+        )
 
     def dataset_limits(self) -> DatasetLimits:
         return DatasetLimits(self.max_task_file_bytes, self.max_dataset_rows, self.max_prompt_chars)

@@ -25,7 +25,7 @@ class StepFollower(StepShard):
             await others.report_unfinished(self.shard, table.unfinished_count)
         # complete: its last deltas are applied and stored; later ones of it are dropped
         self.live.pop(table.step, None)
-        summary = ShardSummary.of(table, step.live.reward_errors)
+        summary = ShardSummary.of(table, step.live.reward_errors, step.live.episode_stats)
         await store.expire_soon(JOBS_TTL_S)
         await others.report_done(self.shard, summary)
         return StepDone(table.step, step.times(time.monotonic()), tuple(store.scratch_keys()))

@@ -21,6 +21,7 @@ from services.contracts.runspec import RunSpec
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.open_step import OpenStep, StepDone
 from services.coordinator.scheduling import CAP_TTL_S, StepScheduler, heartbeats
+from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardProcesses, ShardView
 from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_record import ShardSummary, adapt, record_rollout
@@ -45,6 +46,7 @@ class StepLeader(StepShard):
         reward_processes: int = 1,
         limits: DatasetLimits | None = None,
         shard_processes: ShardProcesses | None = None,
+        environments: EnvironmentLimits | None = None,
     ) -> None:
         """Shard 0 of the run; with more than one shard it runs the others
         (`shard_processes`)."""
@@ -58,6 +60,7 @@ class StepLeader(StepShard):
             reward_processes,
             limits,
             shard=0,
+            environments=environments,
         )
         self.shard_processes = shard_processes
         self.stall = StallWatch(r, run_id, stall_after_s, spec.faults.stall_timeout_s)
@@ -115,7 +118,7 @@ class StepLeader(StepShard):
         # complete: its last deltas are applied and stored; later ones of it are dropped
         self.live.pop(table.step, None)
         self.scheds.pop(table.step, None)
-        summary = ShardSummary.of(table, step.live.reward_errors)
+        summary = ShardSummary.of(table, step.live.reward_errors, step.live.episode_stats)
         await store.expire_soon(JOBS_TTL_S)
         await sched.finish()
         await self.stall.resume(table.step)

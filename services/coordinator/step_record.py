@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
+from services.core.episodes import EpisodeStats
 from services.core.request_table import Applied, RequestTable
 from services.core.seeding import (
     PoolSizer,
@@ -58,9 +59,21 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
     migrations: dict[str, int]
     groups_quarantined: int
     reward_errors: int  # reward calls that failed and scored 0
+    # multi-turn runs (`core.episodes`): tokens the model did not generate (in response_tokens),
+    # turns answered, episodes over, tool calls and their errors, environment calls that
+    # failed, environment time
+    observed_tokens: int = 0
+    turns: int = 0
+    episodes: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    environment_errors: int = 0
+    environment_s: float = 0.0
 
     @classmethod
-    def of(cls, table: RequestTable, reward_errors: int) -> "ShardSummary":
+    def of(
+        cls, table: RequestTable, reward_errors: int, episodes: EpisodeStats | None = None
+    ) -> "ShardSummary":
         trained = [
             r.reward
             for r in table.requests.values()
@@ -77,6 +90,8 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             migrations=dict(table.migrations),
             groups_quarantined=len(table.quarantined),
             reward_errors=reward_errors,
+            observed_tokens=sum(n for r in table.requests.values() for _, n in r.observed),
+            **(_episode_counts(episodes) if episodes is not None else {}),
         )
 
     @classmethod
@@ -96,11 +111,48 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             migrations=migrations,
             groups_quarantined=sum(p.groups_quarantined for p in parts),
             reward_errors=sum(p.reward_errors for p in parts),
+            **{name: sum(getattr(p, name) for p in parts) for name in EPISODE_COUNTS},
         )
 
     @property
     def mean_reward(self) -> float:
         return self.reward_sum / max(1, self.trained)
+
+
+EPISODE_COUNTS = (
+    "observed_tokens",
+    "turns",
+    "episodes",
+    "tool_calls",
+    "tool_errors",
+    "environment_errors",
+    "environment_s",
+)
+
+
+def _episode_counts(stats: EpisodeStats) -> dict:
+    return {
+        "turns": stats.turns,
+        "episodes": stats.episodes,
+        "tool_calls": stats.tool_calls,
+        "tool_errors": stats.tool_errors,
+        "environment_errors": stats.errors,
+        "environment_s": stats.seconds,
+    }
+
+
+def episode_fields(summary: ShardSummary) -> dict:
+    """A multi-turn step's fields of its metrics row (none for a single-turn step)."""
+    if not summary.episodes:
+        return {}
+    return {
+        "turns_mean": summary.turns / summary.episodes,
+        "tool_calls": summary.tool_calls,
+        "tool_errors": summary.tool_errors,
+        "environment_errors": summary.environment_errors,
+        "environment_s": summary.environment_s,
+        "observed_tokens": summary.observed_tokens,
+    }
 
 
 def rollout_row(
@@ -115,6 +167,7 @@ def rollout_row(
     """The rollout fields of a step's metrics row."""
     rollout_s = times.rollout_end - times.started
     tokens = summary.response_tokens
+    generated = tokens - summary.observed_tokens
     seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
     return StepRow(
         version=version,
@@ -122,11 +175,11 @@ def rollout_row(
         response_tokens=tokens,
         response_len_mean=tokens / max(1, summary.requests),
         rollout_s=rollout_s,
-        tokens_per_s=tokens / max(rollout_s, 1e-9),
+        tokens_per_s=generated / max(rollout_s, 1e-9),
         stale_deltas=summary.stale_deltas,
         tokens_received=summary.tokens_received,
         tokens_discarded=summary.tokens_discarded,
-        regenerated_tokens=summary.tokens_received - tokens,
+        regenerated_tokens=summary.tokens_received - generated,
         migrations=summary.migrations,
         t_seed_s=window,  # inf (no window) is stored as null
         seed_s=seed_end - times.started,
@@ -136,6 +189,7 @@ def rollout_row(
         reward_errors=summary.reward_errors,
         redis_mem_mib=round(redis_mem_mib, 1),
         stream_lengths=lengths,
+        **episode_fields(summary),
     )
 
 

@@ -30,13 +30,16 @@ from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from services.coordinator.delta_collector import DeltaCollector, LiveStep
+from services.coordinator.episode_shell import EpisodeShell, open_environment
 from services.coordinator.memory import MemoryGate
 from services.coordinator.open_step import OpenStep, StepDone, stop_token_ids
 from services.coordinator.reward_runner import open_runner
 from services.coordinator.scheduling import count_pools, heartbeats
+from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardView
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectRules
+from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.cancel import cancel_and_wait
@@ -75,8 +78,11 @@ class StepShard(abc.ABC):
         reward_processes: int = 1,
         limits: DatasetLimits | None = None,
         shard: int = 0,
+        environments: EnvironmentLimits | None = None,
     ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
+        self.environments = environments or EnvironmentLimits()
+        self.episodes: EpisodeShell | None = None  # a run with an environment
         self.shard, self.shards = shard, spec.rollout.coordinator_shards
         self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
         self.model_dir = Path(spec.model)
@@ -119,20 +125,34 @@ class StepShard(abc.ABC):
 
     # -- the steps --------------------------------------------------------------------------
 
-    def _load(self) -> tuple[Task, PromptEncoder]:
+    def _load(self, tools: list[dict] | None) -> tuple[Task, PromptEncoder]:
         """The run's task and prompt encoder (blocking: a dataset is read and checked)."""
         spec = self.spec
         # checked at submit too; the allow list may have changed since the run was queued
         RewardChoice.from_spec(spec).check_allowed(self.reward_modules)
         task = task_for_spec(spec, self.limits)
+        data = spec.data
         prompts = PromptEncoder(
-            self.model_dir, self.tokenizer, spec.data.chat_template, spec.data.system_prompt
+            self.model_dir, self.tokenizer, data.chat_template, data.system_prompt, tools
         )
         return task, prompts
 
     async def run(self) -> None:
         """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
-        self.task, self.prompts = await asyncio.to_thread(self._load)
+        env = await open_environment(self.spec, self.environments)
+        try:
+            tools = env.tools if env is not None else None
+            self.task, self.prompts = await asyncio.to_thread(self._load, tools)
+            if env is not None:
+                self.episodes = EpisodeShell(
+                    env, self.spec, self.prompts, self.tokenizer, self.stop_ids
+                )
+            await self._run_with_rewards()
+        finally:
+            if env is not None:
+                await env.close()
+
+    async def _run_with_rewards(self) -> None:
         rewards = await open_runner(
             self.task.reward_choice, self.spec.scoring.reward_timeout_s, self.reward_processes
         )
@@ -146,6 +166,7 @@ class StepShard(abc.ABC):
                 self.stop_ids,
                 rewards,
                 self.shard,
+                self.episodes,
             )
             async with contextlib.AsyncExitStack() as stack:
                 await self._enter(stack)
@@ -217,7 +238,10 @@ class StepShard(abc.ABC):
         """Queue the step (or restore it after a restart); it is live (its deltas are applied)
         from before its jobs are queued."""
         examples = self.task.examples(self.spec.seed, step, self.spec.training.prompts_per_step)
-        prompt_ids = await asyncio.to_thread(self.prompts.encode, [e.prompt for e in examples])
+        texts = [e.prompt for e in examples]
+        if self.episodes is not None:  # each episode's opening, from the environment
+            texts = await self.episodes.openings(examples)
+        prompt_ids = await asyncio.to_thread(self.prompts.encode, texts)
         table = self._table(step, prompt_ids)
         store = StepStore(self.r, self.run_id, step, self.shard)
         live = LiveStep(self._controller(table), store, examples)
@@ -238,6 +262,9 @@ class StepShard(abc.ABC):
             pools,
             opened.window,
         )
+        if self.episodes is not None:  # finished episodes hold their rewards
+            await self.collector.resume_turns(live)
+            return opened
         finished = [rid for rid, req in table.requests.items() if req.done]
         table.score(await self.collector.score(live, finished))
         return opened
@@ -258,19 +285,16 @@ class StepShard(abc.ABC):
         return False
 
     def _table(self, step: int, prompt_ids: list[list[int]]) -> RequestTable:
+        """The step's request table (of episodes, in a run with an environment)."""
         spec = self.spec
-        return RequestTable(
-            self.run_id,
-            step,
-            step,
-            prompt_ids,
-            spec.training.group_size,
-            spec.sampling,
-            spec.seed,
-            [] if spec.sampling.ignore_eos else self.stop_ids,
-            shard=self.shard,
-            shards=self.shards,
-        )
+        stops = [] if spec.sampling.ignore_eos else self.stop_ids
+        args = (self.run_id, step, step, prompt_ids, spec.training.group_size, spec.sampling)
+        if self.episodes is not None:
+            turns = self.episodes.max_turns
+            return EpisodeTable(
+                *args, spec.seed, stops, shard=self.shard, shards=self.shards, max_turns=turns
+            )
+        return RequestTable(*args, spec.seed, stops, shard=self.shard, shards=self.shards)
 
     def _controller(self, table: RequestTable) -> StepController:
         """The step's controller, with the run's rules for moving requests and for reads."""

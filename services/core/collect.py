@@ -56,6 +56,7 @@ class CollectOutcome:
     changed: set[str] = field(default_factory=set)  # requests whose stored state changed
     finished: list[str] = field(default_factory=list)  # responses complete now: to score
     turn_ended: list[str] = field(default_factory=list)  # multi-turn: for the environment
+    next_turns: list[Job] = field(default_factory=list)  # multi-turn: the jobs of next turns
     stale: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # worker -> to fence
     released: dict[str, list[Job]] = field(default_factory=dict)  # cause -> continuations
     poisoned: list[tuple[str, str]] = field(default_factory=list)  # (request, last worker)

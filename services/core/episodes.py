@@ -62,7 +62,23 @@ class Episode:
         r.observed = [(int(o), int(n)) for o, n in got["observed"]]
         r.awaiting = got["awaiting"]
         said = [(str(role), str(text)) for role, text in got["said"]]
-        return cls(int(got["turns"]), [float(x) for x in got["rewards"]], said)
+        episode = cls(int(got["turns"]), [float(x) for x in got["rewards"]], said)
+        if r.done:  # a finished episode's reward is its turns'
+            r.reward = sum(episode.rewards)
+        return episode
+
+
+@dataclass
+class EpisodeStats:
+    """A step's episodes so far, for its metrics row."""
+
+    turns: int = 0  # model turns answered
+    episodes: int = 0  # episodes over
+    tool_calls: int = 0
+    tool_errors: int = 0  # tool calls that failed, and markup that did not parse
+    errors: int = 0  # environment calls that failed (raised, timed out, crashed, bad)
+    seconds: float = 0.0  # environment time (calls in parallel count once)
+    by_error: dict[str, int] = field(default_factory=dict)
 
 
 class EpisodeTable(RequestTable):
@@ -75,6 +91,9 @@ class EpisodeTable(RequestTable):
             raise ValueError(f"max_turns must be at least 1, not {max_turns}")
         self.max_turns = max_turns
         self.episodes = {rid: Episode() for rid in self.requests}
+
+    def _restarted(self, rid: str) -> None:
+        self.episodes[rid] = Episode()  # without migration an episode starts over whole
 
     def _ended(self, r: RequestState, reason: FinishReason) -> Applied:
         r.awaiting = reason

@@ -54,6 +54,15 @@ class StepRow(msgspec.Struct, kw_only=True):
     reward_errors: int | None = None  # responses whose reward raised, timed out or was not a
     # finite number: each scored 0
     redis_mem_mib: float | None = None  # Redis used memory at the end of the rollout, MiB
+    # multi-turn runs (an environment): model turns per episode, tool calls and their errors,
+    # environment calls that failed (the episode ended), environment time, observation tokens
+    # (in response_tokens; tokens_per_s counts the generated ones)
+    turns_mean: float | None = None
+    tool_calls: int | None = None
+    tool_errors: int | None = None
+    environment_errors: int | None = None
+    environment_s: float | None = None
+    observed_tokens: int | None = None
     stream_lengths: dict[str, int] | None = None  # entries of the run's streams, by name
 
     # ---- seeding: the coordinator, once the version trained on the step is committed ----

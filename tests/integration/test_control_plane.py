@@ -5,11 +5,16 @@ down so that its supervisor restarts both; the run then ends exact."""
 
 import os
 import signal
+import time
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.contracts import keys
+from services.contracts.records import RunRecord
+from services.state import run_record
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
 
@@ -106,3 +111,25 @@ def test_a_data_plane_that_dies_takes_the_coordinator_down_and_the_run_resumes(
     deployment.restart("coordinator", kill=False)
     run = wait_final(client, deployment, run_id)
     assert run["state"] == "succeeded" and run["step"] == 4
+
+
+def test_a_stored_spec_that_no_longer_validates_hides_its_run_and_never_fails_a_read(
+    deployment,
+):
+    """A run stored by an older version whose spec the current rules refuse: the read model
+    leaves it out (and says so in the log) instead of dying on it."""
+    r = redis.Redis.from_url(deployment.redis_url)
+    record = RunRecord(id="r-old-rules", spec='{"model": ""}', state="succeeded", created_at=1.0)
+    with r.pipeline(transaction=True) as pipe:
+        run_record.stage_create(pipe, record)
+        pipe.zadd(keys.RUN_INDEX, {"r-old-rules": time.time()})
+        pipe.execute()
+    log = deployment.log_dir / "coordinator.log"
+    wait_until(lambda: "r-old-rules: its stored spec does not validate" in log.read_text(), "", 30)
+    with reader(deployment, "127.0.0.9") as one:
+        listed = one.get("/v1/runs")
+        assert listed.status_code == 200
+        assert "r-old-rules" not in listed.text
+        assert one.get("/healthz").status_code == 200
+    r.zrem(keys.RUN_INDEX, "r-old-rules")
+    r.close()

@@ -139,3 +139,26 @@ def test_a_read_of_deltas_names_the_turns_that_ended():
     )
     out = apply_batches(t, [flush], CollectRules())
     assert out.turn_ended == [RID] and out.finished == [] and out.changed == {RID, "1:0:1"}
+
+
+def test_the_trainer_gets_the_spans_the_model_did_not_generate():
+    t = table(group_size=1)
+    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    t.observe(RID, 0, Observation([50, 51], reward=0.0, done=False))
+    t.apply(delta(RID, 1, 4, [4, EOS], finished=True))
+    t.observe(RID, 1, Observation([], reward=1.0, done=True))
+    [response] = t.group_message(0).responses
+    assert response.token_ids == [3, EOS, 50, 51, 4, EOS] and response.observed == [(2, 2)]
+    assert response.reward == 1.0
+
+
+def test_without_migration_a_preempted_episode_starts_over_whole():
+    t = table()
+    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    t.observe(RID, 0, Observation([50], reward=0.0, done=False, text=" no", role="user"))
+    t.apply(delta(RID, 1, 3, [4]))
+    job = t.migrate(RID, "preemption", keep_tokens=False, lease=1)
+    assert job is not None and job.prefix_ids == [] and job.remaining_tokens == 16
+    r = t.requests[RID]
+    assert r.token_ids == [] and r.observed == [] and t.tokens_discarded == 3
+    assert t.episodes[RID].turns == 1 and t.episodes[RID].said == []

@@ -74,6 +74,7 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
         "services.state.timeline",
         "services.weights.transfer",
         "services.tasks.base",
+        "services.environments.runner",
     ):
         write(tmp_path, module)
     for name in COORDINATOR_LAYERS:

@@ -136,10 +136,12 @@ def test_every_field_is_in_exactly_one_section():
             *("seeding_wait_share", "seeding_backoff", "pool_headroom"),
         ),
         "faults": ("stall_timeout_s", "max_request_crashes", "on_poison"),
+        "episode": ("environment", "max_turns", "tool_format", "environment_timeout_s"),
     }
     assert wanted == SECTIONS
     every = [field for fields in SECTIONS.values() for field in fields]
-    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3
+    # the 57 fields of the flat spec but name, model and seed; the 4 of multi-turn episodes
+    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4
     assert set(FLAT_FIELDS) == {"name", "model", "seed", *every}
     assert place_of("top_p") == ("sampling", "top_p") and place_of("model") == ("model",)
     assert RunSpec.model_json_schema()["additionalProperties"] is False

@@ -4,7 +4,8 @@ states of a run, the checks of the files a spec names. Everything is imported fr
 
 - `spec`: `RunSpec`, the table of its sections (`SECTIONS`, `SECTION_OF`, `FLAT_FIELDS`), the
   flat form's mapping, `EMBEDDED_DEFAULTS`;
-- `data`, `training`, `rollout`: the sections (`sampling` is `contracts.sampling.SamplingParams`);
+- `data`, `training`, `rollout`, `episode`: the sections (`sampling` is
+  `contracts.sampling.SamplingParams`);
 - `task_files`: the model folder and task file checks, prompt templates;
 - `states`: `RunState`, `FINAL_STATES`, `LIVE_STATES`.
 """
@@ -14,6 +15,12 @@ from services.contracts.runspec.data import (
     USER_REWARD,
     DataSection,
     ScoringSection,
+)
+from services.contracts.runspec.episode import (
+    BUILTIN_ENVIRONMENTS,
+    USER_ENVIRONMENT,
+    EpisodeSection,
+    ToolFormat,
 )
 from services.contracts.runspec.rollout import FaultsSection, RolloutSection
 from services.contracts.runspec.spec import (
@@ -40,6 +47,7 @@ from services.contracts.runspec.training import LossSection, OptimizerSection, T
 from services.contracts.sampling import SamplingParams
 
 __all__ = [
+    "BUILTIN_ENVIRONMENTS",
     "BUILTIN_REWARDS",
     "DATASET_FIELDS",
     "EMBEDDED_DEFAULTS",
@@ -51,8 +59,10 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "SECTIONS",
     "SECTION_OF",
+    "USER_ENVIRONMENT",
     "USER_REWARD",
     "DataSection",
+    "EpisodeSection",
     "FaultsSection",
     "LossSection",
     "ModelFolderError",
@@ -63,6 +73,7 @@ __all__ = [
     "SamplingParams",
     "ScoringSection",
     "TaskFileError",
+    "ToolFormat",
     "TrainingSection",
     "check_text_file",
     "place_of",

@@ -20,6 +20,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from pydantic.fields import FieldInfo
 
 from services.contracts.runspec.data import DataSection, ScoringSection
+from services.contracts.runspec.episode import EpisodeSection
 from services.contracts.runspec.rollout import FaultsSection, RolloutSection
 from services.contracts.runspec.task_files import (
     MAX_PATH_CHARS,
@@ -77,6 +78,10 @@ class RunSpec(BaseModel):
     faults: FaultsSection = Field(
         default_factory=FaultsSection, description="Stalled runs and poison requests."
     )
+    episode: EpisodeSection = Field(
+        default_factory=EpisodeSection,
+        description="Multi-turn episodes with an environment (none: single-turn responses).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +133,15 @@ class RunSpec(BaseModel):
             raise ValueError("scoring.answer_regex is only used by scoring.reward regex_match")
         if self.data.system_prompt is not None and not self.data.chat_template:
             raise ValueError("data.system_prompt is only used with data.chat_template")
+        if self.episode.environment is not None:
+            defaults = ScoringSection().model_dump()
+            given = self.scoring.model_dump()
+            changed = [k for k in given if k != "reward_timeout_s" and given[k] != defaults[k]]
+            if changed:
+                raise ValueError(
+                    f"scoring.{changed[0]} is not used with episode.environment: the "
+                    "environment rewards each turn"
+                )
         return self
 
     def flat(self) -> dict[str, Any]:

@@ -200,10 +200,23 @@ function renderSummary(run, rows, tl) {
   );
   $("s-migr").textContent = String(migrated);
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
+  renderEpisodes(rows);
   const mem = tl.pool.filter((s) => s.redis_mem_mib !== undefined).pop();
   $("s-redis").textContent = mem
     ? `${fmt(mem.redis_mem_mib, 0)}${mem.redis_limit_mib > 0 ? ` / ${fmt(mem.redis_limit_mib, 0)}` : ""}`
     : "–";
+}
+
+// a multi-turn run (an environment): the last step's turns per episode, the run's tool calls
+// and environment time; hidden for a single-turn run
+function renderEpisodes(rows) {
+  const episodic = rows.filter((r) => r.turns_mean !== undefined && r.turns_mean !== null);
+  $("c-episodes").hidden = episodic.length === 0;
+  if (!episodic.length) return;
+  const last = episodic[episodic.length - 1];
+  const calls = episodic.reduce((n, r) => n + (r.tool_calls || 0), 0);
+  const envS = episodic.reduce((n, r) => n + (r.environment_s || 0), 0);
+  $("s-episodes").textContent = `${fmt(last.turns_mean, 2)} / ${calls} / ${fmt(envS, 1)} s`;
 }
 
 // why a run cannot progress (stalled) or why it failed, in words
