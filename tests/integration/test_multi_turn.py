@@ -184,3 +184,15 @@ def test_a_coordinator_killed_mid_step_resumes_the_episodes(
     )
     deployment.restart("coordinator", kill=True)
     check_exact(deployment, client, run_id, body, tokenizer)
+
+
+def test_asynchronous_multi_turn_steps_end_exact_within_their_staleness(
+    deployment, client, tiny_model, tokenizer
+):
+    """Asynchronous RL (max_staleness 1): the episodes of step s + 1 go on while step s trains;
+    each token within the bound, every step exact."""
+    body = episode_spec(tiny_model, steps=3, max_staleness=1)
+    run_id = client.submit(body)
+    check_exact(deployment, client, run_id, body, tokenizer)
+    audit = audit_run(deployment.redis_url, run_id, RunSpec.model_validate(body))
+    assert audit["max_staleness"] is not None and audit["max_staleness"] <= 1, audit
