@@ -134,7 +134,8 @@ class EpisodeTable(RequestTable):
             r.reward = sum(episode.rewards)
             self._finished(r)
             return None
-        r.observed.append((len(r.token_ids), len(answer.token_ids)))
+        if answer.token_ids:  # an empty observation: the next turn follows at once
+            r.observed.append((len(r.token_ids), len(answer.token_ids)))
         r.token_ids.extend(answer.token_ids)
         r.logprobs.extend([0.0] * len(answer.token_ids))
         r.awaiting = None

@@ -162,3 +162,10 @@ def test_without_migration_a_preempted_episode_starts_over_whole():
     r = t.requests[RID]
     assert r.token_ids == [] and r.observed == [] and t.tokens_discarded == 3
     assert t.episodes[RID].turns == 1 and t.episodes[RID].said == []
+
+
+def test_an_empty_observation_adds_no_span():
+    t = table()
+    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    job = t.observe(RID, 0, Observation([], reward=0.0, done=False))
+    assert job is not None and job.prefix_ids == [3, EOS] and t.requests[RID].observed == []
