@@ -42,6 +42,9 @@ class Episode:
     turns: int = 1  # model turns begun
     rewards: list[float] = field(default_factory=list)  # each judged turn's contribution
     said: list[tuple[str, str]] = field(default_factory=list)  # each answer's (role, text)
+    # where each model turn begins and ends in the response's tokens (an ended turn has both)
+    starts: list[int] = field(default_factory=lambda: [0])
+    ends: list[int] = field(default_factory=list)
 
     def to_json(self, r: RequestState) -> str:
         """The episode and its request's multi-turn state, as the step's store keeps them."""
@@ -50,6 +53,8 @@ class Episode:
                 "turns": self.turns,
                 "rewards": self.rewards,
                 "said": self.said,
+                "starts": self.starts,
+                "ends": self.ends,
                 "observed": r.observed,
                 "awaiting": r.awaiting,
             }
@@ -62,7 +67,13 @@ class Episode:
         r.observed = [(int(o), int(n)) for o, n in got["observed"]]
         r.awaiting = got["awaiting"]
         said = [(str(role), str(text)) for role, text in got["said"]]
-        episode = cls(int(got["turns"]), [float(x) for x in got["rewards"]], said)
+        episode = cls(
+            int(got["turns"]),
+            [float(x) for x in got["rewards"]],
+            said,
+            [int(x) for x in got["starts"]],
+            [int(x) for x in got["ends"]],
+        )
         if r.done:  # a finished episode's reward is its turns'
             r.reward = sum(episode.rewards)
         return episode
@@ -97,6 +108,7 @@ class EpisodeTable(RequestTable):
 
     def _ended(self, r: RequestState, reason: FinishReason) -> Applied:
         r.awaiting = reason
+        self.episodes[r.request_id].ends.append(len(r.token_ids))
         return Applied.TURN_ENDED
 
     def awaiting(self) -> list[str]:
@@ -109,14 +121,10 @@ class EpisodeTable(RequestTable):
         ]
 
     def turns(self, rid: str) -> list[list[int]]:
-        """The tokens of each model turn of `rid`, in order (the spans between observations)."""
-        r = self.requests[rid]
-        out, at = [], 0
-        for offset, length in r.observed:
-            out.append(r.token_ids[at:offset])
-            at = offset + length
-        out.append(r.token_ids[at:])
-        return out
+        """The tokens of each model turn of `rid`, in order (the last one as far as it got)."""
+        tokens, episode = self.requests[rid].token_ids, self.episodes[rid]
+        ends = [*episode.ends, len(tokens)][: len(episode.starts)]
+        return [tokens[start:end] for start, end in zip(episode.starts, ends, strict=True)]
 
     def observe(self, rid: str, lease: int, answer: Observation) -> Job | None:
         """The environment answered the last turn of `rid` (under `lease`): the job of its next
@@ -141,6 +149,7 @@ class EpisodeTable(RequestTable):
         r.awaiting = None
         r.lease += 1
         episode.turns += 1
+        episode.starts.append(len(r.token_ids))
         return self.job(rid)
 
     def generated_tokens(self, rid: str) -> int:

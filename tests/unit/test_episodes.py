@@ -169,3 +169,5 @@ def test_an_empty_observation_adds_no_span():
     t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
     job = t.observe(RID, 0, Observation([], reward=0.0, done=False))
     assert job is not None and job.prefix_ids == [3, EOS] and t.requests[RID].observed == []
+    t.apply(delta(RID, 1, 2, [4, EOS], finished=True))
+    assert t.turns(RID) == [[3, EOS], [4, EOS]]  # two turns all the same
