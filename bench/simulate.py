@@ -5,12 +5,19 @@ pool, with ablations. docs/simulation.md explains the models and the results.
     .venv/bin/python bench/simulate.py --trace ../shared/traces/FILE.csv
         [--hours H] [--start-hours S] [--max-spot N] [--scenario paper-14b|artifact-8b]
         [--notice-s S] [--profile FILE.json] [--seed K] [--plot OUT.png]
+        [--turns T] [--env-latency-s S] [--observation-tokens N] [--turn-tokens N]
 
 Prints a table, then as its LAST line a JSON object: `systems` (name -> throughput_tok_s,
 tokens_per_dollar, mean_step_s, idle fractions, token accounting, ...),
 `hybrid_vs_reserved_throughput`, `hybrid_vs_reserved_cost_efficiency`, `seeding_gain`,
 `async_k1_vs_hybrid_throughput`, `async_k2_vs_hybrid_throughput` (hybrid-async-k1/k2, bounded-
-staleness asynchronous RL, against the synchronous hybrid), ...
+staleness asynchronous RL, against the synchronous hybrid), ... With `--turns` T > 1 every
+response is a multi-turn episode of T model turns (the environment answers each after
+`--env-latency-s` on average and appends `--observation-tokens` between turns; a turn's median
+is `--turn-tokens`, by default the single-turn median split among the turns); the JSON then
+also has `turns`, `env_latency_s`, `observation_tokens`, `turn_median_tokens`, and each
+system's episode figures (`env_answers`, `episodes`, `turns_per_episode`, `turns_discarded`,
+`mean_env_s`).
 """
 
 import argparse
@@ -38,10 +45,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, help="measured engine profile (JSON) for spot engines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="write the throughput-over-time PNG here")
+    p.add_argument("--turns", type=int, default=1, help="model turns per episode (1: single)")
+    p.add_argument(
+        "--env-latency-s", type=float, default=2.0, help="mean seconds an environment answer takes"
+    )
+    p.add_argument(
+        "--observation-tokens", type=int, default=256, help="tokens appended between two turns"
+    )
+    p.add_argument(
+        "--turn-tokens", type=float, default=None, help="a turn's median tokens (default: split)"
+    )
     args = p.parse_args(argv)
     if args.hours <= 0 or args.max_spot < 0 or args.start_hours < 0:
         p.error("--hours must be > 0, --max-spot and --start-hours >= 0")
+    if args.turns < 1 or args.env_latency_s < 0 or args.observation_tokens < 0:
+        p.error("--turns must be >= 1, --env-latency-s and --observation-tokens >= 0")
+    if args.turn_tokens is not None and args.turn_tokens < 1:
+        p.error("--turn-tokens must be >= 1")
     return args
+
+
+def multi_turn(args: argparse.Namespace) -> dict:
+    """The workload's multi-turn options (none for a single-turn run: it is as it was)."""
+    if args.turns == 1:
+        return {}
+    return {
+        "turns": args.turns,
+        "env_latency_s": args.env_latency_s,
+        "observation_tokens": args.observation_tokens,
+        "turn_median_tokens": args.turn_tokens,
+    }
 
 
 def print_table(result: dict) -> None:
@@ -73,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario = replace(scenario, cloud=replace(scenario.cloud, notice_s=args.notice_s))
     if args.profile:
         scenario = replace(scenario, spot_engine=EngineProfile.load(args.profile))
+    scenario = scenario.with_workload(**multi_turn(args))
     targets = worker_targets(trace, 1.0, args.max_spot, args.hours, args.start_hours * 3600)
     began = time.monotonic()
     comparison = compare(scenario, targets, args.hours * 3600, args.seed)
@@ -83,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "start_hours": args.start_hours,
         "max_spot": args.max_spot,
         "seed": args.seed,
+        **multi_turn(args),
         "wall_s": round(time.monotonic() - began, 1),
     }
     print_table(result)

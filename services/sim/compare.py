@@ -32,7 +32,7 @@ def summarize(sim: Simulation) -> dict:
     cost = reserved_cost + pool_cost
     seeded = [r.t_seed_s for r in records if not math.isinf(r.t_seed_s)]
     n_prem = [r.n_prem_recommended for r in records if r.spot_instances and r.n_prem_recommended]
-    return {
+    out = {
         "steps": len(records),
         "hours": end_s / 3600,
         "throughput_tok_s": totals.trained / end_s if end_s else 0.0,
@@ -57,6 +57,22 @@ def summarize(sim: Simulation) -> dict:
         "stall_s": totals.stall_s,
         "recalls": totals.recalls,
         "scaled_in": totals.scaled_in,
+    }
+    if sim.sc.workload.turns > 1:
+        out |= episode_figures(sim)
+    return out
+
+
+def episode_figures(sim: Simulation) -> dict:
+    """A multi-turn run's episodes: turns the environment answered, episodes over, whole turns
+    thrown away by restarts (migration off), the mean seconds a turn waited for an answer."""
+    totals = sim.totals
+    return {
+        "env_answers": totals.env_answers,
+        "episodes": totals.episodes,
+        "turns_per_episode": totals.env_answers / totals.episodes if totals.episodes else None,
+        "turns_discarded": totals.turns_discarded,
+        "mean_env_s": totals.env_s / totals.env_answers if totals.env_answers else None,
     }
 
 

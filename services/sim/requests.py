@@ -3,7 +3,7 @@
 (`balancer.releases`, through the step controller's `balance`), and every flush (a release, a
 finished request, what a dying instance flushed) applied by the coordinator's own step
 controller (`update_from_deltas`) to the step's `RequestTable`, whose completed groups go to
-the trainer (steps.py).
+the trainer (steps.py); a multi-turn episode's ended turns go to the environment (turns.py).
 """
 
 from typing import TYPE_CHECKING, TypeVar
@@ -41,6 +41,7 @@ class RequestFlow:
 
         def at(self, t: float, kind: str, payload: object = None) -> None: ...
         def group_done(self, st: StepState, prompt: int) -> None: ...
+        def turns_ended(self, st: StepState, rids: list[str]) -> None: ...
 
     def step_of(self, rid: str) -> StepState:
         """The step in flight that request `rid` belongs to."""
@@ -118,7 +119,7 @@ class RequestFlow:
         st = self.step_of(job.request_id)
         assert inst.version is not None and inst.version >= st.step - self.system.max_staleness
         self.max_lag = max(self.max_lag, st.step - inst.version)
-        tokens = st.lengths[job.request_id] - len(job.prefix_ids)
+        tokens = st.stop_at(job.request_id) - len(job.prefix_ids)
         context = len(job.prompt_ids) + len(job.prefix_ids)
         inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
 
@@ -179,7 +180,7 @@ class RequestFlow:
         """What a worker flushes for one request (token values do not matter here)."""
         reason: FinishReason | None = None
         if finished:
-            full = st.lengths[rid] >= self.sc.workload.max_response_tokens
+            full = offset + tokens >= self.sc.workload.max_response_tokens
             reason = "length" if full else "stop"
         return DeltaItem(
             request_id=rid,
@@ -199,6 +200,8 @@ class RequestFlow:
         outcome = st.control.update_from_deltas([batch])
         self.totals.discarded += st.table.tokens_discarded - before
         self.queue_continuations(st, outcome.released)
+        if outcome.turn_ended:  # multi-turn: for the environment (turns.py)
+            self.turns_ended(st, outcome.turn_ended)
         groups = st.table.completed_groups(outcome.finished)
         st.table.mark_published(groups)
         for prompt in groups:

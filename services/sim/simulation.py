@@ -15,8 +15,13 @@ is queued once version s - k is committed, an instance holding version v reads t
 steps s with v >= s - k (oldest step first), and a committed version is pulled in the background
 while the instance keeps generating (no drain). k = 0 is the synchronous protocol above.
 
+A multi-turn workload (`ResponseLengthModel.turns` > 1) runs episodes: a turn's end waits for
+the environment's answer (an event after its latency), then the next turn is queued like a
+continuation (turns.py, over the coordinator's `EpisodeTable`).
+
 This module holds the event loop and the reserved node's recall; the instances' events are in
-instances.py, the requests' in requests.py, the steps' in steps.py (each a mixin of `Simulation`).
+instances.py, the requests' in requests.py, the steps' in steps.py, the turns' in turns.py (each
+a mixin of `Simulation`).
 """
 
 import heapq
@@ -34,11 +39,12 @@ from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.steps import StepProtocol
 from services.sim.systems import SystemSpec
+from services.sim.turns import TurnFlow
 
 QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
 
 
-class Simulation(StepProtocol, InstanceLifecycle, RequestFlow):
+class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
     def __init__(
         self,
         scenario: Scenario,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.contracts.messages import Job, Pool
+from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.sim.engine import SimEngine
@@ -69,10 +70,24 @@ class StepState:
     train_wait_s: float = 0.0
     idle_since_s: float | None = None
     optimize_waiting: bool = False  # all trained; the optimizer waits for the last commit
+    # multi-turn (physics, as `lengths`): request -> the tokens each turn generates, and the
+    # seconds the environment takes to answer each turn
+    turn_tokens: dict[str, list[int]] = field(default_factory=dict)
+    env_latency_s: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def table(self) -> RequestTable:
         return self.control.table
+
+    def stop_at(self, rid: str) -> int:
+        """The response offset at which the job of `rid` that starts now stops (physics): the
+        response's length, or the end of the episode's current turn."""
+        turns = self.turn_tokens.get(rid)
+        if turns is None:
+            return self.lengths[rid]
+        assert isinstance(self.table, EpisodeTable)
+        episode = self.table.episodes[rid]
+        return episode.starts[-1] + turns[episode.turns - 1]
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,10 @@ class Totals:
     pulls: int = 0  # weight pulls started (at a boot, a step's start, a background swap)
     pull_s: float = 0.0  # their durations, as the transfer model timed them at the start
     max_pull_s: float = 0.0
+    env_answers: int = 0  # multi-turn: turns the environment answered
+    episodes: int = 0  # multi-turn: episodes over
+    env_s: float = 0.0  # multi-turn: seconds turns waited for the environment, summed
+    turns_discarded: int = 0  # multi-turn: whole turns thrown away by restarts (migration off)
 
     @property
     def lost(self) -> int:

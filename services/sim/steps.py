@@ -18,9 +18,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.contracts.messages import ReleaseReason
-from services.contracts.sampling import SamplingParams
 from services.core.collect import CollectRules
-from services.core.request_table import RequestTable, request_id
+from services.core.request_table import request_id
 from services.core.seeding import (
     PoolSizer,
     SeedingController,
@@ -33,6 +32,7 @@ from services.core.step_controller import StepController
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
+from services.sim.turns import step_table, turn_physics
 
 
 class StepProtocol:
@@ -85,16 +85,7 @@ class StepProtocol:
     def start_step(self, step: int) -> None:
         sc = self.sc
         work = sc.workload.step(self.seed, step)
-        table = RequestTable(
-            run_id="sim",
-            step=step,
-            version=step,
-            prompts=[[0] * n for n in work.prompt_tokens],
-            group_size=sc.workload.group_size,
-            sampling=SamplingParams(max_new_tokens=sc.workload.max_response_tokens),
-            seed=self.seed,
-            stop_token_ids=[],
-        )
+        table = step_table(sc.workload, step, work.prompt_tokens, self.seed, self.totals)
         lengths = {
             request_id(step, p, s): n
             for p, group in enumerate(work.response_tokens)
@@ -114,6 +105,7 @@ class StepProtocol:
             window,
             n_pre,
         )
+        st.turn_tokens, st.env_latency_s = turn_physics(step, work)
         self.inflight[step] = st
         if self.cur is None or self.cur.step not in self.inflight:
             self.cur = st
@@ -216,10 +208,10 @@ class StepProtocol:
             st.idle_since_s = None
         prompt = st.ready_groups.popleft()
         group = st.table.group(prompt)
-        tokens = sum(len(r.token_ids) for r in group)
+        tokens = sum(len(r.token_ids) for r in group)  # observations are context: trained over
         prompts = len(group) * st.prompt_tokens[prompt]
         seconds = (tokens + prompts) / self.trainer_tokens_per_s()
-        st.trained_tokens += tokens
+        st.trained_tokens += tokens - sum(n for r in group for _, n in r.observed)
         st.trained_prompt_tokens += prompts
         st.train_s += seconds
         st.training = True
