@@ -591,6 +591,7 @@ async def collect_only(
                         DeltaItem(
                             request_id=rid,
                             lease=0,
+                            grant=table.requests[rid].grant,  # as its holder sends it
                             offset=n * per,
                             token_ids=plan.tokens[at : at + per],
                             logprobs=plan.logprobs[at : at + per],

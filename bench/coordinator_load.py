@@ -153,6 +153,7 @@ class Held:
     """A request this worker generates, under one lease."""
 
     lease: int
+    grant: str  # its job's: the deltas and the release echo it
     entry_id: bytes
     start: int  # its place in the token pool
     length: int  # its whole response's length
@@ -316,7 +317,9 @@ class SyntheticWorker:
         """Give back the `count` requests with the most tokens left, in the next flush."""
         order = sorted(self.held.items(), key=lambda kv: kv[1].length - kv[1].offset)
         for rid, held in order[::-1][:count]:
-            self.to_release.append((RequestLease(request_id=rid, lease=held.lease), reason))
+            self.to_release.append(
+                (RequestLease(request_id=rid, lease=held.lease, grant=held.grant), reason)
+            )
 
     async def _read_jobs(self) -> None:
         if self.jobs is None:
@@ -336,7 +339,9 @@ class SyntheticWorker:
                 plan = self.plan.tokens[start : start + offset]
                 if job.prefix_ids != plan:
                     self.counts.bad_prefix += 1
-            self.held[job.request_id] = Held(job.lease, entry_id, start, length, reason, offset)
+            self.held[job.request_id] = Held(
+                job.lease, job.grant, entry_id, start, length, reason, offset
+            )
             self.shards = job.shards
             self.counts.jobs += 1
         if read.parked:
@@ -358,6 +363,7 @@ class SyntheticWorker:
                 DeltaItem(
                     request_id=rid,
                     lease=h.lease,
+                    grant=h.grant,
                     offset=h.offset,
                     token_ids=tokens,
                     logprobs=plan.logprobs[at : at + n],

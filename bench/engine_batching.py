@@ -38,6 +38,7 @@ def main() -> None:
                     run_id="bench",
                     request_id=str(i),
                     lease=0,
+                    grant="bench",
                     version=0,
                     prompt_ids=prompt,
                     remaining_tokens=args.tokens,

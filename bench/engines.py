@@ -61,6 +61,7 @@ def jobs_for(prompts: list[list[int]], group_size: int, tokens: int) -> list:
             run_id="bench",
             request_id=f"{p}:{s}",
             lease=0,
+            grant="bench",
             version=0,
             prompt_ids=prompt,
             remaining_tokens=tokens,

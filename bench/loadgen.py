@@ -243,7 +243,7 @@ class LoadWorker(Supervised):
 
     def __init__(self, settings: RolloutSettings) -> None:
         super().__init__(settings.worker_id)
-        self.r = connect(settings.redis_url)
+        self.r = connect(settings.redis_url, ca_file=settings.tls_ca_file)
         self.worker = RolloutWorker(settings, self.r, engine=InstantEngine(settings.slots))
 
     def start(self) -> None:

@@ -88,6 +88,7 @@ def measure_engine(model: Path, prompt: list[int], tokens: int) -> tuple[dict[in
                 run_id="bench",
                 request_id=str(i),
                 lease=0,
+                grant="bench",
                 version=0,
                 prompt_ids=prompt,
                 remaining_tokens=tokens,

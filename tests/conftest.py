@@ -37,7 +37,7 @@ def require_vllm():
         pytest.skip(f"vllm not installed (make setup-vllm): {exc}")
 
 
-def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=()):
+def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(), grant="g"):
     """A token-level job for engine tests: continue `prompt + prefix` for `n` tokens."""
     from services.contracts.messages import Job
     from services.contracts.sampling import SamplingParams
@@ -46,6 +46,7 @@ def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(
         run_id="r",
         request_id=rid,
         lease=lease,
+        grant=grant,
         version=0,
         prompt_ids=list(prompt),
         prefix_ids=list(prefix),
@@ -54,6 +55,40 @@ def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(
         seed=seed,
         stop_token_ids=list(stop),
     )
+
+
+def granted(table, msg):
+    """`msg` (a DeltaItem or a RequestLease) as the worker that holds its request's lease in
+    `table` sends it: with that lease's grant. A message under another lease (or of a request
+    not in the table) is left as it is."""
+    r = table.requests.get(msg.request_id)
+    return msg.replace(grant=r.grant) if r is not None and r.lease == msg.lease else msg
+
+
+def granted_batch(table, batch):
+    """A DeltaBatch whose deltas and releases carry their leases' grants in `table`."""
+    return batch.replace(
+        items=[granted(table, i) for i in batch.items],
+        released=[granted(table, r) for r in batch.released],
+    )
+
+
+def apply(table, item, version=None):
+    """`table.apply` of a delta sent by the worker that holds its lease."""
+    return table.apply(granted(table, item), version)
+
+
+def apply_all(table, items, version=None):
+    """`table.apply_all` of deltas sent by the workers that hold their leases."""
+    return table.apply_all([granted(table, i) for i in items], version)
+
+
+def apply_held(table, batches, rules):
+    """`collect.apply_batches` of batches sent by the workers that hold their leases (as the
+    table's leases stand before the first)."""
+    from services.core.collect import apply_batches
+
+    return apply_batches(table, [granted_batch(table, b) for b in batches], rules)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,17 +6,23 @@ quarantine (one of its requests crashed too many workers) is counted on its own,
 It reads the trained ledger (services.state.ledger): one compact record per step written by the
 trainer, which outlives the groups themselves (deleted once their step is committed)."""
 
+from pathlib import Path
 from typing import cast
 
-import redis
-
+from services.cli.redis_client import open_redis
 from services.contracts import keys
 from services.contracts.runspec import RunSpec
 from services.state.ledger import bitmap_members, read_records
 
 
-def audit_run(redis_url: str, run_id: str, spec: RunSpec, steps: int | None = None) -> dict:
-    r = redis.Redis.from_url(redis_url)
+def audit_run(
+    redis_url: str,
+    run_id: str,
+    spec: RunSpec,
+    steps: int | None = None,
+    ca_file: Path | None = None,
+) -> dict:
+    r = open_redis(redis_url, ca_file)
     try:
         records = read_records(cast(dict[bytes, bytes], r.hgetall(keys.run_trained(run_id))))
     finally:

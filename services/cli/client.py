@@ -1,10 +1,14 @@
 """A small synchronous client of the coordinator API, for the CLI and the tests."""
 
+import os
 import time
+from pathlib import Path
 
 import httpx
 
 from services.infra.service import auth_headers
+from services.infra.settings import CommonSettings, env_name
+from services.infra.tls import ca_verify
 
 RETRIES_503 = 5
 RETRIES_429 = 20  # a read over this client's rate waits its Retry-After, at most this often
@@ -15,9 +19,21 @@ class CoordinatorError(RuntimeError):
 
 
 class CoordinatorClient:
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        ca_file: Path | str | None = None,
+    ) -> None:
+        """An https:// coordinator is verified against `ca_file`, else the CA that
+        SPOTRL_TLS_CA_FILE names (as the CLI reads SPOTRL_API_TOKEN), else the system's."""
+        ca_file = ca_file or os.environ.get(env_name(CommonSettings, "tls_ca_file"))
         self.http = httpx.Client(
-            base_url=url.rstrip("/"), headers=auth_headers(token), timeout=timeout_s
+            base_url=url.rstrip("/"),
+            headers=auth_headers(token),
+            timeout=timeout_s,
+            verify=ca_verify(ca_file),
         )
 
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response:

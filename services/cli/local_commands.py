@@ -62,6 +62,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             api_token=os.environ.get(TOKEN_VARIABLE) or None,
             port=args.port,
             worker_env=worker_env,
+            secure=not args.open,
+            tls=args.tls,
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))

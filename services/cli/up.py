@@ -114,6 +114,8 @@ def up(
     api_token: str | None = None,
     port: int | None = None,
     worker_env: dict[str, str] | None = None,
+    secure: bool = True,
+    tls: bool = False,
 ) -> dict:
     """Run `spec` on a local deployment (its model folder is built first when missing); the
     summary that `spotrl up` prints."""
@@ -133,12 +135,14 @@ def up(
         engine=engine,
         extra_env=chaos.worker_env() if chaos else {},
         worker_env=worker_env or {},
+        secure=secure,
+        tls=tls,
     )
     config = sized_for(config, spec, os.cpu_count() or 1)
     deployment = LocalDeployment(config)
     console.print(f"starting services (logs in {run_dir / 'logs'})", soft_wrap=True)
     try:
-        summary, supervisor = drive(deployment, spec, chaos, targets, api_token, run_dir, started)
+        summary, supervisor = drive(deployment, spec, chaos, targets, run_dir, started)
     finally:
         console.print("stopping services")
         deployment.stop()
@@ -154,7 +158,6 @@ def drive(
     spec: RunSpec,
     chaos: ChaosOptions | None,
     targets: list[tuple[float, int]],
-    api_token: str | None,
     run_dir: Path,
     started: float,
 ) -> tuple[dict, WorkerSupervisor | None]:
@@ -166,8 +169,13 @@ def drive(
     supervisor = None
     try:
         deployment.start(on_ready=announce)
+        if deployment.credentials is not None:
+            token_file = deployment.work_dir / "admin-token"
+            console.print(f"admin token (SPOTRL_API_TOKEN for the CLI): {token_file}")
         supervisor = watch_workers(deployment, chaos)
-        client = CoordinatorClient(deployment.coordinator_url, api_token)
+        client = CoordinatorClient(
+            deployment.coordinator_url, deployment.admin_token, ca_file=deployment.ca_file
+        )
         run["id"] = client.submit(json.loads(spec.model_dump_json()))
         runner = start_chaos(deployment, chaos, targets, spec.seed, run)
         guard = StallGuard(spec.faults.stall_timeout_s)

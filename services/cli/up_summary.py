@@ -84,5 +84,7 @@ def finished_summary(
     summary["stall_reason"] = run.get("stall_reason") or ""
     summary["metrics_file"] = str(run_dir / "metrics.json")
     summary["plot"] = str(plot_run(rows, run_dir / "metrics.png", f"spotrl run {run['id']}"))
-    audit = audit_run(deployment.redis_url, run["id"], spec, steps=run["step"])
+    audit = audit_run(
+        deployment.reader_redis_url, run["id"], spec, steps=run["step"], ca_file=deployment.ca_file
+    )
     return summary | {"lost": audit["lost"], "duplicated": audit["duplicated"]}

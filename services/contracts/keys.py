@@ -25,6 +25,13 @@ def run_version(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:version"
 
 
+def run_staleness(run_id: str) -> str:
+    """String: the run's max_staleness (spec.rollout), written with the run: what a worker needs
+    of the spec to know which steps' jobs it may read (it may not read the spec itself, which
+    holds the prompts)."""
+    return f"{PREFIX}:run:{run_id}:staleness"
+
+
 def version_announced(run_id: str) -> str:
     """Stream of one entry: the trainer adds one as it announces a version (in the transaction
     that sets `run_version`), so a service waiting for a version blocks on it rather than
@@ -68,7 +75,8 @@ def step_meta(run_id: str, step: int, shard: int = 0) -> str:
 
 
 def step_requests(run_id: str, step: int, shard: int = 0) -> str:
-    """Hash: request id -> "lease|finish_reason" (a coordinator shard's durable request table)."""
+    """Hash: request id -> "lease|finish_reason|crashed|grant" (a coordinator shard's durable
+    request table)."""
     return f"{PREFIX}:run:{run_id}:step:{step}:requests{_shard(shard)}"
 
 
@@ -192,6 +200,9 @@ def parked_stream(run_id: str) -> str:
 
 # ---- workers (registered through the coordinator, heartbeat written by the worker) ----
 WORKER_INDEX = f"{PREFIX}:workers"  # set of worker ids ever registered
+# Hash: worker id -> the key (hex) its delta batches are signed with, given to it at
+# registration; the coordinator's alone (no other role's Redis user may read it).
+WORKER_KEYS = f"{PREFIX}:workers:keys"
 
 
 def worker(worker_id: str) -> str:
@@ -223,5 +234,21 @@ def worker_leaving(worker_id: str) -> str:
 
 # ---- consumer groups ----
 WORKERS_GROUP = "workers"  # on every jobs stream
+# A worker reads its jobs as consumer `worker_id`, or, where the coordinator mints workers'
+# users, as `worker_id#secret` (`jobs_consumer`): a name no other worker can guess, so none can
+# read (XREADGROUP from 0) the jobs pending under it, and learn their grants.
+CONSUMER_SECRET_MARK = "#"
+
+
+def jobs_consumer(worker_id: str, secret: str = "") -> str:
+    """The consumer name a worker reads its jobs as."""
+    return f"{worker_id}{CONSUMER_SECRET_MARK}{secret}" if secret else worker_id
+
+
+def consumer_worker(consumer: str) -> str:
+    """The worker reading as `consumer` (a worker id never holds the mark)."""
+    return consumer.split(CONSUMER_SECRET_MARK, 1)[0]
+
+
 COORDINATOR_GROUP = "coordinator"  # on the deltas stream
 TRAINER_GROUP = "trainer"  # on the groups stream

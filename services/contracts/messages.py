@@ -81,6 +81,10 @@ class Job(Message, frozen=True, kw_only=True):
     run_id: str
     request_id: str  # "{step}:{prompt_index}:{sample_index}"
     lease: NonNegative  # bumped on every migration; deltas with an older lease are dropped
+    # the lease's secret (hex, new for every lease, made by the coordinator's request table):
+    # only the worker that read this job knows it, and its deltas and release echo it; one
+    # that does not is refused (a worker cannot write tokens into a request it does not hold)
+    grant: str
     version: NonNegative  # weight version that must generate every token
     prompt_ids: list[int]
     prefix_ids: list[int] = []  # tokens already collected for this request (a continuation)
@@ -103,6 +107,7 @@ class DeltaItem(Message, frozen=True, kw_only=True):
 
     request_id: str
     lease: int
+    grant: str  # the job's (`Job.grant`): proves the worker holds the lease
     offset: NonNegative  # index in the response of token_ids[0]
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token under the sampling distribution
@@ -115,6 +120,9 @@ class RequestLease(Message, frozen=True, kw_only=True):
 
     request_id: str
     lease: int
+    # the job's (`Job.grant`) in a release, which is refused without it; "" in an order to a
+    # worker (the coordinator names a lease there, it proves nothing)
+    grant: str = ""
 
 
 class DeltaBatch(Message, frozen=True, kw_only=True):

@@ -27,7 +27,7 @@ from services.infra.http_limits import guard_input
 from services.infra.read_limit import ReadLimit
 from services.infra.redis_streams import connect
 from services.infra.retry import brief
-from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,11 @@ async def redis_down(request: Request, exc: Exception) -> JSONResponse:
 
 def build_app(settings: CoordinatorSettings) -> FastAPI:
     tasks = BackgroundTasks()
-    r = connect(settings.redis_url, retry_once=True)  # writes, now and then
+    # writes, now and then
+    r = connect(settings.redis_url, retry_once=True, ca_file=settings.tls_ca_file)
     store = RunStore(r, settings.audit_ttl_s)
-    reads = connect(settings.redis_url, fail_fast=True)  # a refresh knows at once Redis is gone
+    # a refresh knows at once Redis is gone
+    reads = connect(settings.redis_url, fail_fast=True, ca_file=settings.tls_ca_file)
     model = ReadModel(reads, settings.read_refresh_s)
     data_plane = DataPlaneProcess(settings)
     auth = auth_for(settings)
@@ -90,7 +92,8 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         version="1",
         lifespan=lifespan,
         description="Runs (submit, follow, cancel), rollout workers, and the dashboard at `/`. "
-        "Every write needs `Authorization: Bearer <SPOTRL_API_TOKEN>` when a token is set. "
+        "Every write needs `Authorization: Bearer <token>` of its scope when a token is set "
+        "(SPOTRL_API_TOKEN: admin, every route). "
         "Reads are limited per client (429 with Retry-After past the limit) and carry an ETag.",
     )
     add_health_and_metrics(
@@ -101,12 +104,12 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         auth=auth,
         exposition=exposition,
     )
-    guard_input(app, settings.api_token, settings.max_body_bytes)
+    guard_input(app, tokens_of(settings), settings.max_body_bytes)
     app.add_middleware(ReadLimit, buckets=CountedBuckets(settings, refused))  # outermost
 
     for error in (RedisConnectionError, RedisTimeoutError, OutOfMemoryError):
         app.add_exception_handler(error, redis_down)
     app.include_router(routes_runs.build_router(store, model, auth, settings))
-    app.include_router(routes_workers.build_router(r, model, auth))
+    app.include_router(routes_workers.build_router(r, model, auth, settings.worker_redis_users))
     dashboard.add_dashboard(app)
     return app

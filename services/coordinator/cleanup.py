@@ -59,6 +59,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.seed_done(run_id, WILD_NUMBER),
             keys.read_cap(run_id, WILD_NUMBER),
             keys.version_announced(run_id),
+            keys.run_staleness(run_id),
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
             keys.weight_holders(run_id, WILD_NUMBER),

@@ -42,10 +42,14 @@ def serve_metrics(port_fd: int | None) -> None:
 
 async def run(settings: CoordinatorSettings) -> None:
     """Schedule runs and observe the pool until SIGTERM."""
-    r = connect(settings.redis_url)
+    r = connect(settings.redis_url, ca_file=settings.tls_ca_file)
     store = RunStore(r, settings.audit_ttl_s)
     observer = Observer(
-        r, settings.observe_s, settings.redis_memory_limit_mb, settings.forget_workers_after_s
+        r,
+        settings.observe_s,
+        settings.redis_memory_limit_mb,
+        settings.forget_workers_after_s,
+        settings.worker_redis_users,
     )
     tasks = BackgroundTasks()
     tasks.start("scheduler", lambda: schedule_runs(store, settings))

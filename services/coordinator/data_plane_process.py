@@ -35,6 +35,8 @@ class DataPlaneProcess:
         self.metrics_url = ""
         self._metrics = b""
         self._metrics_at = -METRICS_CACHE_S
+        # plain HTTP even under TLS: the data plane serves its metrics on 127.0.0.1 only, to
+        # this process, on a port that never leaves the machine
         self._client = httpx.AsyncClient(timeout=2.0)
 
     async def start(self) -> None:

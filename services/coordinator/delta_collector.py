@@ -33,6 +33,7 @@ from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
 from services.coordinator.step_store import StepStore
+from services.coordinator.worker_keys import WorkerKeys
 from services.core.collect import CollectOutcome
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
@@ -52,6 +53,16 @@ log = logging.getLogger(__name__)
 DELTA_ITEMS = Counter("spotrl_coordinator_delta_items_total", "Delta items by outcome", ["outcome"])
 OUTCOMES = {a.value: DELTA_ITEMS.labels(a.value) for a in Applied}  # children looked up once
 TOKENS = Counter("spotrl_coordinator_tokens_total", "Response tokens collected")
+WRONG_GRANT = Counter(
+    "spotrl_coordinator_wrong_grant_total",
+    "Deltas and releases refused: the request's current lease without its grant (the sender "
+    "never read the job)",
+    ["kind"],
+)
+WRONG_GRANT_DELTAS, WRONG_GRANT_RELEASES = (
+    WRONG_GRANT.labels("delta"),
+    WRONG_GRANT.labels("release"),
+)
 GROUPS = Counter("spotrl_coordinator_groups_published_total", "Groups handed to the trainer")
 LAG_S = Histogram(
     "spotrl_coordinator_delta_lag_seconds",
@@ -114,10 +125,13 @@ class DeltaCollector:
         rewards: RewardRunner,
         shard: int = 0,
         episodes: EpisodeShell | None = None,
+        signatures: WorkerKeys | None = None,
     ) -> None:
         """Of the requests of coordinator shard `shard` (`contracts.shards`), read from its own
-        deltas stream."""
+        deltas stream. With `signatures` (`worker_redis_users` on), a batch not signed by the
+        worker it names is parked, never applied (`worker_keys.py`)."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
+        self.signatures = signatures
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards
         self.episodes = episodes  # a run with an environment: its turns are answered
         self.deltas = StreamConsumer(
@@ -180,6 +194,8 @@ class DeltaCollector:
             return
         with gc_paused():
             read = self.deltas.decode(entries)
+            if self.signatures is not None:  # a key read at most once: a short round trip
+                await self.signatures.screen(read)
             applied = self._apply(live, read.messages)
         await self._settle(applied, read)
 
@@ -265,8 +281,24 @@ class DeltaCollector:
         TOKENS.inc(outcome.tokens_appended)
         for applied, n in outcome.applied.items():
             OUTCOMES[applied].inc(n)
+        if outcome.forged:
+            self._say_forged(table, outcome)
         await fence(self.r, self.run_id, outcome.stale)
         into.changed.set()
+
+    def _say_forged(self, table: RequestTable, outcome: CollectOutcome) -> None:
+        """Count and log (one line per read) the deltas and releases refused for their grant."""
+        deltas = outcome.applied[Applied.WRONG_GRANT.value]
+        WRONG_GRANT_DELTAS.inc(deltas)
+        WRONG_GRANT_RELEASES.inc(outcome.forged_releases)
+        log.warning(
+            "run %s step %d: refused %d deltas and %d releases without their lease's grant (%s)",
+            self.run_id,
+            table.step,
+            deltas,
+            outcome.forged_releases,
+            ", ".join(f"{worker} {n}" for worker, n in outcome.forged.most_common(5)),
+        )
 
     def _stage_outcome(
         self,

@@ -24,6 +24,7 @@ from services.contracts.messages import (
     WorkerControl,
 )
 from services.coordinator.step_store import StepStore
+from services.coordinator.worker_keys import WorkerKeys
 from services.core.reclaim import Reclaim, expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
 from services.infra.redis_streams import text
@@ -46,7 +47,12 @@ async def count_migrations(r: aioredis.Redis, table: RequestTable, cause: str, n
 
 
 async def reclaim_dead_workers(
-    r: aioredis.Redis, stream: str, table: RequestTable, store: StepStore, migration: bool
+    r: aioredis.Redis,
+    stream: str,
+    table: RequestTable,
+    store: StepStore,
+    migration: bool,
+    signer: WorkerKeys | None = None,
 ) -> list[str]:
     """Migrate the requests held by readers of `stream` whose heartbeat expired; their names.
 
@@ -58,7 +64,7 @@ async def reclaim_dead_workers(
     for name in await expired_readers_of(r, stream):
         ids, jobs = await claim(r, stream, name)
         plan = plan_reclaim(table, name, jobs, migration, CLAIMER)
-        await write_reclaim(r, stream, table, store, ids, plan)
+        await write_reclaim(r, stream, table, store, ids, plan, signer)
         await count_migrations(r, table, "death", len(plan.moved))
         if not plan.dead:
             log.warning(
@@ -68,13 +74,14 @@ async def reclaim_dead_workers(
             )
             continue
         DEAD.inc()
-        dead.append(name)
+        worker = keys.consumer_worker(name)
+        dead.append(worker)
         await timeline.emit(
-            r, table.run_id, "worker_reclaimed", worker=name, jobs=len(ids), step=table.step
+            r, table.run_id, "worker_reclaimed", worker=worker, jobs=len(ids), step=table.step
         )
         log.warning(
             "worker %s missed its heartbeat: migrated %d of its %d jobs (%d by other shards)",
-            name,
+            worker,
             len(plan.moved),
             len(ids),
             plan.handed_count,
@@ -90,7 +97,7 @@ async def expired_readers_of(r: aioredis.Redis, stream: str) -> list[str]:
     holding = [name for name, n in pending.items() if n > 0]
     async with r.pipeline(transaction=False) as pipe:
         for name in holding:
-            pipe.exists(keys.worker_heartbeat(name))
+            pipe.exists(keys.worker_heartbeat(keys.consumer_worker(name)))
         beating = await pipe.execute()
     alive = {name for name, n in zip(holding, beating, strict=True) if n}
     return expired_readers(pending, alive)
@@ -126,16 +133,22 @@ async def write_reclaim(
     store: StepStore,
     ids: list[StreamIdT],
     plan: Reclaim,
+    signer: WorkerKeys | None = None,
 ) -> None:
     """The reclaim of one reader in one MULTI: the moved requests' new leases, their
-    continuation jobs, the releases handed to other shards, the acknowledgement of the claimed
-    entries and the dead reader's consumer deleted."""
+    continuation jobs, the releases handed to other shards (signed by `signer` where workers
+    sign their deltas), the acknowledgement of the claimed entries and the dead reader's
+    consumer deleted."""
+    handed = {
+        shard: await signer.entry(batch) if signer is not None else batch.fields()
+        for shard, batch in plan.handed.items()
+    }
     async with r.pipeline(transaction=True) as pipe:
         store.stage_requests(pipe, table, {job.request_id for job in plan.moved})
         for job in plan.moved:
             pipe.xadd(stream, job.fields())
-        for shard, released in plan.handed.items():
-            pipe.xadd(keys.deltas_stream(table.run_id, shard), released.fields())
+        for shard, fields in handed.items():
+            pipe.xadd(keys.deltas_stream(table.run_id, shard), fields)
         if ids:
             pipe.xack(stream, keys.WORKERS_GROUP, *ids)
         if plan.dead:

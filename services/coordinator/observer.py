@@ -143,8 +143,10 @@ class Observer:
         period_s: float,
         memory_limit_mb: int = 0,
         forget_workers_after_s: float = 3600.0,
+        drop_worker_users: bool = False,
     ) -> None:
         self.r, self.period_s = r, period_s
+        self.drop_worker_users = drop_worker_users  # the coordinator mints them
         self.tracker = RateTracker(window_s=max(5 * period_s, 5.0))
         self.memory = RedisMemory(r, memory_limit_mb)
         self.forget_after_s = forget_workers_after_s
@@ -170,7 +172,9 @@ class Observer:
         for queue, depth in depths.items():
             QUEUE_DEPTH.labels(queue).set(depth)
         memory = await self.memory.read()
-        forgotten = await forget_gone_workers(self.r, set(beats), time.time(), self.forget_after_s)
+        forgotten = await forget_gone_workers(
+            self.r, set(beats), time.time(), self.forget_after_s, self.drop_worker_users
+        )
         WORKERS_FORGOTTEN.inc(len(forgotten))
         if active is not None:
             lengths = await stream_lengths(self.r, run_streams(active, version))

@@ -17,6 +17,7 @@ from services.coordinator.shard_group import ShardProcesses
 from services.coordinator.step_follower import StepFollower
 from services.coordinator.step_leader import StepLeader
 from services.coordinator.step_shard import StepShard
+from services.coordinator.worker_keys import WorkerKeys
 
 
 class RunManager:
@@ -32,6 +33,15 @@ class RunManager:
     ) -> StepShard:
         """The manager of shard `shard` of the run as the coordinator's settings say: shard 0
         leads (and with several shards starts the others), another follows."""
+        manager = RunManager._built(r, run_id, spec, settings, shard)
+        if settings.worker_redis_users:  # workers sign their deltas
+            manager.worker_keys = WorkerKeys(r)
+        return manager
+
+    @staticmethod
+    def _built(
+        r: aioredis.Redis, run_id: str, spec: RunSpec, settings: CoordinatorSettings, shard: int
+    ) -> StepShard:
         if shard != 0:
             return StepFollower(
                 r,

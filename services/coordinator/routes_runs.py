@@ -101,9 +101,9 @@ def build_router(
     """The routes of /v1/runs. Reads answer from the read model (`model`), with an ETag; writes
     go to Redis and then refresh the run they wrote in the model."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
-    write, read = auth.write, auth.read
+    admin, read = auth.need("admin"), auth.need("read")
     dataset_loads = asyncio.Semaphore(1)  # a dataset check holds its rows in memory
-    read_one = {**auth.read_errors, **NOT_MODIFIED, **errors(404, 429, 503)}
+    read_one = {**read.responses, **NOT_MODIFIED, **errors(404, 429, 503)}
 
     def ready() -> None:
         if not model.fresh:
@@ -120,8 +120,8 @@ def build_router(
         "",
         status_code=201,
         response_model=RunCreated,
-        dependencies=write,
-        responses={**auth.write_errors, **errors(400, 413)},
+        dependencies=admin.dependencies,
+        responses={**admin.responses, **errors(400, 413)},
     )
     async def submit(spec: RunSpec) -> RunCreated:
         """Queue a run. Refused: a step over the coordinator's caps (422), a model folder or
@@ -145,8 +145,8 @@ def build_router(
     @router.get(
         "",
         response_model=list[RunPublic],
-        dependencies=read,
-        responses={**auth.read_errors, **NOT_MODIFIED, **errors(429, 503)},
+        dependencies=read.dependencies,
+        responses={**read.responses, **NOT_MODIFIED, **errors(429, 503)},
     )
     async def list_runs(
         request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100
@@ -155,20 +155,28 @@ def build_router(
         doc = model.run_list(limit)
         return revalidated(request, doc.body, doc.etag)
 
-    @router.get("/{run_id}", response_model=RunPublic, dependencies=read, responses=read_one)
+    @router.get(
+        "/{run_id}", response_model=RunPublic, dependencies=read.dependencies, responses=read_one
+    )
     async def get_run(request: Request, run_id: RunId) -> Response:
         doc = (await held(run_id)).public
         return revalidated(request, doc.body, doc.etag)
 
     @router.get(
-        "/{run_id}/metrics", response_model=RunMetrics, dependencies=read, responses=read_one
+        "/{run_id}/metrics",
+        response_model=RunMetrics,
+        dependencies=read.dependencies,
+        responses=read_one,
     )
     async def metrics(request: Request, run_id: RunId) -> Response:
         doc = (await held(run_id)).metrics
         return revalidated(request, doc.body, doc.etag)
 
     @router.get(
-        "/{run_id}/timeline", response_model=RunTimeline, dependencies=read, responses=read_one
+        "/{run_id}/timeline",
+        response_model=RunTimeline,
+        dependencies=read.dependencies,
+        responses=read_one,
     )
     async def run_timeline(
         run_id: RunId,
@@ -185,8 +193,8 @@ def build_router(
     @router.post(
         "/{run_id}/cancel",
         response_model=RunPublic,
-        dependencies=write,
-        responses={**auth.write_errors, **errors(404, 409)},
+        dependencies=admin.dependencies,
+        responses={**admin.responses, **errors(404, 409)},
     )
     async def cancel(run_id: RunId) -> Response:
         try:

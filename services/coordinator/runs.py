@@ -44,6 +44,7 @@ class RunStore:
         record = RunRecord(id=run_id, spec=spec.model_dump_json(), state="queued", created_at=now)
         async with self.r.pipeline(transaction=True) as pipe:
             run_record.stage_create(pipe, record)
+            pipe.set(keys.run_staleness(run_id), spec.rollout.max_staleness)
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
             await pipe.execute()

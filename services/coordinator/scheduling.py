@@ -17,6 +17,7 @@ from services.contracts import keys
 from services.contracts.messages import Heartbeat, MalformedMessage, WorkerControl
 from services.core.step_controller import Actions, StepController
 from services.infra.redis_streams import text
+from services.infra.redis_users import drop_worker_user
 from services.state import worker_record
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,12 @@ async def crash_reports(r: aioredis.Redis, worker_ids: list[str]) -> dict[str, d
 
 
 async def forget_gone_workers(
-    r: aioredis.Redis, alive: set[str], now: float, after_s: float
+    r: aioredis.Redis, alive: set[str], now: float, after_s: float, drop_users: bool = False
 ) -> list[str]:
     """Drop the workers gone (no heartbeat) for `after_s` from the worker index, with their
-    record, control stream and crash report, so that churn over days does not pile up; the ones
-    dropped. A worker's `gone_since` is set when it is first seen gone, cleared while alive."""
+    record, control stream, crash report and signing key (and, with `drop_users`, the Redis
+    user minted for each), so that churn over days does not pile up; the ones dropped. A
+    worker's `gone_since` is set when it is first seen gone, cleared while alive."""
     ids = await registered_workers(r)
     gone = [w for w in ids if w not in alive]
     since = await worker_record.mark_gone(r, alive & set(ids), gone, now)
@@ -87,7 +89,10 @@ async def forget_gone_workers(
                 keys.worker_crash(worker_id),
                 keys.worker_leaving(worker_id),
             )
+            pipe.hdel(keys.WORKER_KEYS, worker_id)
             await pipe.execute()
+        if drop_users:
+            await drop_worker_user(r, worker_id)
         forgotten.append(worker_id)
         log.info("forgot worker %s: gone for over %.0fs", worker_id, after_s)
     return forgotten
@@ -148,9 +153,10 @@ class StepScheduler:
         alive worker's heartbeat (`heartbeats`)."""
         count_pools({w: b for w, b in beats.items() if b.run_id == self.control.run_id})
         summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
-        executing = {
-            (text(c["name"]) or ""): int(c["pending"]) for c in summary.get("consumers") or []
-        }
+        executing: dict[str, int] = {}  # by worker (its consumer may carry a secret)
+        for c in summary.get("consumers") or []:
+            worker = keys.consumer_worker(text(c["name"]) or "")
+            executing[worker] = executing.get(worker, 0) + int(c["pending"])
         pending = int(summary.get("pending") or 0)
         actions = self.control.tick(self.clock(), unfinished, beats, executing, pending)
         await self._carry_out(actions)

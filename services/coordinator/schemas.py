@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from services.contracts.messages import Pool
 from services.contracts.runspec import RunSpec, RunState
@@ -58,6 +58,19 @@ class WorkerCreate(BaseModel):
     url: str = Field("", max_length=2048)
 
 
+class WorkerRegistration(WorkerCreate):
+    """A registration: the worker, and, from a worker registering again while its heartbeat is
+    alive (its jobs task restarted), the proof that it holds its current signing key."""
+
+    proof: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="HMAC-SHA256 of 'register <id>' under the worker's current signing key "
+        "(services.infra.signing.registration_proof); needed only to register an id that is "
+        "alive where the coordinator mints workers' users.",
+    )
+
+
 class WorkerPublic(WorkerCreate):
     alive: bool
     run_id: str | None = None
@@ -67,6 +80,40 @@ class WorkerPublic(WorkerCreate):
     last_error: str = Field(
         "", description="The last error that stopped this worker (its crash report), if any."
     )
+
+
+MINTED = ("redis_username", "redis_password", "signing_key", "consumer")
+
+
+class WorkerRegistered(WorkerPublic):
+    """The answer to a registration: the worker, and, where the coordinator gives each worker
+    its own Redis user (`worker_redis_users`), that user's credentials and the key the worker
+    signs its delta batches with. Those three are left out of the answer otherwise."""
+
+    redis_username: str | None = Field(
+        None, description="The worker's own Redis user (spotrl-worker-<id>), to connect as."
+    )
+    redis_password: str | None = Field(
+        None, description="That user's password, new at every registration."
+    )
+    signing_key: str | None = Field(
+        None,
+        description="Hex (32 bytes), new at every registration: the worker signs each delta "
+        "batch with it (field `s`, HMAC-SHA256 of field `m`).",
+    )
+    consumer: str | None = Field(
+        None,
+        description="The consumer name the worker reads its jobs as (`<id>#<secret>`, the same "
+        "at each registration of the id): no other worker can read the jobs pending under it.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _minted_only(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name in MINTED:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
 
 class RunMetrics(BaseModel):

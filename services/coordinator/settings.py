@@ -145,6 +145,13 @@ class CoordinatorSettings(CommonSettings):
     read_burst: int = Field(
         20, ge=1, le=1_000_000, description="Reads one client may make at once above its rate."
     )
+    worker_redis_users: bool = Field(
+        False,
+        description="Give each rollout worker its own Redis user (ACL SETUSER, its password "
+        "answered at registration) and a key it signs its delta batches with; a batch not "
+        "signed by the worker it names is parked. Needs a coordinator Redis user that may "
+        "manage users (services.contracts.access).",
+    )
 
     @field_validator("reward_modules", "environment_modules", mode="before")
     @classmethod

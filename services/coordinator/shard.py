@@ -35,6 +35,7 @@ from services.coordinator.run_end import ended_as, failure_text
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.shard_group import PARENT_ENV, SETTINGS_ENV
+from services.infra import tls
 from services.infra.lifeline import die_with_parent
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect, with_reconnect
@@ -47,11 +48,16 @@ log = logging.getLogger(__name__)
 async def follow(run_id: str, shard: int, settings: CoordinatorSettings) -> None:
     """Drive shard `shard` of the run until the run ends; a failure fails the run (shard 0
     then stops), a Redis outage is waited out (the shard resumes from its durable table)."""
-    r = connect(settings.redis_url)
+    r = connect(settings.redis_url, ca_file=settings.tls_ca_file)
     store = RunStore(r)
     if not settings.protect_reads:  # the metrics server has no token check
-        server, _ = start_http_server(0, addr=settings.host)
-        url = f"http://{settings.host}:{server.server_port}/metrics"
+        server, _ = start_http_server(
+            0,
+            addr=settings.host,
+            certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
+            keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
+        )
+        url = f"{tls.scheme(settings)}://{settings.host}:{server.server_port}/metrics"
         await with_reconnect(lambda: r.hset(keys.shard_metrics(run_id), shard, url), "metrics")
     while True:
         try:

@@ -110,7 +110,9 @@ class StepLeader(StepShard):
         jobs = keys.jobs_stream(self.run_id, table.step)
         others = ShardView(self.r, self.run_id, table.step, self.shards)
         while not await self._until_change(step.live, others, all_shards=True):
-            await reclaim_dead_workers(self.r, jobs, table, store, self.spec.rollout.migration)
+            await reclaim_dead_workers(
+                self.r, jobs, table, store, self.spec.rollout.migration, self.worker_keys
+            )
             beats = await heartbeats(self.r)
             await sched.tick(table.unfinished_count + await others.unfinished(table), beats)
             if table.step == min(self.live):  # the step the trainer waits for

@@ -38,6 +38,7 @@ from services.coordinator.scheduling import count_pools, heartbeats
 from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardView
 from services.coordinator.step_store import StepStore
+from services.coordinator.worker_keys import WorkerKeys
 from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
@@ -62,6 +63,9 @@ class StepShard(abc.ABC):
     """The shard `shard` of a run's steps (`contracts.shards`); subclassed by the leader and the
     follower, which fill in the hooks."""
 
+    # with `worker_redis_users` on, the workers' signing keys: a delta batch is applied only
+    # when signed by the worker it names (set by `RunManager.configured`)
+    worker_keys: WorkerKeys | None = None
     # set by `run`, which loads them off the event loop
     task: Task
     prompts: PromptEncoder
@@ -167,6 +171,7 @@ class StepShard(abc.ABC):
                 rewards,
                 self.shard,
                 self.episodes,
+                self.worker_keys,
             )
             async with contextlib.AsyncExitStack() as stack:
                 await self._enter(stack)
@@ -326,6 +331,6 @@ class StepShard(abc.ABC):
             self._stage_read_cap(pipe, table, beats)
             for job in table.initial_jobs():
                 pipe.xadd(jobs, job.fields())
-            store.stage_queued(pipe, began)
+            store.stage_queued(pipe, table, began)
             await pipe.execute()
         return began

@@ -13,6 +13,10 @@ environment). The coordinator stages these writes in the same MULTI as the jobs 
 groups it publishes and the deltas it acknowledges, so each batch lands whole or not at all; a
 batch that did not land is read again from the coordinator's pending deltas, and applying it
 again changes nothing that landed (offsets make deltas idempotent).
+
+Each request's state (its lease, finish reason, crashes and the lease's grant) is written with the
+step's first jobs: a restarted coordinator must take the deltas of jobs queued before it, and
+knows their grants only from here.
 """
 
 from typing import cast
@@ -42,7 +46,8 @@ class StepStore:
         self.run_id, self.step = run_id, step
         self.saved_len: dict[str, int] = {}  # tokens of each request already in Redis
         self.saved_runs: dict[str, int] = {}  # version runs of each request already in Redis
-        self.saved_state: dict[str, str] = {}  # each request's "lease|finish|crashed" in Redis
+        # each request's "lease|finish|crashed|grant" in Redis
+        self.saved_state: dict[str, str] = {}
         self.expiring: set[str] = set()  # the keys given their TTL
         self._lease_of: dict[str, int] = {}  # each request's lease when its state was staged
 
@@ -67,8 +72,10 @@ class StepStore:
             if req is None:
                 continue
             lease, _, rest = raw.decode().partition("|")
-            finish, _, crashed_on = rest.partition("|")
+            finish, _, rest = rest.partition("|")
+            crashed_on, _, grant = rest.rpartition("|")  # a grant is hex: the last "|" is its
             req.lease = int(lease)
+            req.grant = grant or req.grant  # never "": a delta must prove something
             req.finish_reason = finish or None  # type: ignore[assignment]
             req.crashed_on = [w for w in crashed_on.split(",") if w]
             self.saved_state[rid] = raw.decode()
@@ -105,7 +112,9 @@ class StepStore:
         )
         self._expire(pipe, self.episodes)
 
-    def stage_queued(self, pipe, started_at: float) -> None:
+    def stage_queued(self, pipe, table: RequestTable, started_at: float) -> None:
+        """The step's first jobs are queued: every request's state (its grant) with the mark."""
+        self.stage_requests(pipe, table, set(table.requests))
         pipe.hset(self.meta, mapping=StepMeta.to_fields(queued=1, started_at=started_at))
         pipe.expire(self.meta, TTL_S)
 
@@ -126,7 +135,8 @@ class StepStore:
             # append tokens and change nothing else)
             if req.finish_reason is not None or req.crashed_on or lease_of.get(rid) != req.lease:
                 lease_of[rid] = req.lease
-                state = f"{req.lease}|{req.finish_reason or ''}|{','.join(req.crashed_on)}"
+                crashed = ",".join(req.crashed_on)
+                state = f"{req.lease}|{req.finish_reason or ''}|{crashed}|{req.grant}"
                 if saved_state.get(rid) != state:
                     states[rid] = saved_state[rid] = state
             tokens = req.token_ids

@@ -1,12 +1,13 @@
 """What a read of token deltas does to a step: the coordinator's collect decision, pure.
 
-`apply_batches` applies the batches of one read to the `RequestTable` (fenced by lease, appended
-once) and decides what follows: the requests whose stored state changed, the responses that
-finished (to score), the multi-turn episodes whose turn ended (for the environment,
-`core.episodes`), the stale deltas to fence, the released requests to continue elsewhere
-(their continuation jobs), the crashes that made a request poison, and the groups that poison
-dropped. The coordinator's shell then scores, finds the completed groups and writes all of it in
-one MULTI; the simulator calls the same function with the batches its workers flush.
+`apply_batches` applies the batches of one read to the `RequestTable` (fenced by lease, refused
+without the lease's grant, appended once) and decides what follows: the requests whose stored
+state changed, the responses that finished (to score), the multi-turn episodes whose turn ended
+(for the environment, `core.episodes`), the stale deltas to fence, the released requests to
+continue elsewhere (their continuation jobs), the crashes that made a request poison, and the
+groups that poison dropped. The coordinator's shell then scores, finds the completed groups and
+writes all of it in one MULTI; the simulator calls the same function with the batches its
+workers flush.
 """
 
 from collections import Counter
@@ -63,6 +64,9 @@ class CollectOutcome:
     dropped: list[int] = field(default_factory=list)  # groups quarantined by this read
     tokens_appended: int = 0
     applied: Counter = field(default_factory=Counter)  # Applied value -> delta items
+    # worker -> its deltas and releases refused for a wrong grant (it did not read their jobs)
+    forged: Counter = field(default_factory=Counter)
+    forged_releases: int = 0  # of those, releases (the deltas are `applied["wrong_grant"]`)
 
 
 def apply_batches(
@@ -77,7 +81,7 @@ def apply_batches(
     # the loop below runs for every delta of the run: names looked up once
     changed, finished = out.changed.add, out.finished.append
     appended, done, stale = Applied.APPENDED, Applied.FINISHED, Applied.STALE_LEASE
-    turn_ended = Applied.TURN_ENDED
+    turn_ended, wrong_grant = Applied.TURN_ENDED, Applied.WRONG_GRANT
     for batch in batches:
         if bound is not None and batch.version < bound:
             _out_of_bound(table, batch, out)
@@ -96,6 +100,8 @@ def apply_batches(
             elif applied is turn_ended:
                 changed(item.request_id)
                 out.turn_ended.append(item.request_id)
+            elif applied is wrong_grant:
+                out.forged[batch.worker_id] += 1
         _release(table, batch, rules, out)
     for outcome, n in table.stats.items():
         if n != stats_before[outcome]:
@@ -111,6 +117,10 @@ def _out_of_bound(table: RequestTable, batch: DeltaBatch, out: CollectOutcome) -
     version within the bound (the old lease is fenced at the worker). A worker reads only the
     jobs its version may generate, so this guards the rule rather than runs."""
     for item in batch.items:
+        if table.wrong_grant(item.request_id, item.lease, item.grant):
+            out.applied[Applied.WRONG_GRANT.value] += 1
+            out.forged[batch.worker_id] += 1
+            continue
         out.applied[Applied.OUT_OF_BOUND.value] += 1
         job = table.migrate(item.request_id, "bound", True, item.lease)
         if job is not None:
@@ -123,6 +133,10 @@ def _release(table: RequestTable, batch: DeltaBatch, rules: CollectRules, out: C
     cause: ReleaseReason = batch.release_reason
     alone = len(batch.released) == 1
     for rel in batch.released:
+        if table.wrong_grant(rel.request_id, rel.lease, rel.grant):
+            out.forged[batch.worker_id] += 1
+            out.forged_releases += 1
+            continue
         if cause == "crash":
             poison = note_crash(table, rules, rel.request_id, rel.lease, batch.worker_id, alone)
             if poison is not None:

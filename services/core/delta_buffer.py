@@ -46,6 +46,7 @@ class Pending:
     """A request generating here, with its tokens not yet sent."""
 
     lease: int
+    grant: str  # the job's: every delta and the release echo it (`Job.grant`)
     offset: int  # index in the response of tokens[0]
     isolate: bool = False  # runs with nothing beside it
     tokens: list[int] = field(default_factory=list)
@@ -81,7 +82,9 @@ class DeltaBuffer:
     # ---- requests ----
     def start(self, job: Job, entry_id: bytes) -> None:
         """A job starts generating: its tokens continue the response after its prefix."""
-        self.pending[job.request_id] = Pending(job.lease, len(job.prefix_ids), job.isolate)
+        self.pending[job.request_id] = Pending(
+            job.lease, job.grant, len(job.prefix_ids), job.isolate
+        )
         self.entry_of[job.request_id] = entry_id
 
     def hold(self, request_id: str, entry_id: bytes) -> None:
@@ -106,7 +109,7 @@ class DeltaBuffer:
     def running(self) -> list[RequestLease]:
         """The requests still generating, in the order they started."""
         return [
-            RequestLease(request_id=rid, lease=p.lease)
+            RequestLease(request_id=rid, lease=p.lease, grant=p.grant)
             for rid, p in self.pending.items()
             if p.running
         ]
@@ -188,6 +191,7 @@ def _item(request_id: str, p: Pending) -> DeltaItem:
     return DeltaItem(
         request_id=request_id,
         lease=p.lease,
+        grant=p.grant,
         offset=p.offset,
         token_ids=list(p.tokens),
         logprobs=list(p.logprobs),

@@ -147,7 +147,7 @@ class EpisodeTable(RequestTable):
         r.token_ids.extend(answer.token_ids)
         r.logprobs.extend([0.0] * len(answer.token_ids))
         r.awaiting = None
-        r.lease += 1
+        r.next_lease()
         episode.turns += 1
         episode.starts.append(len(r.token_ids))
         return self.job(rid)

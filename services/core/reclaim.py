@@ -8,6 +8,7 @@ claims the entries and writes the decision in one MULTI.
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from services.contracts.keys import consumer_worker
 from services.contracts.messages import DeltaBatch, Job, RequestLease
 from services.contracts.shards import shard_of
 from services.core.collect import keeps_tokens
@@ -50,7 +51,7 @@ def plan_reclaim(
     leases: dict[int, list[RequestLease]] = {}
     for job in jobs:
         if job.request_id not in table.requests and table.shards > 1:
-            lease = RequestLease(request_id=job.request_id, lease=job.lease)
+            lease = RequestLease(request_id=job.request_id, lease=job.lease, grant=job.grant)
             leases.setdefault(shard_of(job.request_id, table.shards), []).append(lease)
             continue
         new = table.migrate(job.request_id, CAUSE, keep, lease=job.lease)
@@ -58,7 +59,7 @@ def plan_reclaim(
             out.moved.append(new)
     for shard, released in leases.items():
         out.handed[shard] = DeltaBatch(
-            worker_id=reader,
+            worker_id=consumer_worker(reader),
             version=table.version,
             items=[],
             released=released,

@@ -1,14 +1,16 @@
 """What every spotrl HTTP service does with untrusted input before a handler sees it.
 
-- A write (POST/PUT/PATCH/DELETE) needs the bearer token, checked before one byte of its body is
-  read: a stranger's upload costs the headers only.
+- A write (POST/PUT/PATCH/DELETE) needs a bearer token of the route's scope (the scopes its
+  `ScopeGuard` dependency declares; admin for a write no route declares), checked before one
+  byte of its body is read: a stranger's upload, or a worker token's commit, costs the headers
+  only (401 without an accepted token, 403 for another scope).
 - Each route has a body size limit: a declared Content-Length over it is a 413 at once; a body
   sent without one (chunked) is counted as it streams and cut off with a 413 past the limit.
 - Error bodies are bounded: a 422 lists at most a few errors, each without the input it was
   given, and no 4xx echoes more than a few hundred characters of what the client sent.
 
 It does not decide which routes exist or what a valid body is: the routes and their pydantic
-models do. The `token_guard` dependencies stay on the routes so the OpenAPI spec declares the
+models do. The `ScopeGuard` dependencies stay on the routes so the OpenAPI spec declares the
 bearer scheme; the middleware only makes the same check earlier.
 """
 
@@ -24,8 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import compile_path
+from starlette.routing import Match, compile_path
+
+from services.infra.scopes import Scope as TokenScope
+from services.infra.scopes import Tokens, allows, bearer_of, refusal_text
+from services.infra.service import ADMIN_ONLY, ScopeGuard
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 MAX_ERRORS = 20  # validation errors listed in one 422
@@ -105,10 +112,8 @@ async def bounded_http_error(request: Request, exc: Exception) -> Response:
 
 def authorized(headers: Mapping[str, str], token: str) -> bool:
     """Whether `Authorization: Bearer <token>` was given (compared in constant time)."""
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    given = bearer_of(headers.get("authorization", ""))
+    return hmac.compare_digest(given.encode(), token.encode())
 
 
 def declared_length(headers: Mapping[str, str]) -> int | None:
@@ -158,22 +163,53 @@ def _json_reply(status: int, detail: str, headers: dict[str, str] | None = None)
     ]
 
 
-class InputGuard:
-    """Pure ASGI middleware: the token on writes, then the body limit, before the app reads."""
+class RouteScopes:
+    """The scopes each write route of an app needs, read off its routes' `ScopeGuard`
+    dependencies the first time it is asked (every route is declared by then). A write that no
+    route with a guard matches (a 404, a 405) needs admin."""
 
-    def __init__(self, app: Any, token: str | None, limits: BodyLimits) -> None:
-        self.app, self.token, self.limits = app, token, limits
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._table: list[tuple[APIRoute, frozenset[TokenScope]]] | None = None
+
+    def table(self) -> list[tuple[APIRoute, frozenset[TokenScope]]]:
+        if self._table is None:
+            self._table = [
+                (route, guard.needed)
+                for route in self.app.routes
+                if isinstance(route, APIRoute)
+                for guard in (d.dependency for d in route.dependencies)
+                if isinstance(guard, ScopeGuard)
+            ]
+        return self._table
+
+    def needed(self, scope: Scope) -> frozenset[TokenScope]:
+        for route, needed in self.table():
+            if route.matches(scope)[0] == Match.FULL:
+                return needed
+        return ADMIN_ONLY
+
+
+class InputGuard:
+    """Pure ASGI middleware: a token of the route's scope on writes, then the body limit, before
+    the app reads."""
+
+    def __init__(
+        self, app: Any, tokens: Tokens | None, limits: BodyLimits, routes: RouteScopes | None
+    ) -> None:
+        self.app, self.limits, self.routes = app, limits, routes
+        self.tokens = tokens if tokens is not None and tokens.on else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.token and scope["method"] in WRITE_METHODS and not authorized(headers, self.token):
-            await self._reply(
-                send, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
-            )
-            return
+        if self.tokens is not None and scope["method"] in WRITE_METHODS:
+            refused = self._refusal(scope, headers.get("authorization", ""), self.tokens)
+            if refused is not None:
+                await self._reply(send, *refused)
+                return
         limit = self.limits.for_path(scope["path"])
         declared = declared_length(headers)
         if declared == -1:
@@ -183,6 +219,18 @@ class InputGuard:
             await self._reply(send, 413, too_large_text(limit))
             return
         await self._limited(scope, receive, send, limit)
+
+    def _refusal(
+        self, scope: Scope, authorization: str, tokens: Tokens
+    ) -> tuple[int, str, dict[str, str] | None] | None:
+        """The 401 or 403 this write gets, None when its token may make it."""
+        granted = tokens.scope_of(bearer_of(authorization))
+        if granted is None:
+            return 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+        needed = self.routes.needed(scope) if self.routes is not None else ADMIN_ONLY
+        if not allows(granted, needed):
+            return 403, refusal_text(granted, needed), None
+        return None
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         received, cut_off, started, answered = 0, False, False, False
@@ -227,9 +275,15 @@ def too_large_text(limit: int) -> str:
 
 
 def guard_input(
-    app: FastAPI, token: str | None, default_bytes: int, routes: Mapping[str, int] | None = None
+    app: FastAPI, tokens: Tokens | None, default_bytes: int, routes: Mapping[str, int] | None = None
 ) -> None:
-    """Install the write guard, the body limits and the bounded error bodies on `app`."""
-    app.add_middleware(InputGuard, token=token, limits=BodyLimits.of(default_bytes, routes))
+    """Install the write guard (the scopes of `app`'s routes), the body limits (`routes`: body
+    limit by path template) and the bounded error bodies on `app`."""
+    app.add_middleware(
+        InputGuard,
+        tokens=tokens,
+        limits=BodyLimits.of(default_bytes, routes),
+        routes=RouteScopes(app),
+    )
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, bounded_http_error)

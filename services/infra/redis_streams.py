@@ -9,6 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
@@ -55,11 +56,19 @@ def entry_time_s(entry_id: bytes) -> float:
     return int(entry_id.split(b"-", 1)[0]) / 1000
 
 
-def connect(url: str, fail_fast: bool = False, retry_once: bool = False) -> aioredis.Redis:
+def connect(
+    url: str,
+    fail_fast: bool = False,
+    retry_once: bool = False,
+    ca_file: Path | str | None = None,
+) -> aioredis.Redis:
     """A connection pool to Redis. `fail_fast`: no retries inside a command, and short socket
     timeouts, for a reader that must know at once when Redis is gone (it retries by itself).
     `retry_once`: a command whose connection turns out dead (Redis restarted since it was last
-    used) is sent once more on a new one, for a pool used now and then (an API's writes)."""
+    used) is sent once more on a new one, for a pool used now and then (an API's writes).
+    `ca_file`: a rediss:// server's certificate is verified against this CA (the setting
+    `tls_ca_file`); a redis:// URL ignores it."""
+    tls = tls_args(url, ca_file)
     if fail_fast:
         return aioredis.from_url(
             url,
@@ -67,9 +76,19 @@ def connect(url: str, fail_fast: bool = False, retry_once: bool = False) -> aior
             retry=Retry(NoBackoff(), 0),
             socket_connect_timeout=1.0,
             socket_timeout=5.0,
+            **tls,
         )
     retry = Retry(NoBackoff(), 1) if retry_once else None
-    return aioredis.from_url(url, decode_responses=False, health_check_interval=10, retry=retry)
+    return aioredis.from_url(
+        url, decode_responses=False, health_check_interval=10, retry=retry, **tls
+    )
+
+
+def tls_args(url: str, ca_file: Path | str | None) -> dict[str, str]:
+    """redis-py's keyword for the CA of a rediss:// URL ({} for redis://, which takes none)."""
+    if ca_file and url.startswith("rediss://"):
+        return {"ssl_ca_certs": str(ca_file)}
+    return {}
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:

@@ -1,13 +1,12 @@
-"""What every spotrl HTTP service shares: /healthz, /metrics, bearer-token auth on writes, and
-supervised background tasks that fail loudly.
+"""What every spotrl HTTP service shares: /healthz, /metrics, scoped bearer-token auth
+(`Auth`, `services.infra.scopes`), and supervised background tasks that fail loudly.
 
-The `token_guard` dependencies declare the bearer scheme in the OpenAPI spec; the same check
-runs earlier, before any body byte is read, in `http_limits.InputGuard`.
+The `ScopeGuard` dependencies declare the bearer scheme in the OpenAPI spec; the same check
+runs earlier on writes, before any body byte is read, in `http_limits.InputGuard`.
 """
 
 import asyncio
 import gc
-import hmac
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Response
@@ -25,10 +24,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from services.infra import stack_dump
+from services.infra import stack_dump, tls
 from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import REDIS_DOWN
 from services.infra.retry import retry
+from services.infra.scopes import Scope, Tokens, allows, refusal_text
 
 if TYPE_CHECKING:
     from services.infra.settings import CommonSettings
@@ -93,6 +93,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 ERROR_TEXT = {
     400: "Rejected: the request is well-formed but cannot be carried out.",
     401: "Missing or wrong bearer token.",
+    403: "The token's scope may not do this.",
     404: "No such resource.",
     409: "Conflicts with the resource's state.",
     413: "Too large.",
@@ -102,26 +103,40 @@ ERROR_TEXT = {
 }
 
 
-@dataclass(frozen=True)
-class Auth:
-    """The route dependencies of one service: `write` guards every change; `read` is empty
-    unless reads are protected too. Each route declares the 401 it can answer."""
+ADMIN_ONLY: frozenset[Scope] = frozenset({"admin"})  # a write no route declares scopes for
 
-    write: list[Any]
-    read: list[Any]
-    write_errors: dict[int | str, dict[str, Any]]
-    read_errors: dict[int | str, dict[str, Any]]
+
+class Need(NamedTuple):
+    """What a route declares for its scopes: `dependencies=` and `responses=` (401, 403)."""
+
+    dependencies: list[Any]
+    responses: dict[int | str, dict[str, Any]]
+
+
+class Auth:
+    """The route dependencies of one service, by the scopes a route needs: `need("admin")`,
+    `need("worker")`, `need("read", "worker", "trainer")`. With no token set, every route is
+    open (the embedded default on one machine). Else a write needs a token of its scope; a
+    read, a route the read scope may use, stays open unless `protect_reads`."""
+
+    def __init__(self, tokens: Tokens | None = None, protect_reads: bool = False) -> None:
+        self.tokens = tokens if tokens is not None and tokens.on else None
+        self.protect_reads = protect_reads
+
+    def need(self, *scopes: Scope) -> Need:
+        needed = frozenset(scopes) or ADMIN_ONLY
+        if self.tokens is None or ("read" in needed and not self.protect_reads):
+            return Need([], {})  # a fresh list: FastAPI keeps what it is given
+        return Need([Depends(ScopeGuard(self.tokens, needed))], errors(401, 403))
+
+
+def tokens_of(settings: "CommonSettings") -> Tokens:
+    """The tokens a service accepts: its api_token as admin, and its accept_tokens."""
+    return Tokens.of(settings.api_token, settings.accept_tokens)
 
 
 def auth_for(settings: "CommonSettings") -> Auth:
-    """Open when no token is set (the embedded default on one machine); else every write, and
-    every read when `protect_reads`, needs the token."""
-    if settings.api_token is None:
-        return Auth([], [], {}, {})
-    guard, guarded = [Depends(token_guard(settings.api_token))], errors(401)
-    if settings.protect_reads:
-        return Auth(guard, guard, guarded, guarded)
-    return Auth(guard, [], guarded, {})
+    return Auth(tokens_of(settings), settings.protect_reads)
 
 
 def add_health_and_metrics(
@@ -134,6 +149,7 @@ def add_health_and_metrics(
 ) -> None:
     """/healthz stays open (probes carry no token); /metrics is a read: this process's
     registry, or what `exposition` gives."""
+    read = (auth or Auth()).need("read")
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> JSONResponse:
@@ -150,8 +166,8 @@ def add_health_and_metrics(
     @app.get(
         "/metrics",
         tags=["ops"],
-        dependencies=auth.read if auth else [],
-        responses=auth.read_errors if auth else {},
+        dependencies=read.dependencies,
+        responses=read.responses,
         response_class=PlainTextResponse,
     )
     async def metrics() -> Response:
@@ -159,23 +175,33 @@ def add_health_and_metrics(
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-BEARER = HTTPBearer(auto_error=False, description="The deployment's API token (SPOTRL_API_TOKEN).")
+BEARER = HTTPBearer(
+    auto_error=False,
+    description="An API token: SPOTRL_API_TOKEN (admin), or one of SPOTRL_ACCEPT_TOKENS "
+    "with the route's scope.",
+)
 
 
-def token_guard(token: str) -> Callable[..., None]:
-    """A dependency that requires `Authorization: Bearer <token>`. It is declared as the bearer
-    security scheme, so the OpenAPI spec says which routes need it."""
+@dataclass(frozen=True, eq=False)  # hashed by identity: FastAPI caches dependencies by it
+class ScopeGuard:
+    """A dependency that requires `Authorization: Bearer <token>` with a token of one of the
+    `needed` scopes: 401 without a token it accepts, 403 for one of another scope. It is
+    declared as the bearer security scheme, so the OpenAPI spec says which routes need it;
+    `http_limits.InputGuard` reads `needed` off it to make the same check before the body."""
 
-    def check(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+    tokens: Tokens
+    needed: frozenset[Scope]
+
+    def __call__(
+        self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
     ) -> None:
-        given = credentials.credentials if credentials else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        granted = self.tokens.scope_of(credentials.credentials if credentials else "")
+        if granted is None:
             raise HTTPException(
                 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
             )
-
-    return check
+        if not allows(granted, self.needed):
+            raise HTTPException(403, refusal_text(granted, self.needed))
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -200,8 +226,10 @@ def serve(
     port: int,
     graceful_s: float | None = None,
     port_file: Path | None = None,
+    settings: "CommonSettings | None" = None,
 ) -> None:
-    """Run an app under uvicorn until SIGINT/SIGTERM.
+    """Run an app under uvicorn until SIGINT/SIGTERM: HTTPS when `settings` name a certificate
+    (`services.infra.tls`), else plain HTTP, with one warning line when that is off loopback.
 
     The socket is bound first (port 0: any free one; a port taken: the process exits 3), then
     `port_file` gets the port bound and this process's instance id, which /healthz also
@@ -218,6 +246,10 @@ def serve(
     gc.collect()
     gc.freeze()
     stack_dump.install()
+    ssl_args: dict[str, Any] = {}
+    if settings is not None:
+        tls.warn_if_plain(settings, app.title)
+        ssl_args = tls.uvicorn_args(settings)
     config = uvicorn.Config(
         app,
         host=host,
@@ -226,6 +258,7 @@ def serve(
         lifespan="on",
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float seconds
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+        **ssl_args,
     )
     sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
     if port_file is not None:

@@ -11,6 +11,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.infra.scopes import parse_accept
+
 
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or localhost; anything else (0.0.0.0, ::, a name) is reachable."""
@@ -31,11 +33,26 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding all run state.")
     api_token: str | None = Field(
-        None, description="Bearer token required on every write when set; open when unset."
+        None,
+        description="The admin bearer token: accepted on every route. With it or "
+        "`accept_tokens` set, every write needs a token of its route's scope; open when unset.",
+    )
+    token: str | None = Field(
+        None,
+        description="This process's own bearer token, sent on its HTTP calls (registration, "
+        "weight uploads and pulls, peers): a worker's or the trainer's scoped token. Unset: "
+        "`api_token` is sent.",
+    )
+    accept_tokens: str | None = Field(
+        None,
+        max_length=64 * 1024,
+        description="Tokens this service accepts besides `api_token`, by their SHA-256: a comma "
+        "list of `scope:sha256hex` (scopes admin, worker, trainer, read; "
+        "services.infra.scopes.accept_list renders it).",
     )
     protect_reads: bool = Field(
         False,
-        description="Also require the bearer token on reads (/healthz stays open for probes).",
+        description="Also require a bearer token on reads (/healthz stays open for probes).",
     )
     coordinator_url: str = Field("http://127.0.0.1:8100", description="Coordinator base URL.")
     weightstore_url: str = Field(
@@ -71,21 +88,56 @@ class CommonSettings(BaseSettings):
         le=64 * 1024 * 1024,
         description="Largest request body of a JSON route (a run spec, a worker); 413 past it.",
     )
+    tls_cert_file: Path | None = Field(
+        None,
+        description="This service's TLS certificate (PEM, chain first): its HTTP server and a "
+        "worker's block/peer server speak HTTPS with it. Unset: plain HTTP.",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="The private key of `tls_cert_file` (PEM); set both or neither."
+    )
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA bundle (PEM) this process's clients verify https:// and rediss:// peers "
+        "against. Unset: the system's trust store.",
+    )
 
-    @field_validator("api_token")
+    @field_validator("api_token", "token", "accept_tokens")
     @classmethod
     def _empty_token_is_none(cls, value: str | None) -> str | None:
         return value or None
 
+    @field_validator("accept_tokens")
+    @classmethod
+    def _accept_list_parses(cls, value: str | None) -> str | None:
+        parse_accept(value)  # a ValueError names the entry, never the digest
+        return value
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_ca_file", mode="before")
+    @classmethod
+    def _empty_path_is_none(cls, value: Any) -> Any:
+        return value or None
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> "CommonSettings":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set SPOTRL_TLS_CERT_FILE and SPOTRL_TLS_KEY_FILE together")
+        return self
+
     @model_validator(mode="after")
     def _no_open_writes_off_loopback(self) -> "CommonSettings":
-        if self.api_token is None and not is_loopback(self.host):
+        if self.api_token is None and self.accept_tokens is None and not is_loopback(self.host):
             raise ValueError(
                 f"host {self.host} is not a loopback address and no API token is set: anyone "
                 "who reaches it could submit runs and upload weights. Set SPOTRL_API_TOKEN "
-                "(clients send it as a bearer token), or bind to 127.0.0.1 (SPOTRL_HOST)."
+                "(clients send it as a bearer token) or SPOTRL_ACCEPT_TOKENS, or bind to "
+                "127.0.0.1 (SPOTRL_HOST)."
             )
         return self
+
+    def outgoing_token(self) -> str | None:
+        """The bearer token this process sends: its own `token`, else `api_token`."""
+        return self.token or self.api_token
 
     def weightstore_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.weightstore_url.split(",") if u.strip()]

@@ -23,8 +23,9 @@ from services.infra.gpu import bound_gpu_memory
 from services.infra.http_limits import guard_input
 from services.infra.redis_streams import connect
 from services.infra.retry import brief
-from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for
+from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, tokens_of
 from services.rollout.notice import NoticeWatcher
+from services.rollout.redis_login import RedisLogin
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 
@@ -93,8 +94,11 @@ def build_app(settings: RolloutSettings) -> FastAPI:
     torch.set_num_threads(settings.torch_threads)
     bound_gpu_memory(settings.gpu_memory_share, settings.device)  # before the first allocation
     tasks = BackgroundTasks()
-    r = connect(settings.redis_url)
-    worker = RolloutWorker(settings, r)
+    # no connection logs in before the worker registered: the coordinator may answer a Redis
+    # user of the worker's own (`redis_login`)
+    login = RedisLogin()
+    r = login.attach(connect(settings.redis_url, ca_file=settings.tls_ca_file))
+    worker = RolloutWorker(settings, r, login=login)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,14 +114,17 @@ def build_app(settings: RolloutSettings) -> FastAPI:
         loop = asyncio.get_running_loop()
         plan = plan_leaving(settings.preempt_grace_s, loop.time())
         await tasks.stop(max(0.0, plan.tasks_stopped_by - loop.time()))
+        login.as_configured()  # never registered: say farewell as configured, as before
         await leave_with_notice(worker, r, settings, plan)
 
     app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
     auth = auth_for(settings)
     add_health_and_metrics(app, "rollout", tasks, extra=worker.status, auth=auth)
-    guard_input(app, settings.api_token, settings.max_body_bytes)
+    guard_input(app, tokens_of(settings), settings.max_body_bytes)
 
-    @app.get("/v1/status", dependencies=auth.read, responses=auth.read_errors)
+    read = auth.need("read")
+
+    @app.get("/v1/status", dependencies=read.dependencies, responses=read.responses)
     async def status() -> dict:
         return worker.status()
 

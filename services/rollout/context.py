@@ -81,6 +81,12 @@ class WorkerContext:
     state: WorkerState = "starting"
     crashed: str = ""  # the error a task died of; the worker is on its way out
     tokens_generated: int = 0
+    # the consumer name it reads its jobs as: its id, or the secret name the coordinator gave
+    # it at registration (`keys.jobs_consumer`)
+    consumer: str = ""
+
+    def __post_init__(self) -> None:
+        self.consumer = self.consumer or self.s.worker_id
 
     @property
     def busy(self) -> int:

@@ -20,11 +20,18 @@ import time
 from prometheus_client import Counter
 
 from services.contracts import keys
-from services.contracts.messages import ReleaseReason, RequestLease
+from services.contracts.messages import (
+    FIELD,
+    DeltaBatch,
+    ReleaseReason,
+    RequestLease,
+    StreamFields,
+)
 from services.core.collect import split_by_shard
 from services.core.delta_buffer import Flush
 from services.core.request_table import step_of
 from services.infra.redis_streams import with_reconnect
+from services.infra.signing import SIGNATURE_FIELD, sign
 from services.rollout.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,9 @@ class Flusher:
         self.ctx = ctx
         self._order = asyncio.Lock()  # one flush at a time, in the order they are taken
         self._delivery: asyncio.Task[None] | None = None  # the newest flush's delivery
+        # the key the coordinator gave at registration (`worker_redis_users`): every batch is
+        # signed with it; None: batches go unsigned, as the coordinator expects then
+        self.signing_key: bytes | None = None
 
     async def flush(
         self, released: list[RequestLease] | None = None, reason: ReleaseReason = "preemption"
@@ -65,13 +75,22 @@ class Flusher:
             # nothing. One MULTI: the flush lands whole or not at all, whatever its shards
             async with ctx.r.pipeline(transaction=len(by_shard) > 1) as pipe:
                 for shard, batch in by_shard.items():
-                    pipe.xadd(keys.deltas_stream(run_id, shard), batch.fields(), nomkstream=True)
+                    stream = keys.deltas_stream(run_id, shard)
+                    pipe.xadd(stream, self._entry(batch), nomkstream=True)
                 await pipe.execute()
 
         await with_reconnect(send, "flush deltas")
         FLUSHES.inc()
         ctx.buffer.sent(flush)
         await self._ack(run_id, flush)
+
+    def _entry(self, batch: DeltaBatch) -> StreamFields:
+        """A batch's stream entry: its message, and its signature (field `s`) under this
+        worker's key when it has one."""
+        message = batch.encode()
+        if self.signing_key is None:
+            return {FIELD: message}
+        return {FIELD: message, SIGNATURE_FIELD: sign(self.signing_key, message)}
 
     async def _ack(self, run_id: str, flush: Flush) -> None:
         """Acknowledge the job entries of the requests the flush finished or released."""
@@ -96,7 +115,8 @@ class Flusher:
         Only a look: what is not released goes on as before."""
         ctx = self.ctx
         waiting = [
-            RequestLease(request_id=job.request_id, lease=job.lease) for job in ctx.inbox.jobs()
+            RequestLease(request_id=job.request_id, lease=job.lease, grant=job.grant)
+            for job in ctx.inbox.jobs()
         ]
         running = ctx.buffer.running()
         running.sort(key=lambda lease: ctx.engine.tokens_left(lease.request_id), reverse=True)

@@ -22,9 +22,7 @@ from services.infra.redis_streams import (
 )
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
-from services.rollout.presence import register
 from services.rollout.weight_loader import VersionLoader
-from services.state import run_record
 from services.state.run_state import active_run, committed_version, wait_for_version
 
 log = logging.getLogger(__name__)
@@ -49,7 +47,7 @@ class JobIntake:
         self.idle = False
 
     async def run_forever(self) -> None:
-        await register(self.ctx.s)
+        """After the worker registered (`RolloutWorker.jobs_forever`)."""
         await self.control.skip_earlier()
         while True:
             await self._round()
@@ -107,14 +105,9 @@ class JobIntake:
         self.staleness = await self._staleness(run_id) if run_id is not None else 0
 
     async def _staleness(self, run_id: str) -> int:
-        """The run's max_staleness, from its spec (0 where it cannot be read)."""
-        run = await with_reconnect(lambda: run_record.read(self.ctx.r, run_id, "spec"), "spec")
-        if run is None:
-            return 0
-        try:
-            return run.run_spec().rollout.max_staleness
-        except ValueError:  # pydantic's ValidationError: a spec that is not one
-            return 0
+        """The run's max_staleness (keys.run_staleness; 0 where it is not there)."""
+        raw = await with_reconnect(lambda: self.ctx.r.get(keys.run_staleness(run_id)), "staleness")
+        return int(raw) if raw is not None and raw.isdigit() else 0
 
     async def _read_jobs(self, run_id: str, version: int) -> None:
         """Read as many jobs as there are free slots, up to the plateau and to each step's read
@@ -173,7 +166,7 @@ class JobIntake:
         for step in range(version, version + self.staleness + 1):
             stream = keys.jobs_stream(run_id, step)
             entries = await read_group(
-                ctx.r, stream, keys.WORKERS_GROUP, ctx.s.worker_id, 10_000, None, start="0"
+                ctx.r, stream, keys.WORKERS_GROUP, ctx.consumer, 10_000, None, start="0"
             )
             for entry in entries:
                 job = decode_or_park(Job, entry, []) if entry[1] is not None else None
@@ -181,7 +174,9 @@ class JobIntake:
                     await ctx.r.xack(stream, keys.WORKERS_GROUP, entry[0])
                     continue
                 ctx.inbox.put(entry[0], job)
-                leases.append(RequestLease(request_id=job.request_id, lease=job.lease))
+                leases.append(
+                    RequestLease(request_id=job.request_id, lease=job.lease, grant=job.grant)
+                )
         if leases:
             log.warning("handing back %d jobs an earlier incarnation held", len(leases))
             await self.control.flusher.release(leases, "death")
@@ -208,6 +203,6 @@ class JobIntake:
     def _consumer(self, stream: str) -> StreamConsumer[Job]:
         if stream not in self.consumers:
             self.consumers[stream] = StreamConsumer(
-                self.ctx.r, stream, keys.WORKERS_GROUP, self.ctx.s.worker_id, Job, replay=False
+                self.ctx.r, stream, keys.WORKERS_GROUP, self.ctx.consumer, Job, replay=False
             )
         return self.consumers[stream]

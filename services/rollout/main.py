@@ -24,6 +24,7 @@ def main() -> None:
         # fit in the grace period (services.core.grace), starts only once they are done
         min(HTTP_CLOSE_MAX_S, HTTP_CLOSE_SHARE * settings.preempt_grace_s),
         settings.port_file,
+        settings=settings,
     )
 
 

@@ -27,10 +27,10 @@ from services.weights.transfer import WeightClient
 async def pull_and_serve(
     s: RolloutSettings, run_id: str, version: int, dest: Path, serve: bool
 ) -> dict:
-    r = connect(s.redis_url)
+    r = connect(s.redis_url, ca_file=s.tls_ca_file)
     peers = Peers(s) if s.p2p else None
     try:
-        client = WeightClient(s.weightstore_urls(), s.api_token)
+        client = WeightClient(s.weightstore_urls(), s.outgoing_token(), ca_file=s.tls_ca_file)
         swarm = peers.swarm(r, run_id, version) if peers is not None else None
         started_at = time.time()
         result = await client.pull(run_id, version, dest, swarm=swarm)

@@ -21,7 +21,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.contracts import keys
+from services.infra import tls
 from services.infra.redis_streams import text
+from services.infra.scopes import Tokens
 from services.infra.settings import is_loopback
 from services.rollout.settings import RolloutSettings
 from services.weights.block_server import BlockServer
@@ -185,16 +187,29 @@ class Peers:
         self.s = s
         self.shelf = PeerShelf()
         egress = s.peer_egress_mbps * 1e6 / 8 if s.peer_egress_mbps else None
-        token = s.api_token if s.protect_reads or not is_loopback(s.host) else None
+        # a peer serves workers (and readers): it checks their tokens wherever it is reachable
+        tokens = (
+            Tokens.of(s.api_token, s.accept_tokens)
+            if s.protect_reads or not is_loopback(s.host)
+            else None
+        )
         self.server = BlockServer(
-            self.shelf.resolve, s.host, s.peer_port, token, s.peer_max_serving, egress, "peer"
+            self.shelf.resolve,
+            s.host,
+            s.peer_port,
+            tokens,
+            s.peer_max_serving,
+            egress,
+            "peer",
+            tls.server_context(s),
+            scopes=frozenset({"worker", "read"}),
         )
         self.url = ""
 
     def start(self) -> None:
         if not self.url:
             port = self.server.start()
-            self.url = f"http://{advertised_host(self.s)}:{port}"
+            self.url = f"{tls.scheme(self.s)}://{advertised_host(self.s)}:{port}"
 
     def swarm(self, r: aioredis.Redis, run_id: str, version: int) -> RedisSwarm:
         self.start()

@@ -65,7 +65,9 @@ class VersionLoader:
         self, ctx: WorkerContext, held: Held | None = None, release: Release | None = None
     ) -> None:
         self.ctx = ctx
-        self.weights = WeightClient(ctx.s.weightstore_urls(), ctx.s.api_token)
+        self.weights = WeightClient(
+            ctx.s.weightstore_urls(), ctx.s.outgoing_token(), ca_file=ctx.s.tls_ca_file
+        )
         self.held, self.release = held, release  # the flusher's: requests handed back
         self.peers = Peers(ctx.s) if ctx.s.p2p else None
 

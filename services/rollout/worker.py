@@ -9,7 +9,8 @@ flushes token deltas every few tokens. One asyncio task talks to Redis; one driv
 - `control.Control`: the coordinator's orders (abort, release, pause);
 - `flusher.Flusher` over `services.core.delta_buffer.DeltaBuffer`: deltas, releases, acks;
 - `crash.CrashReporter`: a task that dies of an error reports the crash first;
-- `presence`: registration and heartbeat.
+- `presence`: registration and heartbeat; `redis_login.RedisLogin`: Redis connections wait for
+  the registration and log in as it says.
 Their shared state is a `context.WorkerContext`. This module decides nothing itself.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from services.core.plateau import PlateauEstimator
+from services.infra.signing import key_bytes
 from services.rollout.context import WorkerContext, new_buffer
 from services.rollout.control import Control
 from services.rollout.crash import CrashReporter
@@ -26,16 +28,23 @@ from services.rollout.engines.factory import make_engine
 from services.rollout.flusher import Flusher
 from services.rollout.generation import Generator
 from services.rollout.intake import JobIntake
-from services.rollout.presence import heartbeat_forever
+from services.rollout.presence import heartbeat_forever, register
+from services.rollout.redis_login import RedisLogin
 from services.rollout.settings import RolloutSettings
 from services.rollout.weight_loader import VersionLoader
 
 
 class RolloutWorker:
     def __init__(
-        self, settings: RolloutSettings, r: aioredis.Redis, engine: Engine | None = None
+        self,
+        settings: RolloutSettings,
+        r: aioredis.Redis,
+        engine: Engine | None = None,
+        login: RedisLogin | None = None,
     ) -> None:
         # `engine`: a backend built elsewhere (benchmarks drive the worker with an instant one)
+        # `login`: the credential provider of `r`'s pool, told what each registration answered
+        self.login = login
         self.ctx = WorkerContext(
             s=settings,
             r=r,
@@ -64,7 +73,22 @@ class RolloutWorker:
 
     # ---- the service's tasks ----
     async def jobs_forever(self) -> None:
+        await self.register()  # again each time the task starts again
         await self.intake.run_forever()
+
+    async def register(self) -> None:
+        """Register with the coordinator; Redis connections log in, and delta batches are
+        signed, with what it answered (its own user and key, where it mints them)."""
+        try:
+            answer = await register(self.ctx.s, self.flusher.signing_key)
+        except Exception:
+            if self.login is not None:  # a crash report still reaches Redis, as configured
+                self.login.as_configured()
+            raise
+        self.flusher.signing_key = key_bytes(answer.signing_key) if answer.signing_key else None
+        self.ctx.consumer = answer.consumer or self.ctx.s.worker_id
+        if self.login is not None:
+            self.login.registered(answer)
 
     async def generate_forever(self) -> None:
         await self.generator.run_forever()

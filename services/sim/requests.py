@@ -154,7 +154,8 @@ class RequestFlow:
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
             delta = self.delta(st, rid, run.lease, run.offset, tokens, finished=False)
-            items.append((st, (delta, RequestLease(request_id=rid, lease=run.lease))))
+            lease = RequestLease(request_id=rid, lease=run.lease, grant=delta.grant)
+            items.append((st, (delta, lease)))
         for st, pairs in self.by_step(items):
             batch = DeltaBatch(
                 worker_id=inst.name,
@@ -185,6 +186,7 @@ class RequestFlow:
         return DeltaItem(
             request_id=rid,
             lease=lease,
+            grant=grant_of(st, rid, lease),
             offset=offset,
             token_ids=[0] * tokens,
             logprobs=[0.0] * tokens,
@@ -221,3 +223,10 @@ class RequestFlow:
         self.collect(
             st, DeltaBatch(worker_id=inst.name, version=self.held_version(inst, st), items=[item])
         )
+
+
+def grant_of(st: StepState, rid: str, lease: int) -> str:
+    """The grant of the job an instance runs under `lease`: the table's while that lease is
+    the request's (a delta under an older one is stale whatever it carries)."""
+    r = st.table.requests[rid]
+    return r.grant if r.lease == lease else ""

@@ -57,7 +57,9 @@ class TrainerLoop:
         # builds the policy of a run (model folder, spec, device); benchmarks pass a stand-in
         self.policy_factory = policy_factory or default_policy
         self.r = r
-        self.weights = WeightClient(settings.weightstore_urls(), settings.api_token)
+        self.weights = WeightClient(
+            settings.weightstore_urls(), settings.outgoing_token(), ca_file=settings.tls_ca_file
+        )
         self.versions = VersionPublisher(r, self.weights, settings.work_dir)
         self.between_runs: dict = {"run_id": None, "step": None, "state": "idle"}
         self.run: RunTrainer | None = None  # the run being trained, or the last one

@@ -29,7 +29,13 @@ def main() -> None:
         setup_logging("trainer", settings.log_level)
         from services.trainer.app import build_app
 
-        serve(build_app(settings), settings.host, settings.port, port_file=settings.port_file)
+        serve(
+            build_app(settings),
+            settings.host,
+            settings.port,
+            port_file=settings.port_file,
+            settings=settings,
+        )
         return
     ranks.init(settings.device)
     if ranks.rank() != 0:
@@ -39,7 +45,13 @@ def main() -> None:
     setup_logging("trainer", settings.log_level)
     from services.trainer.app import build_app
 
-    serve(build_app(settings), settings.host, settings.port, port_file=settings.port_file)
+    serve(
+        build_app(settings),
+        settings.host,
+        settings.port,
+        port_file=settings.port_file,
+        settings=settings,
+    )
 
 
 if __name__ == "__main__":

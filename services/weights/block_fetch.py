@@ -63,10 +63,13 @@ class BlockFetch:
         headers: dict[str, str],
         parallel: int,
         swarm: Swarm | None = None,
+        ca_file: Path | str | None = None,
     ) -> None:
-        # sources are base URLs; a block of file f is at {source}{files_path}/{f}
+        # sources are base URLs; a block of file f is at {source}{files_path}/{f}; an https://
+        # source (the store's or a peer's server with a certificate) is verified against ca_file
         self.store, self.files_path, self.folder = store, files_path, folder
         self.headers, self.parallel, self.swarm = headers, parallel, swarm
+        self.ca_file = ca_file
         self.picker = SourcePicker(store, per_peer=parallel)
         self.from_store = 0  # bytes
         self.from_peers = 0
@@ -113,6 +116,7 @@ class BlockFetch:
                     block.sha256,
                     self.headers,
                     timeout,
+                    self.ca_file,
                 )
             except SourceBusy:
                 self.picker.busy(source, time.monotonic())

@@ -9,12 +9,17 @@ page cache to the socket, no byte passes through Python). uvicorn has no such pa
 (the services' loop) has no sendfile, so this server runs apart: in a thread, on a plain asyncio
 loop of its own. It decides nothing about what may be served: `resolve` says which file, if any,
 answers a request.
+
+Given an SSLContext (the service's certificate, `services.infra.tls.server_context`) it serves
+HTTPS. The kernel cannot encrypt, so there is no sendfile under TLS: asyncio's `loop.sendfile`
+finds the TLS transport unable to and falls back to reading the file into buffers and writing
+them through the TLS layer (every byte passes through Python and OpenSSL).
 """
 
 import asyncio
-import hmac
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +28,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter
 
+from services.infra.scopes import Scope, Tokens, allows, bearer_of, refusal_text
 from services.weights.contract import MAX_VERSION
 
 log = logging.getLogger(__name__)
@@ -98,13 +104,18 @@ class BlockServer:
         resolve: Resolve,
         host: str,
         port: int = 0,
-        token: str | None = None,
+        token: Tokens | str | None = None,
         max_serving: int = 16,
         egress_bytes_per_s: float | None = None,
         name: str = "store",
+        ssl_context: ssl.SSLContext | None = None,
+        scopes: frozenset[Scope] = frozenset({"read"}),
     ) -> None:
         self.resolve, self.host, self.port = resolve, host, port
-        self.token, self.max_serving, self.name = token, max_serving, name
+        self.ssl_context = ssl_context  # None: plain HTTP
+        # the tokens it accepts (a plain string: the admin token), the scopes that may read
+        self.tokens = Tokens.of(token, None) if isinstance(token, str) else token
+        self.scopes, self.max_serving, self.name = scopes, max_serving, name
         self.egress = egress_bytes_per_s
         self.serving = 0
         self.served, self._refused = SERVED.labels(name), REFUSED.labels(name)
@@ -122,7 +133,8 @@ class BlockServer:
         )
         self._thread.start()
         ready.wait()
-        log.info("serving weight blocks on %s:%d", self.host, self.port)
+        scheme = "https" if self.ssl_context is not None else "http"
+        log.info("serving weight blocks on %s://%s:%d", scheme, self.host, self.port)
         return self.port
 
     def stop(self) -> None:
@@ -144,7 +156,7 @@ class BlockServer:
         app.router.add_get(FILES, serve)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
+        loop.run_until_complete(web.SockSite(runner, sock, ssl_context=self.ssl_context).start())
         ready.set()
         try:
             loop.run_until_complete(self._stop.wait())
@@ -152,15 +164,21 @@ class BlockServer:
             loop.run_until_complete(runner.cleanup())
             loop.close()
 
-    def _authorized(self, request: web.Request) -> bool:
-        if self.token is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """The 401 or 403 a request gets (its token, its scope), None when it may read."""
+        if self.tokens is None or not self.tokens.on:
+            return None
+        granted = self.tokens.scope_of(bearer_of(request.headers.get("Authorization", "")))
+        if granted is None:
+            return web.json_response({"detail": "a valid bearer token is required"}, status=401)
+        if not allows(granted, self.scopes):
+            return web.json_response({"detail": refusal_text(granted, self.scopes)}, status=403)
+        return None
 
     async def _serve(self, request: web.Request, limit: EgressLimit | None) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response({"detail": "a valid bearer token is required"}, status=401)
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
         info = request.match_info
         try:
             version = int(info["version"])

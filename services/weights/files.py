@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from services.infra import tls
 from services.weights.contract import FileEntry, WeightTransferError, content_digest
 
 UPLOAD_BLOCK = 1024 * 1024  # bytes read at a time to hash or upload a file
@@ -130,12 +131,21 @@ def fetch_range(
     sha256: str | None = None,
     headers: dict[str, str] | None = None,
     timeout: float = 60.0,
+    ca_file: Path | str | None = None,
 ) -> None:
     """Copy bytes [start, end] of `url` into `path` at their offset, in blocks read straight
     into one buffer, checking their sha256 when given (the stdlib client in a thread moves
-    several GB/s; httpx's async streaming tops out near 0.3 GB/s here)."""
+    several GB/s; httpx's async streaming tops out near 0.3 GB/s here). An https:// URL is
+    verified against `ca_file` (None: the system's CAs)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        context = tls.client_context(ca_file)
+        conn = http.client.HTTPSConnection(
+            parts.hostname or "", parts.port, timeout=timeout, context=context
+        )
+    else:
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     digest = hashlib.sha256()
     try:
         # the bearer token too: a store with protected reads guards its files

@@ -62,9 +62,11 @@ async def fetch_whole(
     same: dict[str, Path],
     parallel: int,
     headers: dict[str, str],
+    ca_file: Path | str | None = None,
 ) -> None:
     """The files without block hashes (an older store's), from the store in ranges of
-    CHUNK_BYTES, `parallel` at a time, each checked whole once it is in."""
+    CHUNK_BYTES, `parallel` at a time, each checked whole once it is in (https: verified
+    against `ca_file`)."""
     gate = asyncio.Semaphore(parallel)
     whole = [e for e in entries if e.blocks() is None and e.name not in same]
 
@@ -79,6 +81,8 @@ async def fetch_whole(
                 end,
                 None,
                 headers,
+                60.0,
+                ca_file,
             )
 
     await asyncio.gather(

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from services.infra import tls
 from services.infra.service import auth_headers
 from services.weights.answers import parse_answer, read_manifest
 from services.weights.block_fetch import BlockFetch, Swarm
@@ -58,12 +59,21 @@ class PullResult:
 
 
 class WeightClient:
-    def __init__(self, urls: list[str], token: str | None = None, parallel: int = 8) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        token: str | None = None,
+        parallel: int = 8,
+        ca_file: Path | str | None = None,
+    ) -> None:
+        """`ca_file`: https:// replicas and peers are verified against this CA (the setting
+        `tls_ca_file`); None: the system's trust store."""
         if not urls:
             raise ValueError("at least one weight store URL is needed")
         self.urls = urls
         self.headers = auth_headers(token)
         self.parallel = parallel
+        self.ca_file = ca_file
         self._next = 0
         self._block_sources: dict[str, str] = {}  # replica -> where it serves its files
         self._block_misses: dict[str, int] = {}  # replica -> attempts failed in a row on it
@@ -71,8 +81,9 @@ class WeightClient:
         self._uploaded: dict[tuple[str, str], tuple[int, dict[str, str]]] = {}
 
     def _http(self, timeout: float) -> httpx.AsyncClient:
+        verify = tls.ca_context(str(self.ca_file)) if self.ca_file else tls_context()
         return httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout), headers=self.headers, verify=tls_context()
+            timeout=httpx.Timeout(timeout), headers=self.headers, verify=verify
         )
 
     def _replicas(self) -> list[str]:
@@ -265,7 +276,13 @@ class WeightClient:
         blocks = plan_blocks(manifest.files)
         files_path = f"/v1/models/{model}/versions/{version}/files"
         fetch = BlockFetch(
-            await self._block_source(base), files_path, partial, self.headers, self.parallel, swarm
+            await self._block_source(base),
+            files_path,
+            partial,
+            self.headers,
+            self.parallel,
+            swarm,
+            self.ca_file,
         )
         try:
             if swarm is not None:
@@ -280,6 +297,7 @@ class WeightClient:
                     same,
                     self.parallel,
                     self.headers,
+                    self.ca_file,
                 ),
             )
             write_complete(partial, version, digest, {e.name: e.sha256 for e in manifest.files})

@@ -14,8 +14,16 @@ from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
+from services.infra import tls
 from services.infra.http_limits import guard_input
-from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, errors
+from services.infra.scopes import Scope
+from services.infra.service import (
+    BackgroundTasks,
+    add_health_and_metrics,
+    auth_for,
+    errors,
+    tokens_of,
+)
 from services.weights.block_server import BlockServer
 from services.weights.contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
 from services.weightstore.settings import WeightStoreSettings
@@ -28,6 +36,7 @@ Version = Annotated[int, Path(ge=0, le=MAX_VERSION)]
 Name = Annotated[str, Path(min_length=1, max_length=200)]
 UPLOAD = "/v1/models/{model}/versions/{version}/files/{name}"
 COMMIT = "/v1/models/{model}/versions/{version}/commit"
+READERS: tuple[Scope, ...] = ("read", "worker", "trainer")  # who may read the store's files
 
 
 class ModelList(BaseModel):
@@ -72,9 +81,11 @@ def block_server(settings: WeightStoreSettings, storage: WeightStorage) -> Block
         partial(committed_file, storage),
         settings.host,
         settings.block_port,
-        settings.api_token if settings.protect_reads else None,
+        tokens_of(settings) if settings.protect_reads else None,
         settings.max_serving,
         settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
+        ssl_context=tls.server_context(settings),
+        scopes=frozenset(READERS),
     )
 
 
@@ -124,7 +135,7 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     add_health_and_metrics(app, "weightstore", tasks, auth=auth)
     guard_input(
         app,
-        settings.api_token,
+        tokens_of(settings),
         settings.max_body_bytes,
         {UPLOAD: settings.max_file_bytes, COMMIT: settings.max_manifest_bytes},
     )
@@ -133,13 +144,14 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def storage_error(request: Request, exc: StorageError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
+    trainer, reader = auth.need("trainer"), auth.need(*READERS)
     write: dict[str, Any] = {
-        "dependencies": auth.write,
-        "responses": {**auth.write_errors, **errors(400, 409, 413)},
+        "dependencies": trainer.dependencies,
+        "responses": {**trainer.responses, **errors(400, 409, 413)},
     }
     read: dict[str, Any] = {
-        "dependencies": auth.read,
-        "responses": {**auth.read_errors, **errors(400, 404)},
+        "dependencies": reader.dependencies,
+        "responses": {**reader.responses, **errors(400, 404)},
     }
 
     @app.put(UPLOAD, response_model=FileEntry, **write)
@@ -199,9 +211,9 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     @app.get(
         "/v1/models/{model}/versions/{version}/files/{name}",
         response_class=ShardResponse,
-        dependencies=auth.read,
+        dependencies=reader.dependencies,
         responses={
-            **auth.read_errors,
+            **reader.responses,
             **errors(400, 404, 416),
             200: {"content": {"application/octet-stream": {}}, "description": "File bytes."},
             206: {"content": {"application/octet-stream": {}}, "description": "A byte range."},

@@ -1,10 +1,23 @@
 """The sets of values the chart is rendered with: each cloud's spot preset, KEDA on and off, HPA
-mode, a managed Redis, GPUs on and off, monitoring and ingress on. Each is the chart's defaults
-plus these overrides, with a token."""
+mode, a managed Redis, GPUs on and off, monitoring and ingress on, each part of least privilege
+(Redis users, scoped tokens, TLS) on and off. Each is the chart's defaults plus these overrides,
+with the Secrets that `spotrl secrets` makes named (SECURE)."""
 
 from typing import Any
 
 TOKEN = "chart-test-token"
+SECURITY_SECRET = "spotrl-security"
+TLS_SECRET = "spotrl-tls"
+SECURE: dict[str, Any] = {
+    "security": {"existingSecret": SECURITY_SECRET},
+    "tls": {"existingSecret": TLS_SECRET},
+}
+# Every protection off: one token, no Redis users, plain text (the chart before issue 41).
+INSECURE: dict[str, Any] = {
+    "security": {"existingSecret": "", "redisAcl": False, "scopedTokens": False},
+    "tls": {"enabled": False, "existingSecret": ""},
+    "auth": {"token": TOKEN},
+}
 
 
 def pool(name: str, kind: str = "preemptible", **fields: Any) -> dict[str, Any]:
@@ -50,7 +63,19 @@ CASES: dict[str, dict[str, Any]] = {
             "defaults": {"engine": "vllm", "replicas": 3},
         }
     },
-    "managed-redis": {"redis": {"enabled": False, "url": "rediss://:pw@redis.example.test:6380/0"}},
+    # with Redis users, the URL is the workers' (no password): each gets a user at registration
+    "managed-redis": {"redis": {"enabled": False, "url": "rediss://redis.example.test:6380/0"}},
+    "managed-redis-password": {
+        "redis": {"enabled": False, "url": "rediss://:pw@redis.example.test:6380/0"},
+        "security": {"redisAcl": False},
+    },
+    "security-off": INSECURE,
+    "tokens-only": {"security": {"redisAcl": False}, "tls": {"enabled": False}},
+    "acl-and-tls-one-token": {"security": {"scopedTokens": False}, "auth": {"token": TOKEN}},
+    "rollout-certificate-p2p": {
+        "tls": {"rolloutSecret": "spotrl-tls-rollout", "peerToPeer": True},
+        "monitoring": {"podMonitor": {"enabled": True}},
+    },
     "two-spot-pools-keda": {
         "rollout": {
             "pools": [
@@ -62,7 +87,7 @@ CASES: dict[str, dict[str, Any]] = {
         "autoscaling": {"enabled": True, "mode": "keda"},
     },
     "monitoring-ingress": {
-        "auth": {"token": TOKEN, "protectReads": True},
+        "auth": {"protectReads": True},
         "monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         "ingress": {"enabled": True, "className": "nginx", "host": "rl.example.test"},
         "networkPolicy": {
@@ -73,6 +98,7 @@ CASES: dict[str, dict[str, Any]] = {
         "coordinator": {"settings": {"stall_after_s": 10, "reward_processes": 2}},
     },
     "existing-secret-and-claims": {
+        "security": {"scopedTokens": False},
         "auth": {"token": "", "existingSecret": "my-spotrl", "existingSecretKey": "api"},
         "models": {"existingClaim": "models-rox"},
         "weightstore": {
@@ -86,6 +112,7 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
     "policies-off": {
+        **INSECURE,
         "networkPolicy": {"enabled": False},
         "reserved": {"podDisruptionBudget": {"enabled": False}},
         "weightstore": {"replicas": 2, "persistence": {"accessModes": ["ReadWriteMany"]}},
@@ -94,8 +121,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def values_of(case: str) -> dict[str, Any]:
-    values = {"auth": {"token": TOKEN}}
-    return merge(values, CASES[case])
+    return merge(SECURE, CASES[case])
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from services.infra.scopes import accept_list
 from services.infra.settings import is_loopback
 from services.rollout.settings import RolloutSettings
 from tests.chart.invariants import (
@@ -28,6 +29,22 @@ from tests.chart.invariants import (
 )
 
 POD_IP = "192.0.2.10"  # what status.podIP stands for when a settings class reads the env
+ACCEPTING = ("SPOTRL_API_TOKEN", "SPOTRL_ACCEPT_TOKENS")  # the settings that switch auth on
+# What the security Secret's keys stand for when a settings class reads the env: one token per
+# scope, the accept lists of their digests, Redis URLs with a role's user.
+TEST_TOKENS = {
+    scope: f"chart-test-{scope}-token" for scope in ("admin", "worker", "trainer", "read")
+}
+
+
+def secret_stand_in(secret: str, key: str) -> str:
+    if key.endswith("-token") and key.removesuffix("-token") in TEST_TOKENS:
+        return TEST_TOKENS[key.removesuffix("-token")]
+    if key.startswith("accept-"):
+        return accept_list(TEST_TOKENS)
+    if key.startswith("redis-url-"):
+        return f"rediss://spotrl-{key.removeprefix('redis-url-')}:pw@spotrl-redis:6379/0"
+    return f"secret:{secret}/{key}"
 
 
 def pool_workload(objs: list[dict], pool: str) -> dict:
@@ -103,8 +120,9 @@ def grace_problems(objs: list[dict]) -> list[str]:
     return out
 
 
-def token_problems(objs: list[dict], existing_secret: str = "") -> list[str]:
-    """Nothing listens off loopback without the token, and the token comes from a Secret."""
+def token_problems(objs: list[dict], existing_secrets: frozenset[str] = frozenset()) -> list[str]:
+    """Nothing listens off loopback without the tokens it accepts (the one API token, or the
+    scoped ones' digests), from a Secret rendered or named by the values."""
     secrets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
     out = []
     for w in workloads(objs):
@@ -115,15 +133,21 @@ def token_problems(objs: list[dict], existing_secret: str = "") -> list[str]:
             host = env.get("SPOTRL_HOST", {}).get("value", IMAGE_DEFAULT_HOST)
             if is_loopback(host):
                 continue
-            ref = env.get("SPOTRL_API_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
-            if ref is None:
+            refs = [
+                ref
+                for var in ACCEPTING
+                if (ref := env.get(var, {}).get("valueFrom", {}).get("secretKeyRef"))
+            ]
+            if not refs:
                 out.append(
                     f"{name(w)}/{c['name']}: listens on {host} without a token from a Secret"
                 )
-            elif ref["name"] != existing_secret and ref["key"] not in secrets.get(
-                ref["name"], {}
-            ).get("data", {}):
-                out.append(f"{name(w)}/{c['name']}: token from {ref}, which is not rendered")
+            out += [
+                f"{name(w)}/{c['name']}: token from {ref}, which is not rendered"
+                for ref in refs
+                if ref["name"] not in existing_secrets
+                and ref["key"] not in secrets.get(ref["name"], {}).get("data", {})
+            ]
     return out
 
 
@@ -187,7 +211,7 @@ def resolved_env(container: dict) -> dict[str, str]:
     for var, entry in env_of(container).items():
         source = entry.get("valueFrom", {})
         if "secretKeyRef" in source:
-            value = f"secret:{source['secretKeyRef']['name']}/{source['secretKeyRef']['key']}"
+            value = secret_stand_in(source["secretKeyRef"]["name"], source["secretKeyRef"]["key"])
         elif "fieldRef" in source:
             value = POD_IP
         else:

@@ -1,16 +1,17 @@
 """The Helm chart (deploy/helm/spotrl): `helm lint --strict`, renders over a matrix of values
 (tests/chart/cases.py), every object valid on the oldest and the newest Kubernetes release we
-claim, the ScaledObject valid for KEDA, the invariants of invariants.py and pod_rules.py, and
-the values the chart must refuse. Where the tools are missing it skips with the reason; with
-CI=true it fails instead (`make setup-chart` installs them)."""
+claim, the ScaledObject valid for KEDA, the invariants of invariants.py and pod_rules.py, the
+least-privilege rules of security_rules.py (each component only its own credentials, TLS on every
+hop, Redis on its ACL file), and the values the chart must refuse. Where the tools are missing it
+skips with the reason; with CI=true it fails instead (`make setup-chart` installs them)."""
 
 import json
 import re
 
 import pytest
 
-from tests.chart import invariants, pod_rules
-from tests.chart.cases import CASES, TOKEN, pool, values_of
+from tests.chart import invariants, pod_rules, security_rules
+from tests.chart.cases import CASES, SECURITY_SECRET, TLS_SECRET, TOKEN, merge, pool, values_of
 from tests.chart.helm import CHART, render, render_error, require_tools, run_helm
 from tests.chart.schemas import (
     KEDA_KIND,
@@ -39,8 +40,9 @@ def pools_of(case: str) -> list[dict]:
     ]
 
 
-def test_lint_strict():
-    done = run_helm("lint", "--strict", str(CHART), values={"auth": {"token": TOKEN}})
+@pytest.mark.parametrize("case", ["defaults", "security-off"])
+def test_lint_strict(case):
+    done = run_helm("lint", "--strict", str(CHART), values=values_of(case))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -54,7 +56,11 @@ def test_objects_are_valid_kubernetes(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_invariants(case):
     objs = rendered(case)
-    existing = values_of(case)["auth"].get("existingSecret", "")
+    values = values_of(case)
+    existing = frozenset(
+        (values.get("auth", {}).get("existingSecret", ""), values["security"]["existingSecret"])
+    )
+    sec = security_rules.Security.of(values)
     problems = (
         invariants.selector_problems(objs)
         + invariants.scrape_problems(objs)
@@ -67,12 +73,22 @@ def test_invariants(case):
         + pod_rules.settings_problems(objs)
         + pod_rules.security_problems(objs)
         + pod_rules.probe_problems(objs)
+        + security_rules.grant_problems(objs, sec)
+        + security_rules.url_problems(objs, sec)
+        + security_rules.tls_problems(objs, sec)
+        + security_rules.redis_acl_problems(objs, sec)
     )
     assert not problems, "\n".join(problems)
 
 
-# Settings the chart never lets values set: one value per Deployment would be one per replica.
-NOT_SETTABLE = {"fault_crash_requests", "worker_id", "replica_id"}
+# Settings the chart never lets values set: one value per Deployment would be one per replica;
+# credentials come from Secrets only, never from values.
+NOT_SETTABLE = {"fault_crash_requests", "worker_id", "replica_id"} | {
+    "api_token",
+    "token",
+    "accept_tokens",
+    "redis_url",
+}
 SETTINGS_AT = {
     "CoordinatorSettings": ("coordinator",),
     "WeightStoreSettings": ("weightstore",),
@@ -83,10 +99,11 @@ SETTINGS_AT = {
 
 def test_schema_lets_values_set_every_setting_the_chart_does_not():
     """values.schema.json lists the settings a values file may set per service: each a field of
-    its class, and every field but those the chart sets itself (a typo fails at install)."""
+    its class, and every field but those the chart sets itself, with least privilege on or off
+    (a typo fails at install)."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     chart_sets: dict[type, set[str]] = {}
-    for w in invariants.workloads(rendered("defaults")):
+    for w in invariants.workloads(rendered("defaults") + rendered("security-off")):
         for c in invariants.containers(w):
             if cls := invariants.spotrl_settings(c):
                 names = {e["name"].removeprefix("SPOTRL_").lower() for e in c["env"]}
@@ -109,15 +126,20 @@ def test_an_unknown_kind_is_invalid():
     assert kubernetes_problem({**service, "apiVersion": "v2"}, OLDEST_KUBERNETES)
 
 
-def test_notes_say_how_to_submit_a_run_and_open_the_dashboard():
-    done = run_helm(
-        "install", "spotrl", str(CHART), "--dry-run=client", values={"auth": {"token": TOKEN}}
-    )
+def notes_of(case: str) -> str:
+    done = run_helm("install", "spotrl", str(CHART), "--dry-run=client", values=values_of(case))
     assert done.returncode == 0, done.stderr
-    notes = done.stdout.partition("NOTES:")[2]
+    return done.stdout.partition("NOTES:")[2]
+
+
+def test_notes_say_how_to_submit_a_run_and_open_the_dashboard():
+    notes = notes_of("defaults")
     assert "port-forward svc/spotrl-coordinator 8100:8100" in notes
     assert "/v1/runs" in notes and "dashboard" in notes
-    assert "secret spotrl-token" in notes
+    assert f"secret {SECURITY_SECRET} -o jsonpath='{{.data.admin-token}}'" in notes
+    assert f"secret {TLS_SECRET}" in notes and "https://localhost:8100" in notes
+    assert "UNPROTECTED" not in notes
+    assert "secret spotrl-token" in notes_of("security-off")
 
 
 def test_defaults_are_a_small_cpu_deployment():
@@ -201,7 +223,27 @@ def test_managed_redis_renders_no_redis_objects():
 
 
 REFUSED = {
-    "no token": ({"auth": {"token": ""}}, "auth.token or auth.existingSecret is required"),
+    "no security Secret": (
+        {"security": {"existingSecret": ""}},
+        "security.existingSecret is required",
+    ),
+    "no security Secret, Redis users only": (
+        {"security": {"existingSecret": "", "scopedTokens": False}, "auth": {"token": TOKEN}},
+        "in namespace rl (docs/deploy-kubernetes.md",
+    ),
+    "no TLS Secret": ({"tls": {"existingSecret": ""}}, "tls.existingSecret is required"),
+    "a worker's Redis URL with a password": (
+        {"redis": {"enabled": False, "url": "rediss://:pw@redis.example.test:6380/0"}},
+        "no credentials in it",
+    ),
+    "a credential in settings": (
+        {"rollout": {"pools": [pool("spot", settings={"accept_tokens": "admin:00"})]}},
+        "accept_tokens",
+    ),
+    "no token": (
+        {"security": {"scopedTokens": False}, "auth": {"token": ""}},
+        "auth.token or auth.existingSecret is required",
+    ),
     "a short token": ({"auth": {"token": "secret"}}, "auth/token"),
     "a misspelt key": ({"rollout": {"pols": []}}, "pols"),
     "a misspelt pool field": (
@@ -239,8 +281,5 @@ REFUSED = {
 @pytest.mark.parametrize("what", sorted(REFUSED))
 def test_render_refuses(what):
     overrides, says = REFUSED[what]
-    values = {"auth": {"token": TOKEN}} | overrides
-    if "auth" in overrides:
-        values["auth"] = overrides["auth"]
-    error = render_error(values)
+    error = render_error(merge(values_of("defaults"), overrides))
     assert re.search(re.escape(says), error), error

@@ -60,12 +60,4 @@ class Deployment(LocalDeployment):
         if while_down is not None:
             while_down()
         port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-        proc, _ = procs.start_redis(
-            self.log_dir,
-            self.work_dir / "redis",
-            port,
-            appendonly=self.config.redis_appendonly,
-            maxmemory_mb=self.config.redis_maxmemory_mb,
-        )
-        self.procs["redis"] = proc
-        return proc
+        return self.start_redis(port)

@@ -19,6 +19,7 @@ from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
 from services.coordinator.step_store import StepStore
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import connect, ensure_group
+from tests.conftest import apply
 
 from .conftest import run_events
 
@@ -42,7 +43,12 @@ def new_table() -> RequestTable:
 
 def delta(rid: str, offset: int, tokens: list[int], lease: int) -> DeltaItem:
     return DeltaItem(
-        request_id=rid, lease=lease, offset=offset, token_ids=tokens, logprobs=[-1.0] * len(tokens)
+        request_id=rid,
+        lease=lease,
+        grant="",
+        offset=offset,
+        token_ids=tokens,
+        logprobs=[-1.0] * len(tokens),
     )
 
 
@@ -52,7 +58,7 @@ async def queue_and_read(r, table: RequestTable, readers: dict[str, int]) -> dic
     worker acknowledges a job only once it finished or released it)."""
     await ensure_group(r, STREAM, keys.WORKERS_GROUP)
     async with r.pipeline(transaction=True) as pipe:
-        StepStore(r, RUN, STEP).stage_queued(pipe, 1.0)
+        StepStore(r, RUN, STEP).stage_queued(pipe, table, 1.0)
         for job in table.initial_jobs():
             pipe.xadd(STREAM, job.fields())
         await pipe.execute()
@@ -115,7 +121,7 @@ def test_a_dead_workers_requests_continue_under_a_new_lease_once(empty_redis_url
             r, table, held = step.r, step.table, step.held
             await alive(r, "w-alive")  # w-dead has no heartbeat: it died without notice
             rid_a, rid_b = held["w-dead"]
-            table.apply(delta(rid_a, 0, [7, 8], lease=0))  # it had flushed two tokens of one
+            apply(table, delta(rid_a, 0, [7, 8], lease=0))  # it had flushed two tokens of one
 
             assert await step.reclaim() == ["w-dead"]
             jobs = {job.request_id: job for job in await step.requeued()}
@@ -145,7 +151,7 @@ def test_with_migration_off_a_dead_workers_request_starts_over(empty_redis_url):
     async def scenario():
         async with queued_step(empty_redis_url, {"w-dead": 1}) as step:
             (rid,) = step.held["w-dead"]
-            step.table.apply(delta(rid, 0, [5, 5, 5], lease=0))
+            apply(step.table, delta(rid, 0, [5, 5, 5], lease=0))
             assert await step.reclaim(migration=False) == ["w-dead"]
             (job,) = await step.requeued()
         assert (job.request_id, job.lease, job.prefix_ids, job.remaining_tokens) == (rid, 1, [], 6)
@@ -160,7 +166,7 @@ def test_a_job_whose_request_moved_on_is_acknowledged_not_migrated_again(empty_r
             table = step.table
             moved, stays = step.held["w-dead"]
             table.migrate(moved, "preemption")  # released before it died: already on lease 1
-            table.apply(delta(stays, 0, [1, 2, 3, 4, 5, 6], lease=0))  # and one it had finished
+            apply(table, delta(stays, 0, [1, 2, 3, 4, 5, 6], lease=0))  # and one it had finished
             assert await step.reclaim() == ["w-dead"]
             assert await step.requeued() == []
             assert table.requests[moved].lease == 1 and table.requests[stays].lease == 0
@@ -188,14 +194,14 @@ def test_a_worker_back_from_the_dead_is_fenced(empty_redis_url):
             (rid,) = step.held["w-dead"]
             await step.reclaim()
             # it was only slow: it flushes under the lease it had, which moved on
-            assert table.apply(delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
+            assert apply(table, delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
             assert table.requests[rid].token_ids == []
             await fence(r, RUN, {"w-dead": {(rid, 0)}})
             entries = await r.xrange(keys.worker_control("w-dead"))
             (order,) = [WorkerControl.from_fields(fields) for _, fields in entries]
             assert (order.action, order.run_id) == ("abort", RUN)
             assert [(q.request_id, q.lease) for q in order.requests] == [(rid, 0)]
-            assert table.apply(delta(rid, 0, [4], lease=1)) is Applied.APPENDED  # the new lease
+            assert apply(table, delta(rid, 0, [4], lease=1)) is Applied.APPENDED  # the new lease
 
     asyncio.run(scenario())
 

@@ -24,6 +24,7 @@ from services.core.request_table import RequestTable
 from services.infra.redis_streams import connect
 from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
+from tests.conftest import apply_all
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import collected, small_spec, wait_final, wait_until
 from tests.unit.test_request_table import delta
@@ -48,7 +49,7 @@ def test_a_killed_workers_requests_resume_only_with_tokens_of_their_new_lease(em
 
         async def stored(*items: DeltaItem) -> None:
             """A read of the collector: applied to the table, staged in one MULTI."""
-            table.apply_all(list(items))
+            apply_all(table, list(items))  # from the holders of the leases
             async with ar.pipeline(transaction=True) as pipe:
                 store.stage_requests(pipe, table, {item.request_id for item in items})
                 await pipe.execute()

@@ -15,6 +15,7 @@ from services.infra.redis_streams import (
     read_group,
     while_out_of_memory,
 )
+from tests.conftest import apply
 
 
 def job(i: int) -> Job:
@@ -22,6 +23,7 @@ def job(i: int) -> Job:
         run_id="r",
         request_id=str(i),
         lease=0,
+        grant="g",
         version=0,
         prompt_ids=[1],
         remaining_tokens=2,
@@ -100,6 +102,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
         return DeltaItem(
             request_id="0:0:0",
             lease=0,
+            grant="",
             offset=offset,
             token_ids=tokens,
             logprobs=[-1.0] * len(tokens),
@@ -113,7 +116,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
         await r.delete(*store.scratch_keys())
         sent = []
         for offset, tokens, finished in ((0, [3, 4], False), (2, [5], False), (3, [6], True)):
-            table.apply(item(offset, tokens, finished))
+            apply(table, item(offset, tokens, finished))
             staged = StagedWrites()
             store.stage_requests(staged, table, {"0:0:0"})
             sent.append([name for name, _, _ in staged.ops])

@@ -13,6 +13,7 @@ from services.coordinator.scheduling import StepScheduler, alive_workers, forget
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.redis_streams import connect, ensure_group
+from services.infra.redis_users import mint_worker_user
 
 RUN, STEP = "run-sched", 2
 WINDOW_S = 0.3
@@ -114,16 +115,22 @@ def test_workers_gone_long_enough_are_forgotten_with_their_keys(empty_redis_url)
         await register(r, [beat("w-alive", "preemptible")], ("w-gone",))
         await r.hset(keys.worker("w-gone"), "pool", "preemptible")
         await r.xadd(keys.worker_control("w-gone"), {"m": b"x"})
+        await r.hset(keys.WORKER_KEYS, "w-gone", "00")
+        user, _ = await mint_worker_user(r, "w-gone")
         now = time.time()
         # first seen gone now: remembered, not forgotten yet
         assert await forget_gone_workers(r, {"w-alive"}, now, after_s=60) == []
         assert await r.sismember(keys.WORKER_INDEX, "w-gone")
         assert await forget_gone_workers(r, {"w-alive"}, now + 30, after_s=60) == []
-        assert await forget_gone_workers(r, {"w-alive"}, now + 61, after_s=60) == ["w-gone"]
+        forgotten = await forget_gone_workers(r, {"w-alive"}, now + 61, 60, drop_users=True)
+        assert forgotten == ["w-gone"]
         left = await r.smembers(keys.WORKER_INDEX)
         exists = await r.exists(keys.worker("w-gone"), keys.worker_control("w-gone"))
+        signing_key = await r.hget(keys.WORKER_KEYS, "w-gone")
+        redis_user = await r.execute_command("ACL", "GETUSER", user)
         await r.aclose()
         assert left == {b"w-alive"} and exists == 0
+        assert signing_key is None and redis_user is None  # its Redis user went with it
 
     asyncio.run(scenario())
 

@@ -10,8 +10,9 @@ from services.contracts.messages import DeltaItem
 from services.contracts.sampling import SamplingParams
 from services.coordinator.step_store import StepStore
 from services.core.episodes import EpisodeTable, Observation
-from services.core.request_table import RequestTable
+from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import connect
+from tests.conftest import apply, apply_all
 
 RUN, STEP = "run-store", 3
 
@@ -34,6 +35,7 @@ def delta(rid: str, offset: int, tokens: list[int], lease: int = 0, finish=None)
     return DeltaItem(
         request_id=rid,
         lease=lease,
+        grant="",
         offset=offset,
         token_ids=tokens,
         logprobs=[-0.5 - t / 10 for t in tokens],
@@ -46,7 +48,7 @@ async def stage(r, store: StepStore, table: RequestTable, rids, queued_at=None, 
     """One coordinator batch: what changed, in one MULTI."""
     async with r.pipeline(transaction=True) as pipe:
         if queued_at is not None:
-            store.stage_queued(pipe, queued_at)
+            store.stage_queued(pipe, table, queued_at)
         store.stage_requests(pipe, table, set(rids))
         for p in groups.get("published", ()):
             store.stage_published(pipe, p)
@@ -57,7 +59,15 @@ async def stage(r, store: StepStore, table: RequestTable, rids, queued_at=None, 
 
 def snapshot(table: RequestTable) -> dict:
     return {
-        rid: (r.token_ids, r.logprobs, r.version_runs, r.lease, r.finish_reason, r.crashed_on)
+        rid: (
+            r.token_ids,
+            r.logprobs,
+            r.version_runs,
+            r.lease,
+            r.grant,
+            r.finish_reason,
+            r.crashed_on,
+        )
         for rid, r in table.requests.items()
     }
 
@@ -69,12 +79,12 @@ def test_a_restarted_coordinator_restores_the_step_as_it_was_staged(empty_redis_
         await stage(r, store, table, [], queued_at=1234.5)
         # group 0 complete and handed to the trainer; group 1 dropped (poison); group 2 going
         for rid in ("3:0:0", "3:0:1"):
-            table.apply(delta(rid, 0, [5, 6], finish="stop"))
-        table.apply(delta("3:2:0", 0, [7, 8]))
-        table.apply(delta("3:2:0", 2, [9]), version=STEP + 1)  # a newer version went on
+            apply(table, delta(rid, 0, [5, 6], finish="stop"))
+        apply(table, delta("3:2:0", 0, [7, 8]))
+        apply(table, delta("3:2:0", 2, [9]), version=STEP + 1)  # a newer version went on
         table.note_crash("3:2:1", 0, "worker-a")
         table.migrate("3:2:1", "crash")  # lease 1, runs isolated from now on
-        table.apply(delta("3:2:1", 0, [4], lease=1))
+        apply(table, delta("3:2:1", 0, [4], lease=1))
         table.mark_published([0])
         table.quarantine(1)
         await stage(r, store, table, table.requests, published=[0], quarantined=[1])
@@ -100,6 +110,40 @@ def test_a_restarted_coordinator_restores_the_step_as_it_was_staged(empty_redis_
     asyncio.run(scenario())
 
 
+def test_the_grants_of_the_queued_jobs_survive_a_restart(empty_redis_url):
+    """The jobs queued before a restart are still read and worked on: their grants are written
+    with them, and a coordinator that restores the step takes their deltas (and a new lease's
+    grant, staged with its continuation, replaces the old one)."""
+
+    async def scenario():
+        r = connect(empty_redis_url)
+        table, store = new_table(), StepStore(r, RUN, STEP)
+        queued = table.initial_jobs()
+        await stage(r, store, table, [], queued_at=1.0)  # the queue's MULTI: no token yet
+        restored, second = new_table(), StepStore(r, RUN, STEP)  # a new coordinator
+        assert await second.restore(restored) == 1.0
+        assert {j.request_id: j.grant for j in queued} == {
+            rid: req.grant for rid, req in restored.requests.items()
+        }
+        job = queued[0]
+        held = delta(job.request_id, 0, [5]).replace(grant=job.grant)
+        assert restored.apply(held) is Applied.APPENDED  # from the worker that read it
+        forged = delta(queued[1].request_id, 0, [5]).replace(grant="0" * 16)
+        assert restored.apply(forged) is Applied.WRONG_GRANT
+        moved = restored.migrate(job.request_id, "balance")
+        assert moved is not None and moved.grant != job.grant
+        await stage(r, second, restored, [job.request_id])
+        last = new_table()
+        await StepStore(r, RUN, STEP).restore(last)
+        await r.aclose()
+        assert last.requests[job.request_id].grant == moved.grant
+        assert last.requests[job.request_id].lease == 1
+        stale = held.replace(lease=1, offset=1)  # the old holder does not know the new grant
+        assert last.apply(stale) is Applied.WRONG_GRANT
+
+    asyncio.run(scenario())
+
+
 def test_a_step_never_queued_restores_nothing(empty_redis_url):
     async def scenario():
         r = connect(empty_redis_url)
@@ -121,12 +165,12 @@ def test_each_staging_appends_only_the_new_tokens_and_a_restart_from_zero_replac
         await stage(r, store, table, [], queued_at=1.0)
         # the last delta repeats a token, and its new one comes from a newer version
         for offset, tokens, version in ((0, [1, 2], 3), (2, [3], 3), (1, [2, 3, 4], 4)):
-            table.apply(delta("3:1:0", offset, tokens), version)
+            apply(table, delta("3:1:0", offset, tokens), version)
             await stage(r, store, table, ["3:1:0"])
-        table.apply(delta("3:1:1", 0, [9, 9, 9]), version=2)
+        apply(table, delta("3:1:1", 0, [9, 9, 9]), version=2)
         await stage(r, store, table, ["3:1:1"])
         table.migrate("3:1:1", "death", keep_tokens=False)  # migration off: starts over
-        table.apply(delta("3:1:1", 0, [6], lease=1))
+        apply(table, delta("3:1:1", 0, [6], lease=1))
         await stage(r, store, table, ["3:1:1"])
         assert await r.llen(keys.step_log(RUN, STEP)) == 5  # one record per staging
 
@@ -147,7 +191,7 @@ def test_a_finished_steps_copy_expires(empty_redis_url):
     async def scenario():
         r = connect(empty_redis_url)
         table, store = new_table(), StepStore(r, RUN, STEP)
-        table.apply(delta("3:0:0", 0, [1, 2]))
+        apply(table, delta("3:0:0", 0, [1, 2]))
         table.quarantine(1)
         await stage(r, store, table, ["3:0:0"], queued_at=1.0, published=[0], quarantined=[1])
         # every key of the copy but the episodes', which only a run with an environment has
@@ -179,11 +223,11 @@ def test_a_multi_turn_episode_is_restored_with_its_turns_observations_and_awaite
         r = connect(empty_redis_url)
         table, store = episodes(), StepStore(r, RUN, STEP)
         a, b = "3:0:0", "3:0:1"
-        table.apply_all([delta(a, 0, [5, 0], finish="stop"), delta(b, 0, [6, 0], finish="stop")])
+        apply_all(table, [delta(a, 0, [5, 0], finish="stop"), delta(b, 0, [6, 0], finish="stop")])
         table.observe(a, 0, Observation([40, 41], 0.25, False, " no", "user"))
-        table.apply(delta(a, 4, [7], lease=1))
+        apply(table, delta(a, 4, [7], lease=1))
         async with r.pipeline(transaction=True) as pipe:
-            store.stage_queued(pipe, 1.0)
+            store.stage_queued(pipe, table, 1.0)
             store.stage_requests(pipe, table, {a, b})
             store.stage_episodes(pipe, table, {a, b})
             await pipe.execute()

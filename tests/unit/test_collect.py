@@ -9,7 +9,7 @@ import pytest
 
 from services.contracts.messages import DeltaBatch, RequestLease
 from services.core.balancer import ReleaseGate
-from services.core.collect import CollectRules, apply_batches, keeps_tokens, split_by_step
+from services.core.collect import CollectRules, keeps_tokens, split_by_step
 from services.core.seeding import (
     SeedingController,
     StepTimes,
@@ -18,6 +18,7 @@ from services.core.seeding import (
     seeding_over,
     train_compute_s,
 )
+from tests.conftest import apply_held
 from tests.unit.test_request_table import delta, table
 
 
@@ -33,7 +34,7 @@ def batch(worker, items, released=(), reason="preemption"):
 
 def test_a_read_reports_changes_finished_responses_and_stale_deltas():
     t = table(n=2, prompts=2, max_new=3)
-    out = apply_batches(
+    out = apply_held(
         t,
         [
             batch("w1", [delta("0:0:0", 0, [5, 6]), delta("0:0:1", 0, [7, 8, 9])]),
@@ -51,7 +52,7 @@ def test_a_read_reports_changes_finished_responses_and_stale_deltas():
 
 def test_released_requests_continue_after_their_flushed_tokens():
     t = table(n=1, prompts=2, max_new=5)
-    out = apply_batches(
+    out = apply_held(
         t,
         [batch("w1", [delta("0:0:0", 0, [5, 6])], released=[("0:0:0", 0)], reason="balance")],
         CollectRules(),
@@ -60,7 +61,7 @@ def test_released_requests_continue_after_their_flushed_tokens():
     assert job.request_id == "0:0:0" and job.lease == 1 and job.prefix_ids == [5, 6]
     assert job.remaining_tokens == 3
     # the same release again (a repeated flush) moves nothing: the lease moved on
-    again = apply_batches(t, [batch("w1", [], released=[("0:0:0", 0)])], CollectRules())
+    again = apply_held(t, [batch("w1", [], released=[("0:0:0", 0)])], CollectRules())
     assert again.released == {}
 
 
@@ -81,12 +82,10 @@ def test_without_migration_only_a_lost_worker_discards_tokens(migration, cause, 
     reason = cause if cause != "death" else "preemption"
     rules = CollectRules(migration=migration)
     if cause == "death":  # the coordinator reclaims a dead worker's requests itself
-        apply_batches(t, [batch("w1", [delta("0:0:0", 0, [5])])], rules)
+        apply_held(t, [batch("w1", [delta("0:0:0", 0, [5])])], rules)
         job = t.migrate("0:0:0", "death", keeps_tokens(migration, "death"), 0)
     else:
-        out = apply_batches(
-            t, [batch("w1", [delta("0:0:0", 0, [5])], [("0:0:0", 0)], reason)], rules
-        )
+        out = apply_held(t, [batch("w1", [delta("0:0:0", 0, [5])], [("0:0:0", 0)], reason)], rules)
         (job,) = out.released[reason]
     assert job.prefix_ids == ([5] if keeps else [])
     assert t.tokens_discarded == (0 if keeps else 1)
@@ -95,24 +94,24 @@ def test_without_migration_only_a_lost_worker_discards_tokens(migration, cause, 
 def test_a_request_that_crashes_workers_alone_drops_its_group():
     t = table(n=2, prompts=2, max_new=5)
     rules = CollectRules(max_request_crashes=2)
-    first = apply_batches(t, [batch("w1", [], [("0:1:0", 0)], "crash")], rules)
+    first = apply_held(t, [batch("w1", [], [("0:1:0", 0)], "crash")], rules)
     assert first.poisoned == [] and len(first.released["crash"]) == 1
-    second = apply_batches(t, [batch("w2", [], [("0:1:0", 1)], "crash")], rules)
+    second = apply_held(t, [batch("w2", [], [("0:1:0", 1)], "crash")], rules)
     assert second.poisoned == [("0:1:0", "w2")] and second.released == {}
     assert second.dropped == [1] and t.quarantined == {1}
     assert t.dropped_group(1).quarantined
     # with on_poison=fail_run nothing is dropped: the shell fails the run
     t = table(n=2, prompts=2, max_new=5)
     fail = CollectRules(max_request_crashes=1, drop_poison=False)
-    out = apply_batches(t, [batch("w1", [], [("0:1:0", 0)], "crash")], fail)
+    out = apply_held(t, [batch("w1", [], [("0:1:0", 0)], "crash")], fail)
     assert out.poisoned == [("0:1:0", "w1")] and out.dropped == [] and not t.quarantined
 
 
 def test_groups_complete_once_every_response_is_in_and_carry_the_rewards():
     t = table(n=2, prompts=2, max_new=2)
-    out = apply_batches(t, [batch("w", [delta("0:0:0", 0, [4, 5])])], CollectRules())
+    out = apply_held(t, [batch("w", [delta("0:0:0", 0, [4, 5])])], CollectRules())
     assert t.completed_groups(out.finished) == []  # its sibling is still running
-    out = apply_batches(t, [batch("w", [delta("0:0:1", 0, [6], finished=True)])], CollectRules())
+    out = apply_held(t, [batch("w", [delta("0:0:1", 0, [6], finished=True)])], CollectRules())
     assert t.completed_groups(out.finished) == [0]
     with pytest.raises(ValueError, match="never scored"):
         t.group_message(0)
@@ -199,7 +198,7 @@ def test_deltas_from_a_version_older_than_the_bound_are_not_taken_and_continue_e
     t = replace_step(table(n=1, prompts=2, max_new=5), step=2)
     early = DeltaBatch(worker_id="w", version=1, items=[delta("2:0:0", 0, [5, 6])])
     older = DeltaBatch(worker_id="old", version=0, items=[delta("2:0:0", 2, [7])])
-    out = apply_batches(t, [early, older], CollectRules(max_staleness=1))
+    out = apply_held(t, [early, older], CollectRules(max_staleness=1))
     assert t.requests["2:0:0"].token_ids == [5, 6]  # version 1 >= 2 - 1; version 0 is not
     assert t.requests["2:0:0"].version_runs == [(0, 1)]
     assert out.applied["out_of_bound"] == 1
@@ -209,7 +208,7 @@ def test_deltas_from_a_version_older_than_the_bound_are_not_taken_and_continue_e
     assert t.migrations == {"bound": 1}
     # no bound: the same deltas are taken (a synchronous run never checks)
     t2 = replace_step(table(n=1, prompts=2, max_new=5), step=2)
-    out2 = apply_batches(t2, [early, older], CollectRules())
+    out2 = apply_held(t2, [early, older], CollectRules())
     assert t2.requests["2:0:0"].token_ids == [5, 6, 7] and "out_of_bound" not in out2.applied
 
 

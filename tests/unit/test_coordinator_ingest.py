@@ -15,9 +15,10 @@ from services.contracts.sampling import SamplingParams
 from services.coordinator.delta_collector import gc_paused
 from services.coordinator.step_log import Arrays, RecordWriter, replay
 from services.coordinator.step_store import StepStore
-from services.core.collect import CollectRules, apply_batches, split_by_step
+from services.core.collect import CollectRules, split_by_step
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import StagedWrites, entry_time_s
+from tests.conftest import apply, apply_all, apply_held
 
 
 def new_table(prompts: int = 3, n: int = 2, max_new: int = 6) -> RequestTable:
@@ -30,6 +31,7 @@ def item(rid, offset, tokens, lease=0, finished=False, reason=None) -> DeltaItem
     return DeltaItem(
         request_id=rid,
         lease=lease,
+        grant="",
         offset=offset,
         token_ids=tokens,
         logprobs=[-t / 10 for t in tokens],
@@ -91,7 +93,7 @@ def test_a_read_applied_in_one_pass_does_what_the_rules_say_one_delta_at_a_time(
         ]
         for outcome in want:
             expected_stats[outcome.value] += 1
-        assert table.apply_all(deltas, version=0) == want
+        assert apply_all(table, deltas, version=0) == want
     for rid in rids:
         r = table.requests[rid]
         assert r.token_ids == spec[rid].tokens
@@ -105,12 +107,12 @@ def test_a_read_applied_in_one_pass_does_what_the_rules_say_one_delta_at_a_time(
 def test_version_runs_and_counts_follow_each_delta_of_a_batch():
     table = new_table(max_new=8)
     deltas = [item("0:0:0", 0, [1, 2]), item("0:0:0", 2, [3]), item("0:0:0", 1, [2, 3, 4])]
-    assert table.apply_all(deltas, version=5) == [Applied.APPENDED] * 3
-    table.apply_all([item("0:0:0", 4, [5, 6])], version=6)
+    assert apply_all(table, deltas, version=5) == [Applied.APPENDED] * 3
+    apply_all(table, [item("0:0:0", 4, [5, 6])], version=6)
     assert table.requests["0:0:0"].version_runs == [(0, 5), (4, 6)]
     assert table.requests["0:0:0"].token_ids == [1, 2, 3, 4, 5, 6]
     assert table.tokens_received == 2 + 1 + 3 + 2
-    assert table.apply(item("0:0:0", 6, [7, 8, 9])) is Applied.FINISHED  # cut at the budget
+    assert apply(table, item("0:0:0", 6, [7, 8, 9])) is Applied.FINISHED  # cut at the budget
     assert table.requests["0:0:0"].token_ids[-2:] == [7, 8]
     assert table.requests["0:0:0"].finish_reason == "length"
 
@@ -131,7 +133,7 @@ def test_a_reads_outcome_counts_every_delta_once_out_of_bound_ones_included():
         ),
         DeltaBatch(worker_id="w2", version=2, items=[item("5:0:1", 0, [7])]),  # too old
     ]
-    out = apply_batches(table, batches, CollectRules(max_staleness=1))
+    out = apply_held(table, batches, CollectRules(max_staleness=1))
     assert out.applied == {
         "appended": 1,
         "duplicate": 1,
@@ -175,7 +177,7 @@ def logged(staged: StagedWrites) -> dict[tuple[int, int], Arrays]:
 
 def test_a_read_appends_one_record_with_each_requests_new_tokens_only():
     table, store = new_table(max_new=8), StepStore(None, "run", 0)  # type: ignore[arg-type]
-    table.apply_all([item("0:0:0", 0, [1, 2]), item("0:1:0", 0, [3])], version=0)
+    apply_all(table, [item("0:0:0", 0, [1, 2]), item("0:1:0", 0, [3])], version=0)
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0", "0:1:0"})
     assert [name for name, _, _ in staged.ops] == ["hset", "expire", "rpush", "expire"]
@@ -183,7 +185,7 @@ def test_a_read_appends_one_record_with_each_requests_new_tokens_only():
     assert record[(0, 0)] == Arrays([1, 2], [-0.1, -0.2], [(0, 0)])
     assert record[(1, 0)] == Arrays([3], [-0.3], [(0, 0)])
 
-    table.apply_all([item("0:0:0", 1, [2, 4], finished=True, reason="stop")], version=1)
+    apply_all(table, [item("0:0:0", 1, [2, 4], finished=True, reason="stop")], version=1)
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0", "0:1:0"})  # 0:1:0 unchanged
     assert [name for name, _, _ in staged.ops] == ["hset", "rpush"]  # TTLs set already
@@ -193,7 +195,9 @@ def test_a_read_appends_one_record_with_each_requests_new_tokens_only():
     heads = array("I", rpush[1][4:28]).tolist()
     assert heads == [0, 0, 2, 1, 1, 1]
     (hset,) = [kw for name, _, kw in staged.ops if name == "hset"]
-    assert hset["mapping"] == {"0:0:0": "0|stop|"}  # the finish; 0:1:0's state did not change
+    grant = table.requests["0:0:0"].grant
+    # the finish; 0:1:0's state did not change
+    assert hset["mapping"] == {"0:0:0": f"0|stop||{grant}"}
 
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0"})
@@ -202,11 +206,11 @@ def test_a_read_appends_one_record_with_each_requests_new_tokens_only():
 
 def test_a_restart_from_zero_is_a_record_that_cuts_the_request_back():
     table, store = new_table(max_new=8), StepStore(None, "run", 0)  # type: ignore[arg-type]
-    table.apply_all([item("0:0:0", 0, [1, 2, 3])])
+    apply_all(table, [item("0:0:0", 0, [1, 2, 3])])
     first = StagedWrites()
     store.stage_requests(first, table, {"0:0:0"})
     table.migrate("0:0:0", "death", keep_tokens=False)
-    table.apply_all([item("0:0:0", 0, [9], lease=1)])
+    apply_all(table, [item("0:0:0", 0, [9], lease=1)])
     staged = StagedWrites()
     store.stage_requests(staged, table, {"0:0:0"})
     records = [a[1] for ops in (first, staged) for name, a, _ in ops.ops if name == "rpush"]
@@ -233,7 +237,8 @@ def test_the_log_replays_any_sequence_of_reads_into_the_tables_arrays():
             n = rng.randint(1, 3)
             tokens = [rng.randint(2, 90) for _ in range(n)]
             done = at + n >= 12
-            table.apply_all(
+            apply_all(
+                table,
                 [
                     item(
                         rid,

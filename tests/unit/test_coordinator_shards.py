@@ -14,10 +14,13 @@ from services.contracts.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of
 from services.coordinator.step_record import ShardSummary
 from services.core.collect import split_by_shard
 from services.core.request_table import RequestTable, request_id
+from tests.conftest import apply
 
 
 def item(rid: str, offset: int = 0) -> DeltaItem:
-    return DeltaItem(request_id=rid, lease=0, offset=offset, token_ids=[5], logprobs=[-1.0])
+    return DeltaItem(
+        request_id=rid, lease=0, grant="", offset=offset, token_ids=[5], logprobs=[-1.0]
+    )
 
 
 def table(shard: int, shards: int, prompts: int = 7, group: int = 3) -> RequestTable:
@@ -77,7 +80,7 @@ def test_the_step_summary_adds_up_the_shards():
     tables = [table(i, 2) for i in range(2)]
     for t in tables:
         for rid in t.requests:
-            t.apply(item(rid))
+            apply(t, item(rid))
         t.score({rid: float(t.shard + 1) for rid in t.requests})
         t.migrations["death"] = 2
     parts = [ShardSummary.of(t, reward_errors=t.shard) for t in tables]

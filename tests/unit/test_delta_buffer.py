@@ -183,9 +183,9 @@ def test_an_isolated_request_is_seen_running_until_it_finishes():
 def test_running_lists_requests_in_the_order_they_started():
     buf = started("c", "a", "b", lease=3)
     buf.record_step([Tok("a", 5, finish_reason="stop")])
-    assert buf.running() == [
-        RequestLease(request_id="c", lease=3),
-        RequestLease(request_id="b", lease=3),
+    assert buf.running() == [  # with their jobs' grants: a release proves the lease
+        RequestLease(request_id="c", lease=3, grant="g"),
+        RequestLease(request_id="b", lease=3, grant="g"),
     ]
 
 

@@ -7,9 +7,10 @@ import pytest
 
 from services.contracts.messages import DeltaBatch, DeltaItem
 from services.contracts.sampling import SamplingParams
-from services.core.collect import CollectRules, apply_batches
+from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import Applied
+from tests.conftest import apply, apply_held
 
 EOS = 0
 
@@ -32,6 +33,7 @@ def delta(rid: str, lease: int, offset: int, tokens: list[int], finished=False) 
     return DeltaItem(
         request_id=rid,
         lease=lease,
+        grant="",
         offset=offset,
         token_ids=tokens,
         logprobs=[-0.5] * len(tokens),
@@ -45,25 +47,25 @@ RID = "1:0:0"
 
 def test_a_turn_ends_waiting_for_the_environment_and_takes_no_more_deltas():
     t = table()
-    assert t.apply(delta(RID, 0, 0, [3, 4])) is Applied.APPENDED
-    assert t.apply(delta(RID, 0, 2, [EOS], finished=True)) is Applied.TURN_ENDED
+    assert apply(t, delta(RID, 0, 0, [3, 4])) is Applied.APPENDED
+    assert apply(t, delta(RID, 0, 2, [EOS], finished=True)) is Applied.TURN_ENDED
     r = t.requests[RID]
     assert r.awaiting == "stop" and not r.done and t.unfinished_count == 2
     assert t.awaiting() == [RID]
-    assert t.apply(delta(RID, 0, 3, [9])) is Applied.ALREADY_DONE
+    assert apply(t, delta(RID, 0, 3, [9])) is Applied.ALREADY_DONE
     assert t.migrate(RID, "balance") is None  # no job of it is out: nothing to move
 
 
 def test_an_observation_is_appended_as_not_generated_and_the_next_turn_continues_it():
     t = table()
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     job = t.observe(RID, 0, Observation([50, 51, 52], reward=0.0, done=False))
     assert job is not None and job.lease == 1 and job.prefix_ids == [3, EOS, 50, 51, 52]
     assert job.remaining_tokens == 16 - 5
     r = t.requests[RID]
     assert r.observed == [(2, 3)] and r.awaiting is None and r.logprobs[2:] == [0.0] * 3
-    assert t.apply(delta(RID, 0, 5, [6])) is Applied.STALE_LEASE  # the old turn's lease
-    assert t.apply(delta(RID, 1, 5, [6, EOS], finished=True)) is Applied.TURN_ENDED
+    assert apply(t, delta(RID, 0, 5, [6])) is Applied.STALE_LEASE  # the old turn's lease
+    assert apply(t, delta(RID, 1, 5, [6, EOS], finished=True)) is Applied.TURN_ENDED
     assert t.turns(RID) == [[3, EOS], [6, EOS]] and t.generated_tokens(RID) == 4
     assert t.observe(RID, 1, Observation([60], reward=1.0, done=True)) is None
     assert r.done and r.finish_reason == "stop" and r.reward == 1.0
@@ -72,23 +74,23 @@ def test_an_observation_is_appended_as_not_generated_and_the_next_turn_continues
 
 def test_the_reward_is_the_sum_of_the_turns_and_max_turns_ends_the_episode():
     t = table(max_turns=2)
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     assert t.observe(RID, 0, Observation([50], reward=0.25, done=False)) is not None
-    t.apply(delta(RID, 1, 3, [4, EOS], finished=True))
+    apply(t, delta(RID, 1, 3, [4, EOS], finished=True))
     assert t.observe(RID, 1, Observation([50], reward=0.5, done=False)) is None  # 2 turns
     assert t.requests[RID].reward == 0.75 and t.episodes[RID].turns == 2
 
 
 def test_an_observation_that_leaves_no_room_in_the_budget_ends_the_episode():
     t = table(budget=6)
-    t.apply(delta(RID, 0, 0, [3, 4, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, 4, EOS], finished=True))
     assert t.observe(RID, 0, Observation([50, 51, 52], reward=0.0, done=False)) is None
     assert t.requests[RID].done and t.requests[RID].observed == []
 
 
 def test_a_turn_cut_by_the_budget_still_waits_for_the_environment():
     t = table(budget=4)
-    assert t.apply(delta(RID, 0, 0, [3, 4, 5, 6])) is Applied.TURN_ENDED
+    assert apply(t, delta(RID, 0, 0, [3, 4, 5, 6])) is Applied.TURN_ENDED
     assert t.requests[RID].awaiting == "length"
     assert t.observe(RID, 0, Observation([], reward=0.5, done=False)) is None
     assert t.requests[RID].finish_reason == "length" and t.requests[RID].reward == 0.5
@@ -97,19 +99,19 @@ def test_a_turn_cut_by_the_budget_still_waits_for_the_environment():
 def test_a_stale_or_unawaited_answer_changes_nothing():
     t = table()
     assert t.observe(RID, 0, Observation([1], 1.0, True)) is None  # its turn is not over
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     assert t.observe(RID, 5, Observation([1], 1.0, True)) is None  # another lease
     assert t.requests[RID].awaiting == "stop" and not t.requests[RID].done
 
 
 def test_a_turn_migrates_mid_way_and_continues_on_another_worker():
     t = table()
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     t.observe(RID, 0, Observation([50], reward=0.0, done=False))
-    t.apply(delta(RID, 1, 3, [4]))  # the second turn, part way
+    apply(t, delta(RID, 1, 3, [4]))  # the second turn, part way
     job = t.migrate(RID, "preemption", lease=1)
     assert job is not None and job.lease == 2 and job.prefix_ids == [3, EOS, 50, 4]
-    assert t.apply(delta(RID, 2, 4, [EOS], finished=True)) is Applied.TURN_ENDED
+    assert apply(t, delta(RID, 2, 4, [EOS], finished=True)) is Applied.TURN_ENDED
     assert t.turns(RID) == [[3, EOS], [4, EOS]]
 
 
@@ -117,7 +119,7 @@ def test_groups_complete_when_every_episode_is_over():
     t = table(group_size=2)
     for s in range(2):
         rid = f"1:0:{s}"
-        t.apply(delta(rid, 0, 0, [3, EOS], finished=True))
+        apply(t, delta(rid, 0, 0, [3, EOS], finished=True))
         assert t.completed_groups([rid]) == []
         t.observe(rid, 0, Observation([], reward=float(s), done=True))
     assert t.completed_groups(["1:0:1"]) == [0] and t.unfinished_count == 0
@@ -137,15 +139,15 @@ def test_a_read_of_deltas_names_the_turns_that_ended():
         version=1,
         items=[delta(RID, 0, 0, [3, EOS], finished=True), delta("1:0:1", 0, 0, [4])],
     )
-    out = apply_batches(t, [flush], CollectRules())
+    out = apply_held(t, [flush], CollectRules())
     assert out.turn_ended == [RID] and out.finished == [] and out.changed == {RID, "1:0:1"}
 
 
 def test_the_trainer_gets_the_spans_the_model_did_not_generate():
     t = table(group_size=1)
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     t.observe(RID, 0, Observation([50, 51], reward=0.0, done=False))
-    t.apply(delta(RID, 1, 4, [4, EOS], finished=True))
+    apply(t, delta(RID, 1, 4, [4, EOS], finished=True))
     t.observe(RID, 1, Observation([], reward=1.0, done=True))
     [response] = t.group_message(0).responses
     assert response.token_ids == [3, EOS, 50, 51, 4, EOS] and response.observed == [(2, 2)]
@@ -154,9 +156,9 @@ def test_the_trainer_gets_the_spans_the_model_did_not_generate():
 
 def test_without_migration_a_preempted_episode_starts_over_whole():
     t = table()
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     t.observe(RID, 0, Observation([50], reward=0.0, done=False, text=" no", role="user"))
-    t.apply(delta(RID, 1, 3, [4]))
+    apply(t, delta(RID, 1, 3, [4]))
     job = t.migrate(RID, "preemption", keep_tokens=False, lease=1)
     assert job is not None and job.prefix_ids == [] and job.remaining_tokens == 16
     r = t.requests[RID]
@@ -166,8 +168,8 @@ def test_without_migration_a_preempted_episode_starts_over_whole():
 
 def test_an_empty_observation_adds_no_span():
     t = table()
-    t.apply(delta(RID, 0, 0, [3, EOS], finished=True))
+    apply(t, delta(RID, 0, 0, [3, EOS], finished=True))
     job = t.observe(RID, 0, Observation([], reward=0.0, done=False))
     assert job is not None and job.prefix_ids == [3, EOS] and t.requests[RID].observed == []
-    t.apply(delta(RID, 1, 2, [4, EOS], finished=True))
+    apply(t, delta(RID, 1, 2, [4, EOS], finished=True))
     assert t.turns(RID) == [[3, EOS], [4, EOS]]  # two turns all the same

@@ -12,6 +12,7 @@ def test_messages_roundtrip_through_msgpack():
         run_id="r",
         request_id="0:1:2",
         lease=3,
+        grant="5eed",
         version=1,
         prompt_ids=[1, 2],
         prefix_ids=[3],
@@ -24,7 +25,11 @@ def test_messages_roundtrip_through_msgpack():
     batch = DeltaBatch(
         worker_id="w",
         version=1,
-        items=[DeltaItem(request_id="x", lease=0, offset=0, token_ids=[1], logprobs=[-0.1])],
+        items=[
+            DeltaItem(
+                request_id="x", lease=0, grant="5eed", offset=0, token_ids=[1], logprobs=[-0.1]
+            )
+        ],
     )
     assert DeltaBatch.decode(batch.encode()) == batch
 

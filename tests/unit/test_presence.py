@@ -45,10 +45,19 @@ def test_a_coordinator_that_says_not_now_is_asked_again():
 
 
 def test_a_refusal_is_not_asked_again():
-    url, seen, server = serve([409])
+    url, seen, server = serve([422])
     try:
-        with pytest.raises(RuntimeError, match="registration refused: 409"):
+        with pytest.raises(RuntimeError, match="registration refused: 422"):
             asyncio.run(register(settings(url)))
     finally:
         server.should_exit = True
-    assert seen == [409]
+    assert seen == [422]
+
+
+def test_an_id_still_alive_is_asked_again_until_its_heartbeat_expires():
+    url, seen, server = serve([409, 409, 201])  # an earlier process under the id times out
+    try:
+        asyncio.run(register(settings(url)))
+    finally:
+        server.should_exit = True
+    assert seen == [409, 409, 201]

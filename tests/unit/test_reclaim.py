@@ -6,6 +6,7 @@ from services.contracts.messages import DeltaItem
 from services.contracts.sampling import SamplingParams
 from services.core.reclaim import expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
+from tests.conftest import apply
 
 
 def table(shard=0, shards=1, prompts=4):
@@ -30,7 +31,12 @@ def test_a_reader_is_dead_when_it_holds_jobs_and_has_no_heartbeat():
 
 def test_jobs_of_a_dead_worker_move_under_their_lease_and_keep_tokens_with_migration():
     t = table()
-    t.apply(DeltaItem(request_id="0:0:0", lease=0, offset=0, token_ids=[5, 6], logprobs=[0, 0]))
+    apply(
+        t,
+        DeltaItem(
+            request_id="0:0:0", lease=0, grant="", offset=0, token_ids=[5, 6], logprobs=[0, 0]
+        ),
+    )
     jobs = [t.job("0:0:0"), t.job("0:1:1")]
     t.migrate("0:1:1", "balance")  # moved on since: its old lease is stale
     plan = plan_reclaim(t, "w1", jobs, migration=True, claimer="coordinator")
@@ -42,7 +48,12 @@ def test_jobs_of_a_dead_worker_move_under_their_lease_and_keep_tokens_with_migra
 
 def test_without_migration_a_dead_workers_request_starts_over():
     t = table()
-    t.apply(DeltaItem(request_id="0:0:0", lease=0, offset=0, token_ids=[5, 6], logprobs=[0, 0]))
+    apply(
+        t,
+        DeltaItem(
+            request_id="0:0:0", lease=0, grant="", offset=0, token_ids=[5, 6], logprobs=[0, 0]
+        ),
+    )
     plan = plan_reclaim(t, "w1", [t.job("0:0:0")], migration=False, claimer="coordinator")
     assert plan.moved[0].lease == 1 and t.tokens_discarded == 2
 

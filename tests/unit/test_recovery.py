@@ -18,6 +18,7 @@ def job(rid: str, lease: int, prefix: int) -> Job:
         run_id="r",
         request_id=rid,
         lease=lease,
+        grant="g",
         version=0,
         prompt_ids=[1, 2],
         prefix_ids=list(range(prefix)),

@@ -151,7 +151,7 @@ def test_a_422_names_the_place_of_the_field():
     settings = CoordinatorSettings(api_token=None)
     app = FastAPI()
     guard_input(app, None, settings.max_body_bytes)
-    app.include_router(build_router(None, None, Auth([], [], {}, {}), settings))  # type: ignore[arg-type]
+    app.include_router(build_router(None, None, Auth(), settings))  # type: ignore[arg-type]
     with TestClient(app) as client:
         for body in (
             {"model": "/m", "sampling": {"temperature": 11}},

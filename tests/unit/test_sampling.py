@@ -89,6 +89,7 @@ def encoded_job(**sampling) -> bytes:
         "run_id": "r",
         "request_id": "0:0:0",
         "lease": 0,
+        "grant": "g",
         "version": 0,
         "prompt_ids": [1],
         "remaining_tokens": 2,

@@ -8,6 +8,7 @@ from services.contracts.sampling import SamplingParams
 from services.core.balancer import ReleaseGate, WorkerLoad
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController, balance_orders, route_deltas, serving
+from tests.conftest import granted_batch
 
 RUN, STEP = "run", 2
 
@@ -108,6 +109,7 @@ def delta(rid: str, tokens: list[int], finished: bool = False) -> DeltaItem:
     return DeltaItem(
         request_id=rid,
         lease=0,
+        grant="",
         offset=0,
         token_ids=tokens,
         logprobs=[0.0] * len(tokens),
@@ -123,6 +125,7 @@ def test_a_read_of_deltas_goes_to_the_controllers_of_its_steps_and_other_steps_a
         version=STEP,
         items=[delta(f"{STEP}:0:0", [5, 0], finished=True), delta(f"{STEP + 1}:0:0", [7])],
     )
+    flush = granted_batch(c.table, flush)
     applied, unknown = route_deltas({STEP: c}, [flush])
     assert unknown == 1  # the next step is not in flight here
     [(into, outcome)] = applied

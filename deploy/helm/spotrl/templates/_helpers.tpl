@@ -67,9 +67,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The checks every render makes before it writes anything. */}}
 {{- define "spotrl.validate" -}}
-{{- if not (or .Values.auth.token .Values.auth.existingSecret) -}}
-{{- fail "auth.token or auth.existingSecret is required: the services listen on the pod's address and refuse to without a token (e.g. --set auth.token=$(openssl rand -hex 24))" -}}
-{{- end -}}
+{{- include "spotrl.validateSecurity" . -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.url names a managed Redis: set redis.enabled=false with it" -}}
 {{- end -}}
@@ -92,35 +90,26 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* What every spotrl container sets: where the others are, the token, the bind address. */}}
+{{/* What every spotrl container sets: where the others are, its credentials, the bind address,
+its TLS files: (dict "root" $ "component" NAME). */}}
 {{- define "spotrl.commonEnv" -}}
-{{- $full := include "spotrl.fullname" . -}}
-{{- $ports := include "spotrl.ports" . | fromYaml -}}
+{{- $root := .root -}}
+{{- $full := include "spotrl.fullname" $root -}}
+{{- $ports := include "spotrl.ports" $root | fromYaml -}}
+{{- $scheme := include "spotrl.scheme" $root -}}
 - name: SPOTRL_HOST
   value: "0.0.0.0"
-- name: SPOTRL_API_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "spotrl.tokenSecret" . }}
-      key: {{ include "spotrl.tokenKey" . }}
+{{- include "spotrl.authEnv" . }}
 - name: SPOTRL_PROTECT_READS
-  value: {{ .Values.auth.protectReads | toString | quote }}
-{{- if .Values.redis.enabled }}
-- name: SPOTRL_REDIS_URL
-  value: {{ printf "redis://%s-redis:%v/0" $full $ports.redis | quote }}
-{{- else }}
-- name: SPOTRL_REDIS_URL
-  valueFrom:
-    secretKeyRef:
-      name: {{ $full }}-redis-url
-      key: url
-{{- end }}
+  value: {{ $root.Values.auth.protectReads | toString | quote }}
+{{- include "spotrl.redisEnv" . }}
 - name: SPOTRL_COORDINATOR_URL
-  value: {{ printf "http://%s-coordinator:%v" $full $ports.coordinator | quote }}
+  value: {{ printf "%s://%s-coordinator:%v" $scheme $full $ports.coordinator | quote }}
 - name: SPOTRL_WEIGHTSTORE_URL
-  value: {{ printf "http://%s-weightstore:%v" $full $ports.weightstore | quote }}
+  value: {{ printf "%s://%s-weightstore:%v" $scheme $full $ports.weightstore | quote }}
 - name: SPOTRL_LOG_LEVEL
-  value: {{ .Values.logLevel | quote }}
+  value: {{ $root.Values.logLevel | quote }}
+{{- include "spotrl.tlsEnv" $root }}
 {{- end -}}
 
 {{/* A component's own settings by field name: (dict "settings" MAP "indent" N) */}}
