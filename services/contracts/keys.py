@@ -234,21 +234,5 @@ def worker_leaving(worker_id: str) -> str:
 
 # ---- consumer groups ----
 WORKERS_GROUP = "workers"  # on every jobs stream
-# A worker reads its jobs as consumer `worker_id`, or, where the coordinator mints workers'
-# users, as `worker_id#secret` (`jobs_consumer`): a name no other worker can guess, so none can
-# read (XREADGROUP from 0) the jobs pending under it, and learn their grants.
-CONSUMER_SECRET_MARK = "#"
-
-
-def jobs_consumer(worker_id: str, secret: str = "") -> str:
-    """The consumer name a worker reads its jobs as."""
-    return f"{worker_id}{CONSUMER_SECRET_MARK}{secret}" if secret else worker_id
-
-
-def consumer_worker(consumer: str) -> str:
-    """The worker reading as `consumer` (a worker id never holds the mark)."""
-    return consumer.split(CONSUMER_SECRET_MARK, 1)[0]
-
-
 COORDINATOR_GROUP = "coordinator"  # on the deltas stream
 TRAINER_GROUP = "trainer"  # on the groups stream

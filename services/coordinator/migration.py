@@ -16,6 +16,7 @@ from prometheus_client import Counter
 from redis.typing import StreamIdT
 
 from services.contracts import keys
+from services.contracts.consumers import consumer_worker
 from services.contracts.messages import (
     Job,
     MalformedMessage,
@@ -74,7 +75,7 @@ async def reclaim_dead_workers(
             )
             continue
         DEAD.inc()
-        worker = keys.consumer_worker(name)
+        worker = consumer_worker(name)
         dead.append(worker)
         await timeline.emit(
             r, table.run_id, "worker_reclaimed", worker=worker, jobs=len(ids), step=table.step
@@ -97,7 +98,7 @@ async def expired_readers_of(r: aioredis.Redis, stream: str) -> list[str]:
     holding = [name for name, n in pending.items() if n > 0]
     async with r.pipeline(transaction=False) as pipe:
         for name in holding:
-            pipe.exists(keys.worker_heartbeat(keys.consumer_worker(name)))
+            pipe.exists(keys.worker_heartbeat(consumer_worker(name)))
         beating = await pipe.execute()
     alive = {name for name, n in zip(holding, beating, strict=True) if n}
     return expired_readers(pending, alive)

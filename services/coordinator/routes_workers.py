@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Path, Request, Response
 
 from services.contracts import keys
+from services.contracts.consumers import jobs_consumer
 from services.contracts.messages import WorkerControl
 from services.contracts.records import WorkerRecord
 from services.coordinator.read_model import ReadModel
@@ -56,7 +57,7 @@ def build_router(
         minted: dict[str, str] = {}
         if mint_users:  # the key is stored before the worker can write anything with it
             kept = await check_alive_registration(r, worker.id, registration.proof)
-            minted["consumer"] = keys.jobs_consumer(worker.id, await consumer_secret_of(worker.id))
+            minted["consumer"] = jobs_consumer(worker.id, await consumer_secret_of(worker.id))
             # the same key to an alive worker registering again: a batch it signed just before
             # still checks out (a parked one would leave a gap in its requests)
             minted["signing_key"] = kept or new_key()

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
 from services.contracts import keys
+from services.contracts.consumers import consumer_worker
 from services.contracts.messages import Heartbeat, MalformedMessage, WorkerControl
 from services.core.step_controller import Actions, StepController
 from services.infra.redis_streams import text
@@ -155,7 +156,7 @@ class StepScheduler:
         summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
         executing: dict[str, int] = {}  # by worker (its consumer may carry a secret)
         for c in summary.get("consumers") or []:
-            worker = keys.consumer_worker(text(c["name"]) or "")
+            worker = consumer_worker(text(c["name"]) or "")
             executing[worker] = executing.get(worker, 0) + int(c["pending"])
         pending = int(summary.get("pending") or 0)
         actions = self.control.tick(self.clock(), unfinished, beats, executing, pending)

@@ -8,7 +8,7 @@ claims the entries and writes the decision in one MULTI.
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from services.contracts.keys import consumer_worker
+from services.contracts.consumers import consumer_worker
 from services.contracts.messages import DeltaBatch, Job, RequestLease
 from services.contracts.shards import shard_of
 from services.core.collect import keeps_tokens

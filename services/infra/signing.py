@@ -32,7 +32,7 @@ def sign(key: bytes, payload: bytes) -> str:
 
 
 def consumer_secret(key: bytes, worker_id: str) -> str:
-    """The secret part of `worker_id`'s jobs consumer name (`keys.jobs_consumer`), under the
+    """The secret part of `worker_id`'s jobs consumer name (`contracts.consumers`), under the
     coordinator's key: the same at each registration of that id, unguessable without the key."""
     return sign(key, f"jobs consumer {worker_id}".encode())[:32]
 

@@ -82,7 +82,7 @@ class WorkerContext:
     crashed: str = ""  # the error a task died of; the worker is on its way out
     tokens_generated: int = 0
     # the consumer name it reads its jobs as: its id, or the secret name the coordinator gave
-    # it at registration (`keys.jobs_consumer`)
+    # it at registration (`contracts.consumers.jobs_consumer`)
     consumer: str = ""
 
     def __post_init__(self) -> None:
