@@ -221,44 +221,38 @@ def pin_cpus(spec: str | None) -> None:
 
 
 def serve(
-    app: FastAPI,
-    host: str,
-    port: int,
-    graceful_s: float | None = None,
-    port_file: Path | None = None,
-    settings: "CommonSettings | None" = None,
+    app: FastAPI, settings: "CommonSettings", port: int, graceful_s: float | None = None
 ) -> None:
-    """Run an app under uvicorn until SIGINT/SIGTERM: HTTPS when `settings` name a certificate
-    (`services.infra.tls`), else plain HTTP, with one warning line when that is off loopback.
+    """Run an app under uvicorn on the settings' host and `port` until SIGINT/SIGTERM: HTTPS when
+    they name a certificate (`services.infra.tls`), else plain HTTP, with one warning line when
+    that is off loopback.
 
     The socket is bound first (port 0: any free one; a port taken: the process exits 3), then
-    `port_file` gets the port bound and this process's instance id, which /healthz also
-    answers: a healthcheck reading it probes this process, never another one that holds the port
-    it was told (`services.infra.healthcheck`).
+    the settings' `port_file` gets the port bound and this process's instance id, which /healthz
+    also answers: a healthcheck reading it probes this process, never another one that holds
+    the port it was told (`services.infra.healthcheck`).
 
     What was imported is moved out of the garbage collector's sight first (`gc.freeze`): a
     service's heap is mostly modules, and a full collection walking them paused the coordinator
     for up to 160 ms and took a quarter of its CPU under load.
 
     SIGUSR1 writes every thread's and task's stack to the log (`stack_dump`)."""
+    port_file = settings.port_file
     if port_file is not None:
         port_file.unlink(missing_ok=True)  # a file from an earlier start names another process
     gc.collect()
     gc.freeze()
     stack_dump.install()
-    ssl_args: dict[str, Any] = {}
-    if settings is not None:
-        tls.warn_if_plain(settings, app.title)
-        ssl_args = tls.uvicorn_args(settings)
+    tls.warn_if_plain(settings, app.title)
     config = uvicorn.Config(
         app,
-        host=host,
+        host=settings.host,
         port=port,
         log_level="warning",
         lifespan="on",
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float seconds
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
-        **ssl_args,
+        **tls.uvicorn_args(settings),
     )
     sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
     if port_file is not None:

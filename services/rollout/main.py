@@ -18,13 +18,11 @@ def main() -> None:
 
     serve(
         build_app(settings),
-        settings.host,
+        settings,
         settings.port,
         # open HTTP requests (status, metrics) get little: the lifespan's leaving, which must
         # fit in the grace period (services.core.grace), starts only once they are done
         min(HTTP_CLOSE_MAX_S, HTTP_CLOSE_SHARE * settings.preempt_grace_s),
-        settings.port_file,
-        settings=settings,
     )
 
 

@@ -29,13 +29,7 @@ def main() -> None:
         setup_logging("trainer", settings.log_level)
         from services.trainer.app import build_app
 
-        serve(
-            build_app(settings),
-            settings.host,
-            settings.port,
-            port_file=settings.port_file,
-            settings=settings,
-        )
+        serve(build_app(settings), settings, settings.port)
         return
     ranks.init(settings.device)
     if ranks.rank() != 0:
@@ -45,13 +39,7 @@ def main() -> None:
     setup_logging("trainer", settings.log_level)
     from services.trainer.app import build_app
 
-    serve(
-        build_app(settings),
-        settings.host,
-        settings.port,
-        port_file=settings.port_file,
-        settings=settings,
-    )
+    serve(build_app(settings), settings, settings.port)
 
 
 if __name__ == "__main__":

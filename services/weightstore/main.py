@@ -10,13 +10,7 @@ def main() -> None:
     setup_logging("weightstore", settings.log_level)
     from services.weightstore.app import build_app
 
-    serve(
-        build_app(settings),
-        settings.host,
-        settings.port,
-        port_file=settings.port_file,
-        settings=settings,
-    )
+    serve(build_app(settings), settings, settings.port)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.redis_client import open_redis
 from services.contracts import keys
@@ -119,10 +120,16 @@ def test_a_run_over_tls_with_a_user_and_token_per_service(deployment, client, op
 
     spec = small_spec(tiny_model, steps=2)
     run_id = client.submit(spec)
+    assert_complete(client, deployment, run_id, spec)
+    # each worker registered and got a user and signing key of its own
+    workers = {p.name for p in deployment.workers()}
+    assert workers <= {k.decode() for k in operator.hkeys(keys.WORKER_KEYS)}
+
+
+def assert_complete(client, deployment, run_id: str, spec: dict) -> None:
+    """The run succeeded with no response lost or duplicated (its audit, as the reader)."""
     run = wait_final(client, deployment, run_id)
     assert run["state"] == "succeeded", run
-    from services.cli.audit import audit_run
-
     audit = audit_run(
         deployment.reader_redis_url,
         run_id,
@@ -130,9 +137,6 @@ def test_a_run_over_tls_with_a_user_and_token_per_service(deployment, client, op
         ca_file=deployment.ca_file,
     )
     assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
-    # each worker registered and got a user and signing key of its own
-    workers = {p.name for p in deployment.workers()}
-    assert workers <= {k.decode() for k in operator.hkeys(keys.WORKER_KEYS)}
 
 
 def redis_user(url: str) -> str | None:
@@ -195,17 +199,7 @@ def test_b_deltas_into_another_workers_lease_are_refused(
         )
 
     wait_until(refused, lambda: metrics_lines(deployment, "wrong_grant|parked"), 60)
-    run = wait_final(client, deployment, run_id)
-    assert run["state"] == "succeeded", run
-    from services.cli.audit import audit_run
-
-    audit = audit_run(
-        deployment.reader_redis_url,
-        run_id,
-        RunSpec.model_validate(spec),
-        ca_file=deployment.ca_file,
-    )
-    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert_complete(client, deployment, run_id, spec)
     for group in read_groups(deployment, run_id):
         for response in group.responses:
             assert response.token_ids[: len(FORGED)] != FORGED
