@@ -34,10 +34,9 @@ from services.weightstore.settings import WeightStoreSettings  # noqa: E402
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SHARED = "x-env"  # the anchored block every spotrl service merges (`<<: *env`)
-TOKEN_REQUIRED = (
-    "${SPOTRL_API_TOKEN:?set SPOTRL_API_TOKEN to a secret,"
-    " e.g. export SPOTRL_API_TOKEN=`openssl rand -hex 24`}"
-)
+# Each service's credentials come from its env file (`spotrl secrets`): Compose lets an
+# `environment:` value override an env file's, so no block may set these.
+FROM_SECRETS = ("redis_url", "api_token", "token", "accept_tokens", "worker_redis_users")
 
 
 @dataclass(frozen=True)
@@ -59,15 +58,13 @@ BLOCKS: dict[str, Block] = {
     SHARED: Block(
         CommonSettings,
         {
-            "redis_url": "redis://redis:6379/0",
             "coordinator_url": "http://coordinator:8100",
             "weightstore_url": "http://weightstore:8200",
-            "api_token": Note(
-                TOKEN_REQUIRED,
-                "The services listen on 0.0.0.0 inside their network: none starts without a token.",
+            "protect_reads": Note(
+                "${SPOTRL_PROTECT_READS:-false}",
+                "Tokens and the Redis URL come from each service's env file (spotrl secrets).",
                 above=True,
             ),
-            "protect_reads": "${SPOTRL_PROTECT_READS:-false}",
             "log_level": "INFO",
         },
     ),
@@ -119,12 +116,13 @@ def rendered(name: str) -> dict[str, str]:
     block = BLOCKS[name]
     env: dict[str, str] = {}
     for field, raw in block.values.items():
+        if field in FROM_SECRETS:
+            raise ValueError(f"{name}: {field} comes from the env file (spotrl secrets)")
         value = raw.value if isinstance(raw, Note) else raw
         env[env_name(block.settings, field)] = env_value(value)
     checked = {
         f: compose_default(env_value(v.value if isinstance(v, Note) else v))
         for f, v in block.values.items()
-        if f != "api_token"  # a required variable: it has no default to check
     }
     block.settings.model_validate(checked)
     return env

@@ -8,8 +8,12 @@ service is on its node's own network). `network_mode: host` becomes the swarm's 
 node names they advertise. There is no hand-kept copy of the services: change docker-compose.yml
 (or the override) and render again.
 
-    SPOTRL_API_TOKEN=... SPOTRL_RESERVED_HOST=10.254.0.10 \\
-        .venv/bin/python tools/swarm_stack.py --host spot1=10.254.0.11 > stack.yml
+The services' env files (`spotrl secrets`) are resolved into their `environment:`, so the stack
+file holds every service's credentials: `--out` writes it readable by its owner alone. The TLS
+files become Swarm secrets (`docker stack deploy` reads them from the paths rendered here).
+
+    SPOTRL_RESERVED_HOST=10.254.0.10 \\
+        .venv/bin/python tools/swarm_stack.py --host spot1=10.254.0.11 --out stack.yml
     docker stack deploy --resolve-image never -c stack.yml spotrl
 """
 
@@ -44,6 +48,7 @@ KEPT = (
     "hostname",
 )
 DROPPED = ("build", "pull_policy", "restart", "depends_on", "ports", "container_name")
+SECRET_KEYS = ("source", "target", "uid", "gid", "mode")
 
 
 class RenderError(RuntimeError):
@@ -84,8 +89,18 @@ def short_volume(v: dict[str, Any] | str) -> str:
     return f"{v['source']}:{v['target']}" + (":ro" if v.get("read_only") else "")
 
 
+def stack_secret(ref: dict[str, Any]) -> dict[str, Any]:
+    """A service's secret as a stack file takes it: the mode a number (Compose gives "0400")."""
+    out = {k: ref[k] for k in SECRET_KEYS if ref.get(k) is not None}
+    if isinstance(out.get("mode"), str):
+        out["mode"] = int(out["mode"], 8)
+    return out
+
+
 def stack_service(name: str, svc: dict[str, Any], hosts: dict[str, str]) -> dict[str, Any]:
-    unknown = set(svc) - set(KEPT) - set(DROPPED) - {"volumes", "network_mode", "networks"}
+    unknown = (
+        set(svc) - set(KEPT) - set(DROPPED) - {"volumes", "network_mode", "networks", "secrets"}
+    )
     if unknown:
         raise RenderError(f"{name}: no rule for {sorted(unknown)} (tools/swarm_stack.py)")
     if svc.get("ports"):
@@ -95,6 +110,8 @@ def stack_service(name: str, svc: dict[str, Any], hosts: dict[str, str]) -> dict
     out = {k: svc[k] for k in KEPT if svc.get(k) is not None}
     if svc.get("volumes"):
         out["volumes"] = [short_volume(v) for v in svc["volumes"]]
+    if svc.get("secrets"):
+        out["secrets"] = [stack_secret(ref) for ref in svc["secrets"]]
     out["networks"] = [HOST_NETWORK]
     if hosts:
         out["extra_hosts"] = [f"{n}:{a}" for n, a in sorted(hosts.items())]
@@ -106,12 +123,29 @@ def stack_from_config(config: dict[str, Any], hosts: dict[str, str]) -> dict[str
     services = {n: stack_service(n, s, hosts) for n, s in sorted(config["services"].items())}
     used = {v.split(":")[0] for s in services.values() for v in s.get("volumes", [])}
     volumes: dict[str, dict] = {n: {} for n in config.get("volumes", {}) if n in used}
-    return {
+    stack = {
         "version": "3.8",
         "services": services,
         "volumes": volumes,
         "networks": {HOST_NETWORK: {"external": True, "name": "host"}},
     }
+    referred = {ref["source"] for s in services.values() for ref in s.get("secrets", [])}
+    if referred:
+        stack["secrets"] = {n: stack_file_secret(n, config) for n in sorted(referred)}
+    return stack
+
+
+def stack_file_secret(name: str, config: dict[str, Any]) -> dict[str, str]:
+    """A secret from a file (no `name:`: the stack prefixes it with its own name)."""
+    declared = config.get("secrets", {}).get(name, {})
+    if not declared.get("file"):
+        raise RenderError(f"secret {name}: only secrets from a file (spotrl secrets) are rendered")
+    if not Path(declared["file"]).is_file():
+        raise RenderError(
+            f"secret {name}: no file {declared['file']} (spotrl secrets DIR --tls --hosts ...; "
+            "SPOTRL_SECRETS names DIR)"
+        )
+    return {"file": declared["file"]}
 
 
 def render(env: dict[str, str], hosts: dict[str, str]) -> str:
@@ -130,13 +164,26 @@ def main() -> int:
     parser.add_argument(
         "--host", type=parse_host, action="append", default=[], help="NAME=ADDRESS (repeat)"
     )
+    parser.add_argument("--out", type=Path, help="write the stack here, 0600 (default: stdout)")
     args = parser.parse_args()
     try:
-        sys.stdout.write(render(dict(os.environ), dict(args.host)))
+        text = render(dict(os.environ), dict(args.host))
     except RenderError as exc:
         print(f"swarm_stack: {exc}", file=sys.stderr)
         return 1
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        write_private(args.out, text)
     return 0
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by its owner alone from the start (it holds credentials)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import cast
 import redis
 
 from services.contracts import keys
+from services.contracts.consumers import consumer_worker
 from services.contracts.messages import Job, MalformedMessage
 from services.contracts.runspec import RunSpec
 from services.contracts.shards import shard_of
@@ -189,9 +190,13 @@ def held_requests(
     for step in steps_in_flight(r, run_id) if steps is None else steps:
         stream = keys.jobs_stream(run_id, step)
         try:
-            pending = r.xpending_range(
-                stream, keys.WORKERS_GROUP, "-", "+", 100_000, consumername=worker_id
-            )
+            pending = [
+                p
+                for consumer in consumers_of(r, stream, worker_id)
+                for p in r.xpending_range(
+                    stream, keys.WORKERS_GROUP, "-", "+", 100_000, consumername=consumer
+                )
+            ]
         except redis.ResponseError:  # no stream or no group: nothing held on it
             continue
         with r.pipeline(transaction=False) as pipe:
@@ -204,13 +209,25 @@ def held_requests(
     return held
 
 
+def consumers_of(r: redis.Redis, stream: str, worker_id: str) -> list[str]:
+    """The consumer names `worker_id` reads `stream` as: its id, or its id with the secret the
+    coordinator gave it (`contracts.consumers`)."""
+    consumers = r.xinfo_consumers(stream, keys.WORKERS_GROUP)
+    names = [text(c["name"]) or "" for c in consumers]
+    return [name for name in names if consumer_worker(name) == worker_id]
+
+
 def busiest_worker(r: redis.Redis, run_id: str, step: int) -> str | None:
     """The reader of the step's jobs holding the most of them (None: nobody holds one)."""
     try:
         consumers = r.xinfo_consumers(keys.jobs_stream(run_id, step), keys.WORKERS_GROUP)
     except redis.ResponseError:  # no stream or no group yet
         return None
-    pending = {text(c["name"]) or "": c["pending"] for c in consumers if c["pending"] > 0}
+    pending: dict[str, int] = {}
+    for c in consumers:
+        worker = consumer_worker(text(c["name"]) or "")
+        pending[worker] = pending.get(worker, 0) + c["pending"]
+    pending = {worker: n for worker, n in pending.items() if n > 0}
     pending.pop(CLAIMER, None)  # the coordinator's own, between a claim and its re-queue
     if not pending:
         return None

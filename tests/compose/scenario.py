@@ -2,7 +2,9 @@
 
 Built offline (`tools/offline-image.sh`), started by `docker compose` with
 docker-compose.hostnet.yml (every service on the host's network, bound to 127.0.0.1, ports from
-variables), driven through the REST API with a token: a GRPO run whose steps advance and whose
+variables) with the credentials of `spotrl secrets` (a Redis user per role, the workers' minted
+at registration, a token per scope), driven through the REST API with the admin token, audited
+as Redis's read-only user: a GRPO run whose steps advance and whose
 reward rises; rollout scaled to 2 mid-run by `spotrl scale --target compose`, both replicas
 producing tokens; one rollout container killed mid-step (the run goes on, the audit finds
 nothing lost or duplicated); the trainer container restarted (it resumes from its
@@ -23,7 +25,9 @@ from pathlib import Path
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
+from services.cli.credentials import Credentials
 from services.cli.procs import free_port
+from services.cli.secrets_command import write_secrets
 from services.contracts.runspec import RunSpec
 from tests.compose.engine import DockerEngine, compose_binary
 from tests.integration.conftest import wait_until
@@ -48,14 +52,26 @@ class Stack:
     def __init__(self, engine: DockerEngine, work: Path) -> None:
         self.engine = engine
         self.project = f"spotrl-test-{secrets.token_hex(3)}"
-        self.token = secrets.token_hex(16)
         self.ports = {n: free_port() for n in ("redis", "coordinator", "weightstore", "trainer")}
         models = work / "models"
         models.mkdir(parents=True, exist_ok=True)
         models.chmod(0o777)  # the services run as uid 10001
+        # `spotrl secrets`, with Redis where docker-compose.hostnet.yml puts it
+        self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
+        credentials = Credentials.make()
+        write_secrets(work / "secrets", credentials, self.redis_url)
+        self.token = credentials.admin_token
+        self.reader_url = credentials.redis_url(self.redis_url, "reader")  # the audit's
+        # what no rollout container may hold: the admin and trainer tokens, a role's password
+        self.not_for_workers = [
+            credentials.tokens["admin"],
+            credentials.tokens["trainer"],
+            *credentials.redis_passwords.values(),
+        ]
         self.env = {
             **engine.env(),
-            "SPOTRL_API_TOKEN": self.token,
+            "SPOTRL_SECRETS": str(work / "secrets"),
+            "SPOTRL_API_TOKEN": self.token,  # the CLI's (`spotrl scale`); no container gets it
             "SPOTRL_MODELS": str(models),
             "SPOTRL_REDIS_IMAGE": "spotrl-base:bookworm",
             "SPOTRL_REDIS_PORT": str(self.ports["redis"]),
@@ -65,7 +81,6 @@ class Stack:
             "SPOTRL_TRAINER_THREADS": "1",
             "SPOTRL_ROLLOUT_THREADS": "1",
         }
-        self.redis_url = f"redis://127.0.0.1:{self.ports['redis']}/0"
         self.client = CoordinatorClient(f"http://127.0.0.1:{self.ports['coordinator']}", self.token)
 
     def spotrl_scale(self, *args: str) -> str:
@@ -115,6 +130,16 @@ class Stack:
                 ip = net.get("IPAddress")
                 if ip and any(ipaddress.ip_address(ip) in p for p in PRIVATE):
                     found.append(f"{cid[:12]}: {ip}")
+        return found
+
+    def worker_secrets(self) -> list[str]:
+        """The secrets a rollout container's environment holds that only others should."""
+        found = []
+        for cid in self.containers("rollout", running=True):
+            env = self.engine.docker("inspect", "-f", "{{json .Config.Env}}", cid).stdout
+            found += [
+                f"{cid[:12]}: secret {i}" for i, x in enumerate(self.not_for_workers) if x in env
+            ]
         return found
 
     def leftovers(self) -> list[str]:
@@ -182,6 +207,7 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
         poll_s=0.5,
     )
     summary["workers_max"] = len(both)
+    summary["worker_secrets"] = stack.worker_secrets()
     say(f"{len(both)} rollout replicas producing tokens")
 
     # kill one replica while it holds requests of the step in flight
@@ -222,7 +248,7 @@ def drive(stack: Stack, steps: int, summary: dict) -> None:
     k = min(5, len(rewards) // 2) or 1
     summary["reward_first"] = round(sum(rewards[:k]) / k, 3) if rewards else None
     summary["reward_last"] = round(sum(rewards[-k:]) / k, 3) if rewards else None
-    audit = audit_run(stack.redis_url, run_id, RunSpec.model_validate(spec), steps=run["step"])
+    audit = audit_run(stack.reader_url, run_id, RunSpec.model_validate(spec), steps=run["step"])
     summary["lost"] = audit["lost"]
     summary["duplicated"] = audit["duplicated"]
 

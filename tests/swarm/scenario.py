@@ -27,11 +27,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import redis
-
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.recovery import RecoveryWatch, held_requests
+from services.cli.redis_client import open_redis
 from services.cli.scale import Scaler, ScaleSettings
 from services.contracts import keys
 from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
@@ -74,8 +73,8 @@ class Driver:
 
     def __init__(self, cluster: Cluster, stack: SwarmStack, summary: dict) -> None:
         self.cluster, self.stack, self.summary = cluster, stack, summary
-        self.client = CoordinatorClient(stack.coordinator_url, stack.token)
-        self.r = redis.Redis.from_url(stack.redis_url)
+        self.client = CoordinatorClient(stack.coordinator_url, stack.token, ca_file=stack.ca_file)
+        self.r = open_redis(stack.redis_url, stack.ca_file)  # the read-only user, over TLS
         self.run_id = ""
         self.workers: dict[str, str] = {}  # container -> the worker id it registered
         summary["workers_max"] = 0
@@ -170,6 +169,7 @@ class Driver:
             ]
             the_scaler.close()
             os.environ.pop("DOCKER_HOST", None)
+            os.environ.pop("SPOTRL_TLS_CA_FILE", None)
         self.finish(run, spec)
 
     def start_scaler(self):
@@ -185,6 +185,7 @@ class Driver:
             down_cooldown_s=30,
         )
         os.environ["DOCKER_HOST"] = self.cluster.manager.host  # the Swarm target's manager
+        os.environ["SPOTRL_TLS_CA_FILE"] = str(self.stack.ca_file)  # the Scaler's client checks
         scaler = Scaler.build(settings, self.stack.token)
         stop = threading.Event()
         thread = threading.Thread(target=scaler.run, args=(stop,), name="scale", daemon=True)
@@ -238,8 +239,9 @@ class Driver:
         k = min(5, len(rewards) // 2) or 1
         s["reward_first"] = round(sum(rewards[:k]) / k, 3) if rewards else None
         s["reward_last"] = round(sum(rewards[-k:]) / k, 3) if rewards else None
+        spec_model = RunSpec.model_validate(spec)
         audit = audit_run(
-            self.stack.redis_url, self.run_id, RunSpec.model_validate(spec), run["step"]
+            self.stack.redis_url, self.run_id, spec_model, run["step"], self.stack.ca_file
         )
         s["lost"], s["duplicated"] = audit["lost"], audit["duplicated"]
 
@@ -315,7 +317,7 @@ def drive(cluster: Cluster, work: Path, summary: dict, steps: int) -> None:
         summary["blocks_from_peers"] = blocks_from_peers(before)
         summary["peer_loads"] = len([x for x in before if x[3] > 0])
     except BaseException:
-        for service in ("coordinator", "trainer", "rollout"):
+        for service in ("redis", "weightstore", "coordinator", "trainer", "rollout"):
             tail = "\n".join(stack.service_logs(service)[-15:])
             say(f"{service}, last lines:\n{tail}")
         raise

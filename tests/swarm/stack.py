@@ -1,13 +1,19 @@
 """The spotrl stack on the test's swarm: rendered from the compose files by tools/swarm_stack.py,
 deployed with `docker stack deploy` (images as loaded, never resolved against a registry), its
 containers found per node, its logs read, and removed with everything it made.
+
+Its credentials are `spotrl secrets --tls`'s, as a user makes them: every hop over TLS (a
+certificate for the reserved node's address and the node names), a Redis user per role (the
+workers' minted at registration), a token per scope. The test's clients send the admin token,
+read Redis as its read-only user, and check the services against the CA.
 """
 
 import re
-import secrets
 import time
 from pathlib import Path
 
+from services.cli.credentials import Credentials
+from services.cli.secrets_command import write_secrets
 from tests.integration.conftest import wait_until
 from tests.swarm.cluster import Cluster, Node
 from tools.swarm_stack import render
@@ -25,26 +31,34 @@ class SwarmStack:
     def __init__(self, cluster: Cluster, work: Path, settings: dict[str, str]) -> None:
         self.cluster = cluster
         self.manager = cluster.manager
-        self.token = secrets.token_hex(16)
         self.reserved_addr = cluster.nodes["reserved"].addr
         self.models = work / "models"
         self.models.mkdir(parents=True, exist_ok=True)
         self.models.chmod(0o777)  # the services run as uid 10001
         self.stack_file = work / "stack.yml"
+        secrets_dir = work / "secrets"
+        credentials = Credentials.make()
+        hosts = (self.reserved_addr, *cluster.nodes)  # the node names the workers advertise
+        base_url = f"redis://{self.reserved_addr}:6379/0"
+        write_secrets(secrets_dir, credentials, base_url, hosts)
+        self.token = credentials.admin_token
+        self.ca_file = secrets_dir / "tls" / "ca.crt"
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
             "HOME": str(work),
-            "SPOTRL_API_TOKEN": self.token,
+            "SPOTRL_SECRETS": str(secrets_dir),
             "SPOTRL_RESERVED_HOST": self.reserved_addr,
             "SPOTRL_MODELS": str(self.models),
             "SPOTRL_REDIS_IMAGE": "spotrl-base:bookworm",
             **settings,
         }
-        self.redis_url = f"redis://:{self.token}@{self.reserved_addr}:6379/0"
-        self.coordinator_url = f"http://{self.reserved_addr}:8100"
+        rediss = f"rediss://{self.reserved_addr}:6379/0"
+        self.redis_url = credentials.redis_url(rediss, "reader")  # audits and recovery: reads
+        self.coordinator_url = f"https://{self.reserved_addr}:8100"
 
     def deploy(self) -> None:
         hosts = {n.name: n.addr for n in self.cluster.nodes.values()}
+        self.stack_file.touch(mode=0o600)  # it holds every service's credentials
         self.stack_file.write_text(render(self.env, hosts))
         self.manager.docker(
             "stack", "deploy", "--detach=true", "--resolve-image", "never",

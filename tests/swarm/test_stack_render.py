@@ -1,32 +1,54 @@
 """The Swarm stack rendered from docker-compose.yml and docker-compose.swarm.yml
 (tools/swarm_stack.py): every service of the compose file, placed by pool, on its node's
-network, with nothing Swarm would refuse or a registry would be asked for. Fast: no engine."""
+network, with nothing Swarm would refuse or a registry would be asked for; every hop over TLS,
+each service with its own credentials (`spotrl secrets --tls`), the certificate and key as
+Swarm secrets only its user reads. Fast: no engine."""
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.compose.engine import EngineUnavailable, compose_binary
+from tests.harness.secrets import make_secrets, read_env
 from tests.swarm.stack import REGISTRY_LOOKUP
 from tools.swarm_stack import RenderError, compose_config, render, stack_from_config
 
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {
     "PATH": "/usr/bin:/bin",
-    "SPOTRL_API_TOKEN": "t0ken",
     "SPOTRL_RESERVED_HOST": "10.254.0.10",
     "SPOTRL_MODELS": "/srv/models",
 }
 HOSTS = {"reserved": "10.254.0.10", "spot1": "10.254.0.11", "spot2": "10.254.0.12"}
+SPOTRL_SERVICES = ("coordinator", "trainer", "weightstore", "rollout")
 
 
 @pytest.fixture(scope="module")
-def stack() -> dict:
+def secrets(tmp_path_factory) -> Path:
+    return make_secrets(
+        tmp_path_factory.mktemp("swarm") / "secrets",
+        "--tls",
+        "--hosts",
+        ",".join(["10.254.0.10", *HOSTS]),
+        "--redis-url",
+        "redis://10.254.0.10:6379/0",
+    )
+
+
+@pytest.fixture(scope="module")
+def env(secrets) -> dict[str, str]:
+    return ENV | {"SPOTRL_SECRETS": str(secrets)}
+
+
+@pytest.fixture(scope="module")
+def stack(env) -> dict:
     try:
         compose_binary()
     except EngineUnavailable as exc:
         pytest.skip(str(exc))
-    return yaml.safe_load(render(ENV, HOSTS))
+    return yaml.safe_load(render(env, HOSTS))
 
 
 def test_every_compose_service_is_in_the_stack_placed_by_pool(stack):
@@ -41,15 +63,58 @@ def test_every_compose_service_is_in_the_stack_placed_by_pool(stack):
     assert stack["networks"]["hostnet"] == {"external": True, "name": "host"}
 
 
-def test_the_services_reach_redis_and_each_other_at_the_reserved_node_with_the_token(stack):
+def test_every_hop_is_tls_at_the_reserved_node_each_service_with_its_own_credentials(
+    stack, secrets
+):
+    redis_svc = stack["services"]["redis"]
+    command = redis_svc["command"]
+    assert command[command.index("--port") + 1] == "0"  # TLS only
+    assert command[command.index("--tls-port") + 1] == "6379"
+    assert command[command.index("--aclfile") + 1] == "/etc/spotrl/redis/users.acl"
+    assert "--requirepass" not in command
+    assert f"{secrets / 'redis'}:/etc/spotrl/redis" in redis_svc["volumes"]  # read-write
+    assert "--tls" in redis_svc["healthcheck"]["test"][-1]
+    for name in SPOTRL_SERVICES:
+        env = stack["services"][name]["environment"]
+        written = read_env(secrets / f"{name}.env")
+        assert {k: env[k] for k in written} == written, name
+        assert env["SPOTRL_REDIS_URL"].startswith("rediss://")
+        assert env["SPOTRL_REDIS_URL"].endswith(
+            "@10.254.0.10:6379/0" if name in ("coordinator", "trainer") else "//10.254.0.10:6379/0"
+        )
+        assert env["SPOTRL_COORDINATOR_URL"] == "https://10.254.0.10:8100"
+        assert env["SPOTRL_WEIGHTSTORE_URL"] == "https://10.254.0.10:8200"
+        assert "SPOTRL_API_TOKEN" not in env
+
+
+def test_the_tls_files_are_swarm_secrets_only_the_services_user_reads(stack, secrets):
+    assert stack["secrets"] == {
+        f"spotrl-{n}": {"file": str(secrets / "tls" / n)} for n in ("ca.crt", "tls.crt", "tls.key")
+    }
     for name, svc in stack["services"].items():
-        if name == "redis":
-            assert "--requirepass" in svc["command"] and "t0ken" in svc["command"]
-            continue
-        env = svc["environment"]
-        assert env["SPOTRL_REDIS_URL"] == "redis://:t0ken@10.254.0.10:6379/0"
-        assert env["SPOTRL_COORDINATOR_URL"] == "http://10.254.0.10:8100"
-        assert env["SPOTRL_API_TOKEN"] == "t0ken"
+        refs = {r["source"]: r for r in svc["secrets"]}
+        assert set(refs) == set(stack["secrets"]), name
+        for ref in refs.values():
+            assert ref["mode"] == 0o400, (name, ref)
+            assert ref.get("uid", "0") == ("0" if name == "redis" else "10001"), (name, ref)
+        if name != "redis":
+            env = svc["environment"]
+            paths = {env[f"SPOTRL_TLS_{k}_FILE"] for k in ("CERT", "KEY", "CA")}
+            assert paths == {r["target"] for r in refs.values()}, name
+
+
+def test_a_worker_on_a_spot_node_gets_no_admin_or_trainer_token_nor_a_redis_password(
+    stack, secrets
+):
+    rollout = json.dumps(stack["services"]["rollout"])
+    admin = read_env(secrets / "admin.env")["SPOTRL_API_TOKEN"]
+    trainer = read_env(secrets / "trainer.env")
+    coordinator = read_env(secrets / "coordinator.env")
+    passwords = [
+        e["SPOTRL_REDIS_URL"].split("@")[0].rsplit(":", 1)[1] for e in (trainer, coordinator)
+    ]
+    for secret in (admin, trainer["SPOTRL_TOKEN"], *passwords):
+        assert secret not in rollout
 
 
 def test_a_worker_advertises_its_node_and_its_grace_covers_the_release(stack):
@@ -61,9 +126,9 @@ def test_a_worker_advertises_its_node_and_its_grace_covers_the_release(stack):
     assert rollout["deploy"]["replicas"] == 2
 
 
-def test_the_render_refuses_what_swarm_cannot_run():
+def test_the_render_refuses_what_swarm_cannot_run(env):
     try:
-        config = compose_config(ENV)
+        config = compose_config(env)
     except RenderError as exc:
         pytest.skip(str(exc))
     config["services"]["coordinator"]["ports"] = [{"target": 8100, "published": "8100"}]
@@ -79,9 +144,18 @@ def test_the_render_refuses_what_swarm_cannot_run():
         stack_from_config(config, HOSTS)
 
 
-def test_no_token_no_stack():
-    with pytest.raises(RenderError, match="SPOTRL_API_TOKEN"):
-        compose_config({k: v for k, v in ENV.items() if k != "SPOTRL_API_TOKEN"})
+def test_no_secrets_no_stack(tmp_path):
+    """Without the folder Compose names the env file it misses; without TLS files (secrets made
+    without --tls) the render names the certificate it misses: the stack is TLS or nothing."""
+    try:
+        compose_binary()
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+    with pytest.raises(RenderError, match=r"none/.*\.env"):
+        compose_config(ENV | {"SPOTRL_SECRETS": str(tmp_path / "none")})
+    plain = make_secrets(tmp_path / "plain", "--redis-url", "redis://10.254.0.10:6379/0")
+    with pytest.raises(RenderError, match=r"no file .*tls/ca\.crt.*--tls"):
+        render(ENV | {"SPOTRL_SECRETS": str(plain)}, HOSTS)
 
 
 def test_the_registry_check_sees_a_lookup_and_nothing_else():

