@@ -46,13 +46,7 @@ def bearer(scope: str) -> dict[str, str]:
 
 def started(name: str, module: str, env: dict[str, str], log_dir: Path) -> procs.Proc:
     port = procs.free_port()
-    proc = procs.start_service(name, module, env | {"SPOTRL_PORT": str(port)}, log_dir, port)
-    try:
-        procs.wait_healthy([proc], 120)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+    return procs.start_healthy(name, module, env | {"SPOTRL_PORT": str(port)}, log_dir, port)
 
 
 @pytest.fixture(scope="module")
