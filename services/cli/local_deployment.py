@@ -17,7 +17,6 @@ from typing import Self
 from services.cli import procs
 from services.cli.certs import make_certs
 from services.cli.credentials import Credentials, tls_env
-from services.cli.secrets_command import write_private
 from services.coordinator.settings import CoordinatorSettings
 from services.infra import redis_users
 from services.infra.settings import CommonSettings, env_name, settings_env
@@ -155,7 +154,7 @@ class LocalDeployment:
 
     def _start(self, timeout_s: float, on_ready: Callable[[procs.Proc], None] | None) -> None:
         if self.credentials:  # for the CLI beside it (`spotrl status`, `spotrl cancel`)
-            write_private(self.work_dir / "admin-token", self.credentials.admin_token)
+            write_secret(self.work_dir / "admin-token", self.credentials.admin_token)
         if not self.redis_url:
             self.start_redis()
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
@@ -272,3 +271,11 @@ class LocalDeployment:
         )
         for p in order:
             p.stop()
+
+
+def write_secret(path: Path, text: str) -> None:
+    """`text` in a file only its owner may read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)

@@ -162,19 +162,6 @@ def start_service(
     return start(name, [sys.executable, "-m", module], env, log_dir, url, ca_file)
 
 
-def start_healthy(
-    name: str, module: str, env: dict[str, str], log_dir: Path, port: int, timeout_s: float = 120.0
-) -> Proc:
-    """`start_service`, then wait until it answers /healthz; stopped again if it never does."""
-    proc = start_service(name, module, env, log_dir, port)
-    try:
-        wait_healthy([proc], timeout_s)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
-
-
 class ProcessDied(RuntimeError):
     """A process we started exited; the message carries its exit code and last log lines."""
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import redis
 
-from services.infra.redis_streams import tls_args
-
 
 def open_redis(url: str, ca_file: Path | str | None = None, **kwargs) -> redis.Redis:
     """A client of `url`; with rediss:// and `ca_file`, the server is verified against it."""
-    return redis.Redis.from_url(url, **tls_args(url, ca_file), **kwargs)
+    if ca_file is not None and url.startswith("rediss://"):
+        kwargs["ssl_ca_certs"] = str(ca_file)
+    return redis.Redis.from_url(url, **kwargs)

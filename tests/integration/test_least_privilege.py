@@ -22,7 +22,6 @@ from services.contracts import keys
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
 from services.contracts.runspec import RunSpec
 from services.infra import signing
-from services.infra.redis_users import credential_url
 from services.infra.tls import ca_verify
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
@@ -87,7 +86,8 @@ def intruder(deployment, tokens):
     assert resp.status_code == 201, resp.text
     answer = resp.json()
     assert answer["redis_username"] and answer["redis_password"] and answer["signing_key"]
-    url = credential_url(deployment.redis_url, answer["redis_username"], answer["redis_password"])
+    host = deployment.redis_url.split("://", 1)[1]
+    url = f"rediss://{answer['redis_username']}:{answer['redis_password']}@{host}"
     r = open_redis(url, deployment.ca_file)
     yield r, signing.key_bytes(answer["signing_key"])
     r.close()

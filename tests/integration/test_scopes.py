@@ -46,7 +46,13 @@ def bearer(scope: str) -> dict[str, str]:
 
 def started(name: str, module: str, env: dict[str, str], log_dir: Path) -> procs.Proc:
     port = procs.free_port()
-    return procs.start_healthy(name, module, env | {"SPOTRL_PORT": str(port)}, log_dir, port)
+    proc = procs.start_service(name, module, env | {"SPOTRL_PORT": str(port)}, log_dir, port)
+    try:
+        procs.wait_healthy([proc], 120)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
 
 
 @pytest.fixture(scope="module")

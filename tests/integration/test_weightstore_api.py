@@ -20,7 +20,13 @@ def start_store(root: Path, settings: dict[str, str]) -> procs.Proc:
     port = procs.free_port()
     env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data"), "SPOTRL_API_TOKEN": TOKEN}
     env |= settings
-    return procs.start_healthy("weightstore", "services.weightstore.main", env, root, port, 60)
+    proc = procs.start_service("weightstore", "services.weightstore.main", env, root, port)
+    try:
+        procs.wait_healthy([proc], 60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
 
 
 @pytest.fixture(scope="module")
