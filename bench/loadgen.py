@@ -113,7 +113,7 @@ class InstantEngine:
     def active(self) -> int:
         return len(self.seqs)
 
-    async def load(self, folder: Path) -> None:
+    async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
         self.folder = Path(folder)
         self.loads += 1
         self.abort_all()

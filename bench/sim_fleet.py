@@ -5,10 +5,15 @@ with the deployment scaled alongside (services/sim/fleet.py; docs/simulation.md,
     .venv/bin/python bench/sim_fleet.py --trace ../shared/traces/FILE.csv
         [--fleet 16,64,256] [--nodes R] [--hours 2] [--start-hours 0] [--shard-nodes 2]
         [--systems reserved-only,hybrid,hybrid-p2p] [--scenario paper-14b|artifact-8b] [--seed 0]
+        [--remote-share 0.5] [--cross-region-gbps 2] [--egress-usd-per-gb 0.02] [--delta-share 0.05]
 
 `--nodes R` holds the trainer at R reserved nodes and the batch at R x 128 prompts (default:
 N / 8 nodes for N instances, the batch growing with the fleet). `--shard-nodes` sets the nodes
-a simulated shard holds (R: the whole fleet, no shards).
+a simulated shard holds (R: the whole fleet, no shards). The systems named `-xr` start
+`--remote-share` of their spot instances in another region than the weight store, reached
+through one link of `--cross-region-gbps` billed `--egress-usd-per-gb`; those named `-delta`
+pull a version as a sparse delta of `--delta-share` of its bytes when they hold the one before
+(issue 42; docs/simulation.md, "Cross-region pools and sparse deltas").
 
 Prints a table, then as its LAST line a JSON object: `fleets` (instances -> `systems`, name ->
 `mean_step_s`, `throughput_tok_s`, `tokens_per_dollar`, `cost_per_h`, `mean_pull_s`,
@@ -28,6 +33,7 @@ from services.sim.fleet import (
     FLEET_SYSTEM_CHOICES,
     FLEET_SYSTEMS,
     SHARD_NODES,
+    CrossRegion,
     FleetShape,
     run_fleet,
 )
@@ -49,7 +55,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="paper-14b")
     p.add_argument("--seed", type=int, default=0)
+    xr = CrossRegion()
+    p.add_argument("--remote-share", type=float, default=xr.remote_share, help="-xr systems")
+    p.add_argument(
+        "--cross-region-gbps", type=float, default=xr.link_bytes_per_s * 8 / 1e9, help="the link"
+    )
+    p.add_argument("--egress-usd-per-gb", type=float, default=xr.egress_usd_per_gb)
+    p.add_argument(
+        "--delta-share", type=float, default=xr.delta_share, help="-delta systems: bytes ratio"
+    )
     args = p.parse_args(argv)
+    if not (0 <= args.remote_share <= 1 and 0 < args.delta_share <= 1):
+        p.error("--remote-share must be in [0, 1], --delta-share in (0, 1]")
+    if args.cross_region_gbps <= 0 or args.egress_usd_per_gb < 0:
+        p.error("--cross-region-gbps must be > 0, --egress-usd-per-gb >= 0")
+    args.cross_region = CrossRegion(
+        args.remote_share,
+        args.cross_region_gbps * 1e9 / 8,
+        args.egress_usd_per_gb,
+        args.delta_share,
+    )
     try:
         args.shapes = [
             FleetShape.of(int(n), args.nodes, args.shard_nodes) for n in args.fleet.split(",")
@@ -68,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def print_table(fleets: dict[str, dict]) -> None:
     print(
         f"{'N':>4s} {'system':19s} {'step s':>7s} {'pull s':>7s} {'max pull':>8s} "
-        f"{'train s':>7s} {'tok/s':>9s} {'x thr':>6s} {'x tok/$':>7s} {'$/h':>8s} {'pool':>6s}"
+        f"{'train s':>7s} {'tok/s':>9s} {'x thr':>6s} {'x tok/$':>7s} {'$/h':>8s} {'pool':>6s} "
+        f"{'xr GB':>7s}"
     )
     for n, fleet in fleets.items():
         for name, s in fleet["systems"].items():
@@ -79,7 +105,7 @@ def print_table(fleets: dict[str, dict]) -> None:
                 f"{'-' if top is None else f'{top:8.1f}':>8s} {s['mean_trainer_s'] or 0:7.0f} "
                 f"{s['throughput_tok_s']:9.0f} {s['throughput_vs_first'] or 0:6.2f} "
                 f"{s['cost_efficiency_vs_first'] or 0:7.3f} {s['cost_per_h']:8.1f} "
-                f"{s['mean_pool_instances']:6.1f}"
+                f"{s['mean_pool_instances']:6.1f} {s['cross_region_gb']:7.0f}"
             )
 
 
@@ -94,7 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     fleets = {
         str(shape.instances): run_fleet(
-            scenario, trace, shape, args.hours, args.start_hours * 3600, args.seed, args.systems
+            scenario,
+            trace,
+            shape,
+            args.hours,
+            args.start_hours * 3600,
+            args.seed,
+            args.systems,
+            cross_region=args.cross_region,
         )
         for shape in args.shapes
     }
@@ -109,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "weight_bytes": transfer.weight_bytes,
         "store_egress_gbit_s": transfer.store_egress_bytes_per_s * 8 / 1e9,
         "nic_gbit_s": transfer.nic_bytes_per_s * 8 / 1e9,
+        "cross_region": vars(args.cross_region),  # what the -xr and -delta systems ran with
         "fleets": fleets,
         "wall_s": round(time.monotonic() - began, 1),
     }

@@ -47,6 +47,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, MLP, vocab
     "small": (256, 4, 4, 4, 768, 4096),
     "qwen2-0.6b": (896, 24, 14, 2, 4864, 151936),
     "wide-vocab": (256, 2, 4, 4, 768, 151936),  # Qwen2's vocabulary on a small body
+    "qwen2-236m": (896, 12, 14, 2, 4864, 32000),  # Qwen2-0.5B's width, half its depth, 32k vocab
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
 

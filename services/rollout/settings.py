@@ -69,6 +69,12 @@ class RolloutSettings(CommonSettings):
         "other workers and pull blocks from them too (each checked against the store's "
         "manifest). False: every block comes from the weight store.",
     )
+    weight_deltas: bool = Field(
+        True,
+        description="Take a new version as the sparse deltas of the one held (or, joining, the "
+        "nearest full version and the deltas after it) where the store has them; every file "
+        "made is checked against the announced digest, and a refused delta means a full pull.",
+    )
     peer_port: int = Field(
         0, ge=0, le=65535, description="Port serving weight blocks to peers (0: any free one)."
     )

@@ -66,7 +66,10 @@ class VersionLoader:
     ) -> None:
         self.ctx = ctx
         self.weights = WeightClient(
-            ctx.s.weightstore_urls(), ctx.s.outgoing_token(), ca_file=ctx.s.tls_ca_file
+            ctx.s.weightstore_urls(),
+            ctx.s.outgoing_token(),
+            ca_file=ctx.s.tls_ca_file,
+            deltas=ctx.s.weight_deltas,
         )
         self.held, self.release = held, release  # the flusher's: requests handed back
         self.peers = Peers(ctx.s) if ctx.s.p2p else None
@@ -92,7 +95,9 @@ class VersionLoader:
                 if live:
                     await self.release(live, "swap")
             ctx.drop_held()
-            await ctx.engine.load(result.folder)
+            # a version made from deltas of the one the engine holds says what changed: only
+            # that is loaded, in place
+            await ctx.engine.load(result.folder, result.changed if previous is not None else None)
             ctx.version = version
         await ctx.r.sadd(keys.worker_loads(run_id, ctx.s.worker_id), version)
         took_s = time.monotonic() - started
@@ -100,12 +105,13 @@ class VersionLoader:
         PULL_BYTES.inc(result.bytes)
         PEER_BYTES.inc(result.from_peers)
         log.info(
-            "loaded %s v%d (%d bytes, %d of them from peers) in %.2fs",
+            "loaded %s v%d (%d bytes, %d of them from peers) in %.2fs, %s",
             run_id,
             version,
             result.bytes,
             result.from_peers,
             took_s,
+            f"made from the deltas of {result.deltas} versions" if result.deltas else "in full",
         )
         if previous is not None and previous != version:
             if self.peers is not None:

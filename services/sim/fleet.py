@@ -20,6 +20,11 @@ instances), and a trace's granularity finer than a shard (the shards lose instan
 correlated preemptions). `shard_nodes` = R runs the whole fleet; docs/simulation.md compares
 the two at 64.
 
+Cross-region pools and sparse deltas (issue 42): a system may start a share of its spot
+instances in another region than the weight store, reached through one shared link
+(`CrossRegion`, `TransferModel`), and may pull each version as a sparse delta of the one
+before; the link's bytes are billed per GB on top of the instances and nodes.
+
 Not modelled: the reserved nodes' interconnect, the gradient reduction, and any limit of the
 coordinator or of Redis at 32K requests a step.
 """
@@ -75,11 +80,37 @@ class FleetShape:
 
 @dataclass(frozen=True)
 class FleetSystem:
-    """A system of the comparison: the switches of a `SystemSpec` plus the transfer mode."""
+    """A system of the comparison: the switches of a `SystemSpec` plus the transfer mode:
+    peer-to-peer fan-out, a pool partly in another region (`CrossRegion`), sparse deltas."""
 
     name: str
     system: SystemSpec
     p2p: bool = False
+    cross_region: bool = False
+    deltas: bool = False
+
+
+@dataclass(frozen=True)
+class CrossRegion:
+    """What the systems with a cross-region pool or sparse deltas run with (issue 42)."""
+
+    remote_share: float = 0.5  # share of the spot instances started in the remote region
+    link_bytes_per_s: float = 2e9 / 8  # the link from the store's region: 2 Gbit/s
+    egress_usd_per_gb: float = 0.02  # billed per GB over the link (AWS inter-region)
+    delta_share: float = 0.05  # a delta's bytes over a version's (bench/delta_share.py measures)
+
+    def transfer_changes(self, fs: FleetSystem) -> dict[str, float]:
+        """The `TransferModel` fields `fs` sets besides `p2p` (none for a plain system)."""
+        changes: dict[str, float] = {}
+        if fs.cross_region:
+            changes |= {
+                "remote_share": self.remote_share,
+                "cross_region_bytes_per_s": self.link_bytes_per_s,
+                "egress_usd_per_gb": self.egress_usd_per_gb,
+            }
+        if fs.deltas:
+            changes["delta_share"] = self.delta_share
+        return changes
 
 
 FLEET_SYSTEMS = (
@@ -94,6 +125,11 @@ FLEET_SYSTEM_CHOICES = {
         *FLEET_SYSTEMS,
         FleetSystem("hybrid-all-spot", HYBRID_ALL_SPOT),
         FleetSystem("hybrid-all-spot-p2p", HYBRID_ALL_SPOT, p2p=True),
+        FleetSystem("hybrid-p2p-delta", HYBRID, p2p=True, deltas=True),
+        FleetSystem("hybrid-xr", HYBRID, cross_region=True),
+        FleetSystem("hybrid-xr-delta", HYBRID, cross_region=True, deltas=True),
+        FleetSystem("hybrid-p2p-xr", HYBRID, p2p=True, cross_region=True),
+        FleetSystem("hybrid-p2p-xr-delta", HYBRID, p2p=True, cross_region=True, deltas=True),
     )
 }
 
@@ -105,13 +141,14 @@ def fleet_targets(
     return worker_targets(trace, 1.0, instances, hours, start_s)
 
 
-def fleet_scenario(base: Scenario, shape: FleetShape, p2p: bool) -> Scenario:
+def fleet_scenario(base: Scenario, shape: FleetShape, p2p: bool, **transfer: float) -> Scenario:
     """The scenario of one shard: its nodes' share of the batch, training sped up linearly
-    over its nodes, and a weight store shared with the other shards."""
+    over its nodes, and a weight store (and link) shared with the other shards; `transfer`:
+    other `TransferModel` fields (`CrossRegion.transfer_changes`)."""
     return replace(
         base.with_workload(prompts_per_step=base.workload.prompts_per_step * shape.shard_nodes),
         reserved_scaling=1.0,
-        transfer=replace(base.transfer, p2p=p2p, replicas=shape.replicas),
+        transfer=replace(base.transfer, p2p=p2p, replicas=shape.replicas, **transfer),
     )
 
 
@@ -150,7 +187,22 @@ def summarize_fleet(sim: Simulation, replicas: int) -> dict:
         # the trainer's busy time a step: its floor when rollout and pulls hide under it
         "mean_trainer_s": sum(train_s) / len(train_s) + last_s if train_s else None,
     }
-    return out
+    return out | egress(sim, out, replicas)
+
+
+def egress(sim: Simulation, out: dict, replicas: int) -> dict:
+    """The link's bytes for the fleet and their bill, added to `out`'s cost: billed at the
+    run's rate (bytes over the whole simulated time), as the instances are by the hour."""
+    gb = sim.cross_region_bytes * replicas / 1e9
+    usd_per_h = gb * sim.sc.transfer.egress_usd_per_gb / (sim.now / 3600) if sim.now else 0.0
+    changes: dict = {"cross_region_gb": gb, "egress_usd_per_h": usd_per_h}
+    if usd_per_h and out["cost_per_h"]:
+        cost_per_h = out["cost_per_h"] + usd_per_h
+        changes |= {
+            "cost_per_h": cost_per_h,
+            "tokens_per_dollar": out["throughput_tok_s"] * 3600 / cost_per_h,
+        }
+    return changes
 
 
 def ratio(x: float | None, y: float | None) -> float | None:
@@ -166,12 +218,16 @@ def run_fleet(
     seed: int = 0,
     systems: tuple[FleetSystem, ...] = FLEET_SYSTEMS,
     max_steps: int | None = None,
+    cross_region: CrossRegion | None = None,
 ) -> dict:
-    """Every system on the fleet; each against the first (reserved-only by default)."""
+    """Every system on the fleet; each against the first (reserved-only by default).
+    `cross_region`: what the systems with a remote pool or deltas run with (default its
+    defaults)."""
+    cross_region = cross_region or CrossRegion()
     targets = fleet_targets(trace, shape.shard_instances, hours, start_s)
     summaries = {}
     for fs in systems:
-        sc = fleet_scenario(base, shape, fs.p2p)
+        sc = fleet_scenario(base, shape, fs.p2p, **cross_region.transfer_changes(fs))
         spec = replace(fs.system, reserved_nodes=fs.system.reserved_nodes * shape.shard_nodes)
         sim = Simulation(sc, spec, targets, seed, hours * 3600, max_steps).run()
         summaries[fs.name] = summarize_fleet(sim, shape.replicas)

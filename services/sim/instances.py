@@ -13,11 +13,18 @@ from typing import TYPE_CHECKING, TypeVar
 
 from services.contracts.messages import DeltaBatch, DeltaItem, ReleaseReason
 from services.sim.engine import SimEngine
-from services.sim.scenario import Scenario
+from services.sim.scenario import Route, Scenario
 from services.sim.state import Instance, StepState, Totals
 from services.sim.systems import SystemSpec
 
 T = TypeVar("T")
+
+REMOTE_SUFFIX = "@remote"  # ends the name of a spot instance in the remote region
+
+
+def is_remote(inst: Instance) -> bool:
+    """Whether `inst` lives in another region than the weight store (`TransferModel`)."""
+    return inst.name.endswith(REMOTE_SUFFIX)
 
 
 class InstanceLifecycle:
@@ -35,6 +42,9 @@ class InstanceLifecycle:
     available: int  # instances the cloud offers now
     wanted: int | None  # the pool the coordinator asks for (None: all)
     _names: itertools.count
+    # bytes this shard's pulls carried over the cross-region link (`TransferModel.link_bytes`)
+    cross_region_bytes: float = 0.0
+    carried: tuple[int, int] = (-1, -1)  # the latest version carried over it whole, as a delta
 
     if TYPE_CHECKING:
 
@@ -66,7 +76,10 @@ class InstanceLifecycle:
     def hold(self, count: int, scale_in: bool) -> None:
         live = [i for i in self.pool_instances() if i.state != "noticed"]
         for _ in range(count - len(live)):
-            name = f"spot-{next(self._names)}"
+            index = next(self._names)
+            name = f"spot-{index}"
+            if self.sc.transfer.starts_remote(index):
+                name += REMOTE_SUFFIX
             price = self.sc.cloud.spot_instance_per_h
             if self.system.pool == "fixed":
                 price = self.sc.cloud.ondemand_instance_per_h
@@ -97,27 +110,55 @@ class InstanceLifecycle:
 
     def pull(self, inst: Instance) -> None:
         inst.state = "pulling"
-        self.at(self.now + self.pull_s(), "pulled", (inst.name, self.version))
+        self.at(self.now + self.pull_s(inst), "pulled", (inst.name, self.version))
 
-    def pull_s(self) -> float:
-        """A pull started now: the weight store's egress is shared by every pull under way
-        (with peer-to-peer fan-out, the pullers serve each other: `TransferModel`)."""
+    def pull_s(self, inst: Instance) -> float:
+        """A pull by `inst` started now: its region's source (the weight store's egress, or
+        the cross-region link) is shared by every pull of that region under way (with
+        peer-to-peer fan-out, the pullers serve each other: `TransferModel`). It moves the
+        delta if `inst` holds the version before (a boot holds none: a whole version)."""
+        remote, transfer = is_remote(inst), self.sc.transfer
         pulling = sum(
             1
             for i in self.instances.values()
-            if i.state == "pulling" or (i.fetching and i.state == "up")
+            if (i.state == "pulling" or (i.fetching and i.state == "up")) and is_remote(i) == remote
         )
-        seconds = self.sc.transfer.pull_s(pulling)
+        holds_previous = inst.version is not None and inst.version == self.version - 1
+        route: Route = "link" if remote else "store"
+        if remote and transfer.p2p and self.region_holds_latest():
+            route = "peers"
+        seconds = transfer.pull_s(pulling, holds_previous, route)
+        if route == "link":
+            self.cross_region_bytes += transfer.link_bytes(
+                holds_previous, self.carry(holds_previous)
+            )
         self.totals.pulls += 1
         self.totals.pull_s += seconds
         self.totals.max_pull_s = max(self.totals.max_pull_s, seconds)
         return seconds
 
+    def carry(self, holds_previous: bool) -> bool:
+        """A remote pull of the latest version starts: whether it is the first of that version
+        (whole, or its delta) over the link."""
+        whole, delta = self.carried
+        if holds_previous and self.sc.transfer.delta_share is not None:
+            first, self.carried = delta < self.version, (whole, self.version)
+        else:
+            first, self.carried = whole < self.version, (self.version, delta)
+        return first
+
+    def region_holds_latest(self) -> bool:
+        """Whether an instance of the remote region serves the latest version already."""
+        return any(
+            is_remote(i) and i.state == "up" and i.version == self.version
+            for i in self.instances.values()
+        )
+
     def fetch(self, inst: Instance) -> None:
         """Asynchronous RL: pull the latest version in the background; the instance keeps
         generating its running requests with the weights it holds."""
         inst.fetching = True
-        self.at(self.now + self.pull_s(), "fetched", (inst.name, self.version))
+        self.at(self.now + self.pull_s(inst), "fetched", (inst.name, self.version))
 
     def on_fetched(self, payload: tuple[str, int]) -> None:
         """The pull is loaded: the instance switches to it between two decode steps and its

@@ -8,6 +8,7 @@ the source of every number.
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from services.sim.profile import QWEN3_8B, QWEN3_14B, EngineProfile, ModelShape, roofline
 from services.sim.workload import ResponseLengthModel
@@ -15,6 +16,10 @@ from services.sim.workload import ResponseLengthModel
 # One free constant, fitted once: the share of HBM bandwidth a serving engine reaches, chosen so
 # that the veRL-like baseline of `artifact_8b()` makes the artifact's ~10,000 tokens/s.
 BANDWIDTH_EFFICIENCY = 0.75
+
+# where a pull's bytes come from: the store (its region), the cross-region link, or the remote
+# region's peers that already hold the version (P2P)
+Route = Literal["store", "link", "peers"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,23 @@ class TransferModel:
     The k-th pull under way is timed with n = k, as store-only pulls are, with n counting the
     pulls of every shard when a fleet is simulated as `replicas` identical shards
     (services/sim/fleet.py): they share one store and pull at the same moments.
+
+    Sparse deltas (issue 42, `delta_share` set): a puller that holds the version just before
+    moves only the delta, `delta_share` W; one that holds nothing (a boot) or an older version
+    moves the whole version (the store keeps every version whole besides its delta, so no chain
+    of deltas is replayed). Every formula above then runs with that size in place of W.
+
+    A cross-region pool (issue 42, `remote_share` > 0): that share of the spot instances starts
+    in another region than the store, which it reaches through one link of
+    `cross_region_bytes_per_s` shared by every pull of that region (all shards). A remote pull
+    is timed as above with the link in place of the store's egress, min(link, egress), and n
+    counting the remote pulls only; a home pull counts the home pulls only (the link's stream,
+    a few Gbit/s, is not taken from the store's egress). With P2P the remote pullers form their
+    own swarm, so the link carries each version (whole, or its delta) once: the first remote
+    pull of it carries its bytes, the later ones take them from their peers; and a remote pull
+    of a version its region already holds (a joiner) takes it from the peers that hold it
+    (the source is a peer's upload, nothing crosses the link). Without P2P every remote pull
+    crosses the link with its bytes. `egress_usd_per_gb` prices the bytes that cross.
     """
 
     weight_bytes: float
@@ -79,22 +101,66 @@ class TransferModel:
     peer_upload_bytes_per_s: float | None = None  # what a peer uploads; None: the NIC
     block_bytes: float = 64e6  # the unit a peer relays once it has verified it
     replicas: int = 1  # identical shards pulling from this store at the same moments
+    delta_share: float | None = None  # a delta's bytes over the version's; None: no deltas
+    remote_share: float = 0.0  # share of the spot instances started in the remote region
+    cross_region_bytes_per_s: float = 2e9 / 8  # the link to the remote region: 2 Gbit/s
+    egress_usd_per_gb: float = 0.02  # what a GB over the link is billed (AWS inter-region)
 
-    def pull_s(self, concurrent: int) -> float:
+    def pull_bytes(self, holds_previous: bool) -> float:
+        """What a pull moves: the delta if it holds the version before and deltas are on."""
+        if holds_previous and self.delta_share is not None:
+            return self.delta_share * self.weight_bytes
+        return self.weight_bytes
+
+    def pull_s(
+        self, concurrent: int, holds_previous: bool = False, route: Route = "store"
+    ) -> float:
+        """The k-th pull under way (k = `concurrent`, counting the pulls of its region) by
+        `route`: from the store's region, over the link, or from the remote region's peers."""
         n = max(1, concurrent * self.replicas)
-        rate = min(self.nic_bytes_per_s, self.store_egress_bytes_per_s / n)
-        seconds = self.weight_bytes / rate
+        size = self.pull_bytes(holds_previous)
+        source = self.store_egress_bytes_per_s
+        if route == "link":
+            source = min(self.cross_region_bytes_per_s, source)
+        elif route == "peers":
+            source = self.upload_bytes_per_s
+        rate = min(self.nic_bytes_per_s, source / n)
+        seconds = size / rate
         if self.p2p:
-            seconds = min(seconds, self.swarm_s(n))
+            seconds = min(seconds, self.swarm_s(n, size, source))
         return seconds + self.load_s
 
-    def swarm_s(self, n: int) -> float:
-        """Seconds for n concurrent pullers to receive the version by peer-to-peer fan-out."""
-        w, store, nic = self.weight_bytes, self.store_egress_bytes_per_s, self.nic_bytes_per_s
-        upload = nic if self.peer_upload_bytes_per_s is None else self.peer_upload_bytes_per_s
+    def swarm_s(self, n: int, size: float | None = None, source: float | None = None) -> float:
+        """Seconds for n concurrent pullers to receive `size` bytes (default W) by peer-to-peer
+        fan-out from a `source` (default the store's egress)."""
+        w = self.weight_bytes if size is None else size
+        store = self.store_egress_bytes_per_s if source is None else source
+        nic, upload = self.nic_bytes_per_s, self.upload_bytes_per_s
         bound = max(w / nic, w / store, n * w / (store + n * upload))
         relays = math.ceil(math.log2(n)) if n > 1 else 0
         return bound + relays * self.block_bytes / min(nic, upload)
+
+    @property
+    def upload_bytes_per_s(self) -> float:
+        """What a peer uploads."""
+        if self.peer_upload_bytes_per_s is None:
+            return self.nic_bytes_per_s
+        return self.peer_upload_bytes_per_s
+
+    def link_bytes(self, holds_previous: bool, first: bool) -> float:
+        """What a remote pull carries over the link, in one shard: without P2P its bytes; with
+        it, the `first` remote pull of a version (whole, or its delta) carries it for every
+        shard (a `replicas`-th of it each), the later ones take it from their peers."""
+        size = self.pull_bytes(holds_previous)
+        if not self.p2p:
+            return size
+        return size / self.replicas if first else 0.0
+
+    def starts_remote(self, index: int) -> bool:
+        """Whether the `index`-th spot instance started lives in the remote region: spread
+        evenly, `remote_share` of any run of starts (index 1 of every 2 at 0.5)."""
+        share = self.remote_share
+        return math.floor((index + 1) * share) > math.floor(index * share)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,10 @@ class TrainerLoop:
         self.policy_factory = policy_factory or default_policy
         self.r = r
         self.weights = WeightClient(
-            settings.weightstore_urls(), settings.outgoing_token(), ca_file=settings.tls_ca_file
+            settings.weightstore_urls(),
+            settings.outgoing_token(),
+            ca_file=settings.tls_ca_file,
+            deltas=settings.weight_deltas,
         )
         self.versions = VersionPublisher(r, self.weights, settings.work_dir)
         self.between_runs: dict = {"run_id": None, "step": None, "state": "idle"}

@@ -9,6 +9,12 @@ class TrainerSettings(CommonSettings):
     port: int = Field(8300, ge=0, le=65535, description="HTTP port (health, metrics, status).")
     work_dir: Path = Field(Path(".spotrl/trainer"), description="Scratch folder for exports.")
     device: str = Field("cpu", description="torch device for training, e.g. cpu or cuda.")
+    weight_deltas: bool = Field(
+        True,
+        description="Commit each changed safetensors file of a version as a sparse delta of "
+        "the version before, where that is at most half its size (the store makes it whole and "
+        "checks it); false: every changed file is sent whole.",
+    )
     trainer_ranks: int = Field(
         1,
         ge=1,

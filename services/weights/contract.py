@@ -24,16 +24,33 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")  # a model, file or 
 MAX_VERSION = 2**31 - 1
 
 
+SHA256 = r"^[0-9a-f]{64}$"  # lowercase hex
+
+
+class DeltaRef(BaseModel):
+    """How a file was committed: as a sparse delta (services/weights/delta.py) of the file of
+    the same name in version `base`. The delta is a file of the version of its own, `name`,
+    which pullers fetch whole and check against `sha256`."""
+
+    base: int = Field(ge=0, le=MAX_VERSION)
+    name: str = Field(pattern=NAME_RE.pattern)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256)
+
+
 class FileEntry(BaseModel):
     """One file of a version."""
 
     name: str = Field(pattern=NAME_RE.pattern)
     size: int = Field(ge=0)  # bytes
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # of the whole file, lowercase hex
+    sha256: str = Field(pattern=SHA256)  # of the whole file
     # sha256 of each `block_size` block, computed by the store: a client pulling ranges of one
     # block each verifies every range as it arrives instead of re-reading the whole file
     block_size: int | None = None
     block_sha256: list[str] = []
+    # committed as a delta of an earlier version's file; the file itself (name, size, sha256)
+    # is the same either way, and only it counts in the content digest
+    delta: DeltaRef | None = None
 
     def blocks(self) -> tuple[int, list[str]] | None:
         """(block_size, block hashes) when they cover the file, else None (a store without
@@ -50,9 +67,19 @@ class Manifest(BaseModel):
     version: int = Field(0, ge=0)
     files: list[FileEntry] = Field(min_length=1)
     metadata: dict[str, str | int | float | bool | None] = {}
+    # the store keeps every file of this version whole (set by the store at commit: a version
+    # with no delta, or one in `full_every`); False: a file with a delta is kept as its delta
+    # only, and made whole from the nearest full version when someone asks for it
+    full: bool = True
 
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    def entry(self, name: str) -> "FileEntry | None":
+        return next((f for f in self.files if f.name == name), None)
+
+    def delta_names(self) -> set[str]:
+        return {f.delta.name for f in self.files if f.delta is not None}
 
 
 class ManifestCommit(Manifest):
@@ -69,6 +96,11 @@ class ManifestCommit(Manifest):
         "of the model, where it has the same name, size and sha256 (a new version rarely "
         "changes the config or the tokenizer).",
     )
+
+
+def delta_name(name: str) -> str:
+    """The name a version's delta of file `name` is uploaded and served under."""
+    return f"{name}.delta"
 
 
 def content_digest(files: Iterable[tuple[str, int, str]]) -> str:

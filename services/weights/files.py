@@ -63,13 +63,15 @@ async def scan_folder(folder: Path) -> VersionFiles:
     return _version_files(files, sha)
 
 
+def hash_files_now(content: dict[str, bytes]) -> VersionFiles:
+    """Hash files held in memory (blocking)."""
+    sha = {name: hashlib.sha256(data).hexdigest() for name, data in content.items()}
+    return _version_files(dict(content), sha)
+
+
 async def hash_files(content: dict[str, bytes]) -> VersionFiles:
     """Hash files held in memory (one thread hop for them all)."""
-
-    def hashes() -> dict[str, str]:
-        return {name: hashlib.sha256(data).hexdigest() for name, data in content.items()}
-
-    return _version_files(content, await asyncio.to_thread(hashes))
+    return await asyncio.to_thread(hash_files_now, content)
 
 
 def read_complete(dest: Path) -> dict:

@@ -28,19 +28,20 @@ import httpx
 
 from services.infra import tls
 from services.infra.service import auth_headers
-from services.weights.answers import parse_answer, read_manifest
+from services.weights.answers import read_manifest
 from services.weights.block_fetch import BlockFetch, Swarm
 from services.weights.block_sources import plan_blocks
 from services.weights.contract import (
-    FileEntry,
     Manifest,
     WeightConflict,
     WeightTransferError,
     manifest_digest,
 )
+from services.weights.delta_pull import pull_by_deltas
+from services.weights.delta_upload import Deltas, make_deltas
 from services.weights.files import VersionFiles, read_complete, scan_folder, write_complete
 from services.weights.pull import check_manifest, fetch_whole, prepare_partial
-from services.weights.upload import already_committed, post_commit, put_files
+from services.weights.upload import Earlier, upload_to
 
 log = logging.getLogger(__name__)
 # httpx builds a TLS context (reading the CA bundle: ~20 ms of CPU) for every client it makes,
@@ -56,6 +57,8 @@ class PullResult:
     seconds: float
     digest: str  # content digest of the files pulled
     from_peers: int = 0  # of `bytes`, those that other pullers served (the rest: the store)
+    deltas: int = 0  # versions whose deltas made it (0: pulled in full)
+    changed: frozenset[str] | None = None  # tensors unlike the version held (None: unknown)
 
 
 class WeightClient:
@@ -65,9 +68,12 @@ class WeightClient:
         token: str | None = None,
         parallel: int = 8,
         ca_file: Path | str | None = None,
+        deltas: bool = False,
     ) -> None:
         """`ca_file`: https:// replicas and peers are verified against this CA (the setting
-        `tls_ca_file`); None: the system's trust store."""
+        `tls_ca_file`); None: the system's trust store. `deltas`: an upload sends each changed
+        safetensors file as a sparse delta of the version this client uploaded before, where
+        that pays (services/weights/delta_upload.py)."""
         if not urls:
             raise ValueError("at least one weight store URL is needed")
         self.urls = urls
@@ -78,7 +84,9 @@ class WeightClient:
         self._block_sources: dict[str, str] = {}  # replica -> where it serves its files
         self._block_misses: dict[str, int] = {}  # replica -> attempts failed in a row on it
         # (replica, model) -> the version this client last committed there, its files' sha256
-        self._uploaded: dict[tuple[str, str], tuple[int, dict[str, str]]] = {}
+        self._uploaded: dict[tuple[str, str], Earlier] = {}
+        self.deltas = deltas
+        self._sent: dict[str, tuple[int, VersionFiles]] = {}  # model -> last version uploaded
 
     def _http(self, timeout: float) -> httpx.AsyncClient:
         verify = tls.ca_context(str(self.ca_file)) if self.ca_file else tls_context()
@@ -105,12 +113,15 @@ class WeightClient:
         """Upload and commit a version on every replica; fails only if no replica has it.
         A replica holding the version with other content raises WeightConflict at once."""
         committed, errors = None, []
+        deltas = await self._deltas(model, version, local)
         async with self._http(60.0) as http:
             for base in self.urls:
                 try:
-                    manifest = await self._upload_to(
-                        http, base, local, model, version, metadata or {}
+                    earlier = self._earlier(base, model, version)
+                    manifest = await upload_to(
+                        http, base, local, (model, version), metadata or {}, earlier, deltas
                     )
+                    self._uploaded[base, model] = (version, dict(local.sha256))
                     committed = committed or manifest
                 except WeightConflict:
                     raise
@@ -119,54 +130,23 @@ class WeightClient:
                     errors.append(f"{base}: {exc}")
         if committed is None:
             raise WeightTransferError(f"no replica took {model} v{version}: {'; '.join(errors)}")
+        if self.deltas:
+            self._sent[model] = (version, local)
         return committed
 
-    async def _upload_to(
-        self, http, base: str, local: VersionFiles, model: str, version: int, metadata: dict
-    ) -> Manifest:
-        """Send the files this replica does not hold already in the version we uploaded to it
-        last, then commit, naming that version for the rest; a replica that cannot take them
-        from it (it missed that version) gets them sent too."""
-        prefix = f"{base}/v1/models/{model}/versions/{version}"
-        reuse, unchanged = self._unchanged(base, model, local, version)
-        entries: dict[str, FileEntry] = {
-            name: FileEntry(name=name, size=local.size(name), sha256=local.sha256[name])
-            for name in local.content
-            if name in unchanged
-        }
-        sent = await put_files(
-            http, prefix, local, [name for name in local.content if name not in unchanged]
-        )
-        if sent is None:
-            return await already_committed(http, prefix, local, model, version)
-        entries |= sent
-        resp = await post_commit(http, prefix, [entries[n] for n in local.content], metadata, reuse)
-        if resp.status_code == 400 and unchanged:
-            sent = await put_files(
-                http, prefix, local, [name for name in local.content if name in unchanged]
-            )
-            if sent is None:
-                return await already_committed(http, prefix, local, model, version)
-            entries |= sent
-            resp = await post_commit(
-                http, prefix, [entries[n] for n in local.content], metadata, None
-            )
-        if resp.status_code == 409:
-            return await already_committed(http, prefix, local, model, version)
-        if resp.status_code != 201:
-            raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
-        self._uploaded[base, model] = (version, dict(local.sha256))
-        return parse_answer(Manifest, resp, f"commit v{version}")
+    async def _deltas(self, model: str, version: int, local: VersionFiles) -> Deltas | None:
+        """With `deltas` on, the deltas of `local` against the version this client uploaded
+        last (made once for every replica)."""
+        previous = self._sent.get(model) if self.deltas else None
+        if previous is None or previous[0] >= version:
+            return None
+        return await asyncio.to_thread(make_deltas, previous[1], previous[0], local)
 
-    def _unchanged(
-        self, base: str, model: str, local: VersionFiles, version: int
-    ) -> tuple[int | None, set[str]]:
-        """The version this client last committed to the replica before `version`, and the
-        files of `local` it had with the same content."""
+    def _earlier(self, base: str, model: str, version: int) -> Earlier | None:
+        """The version this client last committed to the replica before `version`, and its
+        files' sha256."""
         earlier = self._uploaded.get((base, model))
-        if earlier is None or earlier[0] >= version:
-            return None, set()
-        return earlier[0], {n for n, sha in local.sha256.items() if earlier[1].get(n) == sha}
+        return earlier if earlier is not None and earlier[0] < version else None
 
     async def stored_digest(self, model: str, version: int) -> str | None:
         """Content digest of a committed version, from the first replica that has it; None when
@@ -199,10 +179,6 @@ class WeightClient:
                 log.warning("weight store %s unreachable: %s", base, exc)
         raise WeightTransferError(f"no weight store replica answered for {model}")
 
-    async def latest_version(self, model: str) -> int | None:
-        versions = await self.versions(model)
-        return versions[-1] if versions else None
-
     async def pull(
         self,
         model: str,
@@ -226,6 +202,12 @@ class WeightClient:
         cached = done.get("version") == version and expect_digest in (None, done.get("digest"))
         if cached:
             return PullResult(dest, version, 0, 0.0, done.get("digest", ""))
+        if self.deltas:
+            made = await pull_by_deltas(
+                self, model, version, dest, expect_digest, reuse, manifest, swarm
+            )
+            if made is not None:
+                return made
         shutil.rmtree(dest, ignore_errors=True)
         if manifest is not None and expect_digest not in (None, manifest_digest(manifest)):
             log.warning(
@@ -267,10 +249,8 @@ class WeightClient:
         swarm: Swarm | None = None,
     ) -> PullResult:
         started = time.monotonic()
-        if manifest is None:
-            async with self._http(60.0) as http:
-                resp = await http.get(f"{base}/v1/models/{model}/versions/{version}/manifest")
-            manifest = read_manifest(resp, f"{model} v{version}")
+        if manifest is None or not manifest.full:  # a version kept as deltas: made whole first
+            manifest = await self.manifest(model, version, whole=True, replicas=[base])
         digest = check_manifest(manifest, model, version, expect_digest)
         partial, same = prepare_partial(dest, reuse, manifest.files)
         blocks = plan_blocks(manifest.files)
@@ -315,6 +295,32 @@ class WeightClient:
         return PullResult(
             dest, version, fetched, time.monotonic() - started, digest, fetch.from_peers
         )
+
+    async def manifest(
+        self, model: str, version: int, whole: bool = False, replicas: list[str] | None = None
+    ) -> Manifest:
+        """A version's manifest, from the first of `replicas` (default: all) that has it; with
+        `whole`, once that replica made every file of it whole (from deltas: seconds)."""
+        error: Exception | None = None
+        for base in replicas or self._replicas():
+            try:
+                async with self._http(600.0 if whole else 10.0) as http:
+                    resp = await http.get(
+                        f"{base}/v1/models/{model}/versions/{version}/manifest",
+                        params={"whole": "true"} if whole else None,
+                    )
+                return read_manifest(resp, f"{model} v{version}")
+            except (httpx.HTTPError, WeightTransferError) as exc:
+                error = exc
+        raise WeightTransferError(f"no replica gave {model} v{version}: {error}")
+
+    async def delta_source(self, replica: str | None = None) -> tuple[str, str]:
+        """The next replica and where it serves files; given `replica` (a fetch from it failed:
+        it may have moved), where it serves them now."""
+        if replica is not None:
+            self._missed(replica)
+        replica = replica or self._replicas()[0]
+        return replica, await self._block_source(replica)
 
     def _missed(self, base: str) -> None:
         """An attempt on `base` failed: ask where it serves its blocks again (a replica that

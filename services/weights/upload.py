@@ -1,7 +1,8 @@
 """The requests of one upload to one weight store replica: the files, then the commit of the
 version's manifest, and the check of a version the replica already holds (ours only with our
-content digest). Which files to send and the retries over replicas are the client's
-(transfer.py); these functions speak to one replica over one HTTP client.
+content digest), and `upload_to`, which of them one version's upload to one replica makes:
+files held already are named, changed ones sent whole or as deltas. The retries over replicas
+are the client's (transfer.py); these functions speak to one replica over one HTTP client.
 """
 
 import asyncio
@@ -20,7 +21,10 @@ from services.weights.contract import (
     WeightTransferError,
     manifest_digest,
 )
+from services.weights.delta_upload import Deltas
 from services.weights.files import UPLOAD_BLOCK, VersionFiles
+
+Earlier = tuple[int, dict[str, str]]  # a version committed to a replica, its files' sha256
 
 
 async def put_files(
@@ -87,3 +91,64 @@ async def already_committed(
             "ours",
         )
     return manifest
+
+
+async def send_deltas(
+    http: httpx.AsyncClient,
+    prefix: str,
+    local: VersionFiles,
+    deltas: Deltas | None,
+    names: dict[str, str],
+) -> dict[str, FileEntry] | None:
+    """Upload the deltas of the files `names` (file -> its delta's name); the manifest entry
+    of each file sent so, or None if the version is committed already."""
+    if deltas is None or not names:
+        return {}
+    sent = await put_files(http, prefix, deltas.files, list(names.values()))
+    if sent is None:
+        return None
+    return {n: deltas.entry(n, sent[d], local.size(n), local.sha256[n]) for n, d in names.items()}
+
+
+async def upload_to(
+    http: httpx.AsyncClient,
+    base: str,
+    local: VersionFiles,
+    name: tuple[str, int],
+    metadata: dict,
+    earlier: Earlier | None,
+    deltas: Deltas | None,
+) -> Manifest:
+    """Upload version `name` (model, version) to the replica at `base` and commit it: the
+    files it holds already in `earlier` (the version this client committed to it last) are
+    named, not sent; with `deltas` against that version, the files they make are sent as
+    their deltas. A replica that refuses that commit (it lost the version, or a delta does
+    not apply) gets every file whole."""
+    model, version = name
+    prefix = f"{base}/v1/models/{model}/versions/{version}"
+    reuse = earlier[0] if earlier is not None else None
+    unchanged = {n for n, sha in local.sha256.items() if earlier and earlier[1].get(n) == sha}
+    by_delta = {}
+    if deltas is not None and deltas.base == reuse:
+        by_delta = {n: d for n, d in deltas.of.items() if n not in unchanged}
+    entries: dict[str, FileEntry] = {
+        n: FileEntry(name=n, size=local.size(n), sha256=local.sha256[n]) for n in unchanged
+    }
+    whole = [n for n in local.content if n not in unchanged and n not in by_delta]
+    sent = await put_files(http, prefix, local, whole)
+    sent_deltas = await send_deltas(http, prefix, local, deltas, by_delta)
+    if sent is None or sent_deltas is None:
+        return await already_committed(http, prefix, local, model, version)
+    entries |= sent | sent_deltas
+    resp = await post_commit(http, prefix, [entries[n] for n in local.content], metadata, reuse)
+    if resp.status_code == 400 and (unchanged or by_delta):
+        sent = await put_files(http, prefix, local, [*unchanged, *by_delta])
+        if sent is None:
+            return await already_committed(http, prefix, local, model, version)
+        entries |= sent
+        resp = await post_commit(http, prefix, [entries[n] for n in local.content], metadata, None)
+    if resp.status_code == 409:
+        return await already_committed(http, prefix, local, model, version)
+    if resp.status_code != 201:
+        raise WeightTransferError(f"commit v{version}: {resp.status_code} {resp.text}")
+    return parse_answer(Manifest, resp, f"commit v{version}")

@@ -2,6 +2,7 @@
 files (with HTTP range requests). It knows nothing of runs or training.
 """
 
+import asyncio
 import logging
 import pathlib
 import time
@@ -9,7 +10,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Path, Request
+from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
@@ -55,9 +56,11 @@ class BlockPort(BaseModel):
 def committed_file(
     storage: WeightStorage, model: str, version: int, name: str, start: int, last: int | None
 ) -> pathlib.Path | None:
-    """The committed file the block server answers with (any range of it), or None."""
+    """The committed file the block server answers with (any range of it), or None. A file kept
+    as its delta only is not made whole here (it would stall every transfer of this thread):
+    a puller asks the API for the version whole first."""
     try:
-        return storage.file_path(model, version, name)
+        return storage.file_path(model, version, name, make=False)
     except StorageError:
         return None
 
@@ -124,7 +127,11 @@ def lifespan_of(
 
 def build_app(settings: WeightStoreSettings) -> FastAPI:
     storage = WeightStorage(
-        settings.root, settings.keep_versions, settings.replica_id, settings.block_bytes
+        settings.root,
+        settings.keep_versions,
+        settings.replica_id,
+        settings.block_bytes,
+        settings.full_every,
     )
     tasks = BackgroundTasks()
     auth = auth_for(settings)
@@ -171,7 +178,10 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
 
     @app.post(COMMIT, response_model=Manifest, status_code=201, **write)
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
-        committed = storage.commit(model, version, manifest, manifest.reuse_version)
+        # a file sent as a delta is made whole and checked here: seconds for a big one
+        committed = await asyncio.to_thread(
+            storage.commit, model, version, manifest, manifest.reuse_version
+        )
         COMMITS.inc()
         discard_staging(storage, settings, model)
         log.info(
@@ -203,8 +213,17 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
         return storage.latest(model)
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=Manifest, **read)
-    async def manifest(model: Name, version: Version) -> Manifest:
-        served = storage.manifest(model, version)
+    async def manifest(
+        model: Name,
+        version: Version,
+        whole: Annotated[
+            bool, Query(description="Make every file whole first (a full pull follows).")
+        ] = False,
+    ) -> Manifest:
+        if whole:
+            served = await asyncio.to_thread(storage.make_whole, model, version)
+        else:
+            served = storage.manifest(model, version)
         MANIFESTS.inc()
         return served
 
@@ -220,6 +239,6 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
         },
     )
     async def read_file(model: Name, version: Version, name: Name) -> FileResponse:
-        return ShardResponse(storage.file_path(model, version, name))
+        return ShardResponse(await asyncio.to_thread(storage.file_path, model, version, name))
 
     return app

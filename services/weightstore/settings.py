@@ -44,7 +44,19 @@ class WeightStoreSettings(CommonSettings):
     egress_mbps: float | None = Field(
         None, gt=0, description="Cap on the block server's egress, megabits per second."
     )
-    keep_versions: int = Field(4, ge=1, le=10000, description="Committed versions kept per model.")
+    keep_versions: int = Field(
+        4,
+        ge=1,
+        le=10000,
+        description="Committed versions kept per model (with the versions their deltas need).",
+    )
+    full_every: int = Field(
+        8,
+        ge=1,
+        le=10000,
+        description="A version committed as deltas is kept whole when its number is a multiple "
+        "of this (a joiner starts from the nearest one); the others keep their deltas only.",
+    )
     max_file_bytes: int = Field(
         64 * 1024**3,
         ge=1024,

@@ -14,7 +14,6 @@ name) when it starts and after each commit.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -23,9 +22,16 @@ from pathlib import Path
 
 from services.weights.contract import NAME_RE, FileEntry, Manifest
 from services.weights.files import link_or_copy
+from services.weightstore import whole
+from services.weightstore.hashing import (
+    BLOCK_BYTES,
+    FileHasher,
+    Hashes,
+    read_hashes,
+    write_hashes,
+)
 
 MANIFEST = "manifest.json"
-BLOCK_BYTES = 32 * 1024 * 1024  # default: a block is what a puller fetches and checks at once
 
 
 class StorageError(Exception):
@@ -42,59 +48,6 @@ class Conflict(StorageError):
     """The version is committed: its files cannot change, it cannot be committed again."""
 
     status = 409
-
-
-class FileHasher:
-    """sha256 of a stream and of each consecutive `block` bytes of it, in one pass while the
-    stream fits in one block (most files do: then the two are the same hash)."""
-
-    def __init__(self, block: int) -> None:
-        self.block, self.size, self.filled = block, 0, 0
-        self.current = hashlib.sha256()  # of the block being filled
-        self.whole: hashlib._Hash | None = None  # of the stream, from its second block on
-        self.done: list[str] = []
-
-    def update(self, data: bytes) -> None:
-        view = memoryview(data)
-        self.size += len(view)
-        while view:
-            if self.filled == self.block:  # a second block begins: hash the stream apart
-                if self.whole is None:
-                    self.whole = self.current.copy()
-                self.done.append(self.current.hexdigest())
-                self.current, self.filled = hashlib.sha256(), 0
-            take = min(len(view), self.block - self.filled)
-            self.current.update(view[:take])
-            if self.whole is not None:
-                self.whole.update(view[:take])
-            self.filled += take
-            view = view[take:]
-
-    def finish(self) -> tuple[str, list[str]]:
-        """The stream's sha256 and its blocks' (none for an empty stream)."""
-        if self.filled:
-            self.done.append(self.current.hexdigest())
-        whole = self.whole if self.whole is not None else self.current
-        return whole.hexdigest(), self.done
-
-
-Hashes = tuple[str | None, list[str], int | None]  # sha256, block hashes, block size
-
-
-def write_hashes(staging: Path, name: str, sha256: str, blocks: list[str], size: int) -> None:
-    """Keep what the store computed over an uploaded file's bytes beside it, for the commit."""
-    kept = {"sha256": sha256, "blocks": blocks, "block_size": size}
-    (staging / f".{name}.hashes").write_text(json.dumps(kept))
-
-
-def read_hashes(staging: Path, name: str) -> Hashes:
-    """The sha256, block hashes and block size `write_hashes` kept; (None, [], None) where there
-    are none."""
-    try:
-        kept = json.loads((staging / f".{name}.hashes").read_text())
-    except (OSError, ValueError):
-        return None, [], None
-    return kept.get("sha256"), kept.get("blocks") or [], kept.get("block_size") or BLOCK_BYTES
 
 
 def check_name(kind: str, name: str) -> str:
@@ -115,10 +68,15 @@ def last_touched(folder: Path) -> float:
 
 class WeightStorage:
     def __init__(
-        self, root: str | Path, keep: int, replica: str = "local", block_bytes: int = BLOCK_BYTES
+        self,
+        root: str | Path,
+        keep: int,
+        replica: str = "local",
+        block_bytes: int = BLOCK_BYTES,
+        full_every: int = 8,
     ) -> None:
         self.root = Path(root)
-        self.keep = keep
+        self.keep, self.full_every = keep, full_every
         self.block_bytes = block_bytes
         self.replica = check_name("replica", replica)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +143,9 @@ class WeightStorage:
         # or, for a file taken from `reuse_version`, for that version): a version's content
         # digest is computed from them; block hashes always come from the store too
         known = self._take_unchanged(model, reuse_version, staging, manifest)
-        problems, files = [], []
+        made, problems = whole.make_whole(self, model, staging, manifest)
+        known |= made
+        files = []
         for entry in manifest.files:
             path = staging / entry.name
             if not path.is_file():
@@ -206,7 +166,8 @@ class WeightStorage:
         if problems:
             raise StorageError(f"cannot commit {model} v{version}: " + "; ".join(problems))
         final = manifest.model_copy(update={"model": model, "version": version, "files": files})
-        listed = {e.name for e in manifest.files}
+        final.full = whole.is_full(final, self.full_every)
+        listed = {e.name for e in manifest.files} | manifest.delta_names()
         for extra in staging.iterdir():
             if extra.name not in listed:
                 extra.unlink()
@@ -215,8 +176,20 @@ class WeightStorage:
             os.replace(staging, self.committed_dir(model, version))
         except OSError as exc:  # another replica on the same volume committed it first
             raise Conflict(f"{model} version {version} is already committed") from exc
+        whole.thin(self, model, version)
         self._apply_retention(model)
         return final
+
+    def write_whole(self, staging: Path, name: str, data: bytes | bytearray) -> Hashes:
+        """A file made whole from its delta, staged as if it was uploaded: its hashes."""
+        hasher = FileHasher(self.block_bytes)
+        hasher.update(data)
+        sha256, blocks = hasher.finish()
+        aside = staging / f".{name}.part"
+        aside.write_bytes(data)
+        os.replace(aside, staging / name)
+        write_hashes(staging, name, sha256, blocks, self.block_bytes)
+        return sha256, blocks, self.block_bytes
 
     def _take_unchanged(
         self, model: str, reuse_version: int | None, staging: Path, manifest: Manifest
@@ -265,8 +238,12 @@ class WeightStorage:
             folder = folder.parent
 
     def _apply_retention(self, model: str) -> None:
-        for version in self.versions(model)[: -self.keep]:
-            shutil.rmtree(self.committed_dir(model, version), ignore_errors=True)
+        """Keep the newest `keep` versions and the versions their deltas go back through."""
+        versions = self.versions(model)
+        kept = whole.kept_versions(versions, self.keep, lambda v: self.manifest(model, v))
+        for version in versions:
+            if version not in kept:
+                shutil.rmtree(self.committed_dir(model, version), ignore_errors=True)
 
     def discard_staging(
         self, model: str, stale_after_s: float, now: float, own: bool = False
@@ -309,9 +286,29 @@ class WeightStorage:
             raise NotFound(f"model {model!r} has no committed version")
         return self.manifest(model, versions[-1])
 
-    def file_path(self, model: str, version: int, name: str) -> Path:
+    def file_path(self, model: str, version: int, name: str, make: bool = True) -> Path:
+        """A committed file (a version's file, or the delta it was committed as). A file kept
+        as its delta only is made whole first (blocking: seconds for a big one), or without
+        `make` is NotFound."""
         check_name("file", name)
         manifest = self.manifest(model, version)
-        if name not in {f.name for f in manifest.files}:
+        if name in manifest.delta_names():
+            return self.committed_dir(model, version) / name
+        if manifest.entry(name) is None:
             raise NotFound(f"{model} v{version} has no file {name!r}")
-        return self.committed_dir(model, version) / name
+        path = self.committed_dir(model, version) / name
+        if path.is_file():
+            return path
+        if not make:
+            raise NotFound(f"{model} v{version} keeps {name!r} as its delta only")
+        try:
+            return whole.whole_path(self, model, version, name)
+        except whole.NotWhole as exc:
+            raise NotFound(str(exc)) from exc
+
+    def make_whole(self, model: str, version: int) -> Manifest:
+        """Make every file of a version whole (a pull of it in full follows); its manifest."""
+        manifest = self.manifest(model, version)
+        for entry in manifest.files:
+            self.file_path(model, version, entry.name)
+        return manifest

@@ -186,3 +186,58 @@ def test_pause_then_load_serves_the_new_weights(loop, tiny_model, new_weights, v
     out, _, _ = loop.run_until_complete(run_to_end(vllm_engine, [job("q", PROMPTS["b"], 6)]))
     assert out["q"] == hf_run(new_weights, [job("q", PROMPTS["b"], 6)])[0]["q"]
     loop.run_until_complete(vllm_engine.load(tiny_model))
+
+
+CHANGED = frozenset(
+    {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",  # one of the three vLLM fuses into qkv_proj
+        "model.layers.1.mlp.down_proj.weight",
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def sparse_weights(tiny_model, tmp_path_factory):
+    """A version of the tiny model where only the CHANGED tensors moved."""
+    folder = tmp_path_factory.mktemp("sparse")
+    for f in tiny_model.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    gen = torch.Generator().manual_seed(2)
+    state = load_file(tiny_model / "model.safetensors")
+    for name in CHANGED:
+        state[name] = state[name] + 0.2 * torch.randn(state[name].shape, generator=gen)
+    save_file(state, folder / "model.safetensors")
+    return folder
+
+
+def test_loading_only_the_changed_tensors_equals_a_full_reload(loop, tiny_model, sparse_weights):
+    import time
+
+    jobs = [job("a", PROMPTS["a"], 10), job("c", PROMPTS["c"], 10), job("d", PROMPTS["d"], 10)]
+    engine = make_vllm()
+
+    async def timed_load(folder, changed=None):
+        start = time.perf_counter()
+        await engine.load(folder, changed)
+        return time.perf_counter() - start
+
+    try:
+        loop.run_until_complete(engine.load(tiny_model))
+        before, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+        full_s = loop.run_until_complete(timed_load(sparse_weights))
+        reloaded, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+        loop.run_until_complete(engine.load(tiny_model))
+        assert loop.run_until_complete(run_to_end(engine, jobs))[0] == before
+        changed_s = loop.run_until_complete(timed_load(sparse_weights, CHANGED))
+        after, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+        with pytest.raises(Exception, match="model.layers.7"):  # checked before any load
+            loop.run_until_complete(engine.load(sparse_weights, frozenset({"model.layers.7.x"})))
+        loop.run_until_complete(engine.load(sparse_weights, frozenset()))
+        unchanged, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+    finally:
+        loop.run_until_complete(engine.close())
+    print(f"reload_weights of the whole folder {full_s:.3f} s, changed tensors {changed_s:.3f} s")
+    assert after == reloaded == unchanged == hf_run(sparse_weights, jobs)[0]
+    assert after != before

@@ -210,3 +210,137 @@ def test_a_job_waits_for_room_in_a_bounded_kv_cache(tiny_model):
 def test_an_unbounded_engine_fits_every_job(engine_and_model):
     engine, _ = engine_and_model
     assert engine.kv_cache_tokens is None and engine.fits(job("a", PROMPTS["a"], 10_000))
+
+
+# ---- loading only the changed tensors ----
+CHANGED = frozenset(
+    {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.1.mlp.down_proj.weight",
+    }
+)
+
+
+def copy_config(src, dst):
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_model, tmp_path_factory):
+    """v2: the tiny model with the CHANGED tensors moved (one shard, no index); changed_only:
+    those tensors alone, in two shards with an index, and nothing else."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("versions")
+    gen = torch.Generator().manual_seed(1)
+    state = load_file(tiny_model / "model.safetensors")
+    for name in CHANGED:
+        state[name] = state[name] + 0.1 * torch.randn(state[name].shape, generator=gen)
+    v2 = copy_config(tiny_model, root / "v2")
+    save_file(state, v2 / "model.safetensors")
+    only = copy_config(tiny_model, root / "changed_only")
+    names = sorted(CHANGED)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:2],
+        "model-00002-of-00002.safetensors": names[2:],
+    }
+    for shard, shard_names in shards.items():
+        save_file({n: state[n] for n in shard_names}, only / shard)
+    weight_map = {n: shard for shard, ns in shards.items() for n in ns}
+    (only / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return v2, only
+
+
+def loaded(folder, then=None, changed=None):
+    engine = HFEngine()
+    engine.load_weights(folder)
+    if then is not None:
+        engine.load_weights(then, changed)
+    return engine
+
+
+def test_loading_only_the_changed_tensors_equals_loading_the_whole_folder(tiny_model, versions):
+    v2, changed_only = versions
+    full = loaded(tiny_model, then=v2).model.state_dict()
+    engine = loaded(tiny_model)
+    engine.add(job("a", PROMPTS["a"], 4))
+    engine.decode()
+    engine.load_weights(changed_only, CHANGED)  # the other tensors are not in that folder
+    partial = engine.model.state_dict()
+    before = loaded(tiny_model).model.state_dict()
+    assert full.keys() == partial.keys()
+    for name in full:
+        assert torch.equal(partial[name], full[name]), name
+        assert torch.equal(partial[name], before[name]) == (name not in CHANGED), name
+    assert engine.active == 0  # a load aborts what ran on the old weights
+
+
+def test_an_empty_change_keeps_the_weights_and_aborts(tiny_model):
+    engine = loaded(tiny_model)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.add(job("a", PROMPTS["a"], 4))
+    engine.decode()
+    engine.load_weights(tiny_model, frozenset())
+    assert engine.active == 0 and engine._cache is None
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+
+
+def test_a_changed_name_the_model_or_the_folder_lacks_is_refused(tiny_model, versions):
+    engine = loaded(tiny_model)
+    with pytest.raises(ValueError, match="model.layers.9"):
+        engine.load_weights(tiny_model, frozenset({"model.layers.9.mlp.up_proj.weight"}))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.load_weights(versions[1], frozenset({"model.norm.weight"}))
+
+
+def test_tied_weights_follow_a_changed_embedding(tiny_model, versions, tmp_path):
+    """A tied model's checkpoint has no lm_head: changing the embedding changes the head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tied = copy_config(tiny_model, tmp_path / "tied")
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(tiny_model / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tied / "model.safetensors")
+    engine = loaded(tied, then=versions[1], changed=frozenset({"model.embed_tokens.weight"}))
+    new = load_file(versions[1] / "model-00001-of-00002.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(engine.model.lm_head.weight, new)
+    assert torch.equal(engine.model.model.embed_tokens.weight, new)
+
+
+def test_whole_layers_widens_a_change_to_its_layers_tensors():
+    from services.rollout.engines.tensors import layer_of, whole_layers
+
+    names = [
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.experts.1.down_proj.weight",
+    ]
+    assert layer_of("model.layers.1.mlp.experts.1.down_proj.weight") == "model.layers.1.mlp.experts"
+    assert whole_layers({"model.layers.0.self_attn.q_proj.weight"}, names) == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    }
+    assert whole_layers({"model.layers.1.mlp.experts.0.up_proj.weight"}, names) == {
+        "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.experts.1.down_proj.weight",
+    }
+    assert whole_layers({"lm_head.weight"}, names) == {"lm_head.weight"}
+    assert whole_layers(set(), names) == set()

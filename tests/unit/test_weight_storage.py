@@ -116,7 +116,7 @@ def test_staging_of_a_replica_gone_is_discarded_once_stale(tmp_path):
 @pytest.mark.parametrize("piece", [1, 77, 1000, 4096])
 def test_the_file_and_block_hashes_are_those_of_the_bytes(size, piece):
     """One pass while the file fits a block; the whole-file hash apart from the second block."""
-    from services.weightstore.storage import FileHasher
+    from services.weightstore.hashing import FileHasher
 
     data = (bytes(range(256)) * 11)[:size]
     hasher = FileHasher(1000)

@@ -55,10 +55,15 @@ class Engine(Protocol):
     @property
     def active(self) -> int: ...
 
-    async def load(self, folder: Path) -> None:
+    async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
         """Serve the weights in `folder` (a Hugging Face folder). The first call builds the
         engine; later calls replace the weights in place. Requests still running are aborted:
-        every token of a request must come from its job's version."""
+        every token of a request must come from its job's version, and caches of the old
+        weights are dropped.
+
+        `changed`: the names of the tensors (as in the safetensors files) that differ from the
+        weights held now, so only those need loading; None: unknown, load them all (the first
+        call always loads all). An empty set still aborts and drops caches: the version moved."""
 
     def add(self, job: Job) -> None: ...
 

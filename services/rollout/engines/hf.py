@@ -26,6 +26,7 @@ from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import Draw, sample_rows
+from services.rollout.engines.tensors import read_tensors
 
 
 def cache_tokens(job: Job) -> int:
@@ -72,8 +73,8 @@ class HFEngine:
         self._positions = torch.zeros(0, dtype=torch.long)
 
     # ---- the Engine interface ----
-    async def load(self, folder: Path) -> None:
-        await compute(self.load_weights, folder)
+    async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
+        await compute(self.load_weights, folder, changed)
 
     async def step(self) -> list[TokenEvent]:
         return await compute(self.decode) if self.seqs else []
@@ -92,26 +93,48 @@ class HFEngine:
         self.abort_all()
 
     # ---- weights ----
-    def load_weights(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
+    def load_weights(self, folder: Path, changed: frozenset[str] | None = None) -> None:
+        """Serve the weights in `folder`; with `changed` (the names of the tensors that differ
+        from the weights held now), read and copy only those, in place."""
         folder = Path(folder)
         if self.model is None:
+            from transformers import AutoModelForCausalLM
+
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             self.model.to(self.device).eval()
+        elif changed is None:
+            self._load_all(folder)
         else:
-            state = {}
-            for f in sorted(folder.glob("*.safetensors")):
-                state.update(load_file(f, device=self.device))
-            missing, unexpected = self.model.load_state_dict(
-                {k: v.to(torch.float32) for k, v in state.items()}, strict=False
-            )
-            if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
-                raise ValueError(
-                    f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
-                )
+            self._load_changed(folder, changed)
         self.abort_all()
+
+    def _load_all(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(f, device=self.device))
+        missing, unexpected = self.model.load_state_dict(
+            {k: v.to(torch.float32) for k, v in state.items()}, strict=False
+        )
+        if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
+            raise ValueError(
+                f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+
+    @torch.no_grad()
+    def _load_changed(self, folder: Path, changed: frozenset[str]) -> None:
+        """Copy the `changed` tensors into the model's own storage. Tied weights share that
+        storage (lm_head and embed_tokens), so copying into either name updates both."""
+        state = self.model.state_dict()  # tensors sharing the parameters' storage
+        unknown = sorted(changed - state.keys())
+        if unknown:
+            raise ValueError(f"weights do not fit the model: unexpected {unknown}")
+        for name, t in read_tensors(folder, changed):
+            target = state[name]
+            if t.shape != target.shape:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, model {tuple(target.shape)}")
+            target.copy_(t.to(device=target.device, dtype=target.dtype))
 
     # ---- requests ----
     @property

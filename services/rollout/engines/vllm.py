@@ -6,7 +6,10 @@
   transformers engine reports it). The engine's EOS is ignored: the job's stop tokens decide.
 - Abort cancels the request's stream, which aborts it inside vLLM and frees its slot.
 - A new weight version is reloaded in place from the pulled safetensors folder
-  (`reload_weights`), then the prefix cache is reset so no KV of the old weights is reused.
+  (`reload_weights`); when the worker knows which tensors changed, only those (whole layers of
+  them) are read and loaded, in vLLM's worker (`vllm_worker.ChangedTensorsLoader`, called by
+  name through `collective_rpc`). Then the prefix cache is reset so no KV of the old weights
+  is reused.
 - `pause` puts the engine to sleep (level 2: weights and KV cache released) where the platform
   supports it (CUDA, ROCm); the next `load` wakes it with the new weights. On CPU it is a no-op.
 
@@ -19,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SEED_MASK = 0x7FFF_FFFF
+WORKER_EXTENSION = "services.rollout.engines.vllm_worker.ChangedTensorsLoader"
 
 
 class VLLMUnavailable(RuntimeError):
@@ -102,7 +107,9 @@ class VLLMEngine:
         self._counter = 0
 
     # ---- weights ----
-    async def load(self, folder: Path) -> None:
+    async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
+        """Serve `folder`'s weights; with `changed`, load only those tensors (whole layers of
+        them) in place. Asleep, the engine holds no weights: it loads them all."""
         self.abort_all()
         await self._settle()
         if self.llm is None:
@@ -111,7 +118,18 @@ class VLLMEngine:
             return
         if self.sleeping:
             await self.llm.wake_up(tags=["weights"])
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        start = time.perf_counter()
+        if changed is None or self.sleeping:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            what = "all tensors"
+        elif changed:
+            read = await self.llm.collective_rpc(
+                "load_changed_tensors", args=(str(folder), sorted(changed))
+            )
+            what = f"{len(changed)} changed tensors ({read[0]} read)"
+        else:
+            what = "no tensor (none changed)"
+        log.info("loaded %s from %s in %.3f s", what, folder, time.perf_counter() - start)
         if self.sleeping:
             await self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
@@ -149,6 +167,7 @@ class VLLMEngine:
             kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib else None,
             gpu_memory_utilization=self.o.gpu_memory_utilization,
             disable_log_stats=True,
+            worker_extension_cls=WORKER_EXTENSION,  # load_changed_tensors
         )
         log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
         self.llm = AsyncLLM.from_engine_args(args)
