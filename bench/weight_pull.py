@@ -20,8 +20,24 @@ pull_gbps, baseline_gbps, pull_vs_baseline (for the 1 GB checkpoint), the same p
 provision_s, and with --fanout: fanout_speedup (store-only total / P2P total, store capped),
 fanout_speedup_uncapped, and each run's totals.
 
+With `--delta` (issue 42; instead of the above, needs no nginx): real versions
+(bench/delta_versions.py: a `--delta-model` trained by the trainer's Policy, GRPO and AdamW at
+`--lr`, as bench/delta_share.py does, each exported in bf16 by the trainer's export) uploaded
+by a trainer's `WeightClient(deltas=True)` to a store whose block server's egress is capped at
+`--store-mbps` (default 1000: a cross-region link), then each version pulled by two workers
+side by side, alternately first: one in full
+(`WeightClient(deltas=False)`, the engine reloads everything), one by deltas (the announced
+manifest, the engine loads `result.changed`), each next to the folder of the version it holds,
+each into a real HF engine. Pull-to-loaded = pull + `engine.load`. After each version both
+folders' weight files must be the exported bytes, and at the end both engines' weights equal.
+Its last line: delta_bytes_ratio (delta bytes / full
+bytes), delta_speedup (mean full pull-to-loaded / mean delta), pull_speedup (pulls only),
+changed_fraction (elements changed / elements, consecutive exports), bit_identical,
+store_mbps, lr, model_bytes and the means behind them.
+
     apt-get install nginx-light curl   # the baseline's server and client
     .venv/bin/python bench/weight_pull.py [--repeat 3] [--no-provision] [--fanout 8]
+    .venv/bin/python bench/weight_pull.py --delta [--versions 6 --lr 1e-6 --store-mbps 1000]
 """
 
 import argparse
@@ -252,6 +268,151 @@ def provision_seconds(work: Path) -> float:
         dep.stop()
 
 
+# ---- --delta: full vs delta pulls of real versions (issue 42) ----
+DELTA_MODEL = "policy"
+
+
+class Puller:
+    """One rollout worker's side: a WeightClient pulling each version next to the folder of
+    the one it holds, and an HF engine loading it."""
+
+    def __init__(self, label: str, store_url: str, work: Path, deltas: bool) -> None:
+        from services.rollout.engines.hf import HFEngine
+
+        self.label, self.work, self.deltas = label, work, deltas
+        self.client = WeightClient([store_url], deltas=deltas)
+        self.engine = HFEngine()
+        self.held: Path | None = None
+
+    async def pull_and_load(self, version: int, digest: str, manifest) -> dict:
+        """Pull `version` (the delta side given the announced manifest), load it into the
+        engine (the delta side only the tensors that changed); the seconds of each."""
+        dest = self.work / f"{self.label}-v{version}"
+        started = time.perf_counter()
+        result = await self.client.pull(
+            DELTA_MODEL,
+            version,
+            dest,
+            expect_digest=digest,
+            reuse=self.held,
+            manifest=manifest if self.deltas else None,
+        )
+        pulled = time.perf_counter()
+        changed = result.changed if self.deltas and self.held is not None else None
+        await self.engine.load(dest, changed)
+        loaded = time.perf_counter()
+        if self.held is not None:
+            shutil.rmtree(self.held)
+        self.held = dest
+        return {
+            "bytes": result.bytes,
+            "deltas": result.deltas,
+            "changed_tensors": None if changed is None else len(changed),
+            "pull_s": round(pulled - started, 3),
+            "load_s": round(loaded - pulled, 3),
+            "s": round(loaded - started, 3),
+        }
+
+    def holds(self, files: dict[str, bytes]) -> bool:
+        """Whether the folder held has exactly the exported weight files' bytes."""
+        from delta_versions import weight_names
+
+        assert self.held is not None
+        return all((self.held / n).read_bytes() == files[n] for n in weight_names(files))
+
+
+def start_capped_store(work: Path, mbps: float) -> procs.Proc:
+    port = procs.free_port()
+    env = {
+        "SPOTRL_PORT": str(port),
+        "SPOTRL_ROOT": str(work / "store"),
+        "SPOTRL_EGRESS_MBPS": str(mbps),
+    }
+    store = procs.start_service("weightstore-delta", "services.weightstore.main", env, work, port)
+    procs.wait_healthy([store], 120)
+    return store
+
+
+async def delta_run(args: argparse.Namespace) -> dict:
+    """Versions trained and uploaded by deltas, each pulled and loaded side by side in full
+    and by deltas (alternately first) from a store whose egress is capped."""
+    import torch
+    from delta_versions import VersionMaker, changed_elements, model_folder, weight_names
+
+    from services.weights.files import hash_files
+
+    torch.set_num_threads(2)
+    mbps = args.store_mbps or 1000.0
+    shm = Path("/dev/shm")
+    in_memory = shm.is_dir() and shutil.disk_usage(shm).free > 8e9
+    work = Path(tempfile.mkdtemp(prefix="spotrl-bench-delta-", dir=shm if in_memory else None))
+    store = start_capped_store(work, mbps)
+    try:
+        maker = VersionMaker(model_folder(args.delta_model, work / "model"), args.lr)
+        trainer = WeightClient([store.url], deltas=True)
+        full = Puller("full", store.url, work, deltas=False)
+        delta = Puller("delta", store.url, work, deltas=True)
+        rows, previous, identical = [], None, True
+        for version, files in enumerate(maker.versions(args.versions)):
+            local = await hash_files(files)
+            manifest = await trainer.upload(local, DELTA_MODEL, version)
+            row: dict = {"version": version}
+            if previous is not None:
+                changed, elements = changed_elements(previous, files)
+                row["changed_fraction"] = round(changed / elements, 5)
+            sides = (full, delta) if version % 2 else (delta, full)
+            for side in sides:
+                row[side.label] = await side.pull_and_load(version, local.digest, manifest)
+                identical = identical and side.holds(files)
+            print("delta", json.dumps(row), flush=True)
+            if version:
+                rows.append(row)
+            previous = files
+        engines_equal = same_state(full.engine, delta.engine)
+        model_bytes = sum(len(files[n]) for n in weight_names(files))
+    finally:
+        store.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return delta_summary(rows, model_bytes, identical and engines_equal, engines_equal, args) | {
+        "store_mbps": mbps,
+        "in_memory": in_memory,
+    }
+
+
+def same_state(a, b) -> bool:
+    import torch
+
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def delta_summary(rows: list[dict], model_bytes: int, identical: bool, engines: bool, args):
+    def mean(key: str, side: str | None = None) -> float:
+        values = [r[side][key] if side else r[key] for r in rows]
+        return sum(values) / len(values)
+
+    return {
+        "delta_bytes_ratio": round(mean("bytes", "delta") / mean("bytes", "full"), 4),
+        "delta_speedup": round(mean("s", "full") / mean("s", "delta"), 3),
+        "pull_speedup": round(mean("pull_s", "full") / mean("pull_s", "delta"), 3),
+        "changed_fraction": round(mean("changed_fraction"), 4),
+        "bit_identical": identical,
+        "engines_equal": engines,
+        "lr": args.lr,
+        "model": args.delta_model,
+        "model_bytes": model_bytes,
+        "versions": len(rows),
+        "full_bytes": round(mean("bytes", "full")),
+        "delta_bytes": round(mean("bytes", "delta")),
+        "full_s": round(mean("s", "full"), 3),
+        "delta_s": round(mean("s", "delta"), 3),
+        "full_pull_s": round(mean("pull_s", "full"), 3),
+        "delta_pull_s": round(mean("pull_s", "delta"), 3),
+        "full_load_s": round(mean("load_s", "full"), 3),
+        "delta_load_s": round(mean("load_s", "delta"), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=3)
@@ -260,10 +421,23 @@ def main() -> None:
     parser.add_argument(
         "--store-mbps",
         type=float,
-        default=4000.0,
-        help="the store's egress cap in the fan-out's capped run, megabits per second",
+        default=None,
+        help="the store's egress cap, megabits per second: of the fan-out's capped run "
+        "(default 4000), of the --delta run (default 1000)",
+    )
+    parser.add_argument("--delta", action="store_true", help="full vs delta pulls (issue 42)")
+    parser.add_argument("--versions", type=int, default=6, help="--delta: versions after v0")
+    parser.add_argument("--lr", type=float, default=1e-6, help="--delta: AdamW learning rate")
+    parser.add_argument(
+        "--delta-model",
+        default="qwen2-236m",
+        help="--delta: a model of bench/delta_share.py's, or a model folder",
     )
     args = parser.parse_args()
+    if args.delta:
+        print(json.dumps(asyncio.run(delta_run(args))))
+        return
+    args.store_mbps = args.store_mbps or 4000.0
     if not shutil.which("nginx") or not shutil.which("curl"):
         raise SystemExit("the baseline needs nginx and curl: apt-get install nginx-light curl")
     # in memory where there is room (tmpfs), so that both sides measure the transfer, not the

@@ -44,16 +44,17 @@ Resolve = Callable[[str, int, str, int, int | None], Path | None]
 
 class EgressLimit:
     """A token bucket of bytes per second over every response of one server (its loop's thread
-    only), with one second of burst."""
+    only), with `burst_s` of burst: a link's rate from the first byte, as a capped link (the
+    emulated cross-region one of bench/weight_pull.py) has, not a second's worth free."""
 
-    def __init__(self, bytes_per_s: float) -> None:
-        self.rate = bytes_per_s
-        self.tokens = bytes_per_s
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.05) -> None:
+        self.rate, self.burst = bytes_per_s, bytes_per_s * burst_s
+        self.tokens = self.burst
         self.at = time.monotonic()
 
     async def take(self, n: int) -> None:
         now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate) - n
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - n
         self.at = now
         if self.tokens < 0:
             await asyncio.sleep(-self.tokens / self.rate)

@@ -230,7 +230,7 @@ def encode(
     return b"".join([MAGIC, struct.pack("<I", len(head)), head, *frame])
 
 
-def _parse(delta: memoryview) -> tuple[dict, int]:
+def parse(delta: memoryview) -> tuple[dict, int]:
     """The delta's JSON header, checked, and the offset of its frame."""
     if len(delta) < len(MAGIC) + 4 or delta[: len(MAGIC)] != MAGIC:
         raise DeltaError("not a weight delta (no SPOTDLT1 magic)")
@@ -273,7 +273,7 @@ def _check(header: dict) -> None:
 
 def read_header(delta: bytes | bytearray | memoryview) -> DeltaHeader:
     """What a delta says it is; DeltaError when malformed."""
-    header, _ = _parse(_bytes(delta))
+    header, _ = parse(_bytes(delta))
     tensors = {t["name"]: t["changed"] for t in header["tensors"]}
     return DeltaHeader(
         base_sha256=header["base_sha256"],
@@ -285,7 +285,7 @@ def read_header(delta: bytes | bytearray | memoryview) -> DeltaHeader:
     )
 
 
-def _payload(frame: memoryview, expected: int) -> bytes:
+def payload_of(frame: memoryview, expected: int) -> bytes:
     """The decompressed frame, exactly `expected` bytes long. The frame must declare that size
     (ours always do), so a hostile delta cannot make it allocate more: zstd refuses content
     longer than the frame declares."""
@@ -315,7 +315,7 @@ def apply(
     `old` where the caller knows it (a file it checked before): compared with the delta's base
     instead of hashing `old` again."""
     base, d = _bytes(old), _bytes(delta)
-    header, frame_at = _parse(d)
+    header, frame_at = parse(d)
     if len(base) != header["target_size"]:
         raise DeltaError("the file is not the delta's base (another size)")
     index_bytes = header["index_bytes"]
@@ -323,9 +323,9 @@ def apply(
     expected = sum(t["changed"] * (index_bytes + t["width"]) for t in listed)
     with ThreadPoolExecutor(1) as pool:  # the base's hash overlaps the copy and the scatter
         base_sha = pool.submit(_sha256, base) if base_sha256 is None else _done(base_sha256)
-        payload = _payload(d[frame_at:], expected)
+        payload = payload_of(d[frame_at:], expected)
         out = bytearray(base)
-        _scatter(out, listed, index_bytes, payload)
+        scatter(out, listed, index_bytes, payload)
         if base_sha.result() != header["base_sha256"]:
             raise DeltaError("the file is not the delta's base (sha256)")
         if _sha256(out) != header["target_sha256"]:
@@ -333,7 +333,7 @@ def apply(
     return out
 
 
-def _scatter(out: bytearray, listed: list[dict], index_bytes: int, payload: bytes) -> None:
+def scatter(out: bytearray, listed: list[dict], index_bytes: int, payload: bytes) -> None:
     """Write each listed tensor's new values at the cumulative sums of its gaps."""
     pos = 0
     for t in listed:

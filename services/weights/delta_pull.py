@@ -36,7 +36,8 @@ from services.weights.contract import (
     WeightTransferError,
     manifest_digest,
 )
-from services.weights.delta import DeltaError, apply, read_header
+from services.weights.delta import DeltaError, read_header
+from services.weights.delta_file import copy_file, patch_file
 from services.weights.files import fetch_range, read_complete, write_complete
 from services.weights.pull import check_manifest, prepare_partial
 
@@ -233,22 +234,27 @@ async def _apply_hops(
     for entry in target.files:
         if entry.name in same:
             continue
-        data: bytes | bytearray = await asyncio.to_thread((held / entry.name).read_bytes)
-        sha = held_files.get(entry.name)  # the held file's, as its pull checked it
+        current, sha = held / entry.name, held_files.get(entry.name)  # as its pull checked
         for manifest in hops:
             step = manifest.entry(entry.name)
             if step is None or step.delta is None:
                 continue  # unchanged in this version (the route checked)
-            keep = manifest is target
-            delta = await fetch.get(manifest.version, step, partial, keep)
+            made = partial / f".{entry.name}.v{manifest.version}"
+            copying = asyncio.create_task(asyncio.to_thread(copy_file, current, made))
+            try:  # the base is copied while its delta is on its way
+                delta = await fetch.get(manifest.version, step, partial, manifest is target)
+            finally:
+                await copying
             fetched += len(delta)
             header = read_header(delta)
-            if header.target_sha256 != step.sha256:
+            if sha is None or header.target_sha256 != step.sha256:
                 raise DeltaError(f"{entry.name} v{manifest.version}: not the manifest's file")
+            await asyncio.to_thread(patch_file, made, delta, sha, step.blocks())
+            if current.parent == partial:
+                current.unlink()  # a version between: only the last one is kept
+            current, sha = made, step.sha256
             changed |= set(header.tensors)
-            data = await asyncio.to_thread(apply, data, delta, sha)
-            sha = step.sha256
-        await asyncio.to_thread((partial / entry.name).write_bytes, data)
+        os.replace(current, partial / entry.name)
     digest = manifest_digest(target)
     write_complete(partial, target.version, digest, {e.name: e.sha256 for e in target.files})
     shutil.rmtree(dest, ignore_errors=True)

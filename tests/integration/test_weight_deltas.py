@@ -189,9 +189,11 @@ def test_a_delta_against_the_wrong_base_is_refused(tmp_path, versions):
         assert refused() == before + 1 and got.deltas == 0
         same_files(got.folder, versions[2])
 
-        misnamed = tmp_path / "misnamed"  # v1's files, v0's marker: v1 -> v2 is taken as 0 -> 2
+        # v2's files under v0's marker: 0 -> 1 -> 2 applied to them. (v1's files would not do:
+        # the delta 0 -> 1 applied to its own target makes that target, rightly accepted.)
+        misnamed = tmp_path / "misnamed"
         misnamed.mkdir()
-        (misnamed / WEIGHTS).write_bytes(versions[1])
+        (misnamed / WEIGHTS).write_bytes(versions[2])
         (misnamed / "config.json").write_bytes(b'{"dtype": "bfloat16"}')
         (misnamed / COMPLETE).write_text(json.dumps(v0_marker))
         before = refused()
