@@ -22,7 +22,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx
 from prometheus_client import Counter
@@ -39,10 +39,25 @@ from services.weights.contract import (
 from services.weights.delta import DeltaError, read_header
 from services.weights.delta_file import copy_file, patch_file
 from services.weights.files import fetch_range, read_complete, write_complete
-from services.weights.pull import check_manifest, prepare_partial
+from services.weights.pull import PullResult, check_manifest, prepare_partial
 
-if TYPE_CHECKING:
-    from services.weights.transfer import PullResult, WeightClient
+
+class Client(Protocol):
+    """What a pull by deltas asks of the weight client (transfer.WeightClient)."""
+
+    headers: dict[str, str]
+    ca_file: Path | str | None
+
+    async def manifest(
+        self, model: str, version: int, whole: bool = False, replicas: list[str] | None = None
+    ) -> Manifest: ...
+
+    async def delta_source(self, replica: str | None = None) -> tuple[str, str]: ...
+
+    async def pull(
+        self, model: str, version: int, dest: Path, attempts: int = 6, *, manifest: Manifest
+    ) -> PullResult: ...
+
 
 log = logging.getLogger(__name__)
 REFUSED = Counter(
@@ -81,7 +96,7 @@ def full_base(manifest: Manifest) -> int | None:
 
 
 async def pull_by_deltas(
-    client: "WeightClient",
+    client: Client,
     model: str,
     version: int,
     dest: Path,
@@ -89,7 +104,7 @@ async def pull_by_deltas(
     held: Path | None,
     manifest: Manifest | None,
     swarm: Swarm | None = None,
-) -> "PullResult | None":
+) -> PullResult | None:
     """The version made from the one in `held` and the deltas after it, or for a joiner from
     the nearest full version and the deltas after it; None where there is no such way or a
     delta was refused: the caller pulls the version in full then."""
@@ -107,13 +122,13 @@ async def pull_by_deltas(
 
 
 async def by_deltas(
-    client: "WeightClient",
+    client: Client,
     model: str,
     target: Manifest,
     dest: Path,
     held: Path,
     swarm: Swarm | None = None,
-) -> "PullResult | None":
+) -> PullResult | None:
     """`target` made from the version in folder `held` and the deltas after it (None when
     there is no such route); raises when a delta is refused."""
     marker = read_complete(held)
@@ -134,9 +149,7 @@ async def by_deltas(
     return await _apply_hops(client, model, [manifests[v] for v in hops], held, dest, swarm)
 
 
-async def from_full(
-    client: "WeightClient", model: str, target: Manifest, dest: Path
-) -> "PullResult | None":
+async def from_full(client: Client, model: str, target: Manifest, dest: Path) -> PullResult | None:
     """For a joiner: the nearest full version at or below `target`, pulled in full, then the
     deltas after it (None when the deltas do not lead back to a full version)."""
     chain, manifest = 0, target
@@ -163,7 +176,7 @@ class DeltaFetch:
     against its manifest's sha256 whoever served it."""
 
     def __init__(
-        self, client: "WeightClient", replica: str, store: str, model: str, swarm: Swarm | None
+        self, client: Client, replica: str, store: str, model: str, swarm: Swarm | None
     ) -> None:
         self.client, self.model, self.swarm = client, model, swarm
         self.replica, self.store = replica, store  # a store replica, where it serves its files
@@ -216,15 +229,13 @@ class DeltaFetch:
 
 
 async def _apply_hops(
-    client: "WeightClient",
+    client: Client,
     model: str,
     hops: list[Manifest],
     held: Path,
     dest: Path,
     swarm: Swarm | None,
-) -> "PullResult":
-    from services.weights.transfer import PullResult  # transfer.py imports this module
-
+) -> PullResult:
     started = time.monotonic()
     target = hops[-1]
     partial, same = prepare_partial(dest, held, target.files)

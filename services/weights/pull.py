@@ -1,12 +1,13 @@
 """The file work of one pull from one replica, around the block transfer (block_fetch.py): the
 manifest checked against what was asked for, the `.partial` folder laid out (files an earlier
 version holds with the same sha256 linked from it, the others preallocated), and the files
-without block hashes (an older store's) fetched in ranges and checked whole. The retries over
-replicas are the client's (transfer.py).
+without block hashes (an older store's) fetched in ranges and checked whole; and what a pull
+gives (`PullResult`). The retries over replicas are the client's (transfer.py).
 """
 
 import asyncio
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.weights.contract import (
@@ -19,6 +20,18 @@ from services.weights.contract import (
 from services.weights.files import fetch_range, link_or_copy, reusable, sha256_file
 
 CHUNK_BYTES = 32 * 1024 * 1024  # bytes per range request of a file with no block hashes
+
+
+@dataclass
+class PullResult:
+    folder: Path
+    version: int
+    bytes: int  # downloaded (files reused from an earlier version not counted)
+    seconds: float
+    digest: str  # content digest of the files pulled
+    from_peers: int = 0  # of `bytes`, those that other pullers served (the rest: the store)
+    deltas: int = 0  # versions whose deltas made it (0: pulled in full)
+    changed: frozenset[str] | None = None  # tensors unlike the version held (None: unknown)
 
 
 def check_manifest(manifest: Manifest, model: str, version: int, expect: str | None) -> str:

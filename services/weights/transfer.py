@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,25 +39,13 @@ from services.weights.contract import (
 from services.weights.delta_pull import pull_by_deltas
 from services.weights.delta_upload import Deltas, make_deltas
 from services.weights.files import VersionFiles, read_complete, scan_folder, write_complete
-from services.weights.pull import check_manifest, fetch_whole, prepare_partial
+from services.weights.pull import PullResult, check_manifest, fetch_whole, prepare_partial
 from services.weights.upload import Earlier, upload_to
 
 log = logging.getLogger(__name__)
 # httpx builds a TLS context (reading the CA bundle: ~20 ms of CPU) for every client it makes,
 # even one that speaks plain HTTP; one per process is enough
 tls_context = functools.cache(httpx.create_ssl_context)
-
-
-@dataclass
-class PullResult:
-    folder: Path
-    version: int
-    bytes: int  # downloaded (files reused from an earlier version not counted)
-    seconds: float
-    digest: str  # content digest of the files pulled
-    from_peers: int = 0  # of `bytes`, those that other pullers served (the rest: the store)
-    deltas: int = 0  # versions whose deltas made it (0: pulled in full)
-    changed: frozenset[str] | None = None  # tensors unlike the version held (None: unknown)
 
 
 class WeightClient:

@@ -22,14 +22,24 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from services.weights.contract import Manifest
 from services.weights.delta import DeltaError, apply
+from services.weightstore.hashing import Hashes, read_hashes
 
-if TYPE_CHECKING:
-    from services.weightstore.hashing import Hashes
-    from services.weightstore.storage import WeightStorage
+
+class Store(Protocol):
+    """What this module asks of the store's storage (storage.WeightStorage)."""
+
+    def committed_dir(self, model: str, version: int) -> Path: ...
+
+    def manifest(self, model: str, version: int) -> Manifest: ...
+
+    def versions(self, model: str) -> list[int]: ...
+
+    def write_whole(self, staging: Path, name: str, data: bytes | bytearray) -> Hashes: ...
+
 
 MAKING = threading.RLock()  # one whole file is made at a time (each may make its base first)
 
@@ -62,13 +72,11 @@ def kept_versions(versions: list[int], keep: int, manifest: Callable[[int], Mani
 
 
 def make_whole(
-    storage: "WeightStorage", model: str, staging: Path, manifest: Manifest
-) -> tuple[dict[str, "Hashes"], list[str]]:
+    storage: Store, model: str, staging: Path, manifest: Manifest
+) -> tuple[dict[str, Hashes], list[str]]:
     """Apply the deltas uploaded into `staging` for the files of `manifest` that name one: the
     hashes of each file made (it replaces whatever was staged under its name: the delta is
     what the version says it is made of), and what could not be made."""
-    from services.weightstore.hashing import read_hashes
-
     made: dict[str, Hashes] = {}
     problems = []
     for entry in manifest.files:
@@ -90,14 +98,14 @@ def make_whole(
     return made, problems
 
 
-def base_sha256(storage: "WeightStorage", model: str, version: int, name: str) -> str | None:
+def base_sha256(storage: Store, model: str, version: int, name: str) -> str | None:
     """The sha256 the store checked file `name` of a committed version against (None: not
     listed)."""
     entry = storage.manifest(model, version).entry(name)
     return entry.sha256 if entry is not None else None
 
 
-def whole_path(storage: "WeightStorage", model: str, version: int, name: str) -> Path:
+def whole_path(storage: Store, model: str, version: int, name: str) -> Path:
     """The whole file `name` of a committed version, made from its delta where the store kept
     only that (NotWhole where it cannot be made)."""
     path = storage.committed_dir(model, version) / name
@@ -128,7 +136,7 @@ def whole_path(storage: "WeightStorage", model: str, version: int, name: str) ->
     return path
 
 
-def thin(storage: "WeightStorage", model: str, newest: int) -> None:
+def thin(storage: Store, model: str, newest: int) -> None:
     """Drop the whole files of the versions before `newest` that are not full, where a delta
     stands for them (they are made again if asked for)."""
     with MAKING:
