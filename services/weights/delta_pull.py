@@ -146,7 +146,7 @@ async def by_deltas(
     moved = sum(f.delta.size for v in hops for f in manifests[v].files if f.delta is not None)
     if moved >= target.total_bytes():
         return None  # so many deltas that the version in full is less
-    return await _apply_hops(client, model, [manifests[v] for v in hops], held, dest, swarm)
+    return await _apply_hops(client, model, [manifests[v] for v in hops], held, files, dest, swarm)
 
 
 async def from_full(client: Client, model: str, target: Manifest, dest: Path) -> PullResult | None:
@@ -233,13 +233,15 @@ async def _apply_hops(
     model: str,
     hops: list[Manifest],
     held: Path,
+    held_files: Mapping[str, str],
     dest: Path,
     swarm: Swarm | None,
 ) -> PullResult:
+    """The last of `hops` made in `dest` from the folder `held` (its files' sha256 by name,
+    as its marker says) and the deltas of each hop."""
     started = time.monotonic()
     target = hops[-1]
     partial, same = prepare_partial(dest, held, target.files)
-    held_files = read_complete(held).get("files") or {}
     fetch = DeltaFetch(client, *await client.delta_source(), model, swarm)
     fetched, changed = 0, set()
     for entry in target.files:

@@ -17,7 +17,6 @@ makes a file whole from its delta.
 Blocking file work: the API runs it in threads; one lock orders the materialisations.
 """
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.weights.contract import Manifest
-from services.weights.delta import DeltaError, apply
+from services.weights.delta import DeltaError, apply, read_header
 from services.weightstore.hashing import Hashes, read_hashes
 
 
@@ -123,13 +122,13 @@ def whole_path(storage: Store, model: str, version: int, name: str) -> Path:
         base = whole_path(storage, model, entry.delta.base, name)
         try:
             delta = (storage.committed_dir(model, version) / entry.delta.name).read_bytes()
+            if read_header(delta).target_sha256 != entry.sha256:  # `apply` checks the rest
+                raise DeltaError("its delta does not make the manifest's file")
             data = apply(
                 base.read_bytes(), delta, base_sha256(storage, model, entry.delta.base, name)
             )
         except (DeltaError, OSError) as exc:
             raise NotWhole(f"{model} v{version} {name}: {exc}") from exc
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise NotWhole(f"{model} v{version} {name}: made whole, not the manifest's sha256")
         aside = path.with_name(f".{name}.making")
         aside.write_bytes(data)
         os.replace(aside, path)
