@@ -19,8 +19,14 @@ from services.cli.environment import TOKEN_VARIABLE
 from services.cli.local_commands import cmd_chaos, cmd_init_model, cmd_up
 from services.cli.scale import cmd_scale
 from services.cli.scale_settings import ScaleSettings
-from services.cli.secrets_command import DEFAULT_REDIS_URL, cmd_secrets, parse_hosts
+from services.cli.secrets_command import DEFAULT_REDIS_URL, bounded_days, cmd_secrets, parse_hosts
 from services.cli.spec_flags import add_spec_flags
+from services.cli.tls_folder import (
+    CA_VALID_DAYS,
+    MAX_CA_VALID_DAYS,
+    MAX_SERVER_VALID_DAYS,
+    SERVER_VALID_DAYS,
+)
 from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, FLAT_FIELDS
 from services.infra.settings import CommonSettings, env_name
 from services.rollout.settings import RolloutSettings
@@ -189,8 +195,9 @@ def _add_secrets(sub: Subparsers) -> None:
         "file per service (its token, the tokens it accepts, its Redis user; a rollout "
         "worker's holds no admin token and no Redis password), redis.env (the healthcheck's "
         f"read-only user), admin.env (${TOKEN_VARIABLE} for the CLI; kept from the environment "
-        "when set), and with --tls a throwaway CA and certificate (tls/). docker-compose.yml "
-        "reads them from $SPOTRL_SECRETS (./secrets).",
+        "when set), and with --tls a CA (ca/, kept) and a certificate it signs (tls/). "
+        "--renew re-signs that certificate. docker-compose.yml reads them from $SPOTRL_SECRETS "
+        "(./secrets).",
     )
     p.add_argument("out", type=Path, help="the folder to write")
     p.add_argument(
@@ -199,7 +206,7 @@ def _add_secrets(sub: Subparsers) -> None:
         help=f"Redis as the services reach it, no credentials (default {DEFAULT_REDIS_URL}, "
         "Compose's network); with --tls the scheme becomes rediss://",
     )
-    p.add_argument("--tls", action="store_true", help="also a throwaway CA and certificate")
+    p.add_argument("--tls", action="store_true", help="also a CA and a certificate")
     p.add_argument(
         "--hosts",
         type=parse_hosts,
@@ -207,6 +214,24 @@ def _add_secrets(sub: Subparsers) -> None:
         "services are reached by (the reserved node's address, each node's name)",
     )
     p.add_argument("--force", action="store_true", help="replace the secrets already in OUT")
+    p.add_argument(
+        "--valid-days",
+        type=bounded_days(MAX_SERVER_VALID_DAYS),
+        help=f"with --tls or --renew: the certificate's life in days (default "
+        f"{SERVER_VALID_DAYS}, at most {MAX_SERVER_VALID_DAYS})",
+    )
+    p.add_argument(
+        "--ca-valid-days",
+        type=bounded_days(MAX_CA_VALID_DAYS),
+        help=f"with --tls: the CA's life in days (default {CA_VALID_DAYS}); it is kept in "
+        "OUT/ca/, which no service mounts",
+    )
+    p.add_argument(
+        "--renew",
+        action="store_true",
+        help="re-sign OUT/tls/tls.crt (a new key, the same hosts) with the CA kept in OUT/ca/; "
+        "nothing else changes",
+    )
     p.set_defaults(func=cmd_secrets)
 
 
@@ -221,13 +246,18 @@ def _add_scale(sub: Subparsers) -> None:
         "coordinator and set the replica count of a preemptible rollout pool (a Kubernetes "
         "Deployment, a Swarm service, a Compose service) within the bounds, after the "
         f"cooldowns. One log line and one metric per decision. Reads send ${TOKEN_VARIABLE} "
-        "as a bearer token. Exit codes: 1 coordinator, 2 options, 3 no run, 4 no such "
-        "deployment or service, 5 engine error.",
+        "as a bearer token. With no active run the pool goes to --min. Exit codes: 1 "
+        "coordinator, 2 options, 3 no such run, 4 no such deployment or service, 5 engine error.",
     )
     p.add_argument("--url", default=url, help=f"coordinator URL (${url_variable})")
-    p.add_argument("--run", help="run to follow (default: the newest live run)")
+    p.add_argument("--run", help="run to follow (default: every active run)")
     p.add_argument("--target", required=True, choices=("k8s", "swarm", "compose"))
-    p.add_argument("--min", type=int, default=fields["min_replicas"].default, help="fewest held")
+    p.add_argument(
+        "--min",
+        type=int,
+        default=fields["min_replicas"].default,
+        help="fewest held, and what is held with no run",
+    )
     p.add_argument("--max", type=int, required=True, help="most replicas held")
     p.add_argument("--interval", type=float, default=fields["interval_s"].default, help="seconds")
     p.add_argument(

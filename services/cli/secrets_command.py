@@ -13,8 +13,12 @@ OUT (0700, every file in it 0600) holds:
 - `redis.env`: the read-only user and password Redis's healthcheck logs in with.
 - `admin.env`: for the CLI (`set -a; . OUT/admin.env; set +a`): SPOTRL_API_TOKEN, the admin
   token it sends ($SPOTRL_API_TOKEN's own when that is set), and with TLS SPOTRL_TLS_CA_FILE.
-- with `--tls`, `tls/ca.crt`, `tls/tls.crt`, `tls/tls.key`: a throwaway CA and a certificate for
-  the hosts given (services.cli.certs); the Swarm stack hands them to the containers as secrets.
+- with `--tls`, `tls/ca.crt`, `tls/tls.crt`, `tls/tls.key`: the deployment's CA certificate and
+  a certificate for the hosts given, valid `--valid-days`; the Swarm stack hands them to the
+  containers as secrets. The CA itself (`ca/ca.crt`, `ca/ca.key`) is kept apart, mounted by no
+  service: `--renew` signs a new certificate with it (services.cli.tls_folder).
+- `redis.env` also holds the password of `spotrl-certs` (SPOTRL_CERTS_REDIS_AUTH), the user whose
+  one right is CONFIG SET: what reloads Redis's TLS files.
 
 It writes files and starts nothing; it never overwrites an earlier folder without `--force`.
 """
@@ -24,11 +28,20 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from services.cli.environment import TOKEN_VARIABLE
+from services.cli.private_files import make_private_dir, private, write_private
+from services.cli.tls_folder import (
+    CA_DIR,
+    CA_VALID_DAYS,
+    SERVER_VALID_DAYS,
+    TLS_DIR,
+    TLS_NAMES,
+)
 from services.infra.settings import CommonSettings, env_name
 from services.infra.tls import TlsFiles
 
@@ -39,8 +52,6 @@ SERVICES = ("coordinator", "trainer", "weightstore", "rollout")
 DEFAULT_REDIS_URL = "redis://redis:6379/0"  # Redis on Compose's network
 ACL_FILE = Path("redis") / "users.acl"
 ENV_FILES = (*(f"{s}.env" for s in SERVICES), "redis.env", "admin.env")
-TLS_DIR = Path("tls")
-TLS_NAMES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
 # where the containers find the TLS files: docker-compose.swarm.yml mounts them there as secrets
 TLS_MOUNT = TlsFiles(
     cert=Path("/run/secrets/spotrl-tls.crt"),
@@ -49,11 +60,12 @@ TLS_MOUNT = TlsFiles(
 )
 CA_VARIABLE = env_name(CommonSettings, "tls_ca_file")  # the CLI's clients read it too
 HEALTH_ROLE = "reader"  # Redis's healthcheck logs in as the read-only role
+CERTS_ROLE = "certs"  # Redis's TLS reloader logs in as it (CONFIG SET only)
+CERTS_AUTH_VARIABLE = "SPOTRL_CERTS_REDIS_AUTH"
+CERTS_USER_VARIABLE = "SPOTRL_CERTS_REDIS_USER"
 # characters an env file value may hold: read the same by Compose (which would expand a `$`),
 # `docker run --env-file` (which keeps quotes) and a shell's `.`
 PLAIN_VALUE = re.compile(r"[A-Za-z0-9_.:/@,%+=~-]*")
-FILE_MODE = 0o600
-DIR_MODE = 0o700
 
 
 class SecretsExist(RuntimeError):
@@ -82,6 +94,8 @@ def env_files(
     files["redis.env"] = {
         "REDIS_HEALTH_USER": f"{USER_PREFIX}{HEALTH_ROLE}",
         "REDISCLI_AUTH": credentials.redis_passwords[HEALTH_ROLE],  # redis-cli reads it
+        CERTS_USER_VARIABLE: f"{USER_PREFIX}{CERTS_ROLE}",
+        CERTS_AUTH_VARIABLE: credentials.redis_passwords[CERTS_ROLE],
     }
     files["admin.env"] = {TOKEN_VARIABLE: credentials.admin_token}
     if host_ca is not None:
@@ -99,7 +113,7 @@ def env_text(env: dict[str, str]) -> str:
 
 def existing(out: Path) -> list[Path]:
     """The secrets of an earlier `spotrl secrets` in `out`."""
-    names: list[str | Path] = [*ENV_FILES, ACL_FILE.parent, TLS_DIR]
+    names: list[str | Path] = [*ENV_FILES, ACL_FILE.parent, TLS_DIR, CA_DIR]
     return [out / n for n in names if (out / n).exists() or (out / n).is_symlink()]
 
 
@@ -109,12 +123,18 @@ def write_secrets(
     redis_url: str = DEFAULT_REDIS_URL,
     hosts: tuple[str, ...] = (),
     force: bool = False,
+    valid_days: int | None = None,
+    ca_valid_days: int | None = None,
 ) -> list[Path]:
-    """Write the folder (TLS files too when `hosts` are given); the paths written.
+    """Write the folder (TLS files too when `hosts` are given: the certificate valid
+    `valid_days`, by default a year, its CA `ca_valid_days`, ten); the paths written.
     SecretsExist when `out` holds secrets already and not `force`."""
     host_ca = (out / TLS_DIR / TLS_NAMES["ca"]).absolute() if hosts else None
     files = env_files(credentials, redis_url, host_ca)
     texts = {name: env_text(env) for name, env in files.items()}  # refused before any change
+    days, ca_days = valid_days or SERVER_VALID_DAYS, ca_valid_days or CA_VALID_DAYS
+    if hosts and days > ca_days:
+        raise ValueError("--valid-days: longer than the CA's own life (--ca-valid-days)")
     found = existing(out)
     if found and not force:
         raise SecretsExist(f"{found[0]} exists (--force replaces the secrets in {out})")
@@ -129,42 +149,25 @@ def write_secrets(
     credentials.write_acl_file(out / ACL_FILE)
     written.append(private(out / ACL_FILE))
     if hosts:
-        written += write_tls(out / TLS_DIR, hosts)
+        from services.cli import tls_folder  # cryptography: only when asked for TLS
+
+        written += tls_folder.write_tls(out, hosts, days, ca_days)
     return written
 
 
-def write_tls(folder: Path, hosts: tuple[str, ...]) -> list[Path]:
-    """A throwaway CA and a certificate for `hosts`, under the names the stack mounts. The CA's
-    key is not kept: nothing else can be signed with it."""
-    from services.cli.certs import make_certs  # cryptography: only when asked for TLS
+def bounded_days(most: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of days, 1 to `most`."""
 
-    make_private_dir(folder)
-    made = make_certs(folder, hosts)
-    (folder / "ca.key").unlink(missing_ok=True)
-    written = []
-    for field, name in TLS_NAMES.items():
-        target = folder / name
-        getattr(made, field).replace(target)
-        written.append(private(target))
-    return written
+    def parse(text: str) -> int:
+        try:
+            days = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of days: {text!r}") from None
+        if not 1 <= days <= most:
+            raise argparse.ArgumentTypeError(f"{days}: from 1 to {most} days")
+        return days
 
-
-def make_private_dir(path: Path) -> None:
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    path.chmod(DIR_MODE)  # an existing folder, or a umask that took bits away
-
-
-def write_private(path: Path, text: str) -> Path:
-    """`text` into a new file that only its owner can read, from its creation on."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return path
-
-
-def private(path: Path) -> Path:
-    path.chmod(FILE_MODE)
-    return path
+    return parse
 
 
 def parse_hosts(text: str) -> tuple[str, ...]:
@@ -175,15 +178,28 @@ def parse_hosts(text: str) -> tuple[str, ...]:
 
 
 def cmd_secrets(args: argparse.Namespace) -> int:
+    if args.renew:
+        return cmd_renew(args)
     if args.tls != bool(args.hosts):
         print("spotrl secrets: --tls and --hosts go together", file=sys.stderr)
+        return 2
+    if not args.tls and (args.valid_days or args.ca_valid_days):
+        print("spotrl secrets: --valid-days and --ca-valid-days need --tls", file=sys.stderr)
         return 2
     from services.cli.credentials import Credentials
 
     admin = os.environ.get(TOKEN_VARIABLE) or None  # a token the CLI already sends stays valid
     credentials = Credentials.make(admin)
     try:
-        write_secrets(args.out, credentials, args.redis_url, args.hosts or (), args.force)
+        write_secrets(
+            args.out,
+            credentials,
+            args.redis_url,
+            args.hosts or (),
+            args.force,
+            args.valid_days,
+            args.ca_valid_days,
+        )
     except SecretsExist as exc:
         print(f"spotrl secrets: {exc}", file=sys.stderr)
         return 1
@@ -195,6 +211,42 @@ def cmd_secrets(args: argparse.Namespace) -> int:
         f"spotrl secrets: wrote {args.out} (admin token: {origin}; "
         f"{'TLS for ' + ','.join(args.hosts) if args.tls else 'no TLS'}). The CLI: "
         f"set -a; . {args.out / 'admin.env'}; set +a",
+        file=sys.stderr,
+    )
+    return 0
+
+
+RENEW_NEXT = """next, by platform (docs/security.md, "Rotating the certificate"):
+  Compose, hosts: nothing: the services re-read tls/ within SPOTRL_TLS_RELOAD_INTERVAL_S
+  Swarm (secrets are immutable): docker secret create spotrl-tls.crt.2 {crt}; the same for the
+    key; docker service update --secret-rm spotrl-tls.crt --secret-add \\
+    source=spotrl-tls.crt.2,target=spotrl-tls.crt (and the key) on each service: rolling
+  Kubernetes: kubectl -n NS create secret generic SECRET --from-file={ca} --from-file={crt} \\
+    --from-file={key} --dry-run=client -o yaml | kubectl -n NS apply -f - (pods re-read it)"""
+
+
+def cmd_renew(args: argparse.Namespace) -> int:
+    """`spotrl secrets OUT --renew`: a new certificate for the same hosts from the kept CA."""
+    if args.tls or args.hosts or args.force or args.ca_valid_days:
+        print(
+            "spotrl secrets: --renew keeps the hosts and the CA: no --tls, --hosts, --force "
+            "or --ca-valid-days",
+            file=sys.stderr,
+        )
+        return 2
+    from services.cli import tls_folder
+
+    try:
+        done = tls_folder.renew_tls(args.out, args.valid_days or SERVER_VALID_DAYS)
+    except tls_folder.RenewRefused as exc:
+        print(f"spotrl secrets: cannot renew: {exc}", file=sys.stderr)
+        return 1
+    key = done.cert.with_name(TLS_NAMES["key"])
+    print(
+        f"spotrl secrets: renewed {done.cert} for {','.join(done.hosts)} (serial "
+        f"{done.serial:x}), valid until {done.not_after:%Y-%m-%d %H:%M} UTC; tokens, passwords "
+        f"and the CA unchanged\n"
+        + RENEW_NEXT.format(ca=done.cert.with_name(TLS_NAMES["ca"]), crt=done.cert, key=key),
         file=sys.stderr,
     )
     return 0

@@ -17,6 +17,9 @@ Roles:
   its jobs with its consumer group, adds deltas, writes its own presence keys, reads the run
   pointers and versions, and adds its crash to the run's events; each key only through the
   commands it needs on that key. Not the run's hash (its spec holds the prompts).
+- certs (`spotrl-certs`): what reloads Redis's own TLS files when they are renewed (the
+  chart's Redis pod): PING and CONFIG SET, no key, no other command. CONFIG SET reaches every
+  setting of the server, so its password stays with Redis (`redis.env`), never in a service.
 The weight store has no role: it does not use Redis.
 
 Redis 7 renders a worker's grants as selectors (commands bound to keys) and read-only or
@@ -38,9 +41,10 @@ from typing import Literal
 
 from services.contracts import keys
 
-Role = Literal["coordinator", "trainer", "reader", "worker"]
-ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "worker")
-USER_ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader")  # a user in the ACL file
+Role = Literal["coordinator", "trainer", "reader", "worker", "certs"]
+ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "worker", "certs")
+USER_ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "certs")  # in the ACL file
+KEYLESS_ROLES: frozenset[Role] = frozenset({"certs"})  # its COMMANDS only: no key, no KEYLESS
 USER_PREFIX = "spotrl-"
 WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # no glob character, no colon: see worker_rules
 
@@ -65,6 +69,7 @@ COMMANDS: dict[Role, tuple[str, ...]] = {
     "trainer": (*_SERVICE, "+eval"),
     "reader": ("-@all", "+@read", "+@connection", "-@dangerous"),
     "worker": ("-@all",),  # its commands come with its keys (WORKER_COMMANDS)
+    "certs": ("-@all", "+ping", "+config|set"),  # CONFIG SET tls-cert-file ... (a reload)
 }
 
 Access = Literal["r", "w", "rw"]
@@ -248,6 +253,8 @@ def _grants(role: Role, worker_id: str | None) -> list[tuple[KeyRule, Access, tu
 def _rules(role: Role, worker_id: str | None, redis_major: int) -> list[str]:
     split = redis_major >= 7
     tokens = ["resetkeys", "resetchannels", *COMMANDS[role]]
+    if role in KEYLESS_ROLES:
+        return tokens
     grants = _grants(role, worker_id)
     if role != "worker":
         pairs = [(access, p) for _, access, patterns in grants for p in patterns]

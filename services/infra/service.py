@@ -172,7 +172,7 @@ def add_health_and_metrics(
     )
     async def metrics() -> Response:
         body = await exposition() if exposition is not None else generate_latest()
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(body + tls.expiry_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
 BEARER = HTTPBearer(
@@ -254,10 +254,30 @@ def serve(
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
         **tls.uvicorn_args(settings),
     )
+    if tls.enabled(settings):
+        watch_certificate(app, config, settings)
     sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
     if port_file is not None:
         write_port_file(port_file, sock.getsockname()[1])
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def watch_certificate(app: FastAPI, config: uvicorn.Config, settings: "CommonSettings") -> None:
+    """Serve the settings' certificate as its files hold it now, not as they did at start: the
+    app's lifespan runs the watcher (`tls_reload`) that re-reads them every
+    `tls_reload_interval_s`, for uvicorn's context and the block/peer servers' alike."""
+    from services.infra import tls_reload  # cryptography: only where TLS is served
+
+    served = tls_reload.served(settings)
+    config.load()  # uvicorn's SSLContext exists from here on
+    assert config.ssl is not None, "uvicorn was given no certificate"
+    served.attach(config.ssl)
+    tasks = BackgroundTasks()
+
+    def start() -> asyncio.Task:
+        return tasks.start("tls reload", lambda: served.watch(settings.tls_reload_interval_s))
+
+    app.router.lifespan_context = tls_reload.watching(app.router.lifespan_context, start)
 
 
 def write_port_file(path: Path, port: int) -> None:

@@ -101,6 +101,20 @@ class CommonSettings(BaseSettings):
         description="CA bundle (PEM) this process's clients verify https:// and rediss:// peers "
         "against. Unset: the system's trust store.",
     )
+    tls_reload_interval_s: float = Field(
+        30.0,
+        ge=1.0,
+        le=3600.0,
+        description="How often a service serving TLS checks its certificate, key and CA files "
+        "for a change; a renewed pair is served to new connections without a restart.",
+    )
+    tls_warn_days: int = Field(
+        30,
+        ge=0,
+        le=825,
+        description="Log a warning (at start, at each reload, then daily) when the served "
+        "certificate expires within this many days; 0: never.",
+    )
 
     @field_validator("api_token", "token", "accept_tokens")
     @classmethod

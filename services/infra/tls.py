@@ -1,7 +1,8 @@
 """TLS for every hop, switched on by settings: a service with `tls_cert_file` and `tls_key_file`
 serves HTTPS (its API under uvicorn, a block/peer server under aiohttp); a client with
 `tls_ca_file` verifies https:// and rediss:// peers against that CA instead of the system's
-trust store. Nothing here makes certificates (`services.cli.certs` does, for a throwaway CA).
+trust store. Nothing here makes certificates (`services.cli.certs` does); a served certificate
+follows its files (`services.infra.tls_reload`), and so does a CA file clients trust.
 
 With no TLS setting, everything stays plain HTTP, as on one machine's loopback; a service bound
 off loopback without a certificate says so in one warning line at start (`warn_if_plain`).
@@ -9,10 +10,14 @@ off loopback without a certificate says so in one warning line at start (`warn_i
 
 import functools
 import logging
+import os
 import ssl
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from services.infra.settings import is_loopback
 
@@ -20,6 +25,15 @@ if TYPE_CHECKING:
     from services.infra.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+# every service's /metrics adds this registry (services.infra.service); no sample until a
+# certificate is served (tls_reload sets it at start and at each reload)
+EXPIRY_REGISTRY = CollectorRegistry()
+CERT_EXPIRY = Gauge(
+    "spotrl_tls_certificate_expiry_timestamp_seconds",
+    "When the certificate this process serves expires (its notAfter, unix seconds)",
+    ["cert_file"],
+    registry=EXPIRY_REGISTRY,
+)
 
 
 @dataclass(frozen=True)
@@ -41,13 +55,9 @@ def scheme(settings: "CommonSettings") -> str:
     return "https" if enabled(settings) else "http"
 
 
-def server_context(settings: "CommonSettings") -> ssl.SSLContext | None:
-    """The server side of TLS (for aiohttp's block/peer servers); None: plain HTTP."""
-    if not enabled(settings):
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(str(settings.tls_cert_file), str(settings.tls_key_file))
-    return context
+def expiry_metrics() -> bytes:
+    """The expiry gauge in Prometheus text (its HELP and TYPE alone while none is served)."""
+    return generate_latest(EXPIRY_REGISTRY)
 
 
 def uvicorn_args(settings: "CommonSettings") -> dict[str, Any]:
@@ -57,11 +67,42 @@ def uvicorn_args(settings: "CommonSettings") -> dict[str, Any]:
     return {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
 
 
-@functools.cache
+_CA_CONTEXTS: dict[str, tuple[tuple[int, int, int], ssl.SSLContext]] = {}
+_CA_LOCK = threading.Lock()
+
+
 def ca_context(ca_file: str) -> ssl.SSLContext:
-    """A client context that trusts `ca_file` (read once per process: a context is shared by
-    every client and thread, and building one costs milliseconds)."""
-    return ssl.create_default_context(cafile=ca_file)
+    """A client context that trusts `ca_file`: one per file and process, shared by every client
+    and thread (building one costs milliseconds). When the file changed since, its certificates
+    are added to that same context, so clients made before trust them too: a CA rotation puts
+    the new CA into the bundle first. A CA taken out of the file stays trusted until a restart."""
+    stamp = _stamp(ca_file)
+    with _CA_LOCK:
+        known = _CA_CONTEXTS.get(ca_file)
+        if known is None:
+            context = ssl.create_default_context(cafile=ca_file)
+        else:
+            context = known[1]
+            if known[0] != stamp:
+                context.load_verify_locations(cafile=ca_file)
+                log.info("CA file %s re-read", ca_file)
+        _CA_CONTEXTS[ca_file] = (stamp, context)
+        return context
+
+
+def refresh_ca_contexts() -> None:
+    """Re-read each CA file a client context was made of, where it changed."""
+    for ca_file in list(_CA_CONTEXTS):
+        try:
+            ca_context(ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("CA file %s not re-read, still trusting what it held: %s", ca_file, exc)
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    """What changes when a file is rewritten or replaced (a Secret's symlink swapped)."""
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def ca_verify(ca_file: Path | str | None) -> ssl.SSLContext | bool:

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.contracts import keys
-from services.infra import tls
+from services.infra import tls, tls_reload
 from services.infra.redis_streams import text
 from services.infra.scopes import Tokens
 from services.infra.settings import is_loopback
@@ -201,7 +201,7 @@ class Peers:
             s.peer_max_serving,
             egress,
             "peer",
-            tls.server_context(s),
+            tls_reload.server_context(s),
             scopes=frozenset({"worker", "read"}),
         )
         self.url = ""

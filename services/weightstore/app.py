@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
 
-from services.infra import tls
+from services.infra import tls_reload
 from services.infra.http_limits import guard_input
 from services.infra.scopes import Scope
 from services.infra.service import (
@@ -87,7 +87,7 @@ def block_server(settings: WeightStoreSettings, storage: WeightStorage) -> Block
         tokens_of(settings) if settings.protect_reads else None,
         settings.max_serving,
         settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
-        ssl_context=tls.server_context(settings),
+        ssl_context=tls_reload.server_context(settings),
         scopes=frozenset(READERS),
     )
 

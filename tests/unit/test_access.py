@@ -117,7 +117,18 @@ def test_role_tables_never_grant_the_dangerous_commands():
         assert not tokens & banned, role
         if role != "coordinator":
             assert not any(t.startswith("+acl") for t in tokens), role
+        if role != "certs":
+            assert not any(t.startswith("+config") for t in tokens), role
     assert "-@dangerous" in access.role_rules("reader")
+
+
+def test_the_certs_role_reloads_tls_files_and_reaches_no_key():
+    """CONFIG SET (Redis's TLS files, reloaded), PING, nothing else: no key, no SELECT."""
+    for major in (6, 7):
+        rules = access.role_rules("certs", redis_major=major)
+        assert rules == ["resetkeys", "resetchannels", "-@all", "+ping", "+config|set"]
+    assert "certs" in access.USER_ROLES
+    assert not any(rule.access("certs") for rule in access.RULES)
 
 
 def test_worker_signing_keys_are_the_coordinators_alone():

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import ValidationError
 
 from services.cli.certs import VALID_DAYS, make_certs
-from services.infra import tls
+from services.infra import tls, tls_reload
 from services.infra.redis_streams import tls_args
 from services.infra.settings import CommonSettings
 
@@ -50,7 +50,7 @@ def handshake(files, server_name: str, ca_file) -> None:
     """One TLS handshake on loopback: a server with the certificate, a client trusting ca_file
     and expecting `server_name`; raises what the client's handshake raises."""
     settings = CommonSettings(tls_cert_file=files.cert, tls_key_file=files.key)
-    server_ctx = tls.server_context(settings)
+    server_ctx = tls_reload.server_context(settings)
     assert server_ctx is not None
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -98,7 +98,7 @@ def test_no_tls_setting_keeps_everything_plain():
     settings = CommonSettings()
     assert not tls.enabled(settings)
     assert tls.scheme(settings) == "http"
-    assert tls.server_context(settings) is None
+    assert tls_reload.server_context(settings) is None
     assert tls.uvicorn_args(settings) == {}
     assert tls.client_verify(settings) is True
 
