@@ -1,16 +1,22 @@
 """`spotrl scale`: holds a preemptible rollout pool at the coordinator's `preemptible_wanted`.
 
-Every `interval_s` it reads the figure from the coordinator's REST API (the run given, or the
-live run), reads the replicas the engine holds, asks `core.scaler.decide` what to hold, and sets
-it on the engine (`scale_targets`: a Kubernetes Deployment, a Swarm service, a Compose service),
-unless `dry_run`. One log line and one metric per decision. It runs until SIGTERM or SIGINT, or
-for one decision with `once`. It is for engines without their own autoscaler: where KEDA runs,
-the Helm chart scales on the coordinator's gauge instead.
+Every `interval_s` it reads the figure from the coordinator's REST API (GET /v1/fleet: the
+active runs and the pool they want; or the run given), reads the replicas the engine holds, asks
+`core.scaler.decide` what to hold, and sets it on the engine (`scale_targets`: a Kubernetes
+Deployment, a Swarm service, a Compose service), unless `dry_run`. One log line and one metric
+per decision. It runs until SIGTERM or SIGINT, or for one decision with `once`. It is for
+engines without their own autoscaler: where KEDA runs, the Helm chart scales on the
+coordinator's gauges instead.
+
+No run is a state, not an error: with no active run (or the run given has ended) the decision
+is the pool's minimum ("down: no run", after the down cooldown); a run without a figure yet holds
+(`when_unknown`).
 
 Exit codes: 0 done or interrupted; 1 the coordinator is unreachable or answers an error; 2 bad
-options (bounds); 3 no run to follow; 4 the deployment or service does not exist; 5 the engine
-refused or is unreachable. A failure on the first decision is fatal; later, a coordinator that
-cannot be read counts as no figure (the pool is held) and an engine error is fatal.
+options (bounds); 3 the run given does not exist; 4 the deployment or service does not exist;
+5 the engine refused or is unreachable. A failure on the first decision is fatal; later, a
+coordinator that cannot be read counts as no figure (the pool is held, never shrunk) and an
+engine error is fatal.
 
 What other code calls (the multi-host Swarm test): `follow(ScaleSettings(...), stop)` in a
 thread, `stop.set()` to end it; it returns the `Scaler`, whose `counts` and `history` say what
@@ -24,6 +30,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -43,34 +50,39 @@ EXIT_COORDINATOR, EXIT_USAGE, EXIT_NO_RUN, EXIT_MISSING, EXIT_ENGINE = 1, 2, 3, 
 
 
 class NoRun(RuntimeError):
-    """No run to follow: the run named does not exist, or no run is live."""
+    """The run named (`--run`) does not exist."""
 
 
-def live_run(runs: list[dict]) -> dict | None:
-    """The newest run that is running or stalled (None: none)."""
-    from services.contracts.runspec import LIVE_STATES
+@dataclass(frozen=True)
+class Figure:
+    """What one read of the coordinator says."""
 
-    live = [r for r in runs if r["state"] in LIVE_STATES]
-    return max(live, key=lambda r: r["created_at"]) if live else None
+    runs: str  # the runs it is of, for the log line ("-": none)
+    wanted: int | None  # the pool they want (None: no figure yet)
+    run_active: bool  # False: no run (none active, or the run followed has ended)
 
 
-def read_wanted(client: "CoordinatorClient", run_id: str | None) -> tuple[str, int | None]:
-    """The run followed and its `preemptible_wanted` (None: no figure yet)."""
+NOT_READ = Figure("-", None, True)  # a coordinator that could not be read: hold what runs
+
+
+def read_figure(client: "CoordinatorClient", run_id: str | None) -> Figure:
+    """The deployment's figure (GET /v1/fleet: every active run), or that of the run named."""
     from services.cli.client import CoordinatorError
+    from services.contracts.runspec import FINAL_STATES
 
+    path = "/v1/fleet" if run_id is None else f"/v1/runs/{run_id}"
+    resp = client.http.get(path)
+    if resp.status_code == 404 and run_id is not None:
+        raise NoRun(f"run {run_id} does not exist")
+    if resp.status_code != 200:
+        raise CoordinatorError(f"GET {path}: {resp.status_code} {resp.text}")
+    body = resp.json()
     if run_id is None:
-        run = live_run(client.runs())
-        if run is None:
-            raise NoRun("no live run on the coordinator (give --run ID to follow another)")
-    else:
-        resp = client.http.get(f"/v1/runs/{run_id}")
-        if resp.status_code == 404:
-            raise NoRun(f"run {run_id} does not exist")
-        if resp.status_code != 200:
-            raise CoordinatorError(f"GET /v1/runs/{run_id}: {resp.status_code} {resp.text}")
-        run = resp.json()
-    wanted = run.get("preemptible_wanted")
-    return run["id"], int(wanted) if wanted is not None else None
+        active = body["active_runs"]
+        return Figure(",".join(active) or "-", body["preemptible_wanted"] or None, bool(active))
+    wanted = body.get("preemptible_wanted")
+    ended = body["state"] in FINAL_STATES
+    return Figure(run_id, int(wanted) if wanted is not None else None, not ended)
 
 
 class Scaler:
@@ -97,29 +109,36 @@ class Scaler:
 
         return cls(settings, CoordinatorClient(settings.url, token), settings.build_target())
 
-    def _figure(self) -> tuple[str, int | None]:
+    def _figure(self) -> Figure:
         import httpx
 
         from services.cli.client import CoordinatorError
 
         try:
-            return read_wanted(self.client, self.settings.run_id)
+            return read_figure(self.client, self.settings.run_id)
         except (NoRun, CoordinatorError, httpx.HTTPError) as exc:
             if not self.history:
                 raise
             log.warning("no figure this time: %s", exc)
-            return "-", None
+            return NOT_READ
 
     def tick(self) -> ScaleDecision:
         """One decision, carried out unless dry_run."""
         from services.cli.scale_metrics import record
 
         began = self.clock()
-        run_id, wanted = self._figure()
+        figure = self._figure()
         engine_at = self.clock()
         read_s = engine_at - began
         current = self.target.replicas()
-        decision = decide(self.policy, wanted, current, self.last_change_s, self.clock())
+        decision = decide(
+            self.policy,
+            figure.wanted,
+            current,
+            self.last_change_s,
+            self.clock(),
+            figure.run_active,
+        )
         if decision.changes and not self.settings.dry_run:
             self.target.set_replicas(decision.target)
             self.last_change_s = self.clock()
@@ -131,8 +150,8 @@ class Scaler:
             "scale %s run=%s wanted=%s current=%d target=%d reason=%r%s%s read_ms=%.0f "
             "engine_ms=%.0f",
             self.target.description,
-            run_id,
-            wanted,
+            figure.runs,
+            figure.wanted,
             decision.current,
             decision.target,
             decision.reason,

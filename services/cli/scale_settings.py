@@ -16,9 +16,13 @@ class ScaleSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(description="Coordinator base URL.")
-    run_id: str | None = Field(None, description="Run to follow; None: the newest live run.")
+    run_id: str | None = Field(
+        None, description="Run to follow; None: every active run (the coordinator's /v1/fleet)."
+    )
     target: Literal["k8s", "swarm", "compose"] = Field(description="Engine running the pool.")
-    min_replicas: int = Field(0, ge=0, le=MAX_REPLICAS, description="Fewest replicas held.")
+    min_replicas: int = Field(
+        0, ge=0, le=MAX_REPLICAS, description="Fewest replicas held; what is held with no run."
+    )
     max_replicas: int = Field(ge=0, le=MAX_REPLICAS, description="Most replicas held.")
     interval_s: float = Field(15.0, gt=0, le=3600, description="Seconds between decisions.")
     up_cooldown_s: float = Field(

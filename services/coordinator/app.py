@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.coordinator import dashboard, routes_runs, routes_workers
+from services.coordinator import dashboard, routes_fleet, routes_runs, routes_workers
 from services.coordinator.data_plane_process import DataPlaneProcess
 from services.coordinator.read_model import ReadModel
 from services.coordinator.runs import RunStore
@@ -111,5 +111,6 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
         app.add_exception_handler(error, redis_down)
     app.include_router(routes_runs.build_router(store, model, auth, settings))
     app.include_router(routes_workers.build_router(r, model, auth, settings.worker_redis_users))
+    app.include_router(routes_fleet.build_router(model, auth))
     dashboard.add_dashboard(app)
     return app

@@ -33,6 +33,7 @@ from services.coordinator.read_views import (
     Entries,
     RunDocs,
     RunInputs,
+    fleet_doc,
     run_docs,
     run_list,
     settled,
@@ -56,6 +57,7 @@ class ReadModel:
         self.runs: dict[str, RunDocs] = {}
         self.order: list[str] = []  # run ids, newest first
         self.workers: dict[bool | None, Doc] = worker_docs([])
+        self.fleet: Doc = fleet_doc([])  # the active runs and the pool they want
         self.timelines: dict[str, tuple[Entries, Entries]] = {}
         self.refreshed_at: float | None = None  # clock of the last refresh, if it succeeded
         self.stale_after_s = max(2.0, 8 * refresh_s)
@@ -108,6 +110,7 @@ class ReadModel:
         self.order = [i for i in ids if i in self.runs]
         for gone in set(self.runs) - set(self.order):
             del self.runs[gone]
+        self.fleet = fleet_doc([self.runs[i].inputs.record for i in self.order])
         self.refreshed_at = time.monotonic()
 
     @property

@@ -1,5 +1,8 @@
 """The run scheduler of the data plane: it makes the oldest queued run active (or resumes the
-active one) and drives its rollout manager until the run ends, one run at a time."""
+active one) and drives its rollout manager until the run ends, one run at a time. Whenever the
+run it drives changes (at start, when a run becomes active, when one ended) it sets the fleet's
+gauges from the run records (`step_record.publish_fleet`): a restarted coordinator restores
+them, an ended run clears them."""
 
 import asyncio
 import logging
@@ -14,21 +17,27 @@ from services.coordinator.rollout_manager import RunManager
 from services.coordinator.run_end import ended_as, failure_text, settle
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.step_record import publish_fleet
 from services.infra.redis_streams import with_reconnect
 from services.infra.retry import brief
 from services.state.run_state import RunStopped
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
+NOT_SHOWN = object()  # the fleet's gauges are not set yet
 
 
 async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
     """Forever: activate the oldest queued run (or resume the active one) and drive it."""
+    shown: object = NOT_SHOWN  # the run the gauges were last set for (a run id or None)
     while True:
         run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
             store.activate_next, "activate run"
         )
         QUEUED.set(await with_reconnect(lambda: store.r.llen(keys.RUN_QUEUE), "run queue"))
+        if run_id != shown:
+            await with_reconnect(lambda: publish_fleet(store.r), "fleet gauges")
+            shown = run_id
         if run_id is None:
             await asyncio.sleep(settings.scheduler_poll_s)
             continue

@@ -1,7 +1,13 @@
-"""The scaler's decision: how many preemptible rollout replicas to hold, given the coordinator's
-`preemptible_wanted`, the replicas running now, bounds and cooldowns. Pure: no clock of its own,
-no engine, no HTTP; `services.cli.scale` is the shell that reads the figure, calls `decide` and
-applies the target to Kubernetes, Swarm or Compose.
+"""The scaler's decision: how many preemptible rollout replicas to hold, given whether a run is
+active, the coordinator's `preemptible_wanted`, the replicas running now, bounds and cooldowns;
+and the deployment's figures a scaler reads (`fleet_figures`: the active runs and the pool they
+want). Pure: no clock of its own, no engine, no HTTP; `services.cli.scale` is the shell that
+reads the figure, calls `decide` and applies the target to Kubernetes, Swarm or Compose, and
+`coordinator.step_record` publishes the fleet's figures as gauges.
+
+No run at all is not "no figure": with no active run (the coordinator's `runs_active` is 0, or
+the run followed has ended) the pool goes to its lower bound (`min_replicas`, reason "down: no
+run"), since nothing would use it; a run that has no figure yet holds as below.
 
 What `preemptible_wanted` means (`core.seeding.PoolSizer`, `coordinator.step_record`): N_prem
 with headroom, at least 1, once a step is trained; null before (the run's status says "hold what
@@ -17,6 +23,7 @@ instances whose 90 s boot was already paid, so it is usually the longer one). Bo
 before the cooldown: a count outside them is brought inside, still after its cooldown.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +36,19 @@ HOLD_COOLDOWN = "hold: cooldown"
 HOLD_AT_MAX = "hold: at max"  # more are wanted than the upper bound allows
 HOLD_AT_MIN = "hold: at min"  # fewer are wanted than the lower bound allows
 HOLD_NO_FIGURE = "hold: no figure"  # no figure yet (null or 0): keep what runs
-REASONS = (UP, DOWN, HOLD_STEADY, HOLD_COOLDOWN, HOLD_AT_MAX, HOLD_AT_MIN, HOLD_NO_FIGURE)
+DOWN_NO_RUN = "down: no run"  # no run is active: down to the lower bound
+HOLD_NO_RUN = "hold: no run"  # no run is active and the pool is at its lower bound
+REASONS = (
+    UP,
+    DOWN,
+    HOLD_STEADY,
+    HOLD_COOLDOWN,
+    HOLD_AT_MAX,
+    HOLD_AT_MIN,
+    HOLD_NO_FIGURE,
+    DOWN_NO_RUN,
+    HOLD_NO_RUN,
+)
 
 MAX_REPLICAS = 10_000  # an upper bound past any real pool: a typo's bound, not a policy
 
@@ -82,19 +101,43 @@ def known_figure(wanted: int | None) -> int | None:
     return wanted
 
 
+@dataclass(frozen=True)
+class FleetFigures:
+    """What a deployment's scaler reads from its coordinator (the gauges
+    `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`, and
+    GET /v1/fleet)."""
+
+    runs_active: int  # runs running or stalled (0: none, the pool goes to its minimum)
+    preemptible_wanted: int  # the pool they want (0: no figure, or no run)
+
+
+def fleet_figures(wanted_by_run: Sequence[int | None]) -> FleetFigures:
+    """The figures of the active runs, given each one's `preemptible_wanted` (None: none yet).
+    The pool wanted is their sum; 0 with no run, and while any active run has no figure yet: the
+    scaler holds what runs until every run has said what it wants."""
+    figures = [known_figure(w) for w in wanted_by_run]
+    known = [f for f in figures if f is not None]
+    wanted = sum(known) if len(known) == len(figures) else 0
+    return FleetFigures(runs_active=len(figures), preemptible_wanted=wanted)
+
+
 def decide(
     policy: ScalePolicy,
     wanted: int | None,
     current: int,
     last_change_s: float | None,
     now_s: float,
+    run_active: bool = True,
 ) -> ScaleDecision:
     """The replicas to hold now. `last_change_s` is when this scaler last changed the count
-    (None: never), on the same clock as `now_s`."""
+    (None: never), on the same clock as `now_s`. `run_active` False: no run is active, and the
+    pool goes to its lower bound whatever `wanted` says."""
     if current < 0:
         raise ValueError(f"current replicas {current} < 0")
-    figure = known_figure(wanted)
-    if figure is None:
+    figure = known_figure(wanted) if run_active else None
+    if not run_active:
+        desired = policy.min_replicas
+    elif figure is None:
         desired = policy.max_replicas if policy.when_unknown == "max" else current
     else:
         desired = figure
@@ -104,6 +147,8 @@ def decide(
         return ScaleDecision(wanted, current, current, reason, left_s)
 
     if target == current:
+        if not run_active:
+            return hold(HOLD_NO_RUN)
         if figure is None and policy.when_unknown == "hold":
             return hold(HOLD_NO_FIGURE)
         if desired > policy.max_replicas:
@@ -114,4 +159,6 @@ def decide(
     cooldown_s = policy.up_cooldown_s if target > current else policy.down_cooldown_s
     if last_change_s is not None and now_s - last_change_s < cooldown_s:
         return hold(HOLD_COOLDOWN, cooldown_s - (now_s - last_change_s))
-    return ScaleDecision(wanted, current, target, UP if target > current else DOWN)
+    if target > current:
+        return ScaleDecision(wanted, current, target, UP)
+    return ScaleDecision(wanted, current, target, DOWN if run_active else DOWN_NO_RUN)

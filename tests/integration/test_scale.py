@@ -194,7 +194,7 @@ def test_clear_errors_with_their_exit_codes(live, kube):
     cases = [  # args, token, exit code, the one line
         (["--min", "3", "--max", "2"], TOKEN, 2, "spotrl scale: --min 3 > --max 2"),
         (["--max", "2", "--run", "nope"], TOKEN, 3, "spotrl scale: run nope does not exist"),
-        (["--max", "2"], None, 1, "spotrl scale: coordinator: GET /v1/runs: 401"),
+        (["--max", "2"], None, 1, "spotrl scale: coordinator: GET /v1/fleet: 401"),
     ]
     for args, token, code, first in cases:
         out = scale_cli(dep, *k8s_args(kubeconfig, "--once", *args), token=token)

@@ -1,13 +1,15 @@
-"""The scaler's pure decision (`core.scaler.decide`), table-driven; the command lines `spotrl
-scale` gives Swarm and Compose; its settings' validation; how it picks the run to follow."""
+"""The scaler's pure decision (`core.scaler.decide`), table-driven, with no run and with runs; the
+deployment's figures from its active runs (`core.scaler.fleet_figures`); the command lines
+`spotrl scale` gives Swarm and Compose; its settings' validation."""
 
 import subprocess
 import sys
+from itertools import product
 
 import pytest
 from pydantic import ValidationError
 
-from services.cli.scale import live_run, one_line
+from services.cli.scale import one_line
 from services.cli.scale_settings import ScaleSettings
 from services.cli.scale_targets import (
     ComposeService,
@@ -23,15 +25,19 @@ from services.cli.scale_targets import (
 )
 from services.core.scaler import (
     DOWN,
+    DOWN_NO_RUN,
     HOLD_AT_MAX,
     HOLD_AT_MIN,
     HOLD_COOLDOWN,
     HOLD_NO_FIGURE,
+    HOLD_NO_RUN,
     HOLD_STEADY,
     UP,
     BoundsError,
+    FleetFigures,
     ScalePolicy,
     decide,
+    fleet_figures,
 )
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, up_cooldown_s=30, down_cooldown_s=120)
@@ -87,14 +93,61 @@ def test_cooldown_says_how_long_is_left():
 
 
 def test_a_hold_never_moves_the_count():
-    for wanted in (None, 0, 1, 3, 8, 50):
-        for current in range(0, 12):
-            for last in (None, 999.0):
-                d = decide(POLICY, wanted, current, last, 1000.0)
-                if d.reason.startswith("hold"):
-                    assert d.target == current, d
-                else:
-                    assert POLICY.min_replicas <= d.target <= POLICY.max_replicas, d
+    grid = product((None, 0, 1, 3, 8, 50), range(0, 12), (None, 999.0), (True, False))
+    for wanted, current, last, active in grid:
+        d = decide(POLICY, wanted, current, last, 1000.0, active)
+        if d.reason.startswith("hold"):
+            assert d.target == current, d
+        else:
+            assert POLICY.min_replicas <= d.target <= POLICY.max_replicas, d
+
+
+# no run active: the lower bound, whatever the figure, after the cooldown of the way it goes;
+# policy, wanted, current, last change, now -> target, reason
+NO_RUN_CASES = [
+    ("down to min", POLICY, None, 6, None, 1000.0, 1, DOWN_NO_RUN),
+    ("a stale figure is ignored", POLICY, 7, 6, None, 1000.0, 1, DOWN_NO_RUN),
+    ("min 0: pool off", ScalePolicy(0, 8), 3, 5, None, 1000.0, 0, DOWN_NO_RUN),
+    ("at min", POLICY, None, 1, None, 1000.0, 1, HOLD_NO_RUN),
+    ("at min 0", ScalePolicy(0, 8), None, 0, 999.0, 1000.0, 0, HOLD_NO_RUN),
+    ("below min: up to min", ScalePolicy(2, 8), None, 0, None, 1000.0, 2, UP),
+    ("down in cooldown", POLICY, None, 6, 950.0, 1000.0, 6, HOLD_COOLDOWN),
+    ("down after cooldown", POLICY, None, 6, 880.0, 1000.0, 1, DOWN_NO_RUN),
+    ("when_unknown max changes nothing", MAX_WHEN_UNKNOWN, None, 6, None, 1000.0, 1, DOWN_NO_RUN),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "wanted", "current", "last_change", "now", "target", "reason"),
+    [c[1:] for c in NO_RUN_CASES],
+    ids=[c[0] for c in NO_RUN_CASES],
+)
+def test_with_no_run_the_pool_goes_to_its_minimum(
+    policy, wanted, current, last_change, now, target, reason
+):
+    decision = decide(policy, wanted, current, last_change, now, run_active=False)
+    assert (decision.target, decision.reason) == (target, reason)
+    assert decision.changes == (target != current)
+
+
+def test_a_run_without_a_figure_holds_where_no_run_goes_to_the_minimum():
+    assert decide(POLICY, 0, 6, None, 1000.0).reason == HOLD_NO_FIGURE
+    assert decide(POLICY, 0, 6, None, 1000.0, run_active=False).target == 1
+
+
+@pytest.mark.parametrize(
+    ("wanted_by_run", "runs_active", "wanted"),
+    [
+        ([], 0, 0),  # no run: 0 and 0
+        ([None], 1, 0),  # a run without a figure yet
+        ([0], 1, 0),  # the same, as the gauge writes it
+        ([4], 1, 4),
+        ([4, 3], 2, 7),  # several runs add up
+        ([4, None], 2, 0),  # one without a figure: hold until each has one
+    ],
+)
+def test_the_fleets_figures_from_its_active_runs(wanted_by_run, runs_active, wanted):
+    assert fleet_figures(wanted_by_run) == FleetFigures(runs_active, wanted)
 
 
 @pytest.mark.parametrize(
@@ -124,17 +177,6 @@ def test_settings_refuse_bad_bounds_and_a_missing_name_in_one_line():
     assert one_line(exc.value).startswith("interval_s: ")
     ok = ScaleSettings(**base, max_replicas=2)
     assert ok.policy() == ScalePolicy(0, 2, 60.0, 300.0, "hold")
-
-
-def test_the_live_run_is_the_newest_running_or_stalled_one():
-    runs = [
-        {"id": "a", "state": "succeeded", "created_at": 5.0},
-        {"id": "b", "state": "running", "created_at": 1.0},
-        {"id": "c", "state": "stalled", "created_at": 2.0},
-        {"id": "d", "state": "queued", "created_at": 9.0},
-    ]
-    assert live_run(runs)["id"] == "c"
-    assert live_run(runs[:1] + runs[3:]) is None
 
 
 def test_swarm_command_lines():
