@@ -95,7 +95,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _brief(run: dict) -> dict:
     keep = ("id", "state", "step", "steps", "reward_mean", "tokens_per_s", "t_seed_s", "error")
-    return {k: run[k] for k in keep}
+    health = ("health", "health_reason", "max_turns")  # failed calls of user code; episodes
+    return {k: run[k] for k in keep} | {k: run.get(k) for k in health}
 
 
 def cmd_workers(args: argparse.Namespace) -> int:

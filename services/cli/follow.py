@@ -33,7 +33,21 @@ def progress_info(run: dict, alive_workers: int, note: str = "") -> str:
         f"{state}  reward {_num(run['reward_mean'], 3)}  "
         f"tok/s {_num(run['tokens_per_s'], 0)}  workers {alive_workers}"
     )
+    failing = error_note(run)
+    text = f"{text}  {failing}" if failing else text
     return f"{text}  {note}" if note else text
+
+
+def error_note(run: dict) -> str:
+    """The run's failed calls of user code, by kind, with their share ("" when none failed):
+    `env errors 12/96 (12.5%)  reward errors 3/48 (6.2%)`."""
+    short = {"environment": "env", "reward": "reward"}
+    parts = [
+        f"{short.get(kind, kind)} errors {c['failed']}/{c['calls']} ({100 * c['share']:.1f}%)"
+        for kind, c in (run.get("errors") or {}).items()
+        if c.get("failed")
+    ]
+    return "  ".join(parts)
 
 
 def state_change_line(before: dict | None, run: dict) -> str | None:

@@ -23,23 +23,39 @@ def migration_totals(rows: list[dict]) -> dict[str, int]:
     return totals
 
 
+def rounded(value: float | None, digits: int) -> float | None:
+    """A figure as the summary prints it: `digits` decimals (never 0.3976562500000006)."""
+    return None if value is None else round(value, digits)
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
+    """The figures of a run: rewards to 4 decimals, seconds to 2, rates to 1; `health` and
+    `errors` say how the run's user code (environment, reward) failed (`core.call_errors`)."""
     rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
     step_s = [row["step_s"] for row in rows if "step_s" in row]
     return {
         "run_id": run["id"],
         "state": run["state"],
+        "health": run.get("health", "ok"),
         "steps": run["step"],
-        "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
+        "reward_first": rounded(rewards[0] if rewards else None, 4),
+        "reward_last": rounded(rewards[-1] if rewards else None, 4),
         "groups_incomplete": run["groups_incomplete"],
         "reward_errors": sum(row.get("reward_errors") or 0 for row in rows),
-        "tokens_per_s_mean": sum(tps) / len(tps) if tps else None,  # rollout windows only
-        "step_s_mean": sum(step_s) / len(step_s) if step_s else None,  # whole steps
+        "errors": run.get("errors") or {},
+        "tokens_per_s_mean": rounded(mean(tps), 1),  # rollout windows only
+        "step_s_mean": rounded(mean(step_s), 2),  # whole steps
         "migrations": migration_totals(rows),
-        "t_seed_s_last": next((r["t_seed_s"] for r in reversed(rows) if "t_seed_s" in r), None),
-        "n_prem_recommended": run.get("n_prem_recommended"),
+        "t_seed_s_last": rounded(
+            next((r["t_seed_s"] for r in reversed(rows) if r.get("t_seed_s") is not None), None),
+            2,
+        ),
+        "n_prem_recommended": rounded(run.get("n_prem_recommended"), 2),
         "preemptible_wanted": run.get("preemptible_wanted"),
         "wall_s": round(wall_s, 1),
     }
@@ -77,6 +93,9 @@ def finished_summary(
     if run["state"] != "succeeded":
         message = f"run {run['id']} {run['state']}: {run['error']}"
         console.print(message, style="bold red", markup=False, soft_wrap=True)
+    elif run.get("health") == "degraded":
+        message = f"run {run['id']} succeeded, degraded: {run.get('health_reason', '')}"
+        console.print(message, style="bold yellow", markup=False, soft_wrap=True)
     rows = client.metrics(run["id"])
     (run_dir / "metrics.json").write_text(json.dumps(rows, indent=1))
     summary = summarize(run, rows, time.monotonic() - started)

@@ -15,7 +15,6 @@ import contextlib
 import gc
 import logging
 import time
-from collections import Counter as Tally
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +31,9 @@ from services.coordinator.migration import count_migrations, fence
 from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunStore
+from services.coordinator.step_record import ShardSummary
 from services.coordinator.step_store import StepStore
+from services.coordinator.user_failures import FailureLog
 from services.coordinator.worker_keys import WorkerKeys
 from services.core.collect import CollectOutcome
 from services.core.episodes import EpisodeStats, EpisodeTable
@@ -102,12 +103,21 @@ class LiveStep:
     store: StepStore
     examples: list[Example]
     reward_errors: int = 0  # reward calls that scored 0
+    reward_calls: int = 0  # reward calls made
+    first_errors: dict[str, str] = field(default_factory=dict)  # by kind (`core.call_errors`):
+    # the step's first failure of the user's code on this shard, in short form
     episode_stats: EpisodeStats = field(default_factory=EpisodeStats)  # multi-turn runs
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set after each apply
 
     @property
     def table(self) -> RequestTable:
         return self.control.table
+
+    def summary(self) -> ShardSummary:
+        """This shard's part of the step's metrics row, once its groups are published."""
+        return ShardSummary.of(
+            self.table, self.reward_errors, self.episode_stats, self.reward_calls, self.first_errors
+        )
 
 
 class DeltaCollector:
@@ -138,6 +148,7 @@ class DeltaCollector:
             r, keys.deltas_stream(run_id, shard), keys.COORDINATOR_GROUP, "coordinator", DeltaBatch
         )
         self.oom_stalled = False  # marked stalled because Redis refused a batch for memory
+        self.failures = FailureLog(r, run_id)
 
     async def start(self) -> None:
         """Create the deltas stream's consumer group if missing."""
@@ -165,19 +176,13 @@ class DeltaCollector:
             for rid, t in zip(rids, texts, strict=True)
         ]
         outcomes = await self.rewards.score(calls)
+        live.reward_calls += len(outcomes)
         failed = [o for o in outcomes if o.error]
-        if failed:
+        if failed:  # counted in the step's row and log line; the first told with its traceback
             live.reward_errors += len(failed)
-            kinds = Tally(o.error for o in failed)
-            log.warning(
-                "run %s step %d: %d of %d rewards scored 0 (%s; first: %s)",
-                self.run_id,
-                table.step,
-                len(failed),
-                len(outcomes),
-                ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())),
-                failed[0].detail,
-            )
+            first = failed[0]
+            short = f"{first.error}: {first.detail}" + (f" (at {first.at})" if first.at else "")
+            await self.failures.tell(live.first_errors, table.step, "reward", short, first.trace)
         return {rid: o.value for rid, o in zip(rids, outcomes, strict=True)}
 
     async def collect(self, live: dict[int, LiveStep], block_ms: int) -> None:
@@ -247,9 +252,13 @@ class DeltaCollector:
         table = into.table
         if not outcome.turn_ended or self.episodes is None or not isinstance(table, EpisodeTable):
             return
-        jobs, over = await self.episodes.answer(
+        jobs, over, failed = await self.episodes.answer(
             table, into.examples, outcome.turn_ended, into.episode_stats
         )
+        if failed:
+            await self.failures.tell(
+                into.first_errors, table.step, "environment", failed[0].short, failed[0].trace
+            )
         outcome.next_turns.extend(jobs)
         outcome.finished.extend(over)
 

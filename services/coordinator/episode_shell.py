@@ -7,8 +7,11 @@ gives the next turn's continuation job or finishes the episode.
 Environments are functions of the row and the history: the turns and what the environment said
 so far are read back from the table (`EpisodeTable.turns`, `Episode.said`), so a turn that ends
 after a coordinator restart, or on another shard process, is answered the same way. A call that
-fails ends its episode with the rewards so far (counted, as reward errors are); it never stops
-the run.
+fails ends its episode with the rewards so far (counted, as reward errors are, and handed back to
+be told); whether the failures stop the run is `core.call_errors`' to say, never this shell's.
+
+An episode takes at most `max_turns` model turns: the spec's `episode.max_turns` when set, else
+the environment's own (`protocol.effective_max_turns`), said once in the log.
 """
 
 import asyncio
@@ -23,7 +26,7 @@ from services.contracts.runspec import RunSpec
 from services.coordinator.settings import EnvironmentLimits
 from services.core.episodes import EpisodeStats, EpisodeTable, Observation
 from services.environments.choice import EnvironmentChoice
-from services.environments.protocol import Feedback, Turn
+from services.environments.protocol import Feedback, Turn, effective_max_turns
 from services.environments.runner import EnvRunner, StepResult
 from services.environments.tool_calls import parse_turn
 from services.tasks.base import Example
@@ -66,8 +69,8 @@ class EpisodeShell:
         self.runner, self.prompts, self.tokenizer = runner, prompts, tokenizer
         self.stop_ids = set(stop_ids)
         self.tool_format = spec.episode.tool_format
-        # the run's limit, within what the environment itself allows
-        self.max_turns = min(spec.episode.max_turns, max(1, runner.max_turns))
+        self.max_turns, why = effective_max_turns(spec.episode.max_turns, runner.max_turns)
+        log.info("episodes take at most %d model turns: %s", self.max_turns, why)
 
     async def openings(self, examples: list[Example]) -> list[str]:
         """Each episode's first message (an opening that fails falls back to the row's prompt,
@@ -77,12 +80,12 @@ class EpisodeShell:
 
     async def answer(
         self, table: EpisodeTable, examples: list[Example], rids: list[str], stats: EpisodeStats
-    ) -> tuple[list[Job], list[str]]:
+    ) -> tuple[list[Job], list[str], list[StepResult]]:
         """The environment's answers to the turns of `rids` that ended, observed in `table`:
-        the next turns' jobs, and the episodes now over."""
+        the next turns' jobs, the episodes now over, and the calls that failed."""
         asked = [rid for rid in rids if table.requests[rid].awaiting is not None]
         if not asked:
-            return [], []
+            return [], [], []
         histories = await asyncio.to_thread(self._histories, table, asked)
         started = time.monotonic()
         results = await asyncio.gather(
@@ -103,7 +106,7 @@ class EpisodeShell:
                 over.append(rid)
                 stats.episodes += 1
                 EPISODES.inc()
-        return jobs, over
+        return jobs, over, [result for result in results if result.error]
 
     def _histories(
         self, table: EpisodeTable, rids: list[str]

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 from services.contracts.messages import Heartbeat
 from services.contracts.records import RunRecord, WorkerRecord
-from services.contracts.runspec import FINAL_STATES, RunSpec
-from services.coordinator.schemas import RunPublic, WorkerPublic
+from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec
+from services.coordinator.schemas import FleetPublic, RunPublic, WorkerPublic
+from services.core.call_errors import run_health
+from services.core.scaler import fleet_figures
 from services.infra.read_limit import etag_of
-from services.state.step_metrics import StepRow, row_dict
+from services.state.step_metrics import StepRow, call_counts, row_dict
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
     run, rows = inputs.record, inputs.rows
     last = next((row for row in reversed(rows) if row.reward_mean is not None), StepRow())
     n_prem = run.n_prem_recommended
+    verdict, errors = run_health([call_counts(row) for row in rows], spec.faults.max_error_share)
     return RunPublic(
         id=run_id,
         state=run.state or "queued",
@@ -65,6 +68,10 @@ def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
         stalled_since=run.stalled_since,
         groups_quarantined=run.groups_quarantined,
         reward_errors=sum(row.reward_errors or 0 for row in rows),
+        health=verdict.health,
+        health_reason=verdict.reason,
+        errors=errors,
+        max_turns=next((row.max_turns for row in reversed(rows) if row.max_turns), None),
     )
 
 
@@ -106,6 +113,19 @@ def run_docs(run_id: str, inputs: RunInputs, spec: RunSpec, now: float) -> RunDo
 def run_list(docs: list[RunDocs]) -> Doc:
     """GET /v1/runs: the runs' public records, newest first."""
     return Doc.of(b"[" + b",".join(d.public.body for d in docs) + b"]")
+
+
+def fleet_doc(records: list[RunRecord]) -> Doc:
+    """GET /v1/fleet from the records of the runs held (newest first): the live ones and the
+    pool they want (`core.scaler.fleet_figures`)."""
+    live = [record for record in records if record.state in LIVE_STATES]
+    figures = fleet_figures([record.preemptible_wanted for record in live])
+    fleet = FleetPublic(
+        runs_active=figures.runs_active,
+        preemptible_wanted=figures.preemptible_wanted,
+        active_runs=[record.id for record in live],
+    )
+    return Doc.of(fleet.model_dump_json().encode())
 
 
 def worker_list(

@@ -1,6 +1,6 @@
 """Request and response bodies of the coordinator's REST API (one schema per use)."""
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -48,6 +48,38 @@ class RunPublic(BaseModel):
         description="Reward calls of the run that raised, hung or returned no finite number "
         "(each scored 0).",
     )
+    health: Literal["ok", "degraded", "failed"] = Field(
+        "ok",
+        description="What the failures of the run's user code (environment step() calls, "
+        "reward calls) say: failed when one step's share of one kind was over "
+        "faults.max_error_share (the run then fails), degraded when some failed, else ok.",
+    )
+    health_reason: str = Field("", description="What failed, how often, and the first error.")
+    errors: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="By kind (environment, reward): calls, failed, share (failed per call) "
+        "over the run, and the first failure in short form (error line and where in the "
+        "user's code; its traceback is in the run's log).",
+    )
+    max_turns: int | None = Field(
+        None,
+        description="The most model turns of an episode (multi-turn runs): the spec's "
+        "episode.max_turns when set, else the environment's own.",
+    )
+
+
+class FleetPublic(BaseModel):
+    """GET /v1/fleet: what a scaler of the whole deployment reads (the same figures as the
+    gauges `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`)."""
+
+    runs_active: int = Field(
+        description="Runs running or stalled (0: none; a scaler holds the pool's minimum)."
+    )
+    preemptible_wanted: int = Field(
+        description="Preemptible workers the active runs want, added up (0: no run, or a run "
+        "without a figure yet: hold what runs)."
+    )
+    active_runs: list[str] = Field(description="The active runs' ids, newest first.")
 
 
 class WorkerCreate(BaseModel):

@@ -11,7 +11,6 @@ import time
 
 from services.coordinator.open_step import OpenStep, StepDone
 from services.coordinator.shard_group import ShardView
-from services.coordinator.step_record import ShardSummary
 from services.coordinator.step_shard import JOBS_TTL_S, StepShard
 
 
@@ -25,7 +24,7 @@ class StepFollower(StepShard):
             await others.report_unfinished(self.shard, table.unfinished_count)
         # complete: its last deltas are applied and stored; later ones of it are dropped
         self.live.pop(table.step, None)
-        summary = ShardSummary.of(table, step.live.reward_errors, step.live.episode_stats)
+        summary = step.live.summary()
         await store.expire_soon(JOBS_TTL_S)
         await others.report_done(self.shard, summary)
         return StepDone(table.step, step.times(time.monotonic()), tuple(store.scratch_keys()))

@@ -2,7 +2,8 @@
 every step (`step_shard.py`), it does what is the whole step's: the seeding window and the
 balancing (`scheduling.StepScheduler`, given every shard's unfinished requests), the fair-reads
 cap queued with the jobs, reclaiming dead workers' jobs (`migration.py`), the stall watch
-(`stall_watch.py`), the step's metrics row once every shard's groups are published and the
+(`stall_watch.py`), the step's metrics row once every shard's groups are published (then the
+verdict on the step's failed calls of user code, `core.call_errors`: too many fail the run) and the
 T_seed and N_prem update once the trainer committed (`step_record.py`). With several shards it
 runs the others as child processes (`shard_group.ShardProcesses`).
 
@@ -20,6 +21,7 @@ from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.open_step import OpenStep, StepDone
+from services.coordinator.runs import RunFailed
 from services.coordinator.scheduling import CAP_TTL_S, StepScheduler, heartbeats
 from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardProcesses, ShardView
@@ -27,6 +29,7 @@ from services.coordinator.stall_watch import StallWatch
 from services.coordinator.step_record import ShardSummary, adapt, record_rollout
 from services.coordinator.step_shard import JOBS_TTL_S, StepShard
 from services.core.balancer import read_cap
+from services.core.call_errors import judge
 from services.core.request_table import RequestTable
 from services.core.seeding import PoolSizer, SeedingController
 from services.core.step_controller import serving
@@ -120,7 +123,7 @@ class StepLeader(StepShard):
         # complete: its last deltas are applied and stored; later ones of it are dropped
         self.live.pop(table.step, None)
         self.scheds.pop(table.step, None)
-        summary = ShardSummary.of(table, step.live.reward_errors, step.live.episode_stats)
+        summary = step.live.summary()
         await store.expire_soon(JOBS_TTL_S)
         await sched.finish()
         await self.stall.resume(table.step)
@@ -129,6 +132,12 @@ class StepLeader(StepShard):
         await record_rollout(
             self.r, self.run_id, table.step, table.version, total, times, step.window, step.pools
         )
+        # the whole step's failures of user code, every shard's: too many fail the run
+        verdict = judge(
+            total.call_counts(), self.spec.faults.max_error_share, f"in step {table.step}"
+        )
+        if verdict.health == "failed":
+            raise RunFailed(verdict.reason)
         # kept until the next version is committed (a restart before then finds the step
         # complete); the TTL covers a coordinator that dies before it deletes them
         await self.r.expire(jobs, JOBS_TTL_S)

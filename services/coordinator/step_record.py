@@ -1,7 +1,10 @@
 """What a step leaves on record: once its rollout is over, its metrics row (rollout fields), the
 rollout gauges and a `rollout_done` event; once the trainer committed the next version, the
 seeding update (`core.seeding.after_step`: T_seed moved, N_prem worked out) in its row and in
-the run's hash.
+the run's hash. And the deployment's gauges a scaler reads (`publish_fleet`: the active runs and
+the pool they want), set from the run records whenever a step updates a figure and whenever the
+scheduler starts, activates or ends a run, so that a restarted coordinator restores them and a
+run's end clears them.
 
 It does not decide anything itself: the update comes from `core.seeding`, the figures from the
 step's request table and times.
@@ -16,9 +19,12 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
+from services.contracts.runspec import LIVE_STATES
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
-from services.core.episodes import EpisodeStats
+from services.core.call_errors import CallCount
+from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
+from services.core.scaler import FleetFigures, fleet_figures
 from services.core.seeding import (
     PoolSizer,
     SeedingController,
@@ -27,6 +33,7 @@ from services.core.seeding import (
     train_compute_s,
 )
 from services.state import run_record, timeline
+from services.state.run_state import active_run
 from services.state.step_metrics import StepRow, read_step, record_step
 
 log = logging.getLogger(__name__)
@@ -37,7 +44,11 @@ ROLLOUT_S = Histogram(
 )
 N_PREM = Gauge("spotrl_coordinator_n_prem_recommended", "Preemptible pool size worth having")
 WANTED = Gauge(
-    "spotrl_coordinator_preemptible_wanted", "Preemptible workers a scaler should hold (0: all)"
+    "spotrl_coordinator_preemptible_wanted",
+    "Preemptible workers the active runs want (0: no run, or no figure yet: see runs_active)",
+)
+RUNS_ACTIVE = Gauge(
+    "spotrl_coordinator_runs_active", "Runs active: running or stalled (0: none, pool to its min)"
 )
 REWARD = Gauge("spotrl_coordinator_reward_mean", "Mean reward of the newest rollout step")
 STEP_TOK_S = Gauge(
@@ -69,10 +80,18 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
     tool_errors: int = 0
     environment_errors: int = 0
     environment_s: float = 0.0
+    reward_calls: int = 0  # reward calls made (single-turn runs)
+    first_errors: dict[str, str] = {}  # the first failure of each kind (`core.call_errors`)
+    max_turns: int = 0  # the most model turns of an episode (multi-turn runs)
 
     @classmethod
     def of(
-        cls, table: RequestTable, reward_errors: int, episodes: EpisodeStats | None = None
+        cls,
+        table: RequestTable,
+        reward_errors: int,
+        episodes: EpisodeStats | None = None,
+        reward_calls: int = 0,
+        first_errors: dict[str, str] | None = None,
     ) -> "ShardSummary":
         trained = [
             r.reward
@@ -92,6 +111,9 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             reward_errors=reward_errors,
             observed_tokens=sum(n for r in table.requests.values() for _, n in r.observed),
             **(_episode_counts(episodes) if episodes is not None else {}),
+            reward_calls=reward_calls,
+            first_errors=dict(first_errors or {}),
+            max_turns=table.max_turns if isinstance(table, EpisodeTable) else 0,
         )
 
     @classmethod
@@ -112,11 +134,24 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             groups_quarantined=sum(p.groups_quarantined for p in parts),
             reward_errors=sum(p.reward_errors for p in parts),
             **{name: sum(getattr(p, name) for p in parts) for name in EPISODE_COUNTS},
+            reward_calls=sum(p.reward_calls for p in parts),
+            first_errors={k: v for p in reversed(parts) for k, v in p.first_errors.items()},
+            max_turns=max((p.max_turns for p in parts), default=0),
         )
 
     @property
     def mean_reward(self) -> float:
         return self.reward_sum / max(1, self.trained)
+
+    def call_counts(self) -> dict[str, CallCount]:
+        """The step's calls of user code and their failures, by kind (`core.call_errors`)."""
+        first = self.first_errors
+        return {
+            "environment": CallCount(
+                self.turns, self.environment_errors, first.get("environment", "")
+            ),
+            "reward": CallCount(self.reward_calls, self.reward_errors, first.get("reward", "")),
+        }
 
 
 EPISODE_COUNTS = (
@@ -150,6 +185,9 @@ def episode_fields(summary: ShardSummary) -> dict:
         "tool_calls": summary.tool_calls,
         "tool_errors": summary.tool_errors,
         "environment_errors": summary.environment_errors,
+        "environment_calls": summary.turns,
+        "environment_error_first": summary.first_errors.get("environment"),
+        "max_turns": summary.max_turns,
         "environment_s": summary.environment_s,
         "observed_tokens": summary.observed_tokens,
     }
@@ -187,6 +225,8 @@ def rollout_row(
         workers_preemptible=pools["preemptible"],
         groups_quarantined=summary.groups_quarantined,
         reward_errors=summary.reward_errors,
+        reward_calls=summary.reward_calls,
+        reward_error_first=summary.first_errors.get("reward"),
         redis_mem_mib=round(redis_mem_mib, 1),
         stream_lengths=lengths,
         **episode_fields(summary),
@@ -226,12 +266,17 @@ async def record_rollout(
         reward_errors=reward_errors,
     )
     log.info(
-        "step %d: rollout done in %.2fs, %d tokens, reward %.3f (%d reward errors)",
+        "step %d: rollout done in %.2fs, %d tokens, reward %.3f (%s)",
         step,
         rollout_s,
         tokens,
         mean_reward,
-        reward_errors,
+        ", ".join(
+            f"{c.failed} of {c.calls} {kind} calls failed"
+            for kind, c in summary.call_counts().items()
+            if c.calls or c.failed
+        )
+        or "no user code called",
     )
 
 
@@ -266,4 +311,17 @@ async def adapt(
     wanted = pool.after_step(update.n_prem_recommended)
     await run_record.set_seeding(r, run_id, update.t_seed_next_s, update.n_prem_recommended, wanted)
     N_PREM.set(n_prem or 0)
-    WANTED.set(wanted or 0)
+    await publish_fleet(r)
+
+
+async def publish_fleet(r: aioredis.Redis) -> FleetFigures:
+    """Set the gauges of the active runs and the pool they want from their records in Redis
+    (`core.scaler.fleet_figures`): 0 and 0 with no run."""
+    run_id = await active_run(r)
+    fields = ("state", "preemptible_wanted")
+    record = await run_record.read(r, run_id, *fields) if run_id is not None else None
+    live = [record] if record is not None and record.state in LIVE_STATES else []
+    figures = fleet_figures([run.preemptible_wanted for run in live])
+    RUNS_ACTIVE.set(figures.runs_active)
+    WANTED.set(figures.preemptible_wanted)
+    return figures

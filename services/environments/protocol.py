@@ -131,6 +131,18 @@ def check_environment(env: object) -> str | None:
     return None
 
 
+def effective_max_turns(asked: int | None, own: int) -> tuple[int, str]:
+    """The most model turns of a run's episodes, and why: the spec's `episode.max_turns` when
+    it is set (above or below the environment's own: the spec is the user's last word), else
+    the environment's own `max_turns`."""
+    own = max(1, own)
+    if asked is None:
+        return own, f"the environment's own max_turns ({own}); the spec sets none"
+    if asked == own:
+        return asked, f"the spec's episode.max_turns, the environment's own too ({own})"
+    return asked, f"the spec's episode.max_turns, over the environment's own ({own})"
+
+
 def episode_over(max_turns: int, turns: int, last: Feedback | None) -> bool:
     """Whether an episode of `turns` model turns, answered last by `last`, is over."""
     return turns >= max_turns or (last is not None and last.done)

@@ -76,6 +76,14 @@ class StepResult:
     feedback: Feedback
     error: str = ""  # one of protocol.ERROR_KINDS, or ""
     detail: str = ""
+    at: str = ""  # where in the environment's code (`wire.Reply.at`)
+    trace: str = ""  # what raised's traceback (`wire.Reply.trace`)
+
+    @property
+    def short(self) -> str:
+        """The failure in one line: its kind, what went wrong and where."""
+        where = f" (at {self.at})" if self.at else ""
+        return f"{self.error}: {self.detail}{where}" if self.error else ""
 
 
 @dataclass(frozen=True)
@@ -234,7 +242,7 @@ class EnvRunner:
             )
         reply = await self._call(StepCall(dict(row), list(turns), list(feedback)))
         if reply.error or reply.feedback is None:
-            return StepResult(FAILED, reply.error or CRASHED, reply.detail)
+            return StepResult(FAILED, reply.error or CRASHED, reply.detail, reply.at, reply.trace)
         return StepResult(reply.feedback)
 
     async def _call(self, message: Call) -> Reply:
@@ -245,9 +253,9 @@ class EnvRunner:
         finally:
             self._idle.put_nowait(process)
         CALL_SECONDS.observe(time.monotonic() - started)
-        if reply.error:
+        if reply.error:  # told once per step by its caller, the first with its traceback
             ERRORS[reply.error].inc()
-            log.warning("environment %s: %s (%s)", self.choice.name, reply.error, reply.detail)
+            log.debug("environment %s: %s (%s)", self.choice.name, reply.error, reply.detail)
         return reply
 
     async def _call_on(self, process: EnvProcess, message: Call) -> Reply:

@@ -46,6 +46,8 @@ Call = OpeningCall | StepCall
 class Reply(msgspec.Struct, frozen=True):
     error: str = ""  # protocol.ERROR_KINDS' raised or bad_feedback; empty when it worked
     detail: str = ""  # the exception's type and message, or what is wrong, cut short
+    at: str = ""  # where in the environment's code: `file.py:LINE in function` ("" unknown)
+    trace: str = ""  # the traceback of what raised (user_errors.trace_text); "" otherwise
     opening: str = ""  # an OpeningCall's answer
     feedback: Feedback | None = None  # a StepCall's answer
 

@@ -32,6 +32,7 @@ from services.environments.wire import (
     write_frame,
 )
 from services.infra.lifeline import die_with_parent
+from services.infra.user_errors import defined_at, trace_text, user_frame
 from services.tasks.base import TaskError
 from services.tasks.reward_choice import clip, describe
 
@@ -60,15 +61,18 @@ def load(request: LoadEnvironment) -> tuple[Loaded, Environment | None]:
 
 
 def answer(env: Environment, call: Call) -> Reply:
-    """One call of the environment; what raised or returned a bad value is said, not raised."""
+    """One call of the environment; what raised or returned a bad value is said, not raised,
+    with where in the environment's code (the method that returned it, the frame that
+    raised) and what raised's traceback."""
+    method = env.opening if isinstance(call, OpeningCall) else env.step
     try:
         if isinstance(call, OpeningCall):
             return Reply(opening=check_opening(env.opening(call.row)))
         return Reply(feedback=check_feedback(env.step(call.row, call.turns, call.feedback)))
     except BadFeedback as exc:
-        return Reply(error=BAD_FEEDBACK, detail=clip(str(exc)))
+        return Reply(error=BAD_FEEDBACK, detail=clip(str(exc)), at=defined_at(method))
     except Exception as exc:  # the environment's code may raise anything
-        return Reply(error=RAISED, detail=describe(exc))
+        return Reply(error=RAISED, detail=describe(exc), at=user_frame(exc), trace=trace_text(exc))
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from services.contracts import keys
+from services.core.call_errors import CallCount
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class StepRow(msgspec.Struct, kw_only=True):
     groups_quarantined: int | None = None  # groups dropped: a request crashed too many workers
     reward_errors: int | None = None  # responses whose reward raised, timed out or was not a
     # finite number: each scored 0
+    reward_calls: int | None = None  # reward calls made (the share's denominator)
+    reward_error_first: str | None = None  # the step's first reward failure: its error line
+    # and where in the reward's code (the traceback is in the run's log)
     redis_mem_mib: float | None = None  # Redis used memory at the end of the rollout, MiB
     # multi-turn runs (an environment): model turns per episode, tool calls and their errors,
     # environment calls that failed (the episode ended), environment time, observation tokens
@@ -61,6 +65,9 @@ class StepRow(msgspec.Struct, kw_only=True):
     tool_calls: int | None = None
     tool_errors: int | None = None
     environment_errors: int | None = None
+    environment_calls: int | None = None  # environment step() calls (the share's denominator)
+    environment_error_first: str | None = None  # the step's first environment failure, short
+    max_turns: int | None = None  # the most model turns an episode took (spec or environment)
     environment_s: float | None = None
     observed_tokens: int | None = None
     stream_lengths: dict[str, int] | None = None  # entries of the run's streams, by name
@@ -90,6 +97,20 @@ class StepRow(msgspec.Struct, kw_only=True):
     groups_incomplete: int | None = None  # groups that came with another number of responses
     trainer_resumed: bool | None = None  # the version was committed by a restarted trainer,
     # from its checkpoint (the row's other training fields are from before the restart)
+
+
+def call_counts(row: StepRow) -> dict[str, CallCount]:
+    """The step's calls of user code and their failures, by kind (`core.call_errors`)."""
+    return {
+        "environment": CallCount(
+            row.environment_calls or 0,
+            row.environment_errors or 0,
+            row.environment_error_first or "",
+        ),
+        "reward": CallCount(
+            row.reward_calls or 0, row.reward_errors or 0, row.reward_error_first or ""
+        ),
+    }
 
 
 # the fields of a row's hash (`step` is its key); fields whose infinity is stored as null

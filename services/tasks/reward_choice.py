@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 from services.contracts.runspec import BUILTIN_REWARDS, RunSpec
+from services.infra.user_errors import trace_text, user_frame
 from services.tasks import rewards
 from services.tasks.base import Example, TaskError
 
@@ -48,6 +49,8 @@ class Outcome:
     value: float
     error: str = ""  # one of ERROR_KINDS, or ""
     detail: str = ""  # the exception's type and message, cut short
+    at: str = ""  # where in the reward's code it raised: `file.py:LINE in function`
+    trace: str = ""  # the traceback of what raised (`infra.user_errors.trace_text`)
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ def call_reward(scorer: Scorer, example: Example, response: str) -> Outcome:
     try:
         value = scorer(example.prompt, response, example)
     except Exception as exc:
-        return Outcome(0.0, RAISED, describe(exc))
+        return Outcome(0.0, RAISED, describe(exc), user_frame(exc), trace_text(exc))
     if not isinstance(value, numbers.Real):  # bool and numpy scalars are numbers
         return Outcome(0.0, NOT_NUMBER, f"returned {type(value).__name__}")
     try:

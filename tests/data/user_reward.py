@@ -26,3 +26,8 @@ def misbehaves(prompt: str, response: str, example: dict) -> float:
     if kind == "exit":
         os._exit(3)
     return 1.0
+
+
+def always_raises(prompt: str, response: str, example: dict) -> float:
+    """Raises on every call: a run scored by it would train on zero rewards only."""
+    return 1.0 / len(example.get("missing", ""))

@@ -30,6 +30,8 @@ from tests.integration.conftest import (
 MAX_TURNS = 3
 REPO = Path(__file__).resolve().parents[2]
 MISBEHAVING = "tests.data.multi_turn_envs:Misbehaving"
+RETURNS_DICT = "tests.data.multi_turn_envs:ReturnsDict"
+SOMETIMES_RAISES = "tests.data.multi_turn_envs:SometimesRaises"
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,54 @@ def test_an_environment_that_crashes_or_hangs_ends_its_episode_and_is_counted(
     rows = check_exact(deployment, client, run_id, body, tokenizer)
     assert (env_dir / "crash").exists() and (env_dir / "hang").exists()
     assert sum(row["environment_errors"] for row in rows) == 2, rows
+    run = client.run(run_id)  # under faults.max_error_share: it goes on, degraded
+    assert run["health"] == "degraded" and run["errors"]["environment"]["failed"] == 2, run
+
+
+def test_an_environment_whose_step_returns_a_dict_fails_the_run_saying_why(
+    deployment, client, tiny_model
+):
+    """Every call fails (a run that would train on zero rewards only): the run fails after
+    its first step, its error names the count, the error and the user's method; the first
+    failure is on the run's timeline."""
+    body = episode_spec(tiny_model, environment=RETURNS_DICT, steps=3)
+    run = wait_final(client, deployment, client.submit(body))
+    assert run["state"] == "failed" and run["health"] == "failed", run
+    calls = run["errors"]["environment"]["calls"]
+    assert calls >= body["prompts_per_step"] * body["group_size"], run
+    assert run["error"].startswith(f"environment failed on {calls} of {calls} calls in step 0"), run
+    assert "step returned dict, not a Feedback" in run["error"], run
+    assert "multi_turn_envs.py:" in run["error"] and "ReturnsDict.step" in run["error"], run
+    assert run["step"] <= 1, run  # no step after the first
+    events = client.timeline(run["id"])["events"]
+    told = [e for e in events if e["kind"] == "user_code_failed"]
+    assert [e["source"] for e in told] == ["environment"], events
+
+
+def test_an_environment_failing_some_calls_leaves_the_run_degraded_with_its_share(
+    deployment, client, tiny_model
+):
+    """A fifth of the calls raise: the run succeeds, its health says degraded with the share;
+    the first failure's traceback (the user's frame) is on the run's timeline. The spec sets
+    no max_turns: the environment's own 4 holds."""
+    body = episode_spec(tiny_model, environment=SOMETIMES_RAISES, max_turns=None, steps=2)
+    run = wait_final(client, deployment, client.submit(body))
+    assert run["state"] == "succeeded" and run["health"] == "degraded", run
+    env = run["errors"]["environment"]
+    assert env["failed"] > 0 and 0 < env["share"] <= 0.5, run
+    assert env["share"] == round(env["failed"] / env["calls"], 4), run
+    assert (
+        env["first"].startswith("raised: ValueError: call")
+        and "multi_turn_envs.py:" in env["first"]
+    )
+    assert f"environment failed on {env['failed']} of {env['calls']} calls" in run["health_reason"]
+    assert run["max_turns"] == 4, run
+    rows = client.metrics(run["id"])
+    assert [row["max_turns"] for row in rows] == [4, 4], rows
+    assert sum(row["environment_calls"] for row in rows) == env["calls"], rows
+    events = client.timeline(run["id"])["events"]
+    (told,) = [e for e in events if e["kind"] == "user_code_failed"]
+    assert "Traceback" in told["trace"] and "failed on purpose" in told["trace"], told
 
 
 def test_a_coordinator_killed_mid_step_resumes_the_episodes(

@@ -96,12 +96,19 @@ def test_a_reward_that_raises_hangs_or_returns_nan_scores_zero_and_is_counted(
         reward=f"{MODULE}:misbehaves",
         reward_timeout_s=0.5,
         steps=1,
+        max_error_share=0.8,  # 6 of 8 fail: the run goes on, degraded
     )
     run_id = client.submit(spec)
     run = wait_final(client, deployment, run_id)
-    assert run["state"] == "succeeded", run
+    assert run["state"] == "succeeded" and run["health"] == "degraded", run
     assert [row["reward_errors"] for row in client.metrics(run_id)] == [6]
     assert run["reward_errors"] == 6  # the run's total, as GET /v1/runs/{id} shows it
+    assert run["errors"]["reward"] == {
+        "calls": 8,
+        "failed": 6,
+        "share": 0.75,
+        "first": run["errors"]["reward"]["first"],
+    }
     rewards = {
         g.prompt_index: [r.reward for r in g.responses] for g in read_groups(deployment, run_id)
     }
@@ -110,6 +117,18 @@ def test_a_reward_that_raises_hangs_or_returns_nan_scores_zero_and_is_counted(
     for kind in ("raised", "timeout", "not_finite"):
         line = f'spotrl_coordinator_reward_errors_total{{kind="{kind}"}}'
         assert any(m.startswith(line) and float(m.split()[-1]) >= 2 for m in metrics.splitlines())
+
+
+def test_a_reward_that_raises_on_every_call_fails_the_run_saying_where(
+    client, deployment, tiny_model, tmp_path
+):
+    spec = user_spec(tiny_model, sums_file(tmp_path), reward=f"{MODULE}:always_raises", steps=3)
+    run = wait_final(client, deployment, client.submit(spec))
+    assert run["state"] == "failed" and run["health"] == "failed", run
+    assert run["error"].startswith("reward failed on 8 of 8 calls in step 0"), run
+    assert "raised: ZeroDivisionError" in run["error"], run
+    assert "user_reward.py:" in run["error"] and "in always_raises" in run["error"], run
+    assert run["step"] <= 1, run
 
 
 def test_the_math_built_in_scores_with_math_verify_in_a_reward_process(

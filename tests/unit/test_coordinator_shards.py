@@ -83,10 +83,17 @@ def test_the_step_summary_adds_up_the_shards():
             apply(t, item(rid))
         t.score({rid: float(t.shard + 1) for rid in t.requests})
         t.migrations["death"] = 2
-    parts = [ShardSummary.of(t, reward_errors=t.shard) for t in tables]
+    firsts = [{}, {"reward": "raised: ValueError: x (at r.py:3 in score)"}]
+    parts = [
+        ShardSummary.of(t, t.shard, reward_calls=10, first_errors=f)
+        for t, f in zip(tables, firsts, strict=True)
+    ]
     total = ShardSummary.total(parts)
     assert total.requests == 21 and total.response_tokens == 21
     assert total.migrations == {"death": 4} and total.reward_errors == 1
+    # the whole step's calls of user code, as the leader judges them (core.call_errors)
+    reward = total.call_counts()["reward"]
+    assert (reward.calls, reward.failed, reward.first) == (20, 1, firsts[1]["reward"])
     # the mean of every scored response, not the mean of the shards' means
     assert total.mean_reward == pytest.approx((12 * 1.0 + 9 * 2.0) / 21)
 

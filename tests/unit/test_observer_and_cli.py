@@ -85,3 +85,13 @@ def test_the_dashboard_ships_with_the_package():
         "/static/dashboard.css",
     ):
         assert ref in index and (static.parent / ref.lstrip("/")).is_file()
+
+
+def test_the_progress_bar_shows_failed_calls_of_user_code_with_their_share():
+    run = {"state": "running", "reward_mean": 0.5, "tokens_per_s": 10.0, "errors": {}}
+    assert progress_info(run, 1) == "running  reward 0.500  tok/s 10  workers 1"
+    run["errors"] = {
+        "environment": {"calls": 96, "failed": 12, "share": 0.125},
+        "reward": {"calls": 0, "failed": 0, "share": 0.0},
+    }
+    assert progress_info(run, 1).endswith("workers 1  env errors 12/96 (12.5%)")

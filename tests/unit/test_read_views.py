@@ -1,5 +1,5 @@
 """What the read model serves (services.coordinator.read_views): a run's answers from what
-Redis holds, timeline pages from the held entries, the worker list."""
+Redis holds, timeline pages from the held entries, the worker list, the fleet's figures."""
 
 import json
 
@@ -10,6 +10,7 @@ from services.coordinator.read_views import (
     FINAL_SETTLE_S,
     Entries,
     RunInputs,
+    fleet_doc,
     run_docs,
     run_list,
     settled,
@@ -106,3 +107,24 @@ def test_the_worker_list_with_liveness_and_errors():
     assert [w["id"] for w in json.loads(docs[True].body)] == ["w1"]
     assert [w["id"] for w in json.loads(docs[False].body)] == ["w2"]
     assert len(json.loads(docs[None].body)) == 2
+
+
+def test_the_fleet_is_the_live_runs_and_the_pool_they_want():
+    def record(run_id: str, state: str, wanted: int | None) -> RunRecord:
+        return RunRecord(id=run_id, state=state, preemptible_wanted=wanted)
+
+    assert json.loads(fleet_doc([]).body) == {
+        "runs_active": 0,
+        "preemptible_wanted": 0,
+        "active_runs": [],
+    }
+    ended = [record("a", "succeeded", 5), record("b", "failed", 3), record("c", "queued", None)]
+    assert json.loads(fleet_doc(ended).body)["runs_active"] == 0  # a kept figure counts not
+    live = [record("d", "running", 4), *ended, record("e", "stalled", 2)]
+    assert json.loads(fleet_doc(live).body) == {
+        "runs_active": 2,
+        "preemptible_wanted": 6,
+        "active_runs": ["d", "e"],
+    }
+    fresh = json.loads(fleet_doc([record("f", "running", None)]).body)
+    assert (fresh["runs_active"], fresh["preemptible_wanted"]) == (1, 0)  # no figure yet

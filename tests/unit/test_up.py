@@ -1,6 +1,8 @@
 """`spotrl up`'s decisions: when to restart a dead worker, when to stop waiting for a run, what
 to print about a death or a stall, and a folder of its own per invocation."""
 
+import json
+
 import pytest
 
 from services.cli.follow import progress_info, state_change_line
@@ -14,6 +16,7 @@ from services.cli.supervisor import (
     exit_description,
 )
 from services.cli.up import new_run_dir
+from services.cli.up_summary import summarize
 
 
 def test_backoff_doubles_from_one_second_up_to_the_cap():
@@ -144,3 +147,25 @@ def test_up_options_for_port_stall_timeout_and_worker_env():
     assert parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_env(["nope"])
+
+
+def test_the_final_summary_prints_figures_rounded_and_the_runs_health():
+    run = {
+        "id": "r1",
+        "state": "succeeded",
+        "step": 2,
+        "groups_incomplete": 0,
+        "n_prem_recommended": 2.3333333333333335,
+        "health": "degraded",
+        "errors": {"environment": {"calls": 40, "failed": 3, "share": 0.075, "first": "x"}},
+    }
+    rows = [
+        {"reward_mean": 0.3976562500000006, "tokens_per_s": 101.26, "step_s": 1.23456},
+        {"reward_mean": 0.46000000000000013, "tokens_per_s": 99.9, "t_seed_s": 0.123456},
+    ]
+    summary = summarize(run, rows, wall_s=12.345)
+    assert (summary["reward_first"], summary["reward_last"]) == (0.3977, 0.46)
+    assert (summary["tokens_per_s_mean"], summary["step_s_mean"]) == (100.6, 1.23)
+    assert (summary["t_seed_s_last"], summary["n_prem_recommended"]) == (0.12, 2.33)
+    assert summary["health"] == "degraded" and summary["errors"] == run["errors"]
+    assert "0.3976562500000006" not in json.dumps(summary)

@@ -30,8 +30,12 @@ class EpisodeSection(Section):
         "module:Class from a module on the coordinator's environment_modules allow list "
         "(None: single-turn responses).",
     )
-    max_turns: int = Field(
-        3, ge=1, le=64, description="Model turns an episode takes at most (with environment)."
+    max_turns: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Model turns an episode takes at most (with environment). None: the "
+        "environment's own max_turns; set, it overrides the environment's, above or below it.",
     )
     tool_format: ToolFormat = Field(
         "hermes",

@@ -77,3 +77,12 @@ class FaultsSection(Section):
         description="What a quarantined request does: drop its group from the step (counted "
         "in groups_quarantined) or fail the run.",
     )
+    max_error_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Fail the run when, in one step, more than this share of its environment "
+        "step() calls or of its reward calls failed (raised, timed out, crashed or returned a "
+        "bad value): such a step trains on zero rewards. Failures at or under it leave the run "
+        "going, its summary marked degraded with the shares (1.0: never fail for this).",
+    )

@@ -201,6 +201,7 @@ function renderSummary(run, rows, tl) {
   $("s-migr").textContent = String(migrated);
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
   renderEpisodes(rows);
+  renderErrors(run);
   const mem = tl.pool.filter((s) => s.redis_mem_mib !== undefined).pop();
   $("s-redis").textContent = mem
     ? `${fmt(mem.redis_mem_mib, 0)}${mem.redis_limit_mib > 0 ? ` / ${fmt(mem.redis_limit_mib, 0)}` : ""}`
@@ -219,6 +220,16 @@ function renderEpisodes(rows) {
   $("s-episodes").textContent = `${fmt(last.turns_mean, 2)} / ${calls} / ${fmt(envS, 1)} s`;
 }
 
+// failed calls of the run's user code by kind (environment step(), reward): failed/calls and
+// the share, as the API counts them; the card turns to a warning when any failed
+function renderErrors(run) {
+  const errors = run.errors || {};
+  const part = (c) => (c && c.calls ? `${c.failed}/${c.calls} (${fmt(100 * c.share, 1)}%)` : "–");
+  $("s-errors").textContent = `${part(errors.environment)} / ${part(errors.reward)}`;
+  $("c-errors").classList.toggle("warn", run.health !== undefined && run.health !== "ok");
+  $("c-errors").title = run.health_reason || "";
+}
+
 // why a run cannot progress (stalled) or why it failed, in words
 function renderStall(run) {
   const el = $("stall");
@@ -228,6 +239,8 @@ function renderStall(run) {
     text = `stalled${since}: ${run.stall_reason}`;
   } else if (run.state === "failed" && run.error) {
     text = `failed: ${run.error}`;
+  } else if (run.health === "degraded") {
+    text = `degraded: ${run.health_reason}`;
   }
   el.textContent = text;
   el.hidden = !text;
