@@ -29,6 +29,7 @@ from services.coordinator.reward_protocol import (
     decode,
     frame,
 )
+from services.environments.sandbox import user_code_environ
 from services.tasks.base import Example
 from services.tasks.reward_choice import (
     CRASHED,
@@ -76,6 +77,7 @@ class RewardProcess:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group: a kill takes its children too
+            env=user_code_environ(),  # none of this service's credentials
         )
         c = self.choice
         try:

@@ -31,6 +31,7 @@ from prometheus_client import Counter, Histogram
 
 from services.environments.choice import EnvironmentChoice, EnvironmentLoadError
 from services.environments.protocol import CRASHED, ERROR_KINDS, TIMEOUT, Feedback, Turn
+from services.environments.sandbox import user_code_environ
 from services.environments.wire import (
     HEADER,
     MAX_REPLY_BYTES,
@@ -120,6 +121,7 @@ class EnvProcess:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group: a kill takes its children too
+            env=user_code_environ(),  # none of this service's credentials
         )
         try:
             await self._send(self.load)

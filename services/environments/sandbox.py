@@ -6,14 +6,21 @@ The network namespace comes from `unshare(CLONE_NEWNET)`, which needs CAP_SYS_AD
 container); without it, a user namespace in the same call (`CLONE_NEWUSER | CLONE_NEWNET`) gives
 one to an unprivileged user where the kernel allows user namespaces. Both must be called while
 the process has a single thread. What this does not do: limit CPU, files or syscalls.
+
+A process of user code (an environment's, a reward's) starts with its parent's environment less
+spotrl's own variables (`user_code_environ`): every credential of a service (its Redis URL with
+a password, the tokens it sends) is a `SPOTRL_*` variable, or Redis's REDISCLI_AUTH. Code that
+the model's output drives never holds them, network or not; the user's own variables (an API key
+its tool needs) stay.
 """
 
 import contextlib
 import ctypes
 import os
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+CREDENTIAL_PREFIXES = ("SPOTRL_", "REDISCLI_AUTH")
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 Unshare = Callable[[int], int | None]  # unshare(flags): raises OSError when refused
@@ -68,3 +75,10 @@ def limit_memory(max_bytes: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def user_code_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a process of user code starts with: `environ` (this process's by
+    default) less spotrl's own variables, its credentials among them."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith(CREDENTIAL_PREFIXES)}

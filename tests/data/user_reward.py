@@ -13,7 +13,8 @@ def sum_is_right(prompt: str, response: str, example: dict) -> float:
 
 
 def misbehaves(prompt: str, response: str, example: dict) -> float:
-    """Fails the way the row's `kind` says: raise, hang, nan, text, exit; else 1.0."""
+    """Fails the way the row's `kind` says: raise, hang, nan, text, exit; secret: 0.0 when it
+    sees a SPOTRL_ variable; else 1.0."""
     kind = example.get("kind")
     if kind == "raise":
         raise ValueError("the reward raised on purpose")
@@ -25,6 +26,8 @@ def misbehaves(prompt: str, response: str, example: dict) -> float:
         return "1"  # type: ignore[return-value]
     if kind == "exit":
         os._exit(3)
+    if kind == "secret":  # 1.0 only when it holds none of the service's credentials
+        return 0.0 if any(k.startswith("SPOTRL_") for k in os.environ) else 1.0
     return 1.0
 
 

@@ -50,6 +50,8 @@ class Misbehaves:
         if kind == "connect":
             with socket.create_connection(("127.0.0.1", row["port"]), timeout=5):
                 return Feedback("connected")
+        if kind == "environ":  # what of its parent's environment the process was given
+            return Feedback(" ".join(f"{k}={os.environ.get(k, '-')}" for k in row["names"]))
         if kind == "meet":  # opening one end of a FIFO waits until the other call opens the other
             with open(row["fifo"], row["mode"]):
                 return Feedback("met")
@@ -90,6 +92,29 @@ def test_a_normal_episode_of_retry_arithmetic():
                     break
             assert [f.observation for f in feedback] == [" no\n37+58=", ""]
             assert trajectory_reward(feedback) == 0.5
+        finally:
+            await runner.close()
+
+    asyncio.run(main())
+
+
+def test_environment_code_gets_none_of_the_services_credentials(monkeypatch):
+    """The coordinator's Redis URL and tokens are not in an environment process's environment;
+    the user's own variables are (a tool's API key)."""
+    monkeypatch.setenv("SPOTRL_REDIS_URL", "rediss://spotrl-coordinator:secret@redis:6379/0")
+    monkeypatch.setenv("SPOTRL_API_TOKEN", "admin-secret")
+    monkeypatch.setenv("REDISCLI_AUTH", "redis-secret")
+    monkeypatch.setenv("MY_TOOL_KEY", "kept")
+    names = ["SPOTRL_REDIS_URL", "SPOTRL_API_TOKEN", "REDISCLI_AUTH", "MY_TOOL_KEY"]
+
+    async def main():
+        runner = await open_runner(processes=1)
+        try:
+            seen = await step(runner, {"kind": "environ", "names": names})
+            assert seen.error == "", seen
+            assert seen.feedback.observation == (
+                "SPOTRL_REDIS_URL=- SPOTRL_API_TOKEN=- REDISCLI_AUTH=- MY_TOOL_KEY=kept"
+            )
         finally:
             await runner.close()
 

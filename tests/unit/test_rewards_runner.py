@@ -76,6 +76,19 @@ def test_a_call_that_kills_its_process_is_counted_and_the_rest_are_scored():
     asyncio.run(main())
 
 
+def test_reward_code_gets_none_of_the_services_credentials(monkeypatch):
+    monkeypatch.setenv("SPOTRL_API_TOKEN", "admin-secret")
+
+    async def main():
+        runner = await open_runner(MISBEHAVES, 5.0, processes=1)
+        try:
+            assert [o.value for o in await runner.score(rows("secret"))] == [1.0]
+        finally:
+            await runner.close()
+
+    asyncio.run(main())
+
+
 def test_linear_built_ins_run_in_a_thread_others_in_processes():
     async def main():
         exact = await open_runner(RewardChoice("exact_match"), 1.0, processes=1)
