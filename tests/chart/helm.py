@@ -83,18 +83,28 @@ def run_helm(*args: str, values: dict[str, Any] | None = None) -> subprocess.Com
 
 
 @functools.cache
-def _render(values_json: str, namespace: str) -> tuple[dict, ...]:
+def _render(values_json: str, namespace: str, api_versions: tuple[str, ...]) -> tuple[dict, ...]:
+    extra = [arg for api in api_versions for arg in ("--api-versions", api)]
     done = run_helm(
-        "template", "spotrl", str(CHART), "--namespace", namespace, values=json.loads(values_json)
+        "template",
+        "spotrl",
+        str(CHART),
+        "--namespace",
+        namespace,
+        *extra,
+        values=json.loads(values_json),
     )
     if done.returncode != 0:
         raise RenderFailed(done.stderr.strip())
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
 
-def render(values: dict[str, Any], namespace: str = "rl") -> list[dict]:
-    """The objects `helm template` makes of these values (cached; copies, safe to change)."""
-    docs = _render(json.dumps(values, sort_keys=True), namespace)
+def render(
+    values: dict[str, Any], namespace: str = "rl", api_versions: tuple[str, ...] = ()
+) -> list[dict]:
+    """The objects `helm template` makes of these values (cached; copies, safe to change), on a
+    cluster that serves these extra API versions (e.g. cert-manager.io/v1)."""
+    docs = _render(json.dumps(values, sort_keys=True), namespace, api_versions)
     return json.loads(json.dumps(docs))
 
 

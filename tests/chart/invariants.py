@@ -20,7 +20,11 @@ SETTINGS: dict[str, type[CommonSettings]] = {
 IMAGE_DEFAULT_HOST = "0.0.0.0"  # the Dockerfile's SPOTRL_HOST: a container without one binds it
 HEALTHCHECK = ["python", "-m", "services.infra.healthcheck"]
 DRAIN_MARGIN_S = 3.0  # after releasing, the worker still closes its engine and exits
-SPOT_GRACE_MAX_S = 30  # GKE spot's default; Azure's eviction notice is about as long
+# How long each platform lets an ordinary pod stop on a spot notice: GKE spot gives 15 s (its
+# 30 s notice is split: 15 s for ordinary pods, then 15 s for system pods; up to 120 s on GKE
+# 1.35+ through the node pool's system config), EC2 spot's interruption notice is 2 minutes
+# (EKS managed node groups, Karpenter), an Azure spot eviction notice at least 30 s.
+PRESET_GRACE_S = {"gke-spot": 15, "eks-spot": 120, "karpenter": 120, "aks-spot": 30}
 # Each preset: the node labels a spot node of that platform carries, and the taints it has.
 PRESETS: dict[str, tuple[dict[str, str], list[dict[str, str]]]] = {
     "gke-spot": (

@@ -14,8 +14,8 @@ from tests.chart.invariants import (
     DRAIN_MARGIN_S,
     HEALTHCHECK,
     IMAGE_DEFAULT_HOST,
+    PRESET_GRACE_S,
     PRESETS,
-    SPOT_GRACE_MAX_S,
     SPOT_LABELS,
     container_ports,
     containers,
@@ -99,7 +99,7 @@ def reserved_problems(objs: list[dict], reserved: dict[str, Any]) -> list[str]:
 
 def grace_problems(objs: list[dict]) -> list[str]:
     """The pod's grace period covers the worker's drain (its preempt_grace_s and a margin), and
-    on a spot node fits what the platform gives."""
+    on a spot preset's node fits what that platform gives a pod (PRESET_GRACE_S)."""
     out = []
     for w in workloads(objs):
         spec = pod_spec(w)
@@ -115,8 +115,14 @@ def grace_problems(objs: list[dict]) -> list[str]:
             pod_grace = spec.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
             if grace + DRAIN_MARGIN_S > pod_grace:
                 out.append(f"{name(w)}: {pod_grace} s to stop, the drain needs {grace} s + margin")
-            if SPOT_LABELS & set(spec.get("nodeSelector", {})) and pod_grace > SPOT_GRACE_MAX_S:
-                out.append(f"{name(w)}: {pod_grace} s on a spot node, over {SPOT_GRACE_MAX_S} s")
+            selector = spec.get("nodeSelector", {})
+            for preset, (labels, _) in PRESETS.items():
+                on_preset = all(selector.get(k) == v for k, v in labels.items())
+                if on_preset and pod_grace > PRESET_GRACE_S[preset]:
+                    out.append(
+                        f"{name(w)}: {pod_grace} s to stop on a {preset} node, which gives "
+                        f"{PRESET_GRACE_S[preset]} s"
+                    )
     return out
 
 

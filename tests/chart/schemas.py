@@ -2,8 +2,8 @@
 strict schema (kubernetes-validate: unknown fields are errors, as the API server's strict field
 validation makes them) and KEDA's ScaledObject CRD schema, made strict the same way.
 
-Custom resources other than KEDA's (the PodMonitor) have no schema here: the invariants check
-them."""
+Custom resources other than KEDA's (the PodMonitor, GKE's PodMonitoring, cert-manager's
+Certificate and Issuer) have no schema here: the invariants check them."""
 
 import functools
 import json
@@ -14,7 +14,14 @@ import jsonschema
 OLDEST_KUBERNETES = "1.29"  # the chart's kubeVersion floor (Chart.yaml)
 KEDA_KIND = ("keda.sh/v1alpha1", "ScaledObject")
 # The custom resources the chart may render; any other kind must be in the release's schemas.
-CUSTOM_KINDS = {KEDA_KIND, ("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_KINDS = {
+    KEDA_KIND,
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("monitoring.googleapis.com/v1", "PodMonitoring"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+}
 
 
 def newest_kubernetes() -> str:

@@ -25,12 +25,17 @@ GRANTS: dict[str, set[str]] = {
     "weightstore": {"accept-weightstore"},
     "trainer": {"redis-url-trainer", "trainer-token", "accept-trainer"},
     "rollout": {"worker-token", "accept-worker"},
-    "redis": {"aclfile"},
+    "redis": {"aclfile", "redis-password-certs"},
 }
+# Within the Redis pod, by container: the ACL file's copier reads the file, the TLS reloader the
+# spotrl-certs user's password (PING and CONFIG SET only), redis-server nothing.
+REDIS_CONTAINER_GRANTS = {"aclfile": {"aclfile"}, "tls-reloader": {"redis-password-certs"}}
 NEVER_ON_ROLLOUT = {"admin-token", "trainer-token", "aclfile"}  # and every redis-url-*
 SECURE_SCHEMES = {"https", "rediss"}
 TLS_FILES = {"SPOTRL_TLS_CERT_FILE": "tls.crt", "SPOTRL_TLS_KEY_FILE": "tls.key"}
 TLS_CA = {"SPOTRL_TLS_CA_FILE": "ca.crt"}
+# The Secrets cert-manager writes for release "spotrl" (docs/deploy-kubernetes.md, "Certificates").
+CERT_MANAGER_SECRETS = frozenset({"spotrl-tls", "spotrl-tls-rollout"})
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,9 @@ class Security:
         s, t = values.get("security", {}), values.get("tls", {})
         return cls(
             secret=s.get("existingSecret", ""),
-            tls_secrets=frozenset(
-                x for x in (t.get("existingSecret"), t.get("rolloutSecret")) if x
-            ),
+            tls_secrets=CERT_MANAGER_SECRETS
+            if t.get("certManager", {}).get("enabled")
+            else frozenset(x for x in (t.get("existingSecret"), t.get("rolloutSecret")) if x),
             redis_acl=s.get("redisAcl", True),
             scoped_tokens=s.get("scopedTokens", True),
             tls=t.get("enabled", True),
@@ -219,3 +224,48 @@ def aclfile_volume(workload: dict, sec: Security, volume: str) -> bool:
         if v["name"] == volume and s.get("secretName") == sec.secret:
             return any(i["key"] == "aclfile" for i in s.get("items") or [{"key": "aclfile"}])
     return False
+
+
+def container_keys_read(workload: dict, container: dict, secret: str) -> set[str]:
+    """The keys of `secret` one container reads: its env, and the Secret volumes it mounts."""
+    keys = {
+        e["valueFrom"]["secretKeyRef"]["key"]
+        for e in container.get("env", [])
+        if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == secret
+    }
+    mounted = {m["name"] for m in container.get("volumeMounts", [])}
+    for v in pod_spec(workload).get("volumes", []):
+        s = v.get("secret") or {}
+        if v["name"] in mounted and s.get("secretName") == secret:
+            keys |= {i["key"] for i in s.get("items") or [{"key": "*"}]}
+    return keys
+
+
+def reloader_problems(objs: list[dict], sec: Security) -> list[str]:
+    """Under TLS the Redis pod has a container that has Redis re-read its files (CONFIG SET of
+    tls-cert-file, tls-key-file, tls-ca-cert-file) and mounts the TLS Secret; each container of
+    the pod reads only its own keys of the security Secret."""
+    out = []
+    for w in (w for w in workloads(objs) if component(w) == "redis"):
+        if sec.secret:
+            for c in containers(w):
+                extra = container_keys_read(w, c, sec.secret) - REDIS_CONTAINER_GRANTS.get(
+                    c["name"], set()
+                )
+                if extra:
+                    out.append(f"{name(w)}/{c['name']}: reads {sorted(extra)} of {sec.secret}")
+        if not sec.tls:
+            continue
+        script = {c["name"]: " ".join(c.get("command", [])) for c in containers(w)}
+        reloads = [
+            n
+            for n, text in script.items()
+            if all(f in text for f in ("CONFIG SET", "tls-cert-file", "tls-key-file"))
+        ]
+        if not reloads:
+            out.append(f"{name(w)}: nothing has Redis re-read a renewed certificate")
+        for n in reloads:
+            c = next(c for c in containers(w) if c["name"] == n)
+            if not mounted_key(w, c, "/etc/spotrl/tls/tls.crt"):
+                out.append(f"{name(w)}/{n}: reloads a certificate it does not mount")
+    return out

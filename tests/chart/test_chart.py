@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.chart import invariants, pod_rules, security_rules
+from tests.chart import cluster_rules, invariants, pod_rules, security_rules
 from tests.chart.cases import CASES, SECURITY_SECRET, TLS_SECRET, TOKEN, merge, pool, values_of
 from tests.chart.helm import CHART, render, render_error, require_tools, run_helm
 from tests.chart.schemas import (
@@ -77,8 +77,37 @@ def test_invariants(case):
         + security_rules.url_problems(objs, sec)
         + security_rules.tls_problems(objs, sec)
         + security_rules.redis_acl_problems(objs, sec)
+        + security_rules.reloader_problems(objs, sec)
+        + cluster_problems(objs, values)
     )
     assert not problems, "\n".join(problems)
+
+
+def cluster_problems(objs: list[dict], values: dict) -> list[str]:
+    """The rules of cluster_rules.py (issue 48) over one render."""
+    cm = values.get("tls", {}).get("certManager", {})
+    certificates = (
+        cluster_rules.certificate_problems(
+            objs, cm.get("duration", "2160h"), cm.get("renewBefore", "720h")
+        )
+        if cm.get("enabled")
+        else []
+    )
+    return (
+        cluster_rules.spot_placement_problems(objs)
+        + cluster_rules.rwo_problems(objs)
+        + cluster_rules.pdb_problems(objs)
+        + cluster_rules.redis_memory_problems(objs)
+        + cluster_rules.subpath_problems(objs)
+        + cluster_rules.scrape_target_problems(
+            objs,
+            values.get("monitoring", {}).get("prometheusRelease", ""),
+            values.get("monitoring", {}).get("scrapedElsewhere", False),
+        )
+        + cluster_rules.ingress_problems(objs)
+        + cluster_rules.sandbox_problems(objs)
+        + certificates
+    )
 
 
 # Settings the chart never lets values set: one value per Deployment would be one per replica;
@@ -193,8 +222,9 @@ def test_hpa_mode_scales_on_the_external_metric():
     (hpa,) = [o for o in rendered("karpenter-hpa") if o["kind"] == "HorizontalPodAutoscaler"]
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "External"
-    assert metric["external"]["metric"]["name"] == "spotrl_coordinator_preemptible_wanted"
+    assert metric["external"]["metric"]["name"] == "spotrl_rollout_replicas_wanted"
     assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    assert hpa["spec"]["minReplicas"] == 1  # an HPA cannot go below 1
 
 
 def test_gpu_case_asks_for_gpus_and_ranks():
@@ -257,9 +287,37 @@ REFUSED = {
     "a setting the chart sets itself": ({"trainer": {"settings": {"port": 9000}}}, "port"),
     "an unknown preset": ({"rollout": {"pools": [pool("spot", preset="gcp")]}}, "preset"),
     "the latest tag": ({"image": {"repository": "spotrl", "tag": "latest"}}, "tag"),
-    "a spot grace over 30 s": (
-        {"rollout": {"pools": [pool("spot", preset="gke-spot", preemptGraceS=28)]}},
-        "over the 30 s",
+    "a GKE spot grace over 15 s": (
+        {"rollout": {"pools": [pool("spot", preset="gke-spot", preemptGraceS=20)]}},
+        "over the 15 s a gke-spot node gives a pod",
+    ),
+    "an AKS spot grace over 30 s": (
+        {"rollout": {"pools": [pool("spot", preset="aks-spot", preemptGraceS=28)]}},
+        "over the 30 s a aks-spot node gives a pod",
+    ),
+    "autoscaling that nothing scrapes": (
+        {"autoscaling": {"enabled": True}},
+        "the query would be empty forever",
+    ),
+    "GKE's gce ingress class": (
+        {"ingress": {"enabled": True, "className": "gce"}},
+        "ingress.className=gce is refused",
+    ),
+    "an ingress class whose controller the policy cannot name": (
+        {"ingress": {"enabled": True, "className": "traefik"}},
+        "set networkPolicy.ingressControllerNamespace",
+    ),
+    "environment_network as a setting": (
+        {"coordinator": {"settings": {"environment_network": True}}},
+        "environment_network",
+    ),
+    "cert-manager without a CA": (
+        {"tls": {"existingSecret": "", "certManager": {"enabled": True}}},
+        "set tls.certManager.caSecret",
+    ),
+    "a PDB that blocks drains": (
+        {"reserved": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}}},
+        "maxUnavailable",
     ),
     "a reserved pool on spot": (
         {"rollout": {"pools": [pool("r", "reserved", preset="eks-spot")]}},

@@ -68,6 +68,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The checks every render makes before it writes anything. */}}
 {{- define "spotrl.validate" -}}
 {{- include "spotrl.validateSecurity" . -}}
+{{- include "spotrl.validateAutoscaling" . -}}
+{{- include "spotrl.validatePlatform" . -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.url names a managed Redis: set redis.enabled=false with it" -}}
 {{- end -}}
@@ -178,20 +180,44 @@ livenessProbe:
     sizeLimit: 2Gi
 {{- end -}}
 
-{{/* The reserved node pool's placement. */}}
+{{/* The reserved node pool's placement: (dict "root" $ ["tolerations" LIST] ["models" true]).
+"models": the pod mounts the models claim, which on ReadWriteOnce keeps it on the node of the
+other pod mounting it (a required pod affinity; the first of them goes anywhere). */}}
 {{- define "spotrl.reservedPlacement" -}}
-{{- with .Values.reserved.nodeSelector }}
+{{- $root := .root -}}
+{{- with $root.Values.reserved.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.reserved.tolerations }}
+{{- with concat $root.Values.reserved.tolerations (.tolerations | default list) }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.reserved.affinity }}
+{{- $affinity := include "spotrl.reservedAffinity" (dict "root" $root "affinity" $root.Values.reserved.affinity) | fromYaml }}
+{{- if and .models (include "spotrl.modelsOneNode" $root) }}
+{{- $term := dict "labelSelector" (dict "matchLabels" (include "spotrl.modelsLabels" $root | fromYaml)) "topologyKey" "kubernetes.io/hostname" }}
+{{- $pod := $affinity.podAffinity | default dict }}
+{{- $required := get $pod "requiredDuringSchedulingIgnoredDuringExecution" | default list }}
+{{- $_ := set $pod "requiredDuringSchedulingIgnoredDuringExecution" (append $required $term) }}
+{{- $_ := set $affinity "podAffinity" $pod }}
+{{- end }}
+{{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* "true" when the models claim attaches to one node at a time (no ReadWriteMany or
+ReadOnlyMany among models.accessModes): its pods then share a node. */}}
+{{- define "spotrl.modelsOneNode" -}}
+{{- $modes := .Values.models.accessModes -}}
+{{- if not (or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes)) }}true{{ end -}}
+{{- end -}}
+
+{{/* The labels of the pods that mount the models claim (their pod affinity selects them). */}}
+{{- define "spotrl.modelsLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+spotrl/mounts-models: "true"
 {{- end -}}
 
 {{/* Resources with the GPUs added: (dict "resources" MAP "gpus" N "root" $) */}}

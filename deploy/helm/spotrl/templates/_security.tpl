@@ -11,7 +11,10 @@ privilege"; the chart never makes or reads a password):
     admin-token, worker-token, trainer-token, read-token    one API token per scope
     accept-coordinator, accept-weightstore, accept-trainer, accept-worker
                                SPOTRL_ACCEPT_TOKENS of each service: scope:sha256 entries
-- tls.existingSecret: ca.crt, tls.crt, tls.key (tls.rolloutSecret: the rollout pools' own).
+    redis-password-certs       the spotrl-certs user's password (PING, CONFIG SET): the Redis
+                               pod's TLS reloader
+- tls.existingSecret: ca.crt, tls.crt, tls.key (tls.rolloutSecret: the rollout pools' own), or
+  the Secrets cert-manager writes (_certs.tpl).
 
 Per component (`spotrl.grants`): the keys of security.existingSecret it may read. A rollout
 worker (on spot) reads its worker token and its accept list only: no Redis password (the
@@ -38,11 +41,10 @@ rollout:
 
 {{/* The Secret a component's TLS files come from: (dict "root" $ "component" NAME) */}}
 {{- define "spotrl.tlsSecret" -}}
-{{- $tls := .root.Values.tls -}}
-{{- if and (eq .component "rollout") $tls.rolloutSecret -}}
-{{- $tls.rolloutSecret -}}
+{{- if eq .component "rollout" -}}
+{{- include "spotrl.rolloutTlsSecret" .root -}}
 {{- else -}}
-{{- $tls.existingSecret -}}
+{{- include "spotrl.serverTlsSecret" .root -}}
 {{- end -}}
 {{- end -}}
 
@@ -146,8 +148,8 @@ nothing in Redis). Without ACLs, every component as before. */}}
 {{- if and (or $s.redisAcl $s.scopedTokens) (not $s.existingSecret) -}}
 {{- fail (printf "security.existingSecret is required: a Secret of the Redis users and API tokens in namespace %s (%s), or turn security.redisAcl and security.scopedTokens off (values.yaml says what is then unprotected)" .Release.Namespace $how) -}}
 {{- end -}}
-{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) -}}
-{{- fail (printf "tls.existingSecret is required: a Secret of ca.crt, tls.crt and tls.key in namespace %s (%s), or set tls.enabled=false (every hop is then plain text)" .Release.Namespace $how) -}}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) (not (include "spotrl.certManager" .)) -}}
+{{- fail (printf "tls.existingSecret is required: a Secret of ca.crt, tls.crt and tls.key in namespace %s (%s), or tls.certManager (cert-manager makes them), or set tls.enabled=false (every hop is then plain text)" .Release.Namespace $how) -}}
 {{- end -}}
 {{- if and (not $s.scopedTokens) (not (or .Values.auth.token .Values.auth.existingSecret)) -}}
 {{- fail "auth.token or auth.existingSecret is required with security.scopedTokens=false: the services listen on the pod's address and refuse to without a token (e.g. --set auth.token=$(openssl rand -hex 24))" -}}
