@@ -23,12 +23,14 @@ setup-bench: $(STAMP)
 
 # System packages (apt-get, as root or through sudo): Debian's chromium, chromium-driver and
 # fonts-dejavu-core for the dashboard's browser test. `make test` never installs them; without
-# them that one test is skipped (in CI, where .ci/run installs them, it fails).
+# them that test is skipped and the skip report says so (with CI=true it fails; .ci/run installs
+# them first).
 setup-browser:
 	bash tools/apt-install.sh browser
 
-# System packages for the Docker Compose test: Debian's docker.io and debootstrap (apt-get).
-# Without them `make test` skips that test and says why; with `CI=true` it fails instead.
+# System packages for the Docker Compose and Swarm tests (apt-get, as root): Debian's docker.io,
+# debootstrap, iproute2 and util-linux. Without them `make test` skips those tests and its skip
+# report names them; with `CI=true` they fail instead.
 setup-docker:
 	bash tools/apt-install.sh docker
 
@@ -61,7 +63,10 @@ up: setup
 	$(VENV)/bin/spotrl up
 
 # The tests cover both engines (vLLM is installed into $(VENV) for them), in a fixed order; the
-# 30 slowest are listed at the end, so that every CI log says where its time went.
+# 30 slowest are listed at the end, so that every CI log says where its time went. No system
+# package is installed here: the skip report (tests/conftest.py) names, at the start and just
+# before pytest's closing line, each group of tests that lacks one and the target that installs it
+# (setup-docker, setup-browser; as root).
 test: setup-vllm setup-chart
 	$(PY) -m pytest -q --durations=30
 

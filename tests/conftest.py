@@ -95,3 +95,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FOLDERS & set(Path(str(item.fspath)).relative_to(Path(__file__).parent).parts):
             item.add_marker(pytest.mark.slow)
+
+
+# The skip report (tests/harness/skip_report.py): the groups this machine cannot run, said
+# when collection ends and again just before pytest's closing line, with the command that
+# installs each.
+SKIP_GROUPS = pytest.StashKey[dict[str, str | None]]()
+
+
+def pytest_collection_finish(session):
+    from tests.harness import skip_report
+
+    groups = {
+        item.nodeid: skip_report.group_of_item(
+            (m.name for m in item.iter_markers()),
+            getattr(item, "fixturenames", ()),
+            Path(str(item.fspath)).name,
+        )
+        for item in session.items
+    }
+    session.config.stash[SKIP_GROUPS] = groups
+    counts: dict[str, int] = {}
+    for name in groups.values():
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    lines = skip_report.start_lines(skip_report.missing_by_group(counts), counts, ci)
+    _write_block(session.config, "spotrl: groups of tests this machine lacks tools for", lines)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Just before pytest's closing line (which stays the last line: CI reads it)."""
+    from tests.harness import skip_report
+
+    groups = config.stash.get(SKIP_GROUPS, None)
+    reporter = terminalreporter
+    if groups is None:
+        return
+    if not any(reporter.stats.get(k) for k in ("passed", "failed", "skipped", "error")):
+        return  # nothing ran (--collect-only, an interrupted collection)
+    skipped = skip_report.skipped_by_group(reporter.stats.get("skipped", ()), groups)
+    _write_block(config, "spotrl: skip report", skip_report.end_lines(skipped))
+
+
+def _write_block(config, title, lines):
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not lines:
+        return
+    reporter.write_line("")
+    reporter.write_sep("=", title, yellow=True, bold=True)
+    for line in lines:
+        reporter.write_line(line, yellow=True, bold=True)

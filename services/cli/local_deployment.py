@@ -47,7 +47,7 @@ class DeploymentConfig:
     dump_rollouts: bool = True  # the trainer writes each step's groups to work_dir/rollouts
     reward_modules: list[str] = field(default_factory=list)  # the coordinator's allow list
     # least privilege (services.cli.credentials): a Redis user per role and per worker, a token
-    # per scope, reads behind a token too; `api_token` is then the admin token (made if unset)
+    # per scope (reads stay open: SPOTRL_PROTECT_READS); `api_token` is then the admin token
     secure: bool = False
     tls: bool = False  # every hop over TLS: a throwaway CA and certificate (services.cli.certs)
 
