@@ -168,7 +168,9 @@ def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_m
     ) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         r = redis.Redis.from_url(dep.redis_url)
-        spec = small_spec(tiny_model, steps=5, prompts_per_step=4, group_size=3)
+        # steps to spare: one worker may be slow to load v0 (a busy CI machine) while the
+        # other serves a few steps, and each must still load a version after the kill
+        spec = small_spec(tiny_model, steps=10, prompts_per_step=4, group_size=3)
         run_id = client.submit(spec)
         workers = ("rollout-preemptible-1", "rollout-preemptible-2")
 
@@ -178,6 +180,7 @@ def test_a_run_survives_losing_one_of_two_weight_store_replicas(tmp_path, tiny_m
         wait_until(lambda: all(0 in loads(w) for w in workers), "a worker never loaded v0", 120)
         dep.procs.pop("weightstore-2").kill()  # the trainer and workers carry on with the other
         killed_at = int(r.get(keys.run_version(run_id)) or 0)
+        assert killed_at < spec["steps"] - 2, f"the run was at v{killed_at} before the kill"
         run = wait_final(client, dep, run_id)
         assert run["state"] == "succeeded" and run["groups_incomplete"] == 0
         # every step's version was served, and each worker pulled a version published after
