@@ -42,6 +42,24 @@ def secrets_folder(root, monkeypatch) -> TlsFiles:
     return TlsFiles(cert=out / "tls/tls.crt", key=out / "tls/tls.key", ca=out / "tls/ca.crt")
 
 
+def start_https_store(tmp_path, files: TlsFiles, **env: str) -> tuple[procs.Proc, int]:
+    """A weight store serving HTTPS from `files`, re-reading them every second."""
+    port = procs.free_port()
+    env = {
+        "SPOTRL_PORT": str(port),
+        "SPOTRL_ROOT": str(tmp_path / "w"),
+        "SPOTRL_TLS_CERT_FILE": str(files.cert),
+        "SPOTRL_TLS_KEY_FILE": str(files.key),
+        "SPOTRL_TLS_CA_FILE": str(files.ca),
+        "SPOTRL_TLS_RELOAD_INTERVAL_S": "1",
+        **env,
+    }
+    store = procs.start_service(
+        "weightstore", "services.weightstore.main", env, tmp_path, port, "https", files.ca
+    )
+    return store, port
+
+
 def renew(files: TlsFiles, days: int) -> x509.Certificate:
     out = files.cert.parent.parent
     assert main(["secrets", str(out), "--renew", "--valid-days", str(days)]) == 0
@@ -57,19 +75,8 @@ def expiry_gauge(url: str, ca_file) -> float:
 def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch):
     files = secrets_folder(tmp_path, monkeypatch)
     first = x509.load_pem_x509_certificate(files.cert.read_bytes())
-    port = procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(tmp_path / "w"),
-        "SPOTRL_TLS_CERT_FILE": str(files.cert),
-        "SPOTRL_TLS_KEY_FILE": str(files.key),
-        "SPOTRL_TLS_CA_FILE": str(files.ca),
-        "SPOTRL_TLS_RELOAD_INTERVAL_S": "1",
-        "SPOTRL_TLS_WARN_DAYS": "45",  # the renewed one (30 days) is within it, the first not
-    }
-    store = procs.start_service(
-        "weightstore", "services.weightstore.main", env, tmp_path, port, "https", files.ca
-    )
+    # the renewed one (30 days) is within the warning's 45 days, the first not
+    store, port = start_https_store(tmp_path, files, SPOTRL_TLS_WARN_DAYS="45")
     try:
         procs.wait_healthy([store], 60)
         block_port = httpx.get(f"{store.url}/v1/blocks", verify=ca_verify(files.ca)).json()["port"]
@@ -104,19 +111,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, monkeypatch
 def test_a_key_that_is_not_the_certificates_is_refused_and_the_old_pair_kept(tmp_path, monkeypatch):
     files = secrets_folder(tmp_path, monkeypatch)
     first = x509.load_pem_x509_certificate(files.cert.read_bytes())
-    port = procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(tmp_path / "w"),
-        "SPOTRL_SERVE_BLOCKS": "false",
-        "SPOTRL_TLS_CERT_FILE": str(files.cert),
-        "SPOTRL_TLS_KEY_FILE": str(files.key),
-        "SPOTRL_TLS_CA_FILE": str(files.ca),
-        "SPOTRL_TLS_RELOAD_INTERVAL_S": "1",
-    }
-    store = procs.start_service(
-        "weightstore", "services.weightstore.main", env, tmp_path, port, "https", files.ca
-    )
+    store, port = start_https_store(tmp_path, files, SPOTRL_SERVE_BLOCKS="false")
     try:
         procs.wait_healthy([store], 60)
         good_key = files.key.read_bytes()
