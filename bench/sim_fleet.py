@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.core.traces import TraceError, load_trace
+from services.infra.traces import TraceError, load_trace
 from services.sim.fleet import (
     FLEET_SIZES,
     FLEET_SYSTEM_CHOICES,

@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from services.core.traces import TraceError, load_trace, worker_targets
+from services.infra.traces import TraceError, load_trace, worker_targets
 from services.sim.compare import compare
 from services.sim.plot import plot_throughput
 from services.sim.profile import EngineProfile

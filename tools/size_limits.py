@@ -1,6 +1,9 @@
 """Size limits of the services' code: no file over MAX_FILE_LINES lines and no function over
-MAX_FUNCTION_LINES lines, route tables aside. STYLE.md asks for files read in one sitting and
-functions that do one thing; this makes the bound a check.
+MAX_FUNCTION_LINES lines, route tables aside. STYLE.md lets cohesion decide where a file ends
+(one concept, one file: most under ~300 lines, up to ~600 where a split would need mixins or
+hook templates) and asks for functions that do one thing; this makes the outer bounds a check.
+The file bound is the ceiling of one cohesive concept, not a target: a file near it that holds
+two concepts is still split by concept, never by a line count.
 
 A route table is a function that declares routes: nested functions decorated with
 `@<router>.get(...)`, `.post`, `.put`, `.patch`, `.delete`, `.api_route`, `.websocket` ...
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_FILE_LINES = 350
+MAX_FILE_LINES = 600  # one concept, one file (STYLE.md 7)
 MAX_FUNCTION_LINES = 60
 # decorator attributes that declare a route (FastAPI's APIRouter and app, Starlette)
 ROUTE_METHODS = frozenset(

@@ -6,7 +6,7 @@ The trace says how many instances the cloud offers. Given `wanted` (the coordina
 that (`held`), handing the surplus back with SIGTERM (the worker releases its requests, which
 migrate) and starting workers again when more are wanted and offered.
 
-The schedule is pure (`services.core.traces`, `held` and `plan`); `ChaosRunner` is the thin
+The schedule is pure (`services.infra.traces`, `held` and `plan`); `ChaosRunner` is the thin
 shell that applies it to a deployment, sending SIGTERM (the preemption notice, with the worker's
 grace period) to some victims and SIGKILL (no notice) to the others.
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.core.traces import load_trace, worker_targets
 from services.infra.settings import settings_env
+from services.infra.traces import load_trace, worker_targets
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)

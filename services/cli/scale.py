@@ -2,7 +2,7 @@
 
 Every `interval_s` it reads the figure from the coordinator's REST API (GET /v1/fleet: the
 active runs and the pool they want; or the run given), reads the replicas the engine holds, asks
-`core.scaler.decide` what to hold, and sets it on the engine (`scale_targets`: a Kubernetes
+`scale_decision.decide` what to hold, and sets it on the engine (`scale_targets`: a Kubernetes
 Deployment, a Swarm service, a Compose service), unless `dry_run`. One log line and one metric
 per decision. It runs until SIGTERM or SIGINT, or for one decision with `once`. It is for
 engines without their own autoscaler: where KEDA runs, the Helm chart scales on the
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from services.cli.environment import TOKEN_VARIABLE
+from services.cli.scale_decision import ScaleDecision, decide
 from services.cli.scale_settings import ScaleSettings
-from services.core.scaler import ScaleDecision, decide
 
 if TYPE_CHECKING:
     from services.cli.client import CoordinatorClient

@@ -3,7 +3,7 @@ them (`--metrics-port`). The metrics live in the process's default registry, onc
 
 from prometheus_client import Counter, Gauge, start_http_server
 
-from services.core.scaler import REASONS, ScaleDecision
+from services.cli.scale_decision import REASONS, ScaleDecision
 
 DECISIONS = Counter("spotrl_scale_decisions", "Scaling decisions, by reason", ["reason"])
 TARGET = Gauge("spotrl_scale_target_replicas", "Replicas the newest decision holds")

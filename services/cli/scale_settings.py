@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.core.scaler import MAX_REPLICAS, ScalePolicy, WhenUnknown
+from services.cli.scale_decision import MAX_REPLICAS, ScalePolicy, WhenUnknown
 
 if TYPE_CHECKING:
     from services.cli.scale_targets import ReplicaTarget

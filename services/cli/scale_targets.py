@@ -10,7 +10,7 @@ the engine's own mechanism and nothing else:
 - `ComposeService`: `docker compose ps` / `up --detach --no-recreate --no-deps --scale`.
 
 The command lines are built by plain functions (`swarm_*_command`, `compose_*_command`) so that
-they can be read and tested without an engine. Nothing here decides anything: `core.scaler`
+they can be read and tested without an engine. Nothing here decides anything: `scale_decision`
 does.
 """
 

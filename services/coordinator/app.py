@@ -22,8 +22,8 @@ from services.coordinator.data_plane_process import DataPlaneProcess
 from services.coordinator.read_model import ReadModel
 from services.coordinator.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
-from services.core.rate_limit import ClientBuckets
 from services.infra.http_limits import guard_input
+from services.infra.rate_limit import ClientBuckets
 from services.infra.read_limit import ReadLimit
 from services.infra.redis_streams import connect
 from services.infra.retry import brief

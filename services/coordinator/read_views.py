@@ -9,12 +9,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.contracts.fleet import fleet_figures
 from services.contracts.messages import Heartbeat
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec
 from services.coordinator.schemas import FleetPublic, RunPublic, WorkerPublic
 from services.core.call_errors import run_health
-from services.core.scaler import fleet_figures
 from services.infra.read_limit import etag_of
 from services.state.step_metrics import StepRow, call_counts, row_dict
 
@@ -117,7 +117,7 @@ def run_list(docs: list[RunDocs]) -> Doc:
 
 def fleet_doc(records: list[RunRecord]) -> Doc:
     """GET /v1/fleet from the records of the runs held (newest first): the live ones and the
-    pool they want (`core.scaler.fleet_figures`)."""
+    pool they want (`contracts.fleet.fleet_figures`)."""
     live = [record for record in records if record.state in LIVE_STATES]
     figures = fleet_figures([record.preemptible_wanted for record in live])
     fleet = FleetPublic(

@@ -19,12 +19,12 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Gauge, Histogram
 
+from services.contracts.fleet import FleetFigures, fleet_figures
 from services.contracts.runspec import LIVE_STATES
 from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.call_errors import CallCount
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
-from services.core.scaler import FleetFigures, fleet_figures
 from services.core.seeding import (
     PoolSizer,
     SeedingController,
@@ -316,7 +316,7 @@ async def adapt(
 
 async def publish_fleet(r: aioredis.Redis) -> FleetFigures:
     """Set the gauges of the active runs and the pool they want from their records in Redis
-    (`core.scaler.fleet_figures`): 0 and 0 with no run."""
+    (`contracts.fleet.fleet_figures`): 0 and 0 with no run."""
     run_id = await active_run(r)
     fields = ("state", "preemptible_wanted")
     record = await run_record.read(r, run_id, *fields) if run_id is not None else None

@@ -3,7 +3,7 @@ Retry-After and a short body, before the app does any work), and answers that a 
 revalidate for free (an ETag; `If-None-Match` with it answers 304 without a body).
 
 A client is its address (each dashboard, scraper or CLI loop its own); the budgets themselves
-are `services.core.rate_limit`. Writes are not limited here: they keep their own checks (the
+are `services.infra.rate_limit`. Writes are not limited here: they keep their own checks (the
 token, the body limits).
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from fastapi import Request, Response
 
-from services.core.rate_limit import ClientBuckets, retry_after_s
 from services.infra.http_limits import Receive, Scope, Send
+from services.infra.rate_limit import ClientBuckets, retry_after_s
 
 READ_METHODS = frozenset({"GET", "HEAD"})
 # OpenAPI `responses` of a read that carries an ETag (with `errors(429, ...)`)

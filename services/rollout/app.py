@@ -1,7 +1,7 @@
 """Rollout worker service: the worker's tasks plus health, metrics and status over HTTP.
 The lifespan starts the tasks and, on SIGTERM (the preemption notice, or a cloud's notice that
 `notice.NoticeWatcher` turns into one), releases what the worker holds before it goes, all of
-it within the grace period (`services.core.grace`). It holds no worker logic: that is
+it within the grace period (`services.rollout.grace`). It holds no worker logic: that is
 `worker.py` and its parts."""
 
 import asyncio
@@ -17,13 +17,13 @@ import torch
 from fastapi import FastAPI
 
 from services.contracts import keys
-from services.core.grace import LeavingPlan, plan_leaving
 from services.infra.cancel import cancel_and_wait
 from services.infra.gpu import bound_gpu_memory
 from services.infra.http_limits import guard_input
 from services.infra.redis_streams import connect
 from services.infra.retry import brief
 from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, tokens_of
+from services.rollout.grace import LeavingPlan, plan_leaving
 from services.rollout.notice import NoticeWatcher
 from services.rollout.redis_login import RedisLogin
 from services.rollout.settings import RolloutSettings

@@ -16,8 +16,8 @@ from typing import Literal
 import redis.asyncio as aioredis
 
 from services.contracts.messages import Job
-from services.core.delta_buffer import DeltaBuffer
 from services.core.plateau import PlateauEstimator
+from services.rollout.delta_buffer import DeltaBuffer
 from services.rollout.engines.base import Engine
 from services.rollout.settings import RolloutSettings
 

@@ -28,11 +28,11 @@ from services.contracts.messages import (
     StreamFields,
 )
 from services.core.collect import split_by_shard
-from services.core.delta_buffer import Flush
 from services.core.request_table import step_of
 from services.infra.redis_streams import with_reconnect
 from services.infra.signing import SIGNATURE_FIELD, sign
 from services.rollout.context import WorkerContext
+from services.rollout.delta_buffer import Flush
 
 log = logging.getLogger(__name__)
 FLUSHES = Counter("spotrl_rollout_flushes_total", "Delta batches sent")

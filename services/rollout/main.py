@@ -21,7 +21,7 @@ def main() -> None:
         settings,
         settings.port,
         # open HTTP requests (status, metrics) get little: the lifespan's leaving, which must
-        # fit in the grace period (services.core.grace), starts only once they are done
+        # fit in the grace period (services.rollout.grace), starts only once they are done
         min(HTTP_CLOSE_MAX_S, HTTP_CLOSE_SHARE * settings.preempt_grace_s),
     )
 

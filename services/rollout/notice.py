@@ -3,7 +3,7 @@ metadata service (`cloud_notice`) and, once the VM is to be preempted, takes the
 SIGTERM, the notice every engine gives: it raises SIGTERM in its own process, so uvicorn's
 shutdown runs the lifespan's `leave_with_notice`.
 
-What to ask and what an answer means is `services.core.cloud_notice`; this is the shell that
+What to ask and what an answer means is `services.rollout.cloud_notice`; this is the shell that
 sends the requests. An error of the metadata service (unreachable, slow, garbage) is logged,
 paced, and tried again at the next poll: it never stops the worker. Answers are read up to a
 bound, and each poll has a deadline.
@@ -18,7 +18,8 @@ from datetime import UTC, datetime
 
 import httpx
 
-from services.core.cloud_notice import (
+from services.infra.retry import brief
+from services.rollout.cloud_notice import (
     AWS_TOKEN_TTL_S,
     DEFAULT_BASE_URLS,
     MAX_ANSWER_BYTES,
@@ -39,7 +40,6 @@ from services.core.cloud_notice import (
     read_azure_name,
     read_gcp_preempted,
 )
-from services.infra.retry import brief
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)

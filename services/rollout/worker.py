@@ -7,7 +7,7 @@ flushes token deltas every few tokens. One asyncio task talks to Redis; one driv
 - `weight_loader.VersionLoader`: pulls and loads a version;
 - `generation.Generator`: the generation task (admission, decode steps);
 - `control.Control`: the coordinator's orders (abort, release, pause);
-- `flusher.Flusher` over `services.core.delta_buffer.DeltaBuffer`: deltas, releases, acks;
+- `flusher.Flusher` over `services.rollout.delta_buffer.DeltaBuffer`: deltas, releases, acks;
 - `crash.CrashReporter`: a task that dies of an error reports the crash first;
 - `presence`: registration and heartbeat; `redis_login.RedisLogin`: Redis connections wait for
   the registration and log in as it says.

@@ -32,7 +32,7 @@ coordinator or of Redis at 32K requests a step.
 import math
 from dataclasses import dataclass, replace
 
-from services.core.traces import TracePoint, worker_targets
+from services.infra.traces import TracePoint, worker_targets
 from services.sim.compare import summarize
 from services.sim.scenario import Scenario
 from services.sim.simulation import Simulation

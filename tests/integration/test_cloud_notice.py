@@ -26,7 +26,7 @@ from services.cli import procs
 from services.cli.audit import audit_run
 from services.cli.procs import Proc
 from services.contracts.runspec import RunSpec
-from services.core.cloud_notice import MAX_ANSWER_BYTES, Notice
+from services.rollout.cloud_notice import MAX_ANSWER_BYTES, Notice
 from services.rollout.notice import NoticeWatcher
 from services.rollout.settings import RolloutSettings
 from tests.integration.conftest import (

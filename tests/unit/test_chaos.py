@@ -3,7 +3,7 @@ import random
 import pytest
 
 from services.cli.chaos import held, plan
-from services.core.traces import TraceError, TracePoint, load_trace, worker_targets
+from services.infra.traces import TraceError, TracePoint, load_trace, worker_targets
 
 TRACES = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / "traces"
 

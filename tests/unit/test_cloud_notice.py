@@ -1,4 +1,4 @@
-"""The cloud notice parsers (services.core.cloud_notice): each cloud's notice, its absence, and
+"""The cloud notice parsers (services.rollout.cloud_notice): each cloud's notice, its absence, and
 garbage, which is a clear MetadataError and never a notice; the paced error log."""
 
 import json
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from services.core.cloud_notice import (
+from services.rollout.cloud_notice import (
     MAX_ANSWER_BYTES,
     ErrorPace,
     MetadataError,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import msgspec
 
 from services.contracts.messages import RequestLease
-from services.core.delta_buffer import DeltaBuffer
+from services.rollout.delta_buffer import DeltaBuffer
 from tests.conftest import make_job
 
 

@@ -1,8 +1,8 @@
-"""How a leaving worker splits its grace period (services.core.grace)."""
+"""How a leaving worker splits its grace period (services.rollout.grace)."""
 
 import pytest
 
-from services.core.grace import plan_leaving
+from services.rollout.grace import plan_leaving
 
 
 @pytest.mark.parametrize("grace_s", [0.1, 3.0, 25.0, 120.0, 600.0])

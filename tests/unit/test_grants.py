@@ -7,9 +7,9 @@ grant of the job it read (`DeltaBuffer`)."""
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
 from services.contracts.sampling import SamplingParams
 from services.core.collect import CollectRules, apply_batches
-from services.core.delta_buffer import DeltaBuffer
 from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import Applied
+from services.rollout.delta_buffer import DeltaBuffer
 from tests.conftest import make_job
 from tests.unit.test_collect import replace_step
 from tests.unit.test_delta_buffer import Tok

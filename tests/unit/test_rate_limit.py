@@ -1,8 +1,8 @@
-"""Per-client read budgets (services.core.rate_limit): a burst, then the rate; clients apart."""
+"""Per-client read budgets (services.infra.rate_limit): a burst, then the rate; clients apart."""
 
 import pytest
 
-from services.core.rate_limit import ClientBuckets, retry_after_s
+from services.infra.rate_limit import ClientBuckets, retry_after_s
 
 
 def test_a_client_gets_its_burst_then_its_rate():

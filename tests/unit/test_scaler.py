@@ -1,6 +1,6 @@
-"""The scaler's pure decision (`core.scaler.decide`), table-driven, with no run and with runs; the
-deployment's figures from its active runs (`core.scaler.fleet_figures`); the command lines
-`spotrl scale` gives Swarm and Compose; its settings' validation."""
+"""The scaler's pure decision (`cli.scale_decision.decide`), table-driven, with no run and with
+runs; the deployment's figures from its active runs (`contracts.fleet.fleet_figures`); the command
+lines `spotrl scale` gives Swarm and Compose; its settings' validation."""
 
 import subprocess
 import sys
@@ -10,6 +10,20 @@ import pytest
 from pydantic import ValidationError
 
 from services.cli.scale import one_line
+from services.cli.scale_decision import (
+    DOWN,
+    DOWN_NO_RUN,
+    HOLD_AT_MAX,
+    HOLD_AT_MIN,
+    HOLD_COOLDOWN,
+    HOLD_NO_FIGURE,
+    HOLD_NO_RUN,
+    HOLD_STEADY,
+    UP,
+    BoundsError,
+    ScalePolicy,
+    decide,
+)
 from services.cli.scale_settings import ScaleSettings
 from services.cli.scale_targets import (
     ComposeService,
@@ -23,22 +37,7 @@ from services.cli.scale_targets import (
     swarm_inspect_command,
     swarm_scale_command,
 )
-from services.core.scaler import (
-    DOWN,
-    DOWN_NO_RUN,
-    HOLD_AT_MAX,
-    HOLD_AT_MIN,
-    HOLD_COOLDOWN,
-    HOLD_NO_FIGURE,
-    HOLD_NO_RUN,
-    HOLD_STEADY,
-    UP,
-    BoundsError,
-    FleetFigures,
-    ScalePolicy,
-    decide,
-    fleet_figures,
-)
+from services.contracts.fleet import FleetFigures, fleet_figures
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, up_cooldown_s=30, down_cooldown_s=120)
 MAX_WHEN_UNKNOWN = ScalePolicy(1, 8, 30, 120, when_unknown="max")

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.core.traces import TracePoint
+from services.infra.traces import TracePoint
 from services.sim.engine import SimEngine
 from services.sim.fleet import FLEET_SYSTEM_CHOICES as CHOICES
 from services.sim.fleet import CrossRegion, FleetShape, run_fleet

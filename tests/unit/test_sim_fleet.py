@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.core.traces import TracePoint, load_trace
+from services.infra.traces import TracePoint, load_trace
 from services.sim.fleet import FLEET_SYSTEMS, FleetShape, fleet_scenario, fleet_targets, run_fleet
 from services.sim.profile import QWEN3_14B
 from services.sim.scenario import TransferModel, paper_14b

@@ -1,21 +1,17 @@
 """The scaler's decision: how many preemptible rollout replicas to hold, given whether a run is
-active, the coordinator's `preemptible_wanted`, the replicas running now, bounds and cooldowns;
-and the deployment's figures a scaler reads (`fleet_figures`: the active runs and the pool they
-want). Pure: no clock of its own, no engine, no HTTP; `services.cli.scale` is the shell that
-reads the figure, calls `decide` and applies the target to Kubernetes, Swarm or Compose, and
-`coordinator.step_record` publishes the fleet's figures as gauges.
+active, the coordinator's `preemptible_wanted`, the replicas running now, bounds and cooldowns.
+Pure: no clock of its own, no engine, no HTTP; `services.cli.scale` is the shell that reads the
+figure, calls `decide` and applies the target to Kubernetes, Swarm or Compose. The figures it
+reads, and what 0 and null mean, are `services.contracts.fleet` (the coordinator publishes them).
 
 No run at all is not "no figure": with no active run (the coordinator's `runs_active` is 0, or
 the run followed has ended) the pool goes to its lower bound (`min_replicas`, reason "down: no
 run"), since nothing would use it; a run that has no figure yet holds as below.
 
-What `preemptible_wanted` means (`core.seeding.PoolSizer`, `coordinator.step_record`): N_prem
-with headroom, at least 1, once a step is trained; null before (the run's status says "hold what
-you can get"). The gauge `spotrl_coordinator_preemptible_wanted` writes that null as 0 ("0:
-all"), so 0, wherever it was read, means the same as null: no figure. With no figure the scaler
-keeps the replicas it finds (`when_unknown="hold"`, the default: the operator's own count), or
-goes to the upper bound (`"max"`: every instance the bounds allow, what the simulator and `spotrl
-up --trace` do with no figure).
+With no figure (null, or the gauge's 0: `contracts.fleet.known_figure`) the scaler keeps the
+replicas it finds (`when_unknown="hold"`, the default: the operator's own count), or goes to the
+upper bound (`"max"`: every instance the bounds allow, what the simulator and `spotrl up
+--trace` do with no figure).
 
 Cooldowns count from the scaler's last change of the replica count, in either direction: a
 change up waits `up_cooldown_s` after it, a change down `down_cooldown_s` (shrinking hands back
@@ -23,9 +19,10 @@ instances whose 90 s boot was already paid, so it is usually the longer one). Bo
 before the cooldown: a count outside them is brought inside, still after its cooldown.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from services.contracts.fleet import known_figure
 
 WhenUnknown = Literal["hold", "max"]
 
@@ -92,33 +89,6 @@ class ScaleDecision:
     @property
     def changes(self) -> bool:
         return self.target != self.current
-
-
-def known_figure(wanted: int | None) -> int | None:
-    """The figure a scaler can follow: None for null and for 0 (the gauge's null)."""
-    if wanted is None or wanted <= 0:
-        return None
-    return wanted
-
-
-@dataclass(frozen=True)
-class FleetFigures:
-    """What a deployment's scaler reads from its coordinator (the gauges
-    `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`, and
-    GET /v1/fleet)."""
-
-    runs_active: int  # runs running or stalled (0: none, the pool goes to its minimum)
-    preemptible_wanted: int  # the pool they want (0: no figure, or no run)
-
-
-def fleet_figures(wanted_by_run: Sequence[int | None]) -> FleetFigures:
-    """The figures of the active runs, given each one's `preemptible_wanted` (None: none yet).
-    The pool wanted is their sum; 0 with no run, and while any active run has no figure yet: the
-    scaler holds what runs until every run has said what it wants."""
-    figures = [known_figure(w) for w in wanted_by_run]
-    known = [f for f in figures if f is not None]
-    wanted = sum(known) if len(known) == len(figures) else 0
-    return FleetFigures(runs_active=len(figures), preemptible_wanted=wanted)
 
 
 def decide(
