@@ -68,7 +68,7 @@ up: setup
 # before pytest's closing line, each group of tests that lacks one and the target that installs it
 # (setup-docker, setup-browser; as root).
 test: setup-vllm setup-chart
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=30
 
 # The same tests in a random order (pytest-randomly); SEED=<n> repeats an order.
 test-random: setup-vllm
@@ -78,7 +78,7 @@ test-random: setup-vllm
 	$(PY) -m pytest -q -p randomly --randomly-seed=$$seed
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 # `docker compose up`, for real (tests/compose): its own dockerd, the image built offline, the
 # stack on the host's network; needs root. Part of `make test` too. Its JSON summary comes last.

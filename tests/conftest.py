@@ -91,10 +91,50 @@ def apply_held(table, batches, rules):
     return apply_batches(table, [granted_batch(table, b) for b in batches], rules)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    from tests.harness import parallel
+
+    root = Path(__file__).parent
     for item in items:
-        if SLOW_FOLDERS & set(Path(str(item.fspath)).relative_to(Path(__file__).parent).parts):
+        path = Path(str(item.fspath))
+        if SLOW_FOLDERS & set(path.relative_to(root).parts):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(parallel.group_of(path, root)))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the controller prints the skip report from what the workers
+    collected (`tests/harness/parallel.py`)."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        import tempfile
+
+        config.pluginmanager.register(_WorkerGroups(tempfile.mkdtemp(prefix="spotrl-groups-")))
+
+
+class _WorkerGroups:
+    """The controller's side of the skip report when workers collect the tests."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.said = folder, False
+
+    def pytest_configure_node(self, node):
+        node.workerinput["spotrl_groups"] = self.folder
+
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        from tests.harness import parallel
+
+        if not self.said:  # every worker collects the same tests: said once
+            self.said = True
+            groups = parallel.read_groups(self.folder)
+            node.config.stash[SKIP_GROUPS] = groups
+            _say_start(node.config, groups)
+
+    @pytest.hookimpl(tryfirst=True)  # before the report reads them
+    def pytest_terminal_summary(self, terminalreporter, config):
+        from tests.harness import parallel
+
+        config.stash[SKIP_GROUPS] = parallel.read_groups(self.folder)
 
 
 # The skip report (tests/harness/skip_report.py): the groups this machine cannot run, said
@@ -114,14 +154,26 @@ def pytest_collection_finish(session):
         )
         for item in session.items
     }
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:  # a pytest-xdist worker: the controller says it
+        from tests.harness import parallel
+
+        parallel.write_groups(worker["spotrl_groups"], worker["workerid"], groups)
+        return
     session.config.stash[SKIP_GROUPS] = groups
+    _say_start(session.config, groups)
+
+
+def _say_start(config, groups):
+    from tests.harness import skip_report
+
     counts: dict[str, int] = {}
     for name in groups.values():
         if name is not None:
             counts[name] = counts.get(name, 0) + 1
     ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
     lines = skip_report.start_lines(skip_report.missing_by_group(counts), counts, ci)
-    _write_block(session.config, "spotrl: groups of tests this machine lacks tools for", lines)
+    _write_block(config, "spotrl: groups of tests this machine lacks tools for", lines)
 
 
 def pytest_terminal_summary(terminalreporter, config):
