@@ -71,7 +71,7 @@ from services.contracts.messages import DeltaBatch, DeltaItem
 from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.reward_runner import open_runner
-from services.coordinator.runs import RunStore
+from services.coordinator.run.runs import RunStore
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectRules
 from services.core.request_table import RequestTable

@@ -6,7 +6,7 @@ no other worker can guess, so none can read (XREADGROUP from 0) the jobs pending
 learn their grants. The coordinator counts a consumer's jobs as its worker's (`consumer_worker`).
 """
 
-SECRET_MARK = "#"  # no worker id holds it (coordinator.schemas.WorkerCreate)
+SECRET_MARK = "#"  # no worker id holds it (coordinator.api.schemas.WorkerCreate)
 
 
 def jobs_consumer(worker_id: str, secret: str = "") -> str:

@@ -1,7 +1,7 @@
 """Coordinator: the control plane. The REST API for runs and workers, the dashboard and the
-metrics, answered from the read model (`read_model`), in this process; the scheduler, the rollout
-managers and the observer run in the data plane (`data_plane`), a child process this one starts,
-so that no read runs on the event loop that ingests token deltas.
+metrics (`api`), answered from the read model (`api.read_model`), in this process; the
+scheduler, the rollout managers and the observer run in the data plane (`data_plane`), a child
+process this one starts, so that no read runs on the event loop that ingests token deltas.
 
 Reads (GET) are limited per client (`read_rate_per_s`, `read_burst`: 429 past them) and carry an
 ETag (304 to a poller that has the answer). Writes go to Redis with their checks, as before.
@@ -17,10 +17,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.coordinator import dashboard, routes_fleet, routes_runs, routes_workers
+from services.coordinator.api.read_model import ReadModel
+from services.coordinator.api.routes import (
+    add_dashboard,
+    fleet_router,
+    runs_router,
+    workers_router,
+)
 from services.coordinator.data_plane_process import DataPlaneProcess
-from services.coordinator.read_model import ReadModel
-from services.coordinator.runs import RunStore
+from services.coordinator.run.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.infra.http_limits import guard_input
 from services.infra.rate_limit import ClientBuckets
@@ -109,8 +114,8 @@ def build_app(settings: CoordinatorSettings) -> FastAPI:
 
     for error in (RedisConnectionError, RedisTimeoutError, OutOfMemoryError):
         app.add_exception_handler(error, redis_down)
-    app.include_router(routes_runs.build_router(store, model, auth, settings))
-    app.include_router(routes_workers.build_router(r, model, auth, settings.worker_redis_users))
-    app.include_router(routes_fleet.build_router(model, auth))
-    dashboard.add_dashboard(app)
+    app.include_router(runs_router(store, model, auth, settings))
+    app.include_router(workers_router(r, model, auth, settings.worker_redis_users))
+    app.include_router(fleet_router(model, auth))
+    add_dashboard(app)
     return app

@@ -19,10 +19,10 @@ import signal
 from prometheus_client import start_http_server
 
 from services.coordinator.data_plane_process import PARENT_ENV, PORT_FD_ENV, SETTINGS_ENV
-from services.coordinator.observer import Observer
-from services.coordinator.runs import RunStore
+from services.coordinator.run.runs import RunStore
 from services.coordinator.scheduler import schedule_runs
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.workers.observer import Observer
 from services.infra import stack_dump
 from services.infra.lifeline import die_with_parent
 from services.infra.logs import setup_logging

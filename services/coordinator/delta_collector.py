@@ -30,11 +30,11 @@ from services.coordinator.episode_shell import EpisodeShell
 from services.coordinator.migration import count_migrations, fence
 from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
-from services.coordinator.runs import RunStore
+from services.coordinator.run.runs import RunStore
 from services.coordinator.step_record import ShardSummary
 from services.coordinator.step_store import StepStore
 from services.coordinator.user_failures import FailureLog
-from services.coordinator.worker_keys import WorkerKeys
+from services.coordinator.workers.keys import WorkerKeys
 from services.core.collect import CollectOutcome
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
@@ -139,7 +139,7 @@ class DeltaCollector:
     ) -> None:
         """Of the requests of coordinator shard `shard` (`contracts.shards`), read from its own
         deltas stream. With `signatures` (`worker_redis_users` on), a batch not signed by the
-        worker it names is parked, never applied (`worker_keys.py`)."""
+        worker it names is parked, never applied (`workers/keys.py`)."""
         self.r, self.run_id, self.spec, self.runs = r, run_id, spec, runs
         self.signatures = signatures
         self.tokenizer, self.stop_ids, self.rewards = tokenizer, stop_ids, rewards

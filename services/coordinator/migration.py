@@ -25,7 +25,7 @@ from services.contracts.messages import (
     WorkerControl,
 )
 from services.coordinator.step_store import StepStore
-from services.coordinator.worker_keys import WorkerKeys
+from services.coordinator.workers.keys import WorkerKeys
 from services.core.reclaim import Reclaim, expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
 from services.infra.redis_streams import text

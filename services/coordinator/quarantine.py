@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from services.contracts.runspec import RunSpec
-from services.coordinator.runs import RunFailed
+from services.coordinator.run.runs import RunFailed
 from services.coordinator.scheduling import crash_reports
 from services.core.request_table import RequestTable
 from services.state import timeline

@@ -17,7 +17,7 @@ from services.coordinator.shard_group import ShardProcesses
 from services.coordinator.step_follower import StepFollower
 from services.coordinator.step_leader import StepLeader
 from services.coordinator.step_shard import StepShard
-from services.coordinator.worker_keys import WorkerKeys
+from services.coordinator.workers.keys import WorkerKeys
 
 
 class RunManager:

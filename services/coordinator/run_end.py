@@ -4,8 +4,7 @@ manager wrote after its run ended."""
 
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
-from services.coordinator import cleanup
-from services.coordinator.runs import RunStore
+from services.coordinator.run.runs import RunStore, release_run
 from services.infra.http_limits import clip
 from services.state import run_record
 
@@ -26,6 +25,6 @@ async def ended_as(store: RunStore, run_id: str) -> str | None:
 
 async def settle(store: RunStore, run_id: str, state: str) -> None:
     """The manager of a run that ended under it has stopped: drop what it wrote meanwhile."""
-    await cleanup.release_run(store.r, run_id, state, store.audit_ttl_s)
+    await release_run(store.r, run_id, state, store.audit_ttl_s)
     if await store.active() == run_id:
         await store.r.delete(keys.ACTIVE_RUN)

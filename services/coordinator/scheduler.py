@@ -14,8 +14,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
 from services.coordinator.rollout_manager import RunManager
+from services.coordinator.run.runs import RunFailed, RunStore
 from services.coordinator.run_end import ended_as, failure_text, settle
-from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.step_record import publish_fleet
 from services.infra.redis_streams import with_reconnect

@@ -31,8 +31,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
 from services.coordinator.rollout_manager import RunManager
+from services.coordinator.run.runs import RunFailed, RunStore
 from services.coordinator.run_end import ended_as, failure_text
-from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.shard_group import PARENT_ENV, SETTINGS_ENV
 from services.infra import tls

@@ -11,7 +11,7 @@ from prometheus_client import Counter
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat
-from services.coordinator.runs import RunFailed, RunStore
+from services.coordinator.run.runs import RunFailed, RunStore
 from services.coordinator.scheduling import crash_reports, registered_workers
 from services.core.stall import (
     Action,

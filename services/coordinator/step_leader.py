@@ -21,7 +21,7 @@ from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.open_step import OpenStep, StepDone
-from services.coordinator.runs import RunFailed
+from services.coordinator.run.runs import RunFailed
 from services.coordinator.scheduling import CAP_TTL_S, StepScheduler, heartbeats
 from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardProcesses, ShardView

@@ -21,7 +21,6 @@ from prometheus_client import Gauge, Histogram
 
 from services.contracts.fleet import FleetFigures, fleet_figures
 from services.contracts.runspec import LIVE_STATES
-from services.coordinator.memory import RedisMemory, run_streams, stream_lengths
 from services.core.call_errors import CallCount
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
@@ -33,6 +32,7 @@ from services.core.seeding import (
     train_compute_s,
 )
 from services.state import run_record, timeline
+from services.state.redis_figures import RedisMemory, run_streams, stream_lengths
 from services.state.run_state import active_run
 from services.state.step_metrics import StepRow, read_step, record_step
 

@@ -11,7 +11,7 @@ and records the step; a follower reports its part of the step to the leader (`Sh
 The run's task (its dataset read and checked, `services.tasks`) is loaded when the run starts, off
 the event loop, and its reward runner (`reward_runner.py`: reward processes for a reward that may
 hang) lives as long as the run. No step is queued while Redis is near its memory limit
-(`memory.py`).
+(`run/memory.py`).
 """
 
 import abc
@@ -31,14 +31,14 @@ from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from services.coordinator.delta_collector import DeltaCollector, LiveStep
 from services.coordinator.episode_shell import EpisodeShell, open_environment
-from services.coordinator.memory import MemoryGate
 from services.coordinator.open_step import OpenStep, StepDone, stop_token_ids
 from services.coordinator.reward_runner import open_runner
+from services.coordinator.run.memory import MemoryGate
 from services.coordinator.scheduling import count_pools, heartbeats
 from services.coordinator.settings import EnvironmentLimits
 from services.coordinator.shard_group import ShardView
 from services.coordinator.step_store import StepStore
-from services.coordinator.worker_keys import WorkerKeys
+from services.coordinator.workers.keys import WorkerKeys
 from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable

@@ -1,7 +1,9 @@
 """A rollout worker's registration (`keys.worker`, `contracts.records.WorkerRecord`): every
 read and write of that hash. The coordinator writes it as a worker registers, and marks when
 it first saw the worker gone (no heartbeat: `gone_since`) so that a worker gone for long is
-forgotten. Whether a worker is alive is its heartbeat, not this record."""
+forgotten. Whether a worker is alive is its heartbeat, not this record. A registration and a
+forgetting each write the record with the worker index (and its signing key) in one
+transaction."""
 
 from collections.abc import Iterable
 from typing import cast
@@ -44,6 +46,29 @@ async def read_many(r: aioredis.Redis, worker_ids: Iterable[str]) -> dict[str, W
 def stage_register(pipe: Pipeline | StagedWrites, record: WorkerRecord) -> None:
     """Write a worker's registration (its set fields) on a transaction."""
     pipe.hset(keys.worker(record.id), mapping=mapping(record.fields()))
+
+
+async def register(r: aioredis.Redis, record: WorkerRecord, signing_key: str | None) -> None:
+    """Register a worker in one transaction: its record, its place in the worker index, a new
+    incarnation (its leaving mark dropped) and, where workers get one, its signing key."""
+    async with r.pipeline(transaction=True) as pipe:
+        stage_register(pipe, record)
+        pipe.sadd(keys.WORKER_INDEX, record.id)
+        pipe.delete(keys.worker_leaving(record.id))
+        if signing_key is not None:
+            pipe.hset(keys.WORKER_KEYS, record.id, signing_key)
+        await pipe.execute()
+
+
+async def forget(r: aioredis.Redis, worker_id: str, drop_key: bool) -> None:
+    """Remove a worker in one transaction: its record, its control stream, its place in the
+    worker index and, with `drop_key`, its signing key."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.worker(worker_id), keys.worker_control(worker_id))
+        pipe.srem(keys.WORKER_INDEX, worker_id)
+        if drop_key:
+            pipe.hdel(keys.WORKER_KEYS, worker_id)
+        await pipe.execute()
 
 
 async def mark_gone(

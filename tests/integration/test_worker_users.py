@@ -29,7 +29,7 @@ from services.contracts import keys
 from services.contracts.messages import FIELD, DeltaBatch, DeltaItem, Heartbeat, Job
 from services.contracts.runspec import RunSpec
 from services.contracts.shards import shard_of
-from services.coordinator.worker_keys import COORDINATOR, WorkerKeys
+from services.coordinator.workers.keys import COORDINATOR, WorkerKeys
 from services.infra.redis_streams import Read, connect, read_entries
 from services.infra.signing import SIGNATURE_FIELD, key_bytes, new_key, registration_proof, sign
 from services.infra.tls import ca_verify

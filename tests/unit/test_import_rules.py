@@ -4,8 +4,8 @@ no service, nor do the pure modules that live beside the shell that uses them (e
 the contract), the simulator imports no shell, the shared packages are layered (contracts and
 core at the bottom, then infra and tasks, then state and weights, then the services), no service
 imports another, no runtime module imports the test harness, and the coordinator's modules are
-layered (entry point, control plane, scheduler, the step's leader and follower, the shells, the
-run records). The second test shows that the same contracts catch a broken rule."""
+layered, as are its wings (app, api, run, step, scoring and workers, settings). The second test
+shows that the same contracts catch a broken rule."""
 
 import subprocess
 import sys
@@ -19,13 +19,13 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 # the modules the coordinator-layers contract names (each layer must exist)
 COORDINATOR_LAYERS = (
-    *("main", "app", "routes_runs", "routes_workers", "dashboard", "read_model", "read_views"),
+    *("main", "app", "api.routes", "api.read_model"),
     *("data_plane", "data_plane_process", "scheduler", "shard", "rollout_manager"),
     *("step_leader", "step_follower", "step_shard", "open_step", "delta_collector"),
     "scheduling",
-    *("stall_watch", "memory", "quarantine", "migration", "step_record", "step_store"),
-    *("step_log", "reward_runner", "reward_worker", "reward_protocol", "observer"),
-    *("shard_group", "runs", "run_end", "settings", "schemas", "cleanup"),
+    *("stall_watch", "run.memory", "quarantine", "migration", "step_record", "step_store"),
+    *("step_log", "reward_runner", "reward_worker", "reward_protocol", "workers.observer"),
+    *("shard_group", "run.runs", "run_end", "settings", "api.schemas"),
 )
 
 
@@ -91,20 +91,22 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
     write(tmp_path, "services.rollout.worker", "from services.trainer import loop\n")
     write(tmp_path, "services.state.ledger", "import tests.harness.deploy\n")
     write(tmp_path, "services.infra.cancel", "from services.weights import transfer\n")
-    write(tmp_path, "services.coordinator.runs", "from services.coordinator import scheduler\n")
+    write(tmp_path, "services.coordinator.run.runs", "from services.coordinator import scheduler\n")
+    write(tmp_path, "services.coordinator.workers.keys", "from services.coordinator import api\n")
     write(tmp_path, "tests.harness.deploy")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
     out = lint_imports(tmp_path, env)
     assert out.returncode == 1, out.stdout + out.stderr
     report = out.stdout
-    assert "0 kept, 7 broken" in report, report
+    assert "0 kept, 8 broken" in report, report
     assert "services.core.balancer -> redis" in report
     assert "services.rollout.grace -> httpx" in report
     assert "services.sim.steps -> services.coordinator.app" in report
     assert "services.rollout.worker -> services.trainer.loop" in report
     assert "services.state.ledger -> tests" in report
     assert "services.infra.cancel -> services.weights.transfer" in report
-    assert "services.coordinator.runs -> services.coordinator.scheduler" in report
+    assert "services.coordinator.run.runs -> services.coordinator.scheduler" in report
+    assert "services.coordinator.workers.keys -> services.coordinator.api" in report
 
 
 def test_no_module_of_services_is_in_an_import_cycle():

@@ -14,8 +14,8 @@ from services.contracts.runspec import (
     TaskFileError,
     check_text_file,
 )
-from services.coordinator.cleanup import audit_keys, scratch_keys
-from services.coordinator.routes_runs import over_step_caps
+from services.coordinator.api.routes import over_step_caps
+from services.coordinator.run.runs import audit_keys, scratch_keys
 from services.coordinator.run_end import failure_text
 from services.infra.http_limits import (
     MAX_ERROR_BODY_BYTES,

@@ -3,8 +3,9 @@
 import msgspec
 
 from services.contracts.messages import Group, Response
-from services.coordinator.memory import MIB, MemoryReading, pressure
+from services.coordinator.run.memory import pressure
 from services.state.ledger import StepLedger, bitmap_members
+from services.state.redis_figures import MIB, MemoryReading
 
 
 def group(p: int, tokens: list[list[int]], quarantined: bool = False) -> Group:

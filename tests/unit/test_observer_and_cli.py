@@ -9,7 +9,7 @@ import pytest
 
 from services.cli.follow import event_line, progress_info
 from services.contracts.messages import Heartbeat
-from services.coordinator.observer import RateTracker, pool_rates
+from services.coordinator.workers.observer import RateTracker, pool_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 

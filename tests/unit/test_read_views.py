@@ -1,4 +1,4 @@
-"""What the read model serves (services.coordinator.read_views): a run's answers from what
+"""What the read model serves (services.coordinator.api.read_model): a run's answers from what
 Redis holds, timeline pages from the held entries, the worker list, the fleet's figures."""
 
 import json
@@ -6,7 +6,7 @@ import json
 from services.contracts.messages import Heartbeat
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import RunSpec
-from services.coordinator.read_views import (
+from services.coordinator.api.read_model import (
     FINAL_SETTLE_S,
     Entries,
     RunInputs,

@@ -22,7 +22,7 @@ from services.contracts.runspec import (
     place_of,
 )
 from services.contracts.sampling import SamplingParams
-from services.coordinator.routes_runs import build_router
+from services.coordinator.api.routes import runs_router
 from services.coordinator.settings import CoordinatorSettings
 from services.core.request_table import RequestTable
 from services.infra.http_limits import guard_input
@@ -152,7 +152,7 @@ def test_a_422_names_the_place_of_the_field():
     settings = CoordinatorSettings(api_token=None)
     app = FastAPI()
     guard_input(app, None, settings.max_body_bytes)
-    app.include_router(build_router(None, None, Auth(), settings))  # type: ignore[arg-type]
+    app.include_router(runs_router(None, None, Auth(), settings))  # type: ignore[arg-type]
     with TestClient(app) as client:
         for body in (
             {"model": "/m", "sampling": {"temperature": 11}},

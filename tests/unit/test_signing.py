@@ -1,10 +1,10 @@
 """Signed delta batches (issue 41, part 4), the pure parts: the HMAC itself, which entries the
-coordinator refuses and why (`coordinator.worker_keys.refusals`), what a worker reads from its
+coordinator refuses and why (`coordinator.workers.keys.refusals`), what a worker reads from its
 registration's answer and what the coordinator's answer holds when it mints nothing."""
 
 from services.contracts.messages import FIELD, DeltaBatch
-from services.coordinator.schemas import WorkerRegistered
-from services.coordinator.worker_keys import COORDINATOR, refusals
+from services.coordinator.api.schemas import WorkerRegistered
+from services.coordinator.workers.keys import COORDINATOR, refusals
 from services.infra.signing import SIGNATURE_FIELD, key_bytes, new_key, sign, verify
 from services.rollout.presence import Registration
 

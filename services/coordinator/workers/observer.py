@@ -20,10 +20,10 @@ from redis.exceptions import ResponseError
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat
-from services.coordinator.memory import MIB, RedisMemory, run_streams, stream_lengths
 from services.coordinator.scheduling import forget_gone_workers, heartbeats
 from services.infra.redis_streams import text, with_reconnect
 from services.state import timeline
+from services.state.redis_figures import MIB, RedisMemory, run_streams, stream_lengths
 from services.state.run_state import active_run, committed_version
 
 log = logging.getLogger(__name__)
