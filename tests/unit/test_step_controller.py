@@ -4,10 +4,9 @@ heartbeats, counts and a clock, with no Redis (the shell is `coordinator/schedul
 import math
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
-from services.contracts.sampling import SamplingParams
 from services.core.balancer import ReleaseGate, WorkerLoad
-from services.core.request_table import RequestTable
 from services.core.step_controller import StepController, balance_orders, route_deltas, serving
+from tests import factories
 from tests.conftest import granted_batch
 
 RUN, STEP = "run", 2
@@ -29,7 +28,7 @@ def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heart
 
 def control(window_s: float = 5.0, fair_reads: bool = True) -> StepController:
     """A step's controller whose step opens (`start`) at 0 with a window of `window_s`."""
-    table = RequestTable(RUN, STEP, STEP, [[1, 2]] * 8, 2, SamplingParams(max_new_tokens=4), 1, [0])
+    table = factories.table(8, 2, 4, run_id=RUN, step=STEP, seed=1)
     return StepController(table, fair_reads=fair_reads, window_s=window_s)
 
 
