@@ -24,14 +24,16 @@ from tests.harness.deploy import Deployment, DeploymentConfig
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    """One reserved and one preemptible worker; a test module overrides this for its own."""
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("deploy"),
-        reserved=1,
-        preemptible=1,
-        worker_slots=16,
-        flush_tokens=2,
-    )
+    """One reserved and one preemptible worker; a test module overrides this for its own (with
+    `deploy_config`)."""
+    return deploy_config(tmp_path_factory.mktemp("deploy"))
+
+
+def deploy_config(folder: Path, **over) -> DeploymentConfig:
+    """The tests' deployment in `folder`: one reserved and one preemptible worker of 16 slots
+    that flush every 2 tokens, with `over` (any `DeploymentConfig` field) on top. Every test
+    module's `deployment_config` is built here."""
+    return DeploymentConfig(folder, **({"worker_slots": 16, "flush_tokens": 2} | over))
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +75,10 @@ def short_heartbeat_config(
 ) -> DeploymentConfig:
     """`preemptible` preemptible workers of 4 slots, no reserved one, with a short heartbeat
     (short_heartbeat_env): for tests that kill, freeze or notify workers mid-generation."""
-    return DeploymentConfig(
+    env = short_heartbeat_env(ttl_s, grace_s)
+    return deploy_config(
         folder,
-        reserved=0,
-        preemptible=preemptible,
-        worker_slots=4,
-        flush_tokens=2,
-        extra_env=short_heartbeat_env(ttl_s, grace_s),
-        **over,
+        **({"reserved": 0, "preemptible": preemptible, "worker_slots": 4, "extra_env": env} | over),
     )
 
 

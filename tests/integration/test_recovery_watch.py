@@ -24,8 +24,7 @@ from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
 from tests import factories
 from tests.conftest import apply_all
-from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import collected, small_spec, wait_final, wait_until
+from tests.integration.conftest import collected, deploy_config, small_spec, wait_final, wait_until
 from tests.unit.test_request_table import delta
 
 RUN = "run-recovery"
@@ -109,12 +108,11 @@ def deployment_config(tmp_path_factory):
         step_delay_ms=40,
         preempt_grace_s=5,
     )
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("recovery"),
         reserved=0,
         preemptible=3,
         worker_slots=8,
-        flush_tokens=2,
         worker_env=worker_env,
     )
 

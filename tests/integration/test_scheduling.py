@@ -20,17 +20,7 @@ WINDOW_S = 0.3
 
 
 def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heartbeat:
-    fields = {
-        "worker_id": worker_id,
-        "pool": pool,
-        "run_id": RUN,
-        "version": version,
-        "active": 0,
-        "slots": 8,
-        "tokens_generated": 0,
-        "at": time.time(),
-    }
-    return Heartbeat(**(fields | over))
+    return factories.beat(worker_id, pool, version, **({"run_id": RUN, "at": time.time()} | over))
 
 
 def new_table(prompts: int = 3, group_size: int = 2) -> RequestTable:

@@ -1,6 +1,7 @@
 """core.step_controller: one step's seeding window, recall, read cap and balancing decided from
 heartbeats, counts and a clock, with no Redis (the shell is `coordinator/scheduling.py`)."""
 
+import functools
 import math
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
@@ -12,18 +13,7 @@ from tests.conftest import granted_batch
 RUN, STEP = "run", 2
 
 
-def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heartbeat:
-    fields = {
-        "worker_id": worker_id,
-        "pool": pool,
-        "run_id": RUN,
-        "version": version,
-        "active": 0,
-        "slots": 8,
-        "tokens_generated": 0,
-        "at": 0.0,
-    }
-    return Heartbeat(**(fields | over))
+beat = functools.partial(factories.beat, version=STEP, run_id=RUN)
 
 
 def control(window_s: float = 5.0, fair_reads: bool = True) -> StepController:
