@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
@@ -68,6 +69,22 @@ def short_heartbeat_env(ttl_s: float = 1.5, grace_s: float = 5) -> dict[str, str
         "SPOTRL_STEP_DELAY_MS": "40",
         "SPOTRL_PREEMPT_GRACE_S": str(grace_s),
     }
+
+
+def start_store(root: Path, port: int | None = None, name: str = "", **settings) -> procs.Proc:
+    """A weight-store process on `root`'s data folder (the same folder on a restart), its log
+    under `root`, on `port` (None: a free one), with `settings` as its SPOTRL_ variables
+    (`keep_versions=30`: SPOTRL_KEEP_VERSIONS=30); healthy (stopped again if it never was)."""
+    port = port or procs.free_port()
+    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data")}
+    env |= {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+    proc = procs.start_service(name or f"ws-{port}", "services.weightstore.main", env, root, port)
+    try:
+        procs.wait_healthy([proc], 60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
 
 
 def short_heartbeat_config(
@@ -211,8 +228,6 @@ def finished_requests(rdb, run_id: str, step: int) -> set[tuple[str, int]]:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private redis-server on a free port."""
-    from services.cli import procs
-
     work = tmp_path_factory.mktemp("redis")
     proc, url = procs.start_redis(work, work / "data")
     yield url
