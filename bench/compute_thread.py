@@ -44,7 +44,7 @@ async def one_variant(model: Path, variant: str, reps: int, batch: int, tokens: 
                     request_id=f"{rep}:{i}",
                     lease=0,
                     grant="bench",
-                    version=0,
+                    step=0,
                     prompt_ids=[5, 6, 7, 8, 9, 10],
                     remaining_tokens=tokens,
                     sampling=SamplingParams(),

@@ -569,7 +569,7 @@ async def collect_only(
     collector = DeltaCollector(r, run_id, spec, RunStore(r), tokenizer, [EOS_ID], rewards)
     await collector.start()
     prompts = [[3, 4, 5]] * spec.training.prompts_per_step
-    table = RequestTable(run_id, 0, 0, prompts, spec.training.group_size, spec.sampling, 0, [])
+    table = RequestTable(run_id, 0, prompts, spec.training.group_size, spec.sampling, 0, [])
     control = StepController(table, CollectRules.for_run(spec))
     live = {0: LiveStep(control, StepStore(r, run_id, 0), [])}
     rids = list(table.requests)

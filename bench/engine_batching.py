@@ -39,7 +39,7 @@ def main() -> None:
                     request_id=str(i),
                     lease=0,
                     grant="bench",
-                    version=0,
+                    step=0,
                     prompt_ids=prompt,
                     remaining_tokens=args.tokens,
                     sampling=SamplingParams(),

@@ -62,7 +62,7 @@ def jobs_for(prompts: list[list[int]], group_size: int, tokens: int) -> list:
             request_id=f"{p}:{s}",
             lease=0,
             grant="bench",
-            version=0,
+            step=0,
             prompt_ids=prompt,
             remaining_tokens=tokens,
             sampling=SamplingParams(),

@@ -89,7 +89,7 @@ def measure_engine(model: Path, prompt: list[int], tokens: int) -> tuple[dict[in
                 request_id=str(i),
                 lease=0,
                 grant="bench",
-                version=0,
+                step=0,
                 prompt_ids=prompt,
                 remaining_tokens=tokens,
                 sampling=SamplingParams(),

@@ -37,26 +37,6 @@ def require_vllm():
         pytest.skip(f"vllm not installed (make setup-vllm): {exc}")
 
 
-def make_job(rid, prompt, n, prefix=(), temperature=0.0, seed=1, lease=0, stop=(), grant="g"):
-    """A token-level job for engine tests: continue `prompt + prefix` for `n` tokens."""
-    from services.contracts.messages import Job
-    from services.contracts.sampling import SamplingParams
-
-    return Job(
-        run_id="r",
-        request_id=rid,
-        lease=lease,
-        grant=grant,
-        version=0,
-        prompt_ids=list(prompt),
-        prefix_ids=list(prefix),
-        remaining_tokens=n,
-        sampling=SamplingParams(temperature=temperature),
-        seed=seed,
-        stop_token_ids=list(stop),
-    )
-
-
 def granted(table, msg):
     """`msg` (a DeltaItem or a RequestLease) as the worker that holds its request's lease in
     `table` sends it: with that lease's grant. A message under another lease (or of a request

@@ -1,7 +1,7 @@
 """The deployment's fleet figures: what a scaler reads from its coordinator (the gauges
 `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`, and GET
 /v1/fleet), and how they follow from the active runs. The coordinator publishes them
-(`coordinator.step_record`, `coordinator.read_views`); `spotrl scale` follows them
+(`coordinator.step_record`, `coordinator.api.read_model`); `spotrl scale` follows them
 (`services.cli.scale_decision`).
 
 What `preemptible_wanted` means (`core.seeding.PoolSizer`, `coordinator.step_record`): N_prem

@@ -5,6 +5,11 @@ validated on the way (in C: the deltas carry every token a run makes, so this is
 A malformed message raises `MalformedMessage` with the reason, and the reader parks it instead of
 crashing. Construction does not validate: a message is checked where it crosses a boundary, when
 decoded. On a stream, a message is one entry with the single field `m` holding the msgpack bytes.
+
+Messages name the step they belong to `step`; a `version` is always a weight version (the one
+that generated a batch's tokens, the one a worker holds), which under `max_staleness` can be older
+than the step. A field renamed since an earlier release is read under its old name too
+(`RENAMED`): an entry that release left in a stream at upgrade is still read correctly.
 """
 
 from typing import Annotated, Any, Literal, Self
@@ -48,7 +53,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         try:
             return decoder.decode(data)
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
-            raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
+            upgraded = _upgraded(cls, data)  # only a message that does not decode pays for it
+            if upgraded is None:
+                raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
+            try:
+                return decoder.decode(upgraded)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                raise MalformedMessage(f"{cls.__name__}: {exc}") from exc
 
     def fields(self) -> StreamFields:
         """The stream entry for XADD."""
@@ -85,7 +96,9 @@ class Job(Message, frozen=True, kw_only=True):
     # only the worker that read this job knows it, and its deltas and release echo it; one
     # that does not is refused (a worker cannot write tokens into a request it does not hold)
     grant: str
-    version: NonNegative  # weight version that must generate every token
+    # the step the request belongs to (`request_id`'s first part; "version" before issue 49):
+    # under `max_staleness` a worker that holds an older weight version may serve it
+    step: NonNegative
     prompt_ids: list[int]
     prefix_ids: list[int] = []  # tokens already collected for this request (a continuation)
     remaining_tokens: Annotated[int, msgspec.Meta(ge=1)]
@@ -133,7 +146,7 @@ class DeltaBatch(Message, frozen=True, kw_only=True):
     """
 
     worker_id: str
-    version: int
+    version: int  # the weight version that generated these tokens (not always the step's)
     items: list[DeltaItem]
     released: list[RequestLease] = []  # given back unfinished
     release_reason: ReleaseReason = "preemption"  # why `released` were given back
@@ -153,7 +166,7 @@ class WorkerControl(Message, frozen=True, kw_only=True):
     run_id: str
     requests: list[RequestLease] = []
     count: int = 0
-    version: int | None = None
+    version: int | None = None  # a weight version (the one the paused workers hold)
 
 
 class Response(Message, frozen=True, kw_only=True):
@@ -178,6 +191,8 @@ class Group(Message, frozen=True, kw_only=True):
 
     run_id: str
     step: int
+    # the weight version the step trains against (the step's own): the trainer counts a token
+    # that an older one generated (its response's version_runs) as stale
     version: int
     prompt_index: int
     prompt_ids: list[int]
@@ -197,3 +212,26 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     plateau: int = 0  # measured plateau batch size (0: not known)
     paused: bool = False  # stepped aside for the rest of this version
     error: str = ""  # the error a task of the worker died of: it is shutting down, serves nothing
+
+
+# Fields renamed since an earlier release, by type: old name -> new name. An entry of that
+# release (a job queued before an upgrade) is read under the new names.
+RENAMED: dict[type[Message], dict[str, str]] = {Job: {"version": "step"}}
+
+
+def _upgraded(cls: type[Message], data: bytes) -> bytes | None:
+    """`data`, an entry of an earlier release, with its renamed fields under their new names;
+    None when it has none of them (then it is malformed, not old)."""
+    renamed = RENAMED.get(cls)
+    if not renamed:
+        return None
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    moved = {old: new for old, new in renamed.items() if old in raw and new not in raw}
+    if not moved:
+        return None
+    return _ENCODER.encode({moved.get(k, k): v for k, v in raw.items()})

@@ -320,7 +320,7 @@ class DeltaCollector:
         store.stage_requests(staged, table, outcome.changed)
         if outcome.turn_ended and isinstance(table, EpisodeTable):
             store.stage_episodes(staged, table, set(outcome.turn_ended))
-        jobs = keys.jobs_stream(self.run_id, table.version)
+        jobs = keys.jobs_stream(self.run_id, table.step)
         for continuations in (*outcome.released.values(), outcome.next_turns):
             for job in continuations:
                 staged.xadd(jobs, job.fields())

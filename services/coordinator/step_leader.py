@@ -130,7 +130,7 @@ class StepLeader(StepShard):
         times = step.times(time.monotonic(), sched.seed_end)
         total = ShardSummary.total([summary, *(await others.summaries())])
         await record_rollout(
-            self.r, self.run_id, table.step, table.version, total, times, step.window, step.pools
+            self.r, self.run_id, table.step, table.step, total, times, step.window, step.pools
         )
         # the whole step's failures of user code, every shard's: too many fail the run
         verdict = judge(

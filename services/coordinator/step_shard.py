@@ -293,7 +293,7 @@ class StepShard(abc.ABC):
         """The step's request table (of episodes, in a run with an environment)."""
         spec = self.spec
         stops = [] if spec.sampling.ignore_eos else self.stop_ids
-        args = (self.run_id, step, step, prompt_ids, spec.training.group_size, spec.sampling)
+        args = (self.run_id, step, prompt_ids, spec.training.group_size, spec.sampling)
         if self.episodes is not None:
             turns = self.episodes.max_turns
             return EpisodeTable(

@@ -60,7 +60,7 @@ def plan_reclaim(
     for shard, released in leases.items():
         out.handed[shard] = DeltaBatch(
             worker_id=consumer_worker(reader),
-            version=table.version,
+            version=table.step,
             items=[],
             released=released,
             release_reason=CAUSE,

@@ -65,7 +65,7 @@ class Generator:
         for entry_id, job in ctx.inbox.take_all():
             # a job of an earlier step than the version held is no longer ours; one of a later
             # step in flight (asynchronous RL: the intake reads only those within the bound) is
-            if job.run_id != ctx.run_id or ctx.version is None or job.version < ctx.version:
+            if job.run_id != ctx.run_id or ctx.version is None or job.step < ctx.version:
                 continue
             if ctx.buffer.isolated_running or (job.isolate and ctx.engine.active):
                 waiting.append((entry_id, job))

@@ -42,9 +42,9 @@ def step_table(
     sampling = SamplingParams(max_new_tokens=workload.max_response_tokens)
     n = workload.group_size
     if workload.turns == 1:
-        return RequestTable("sim", step, step, prompts, n, sampling, seed, [])
+        return RequestTable("sim", step, prompts, n, sampling, seed, [])
     return SimEpisodeTable(
-        "sim", step, step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
+        "sim", step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
     )
 
 

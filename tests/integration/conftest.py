@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
@@ -24,14 +25,16 @@ from tests.harness.deploy import Deployment, DeploymentConfig
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    """One reserved and one preemptible worker; a test module overrides this for its own."""
-    return DeploymentConfig(
-        tmp_path_factory.mktemp("deploy"),
-        reserved=1,
-        preemptible=1,
-        worker_slots=16,
-        flush_tokens=2,
-    )
+    """One reserved and one preemptible worker; a test module overrides this for its own (with
+    `deploy_config`)."""
+    return deploy_config(tmp_path_factory.mktemp("deploy"))
+
+
+def deploy_config(folder: Path, **over) -> DeploymentConfig:
+    """The tests' deployment in `folder`: one reserved and one preemptible worker of 16 slots
+    that flush every 2 tokens, with `over` (any `DeploymentConfig` field) on top. Every test
+    module's `deployment_config` is built here."""
+    return DeploymentConfig(folder, **({"worker_slots": 16, "flush_tokens": 2} | over))
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +71,31 @@ def short_heartbeat_env(ttl_s: float = 1.5, grace_s: float = 5) -> dict[str, str
     }
 
 
+def start_store(root: Path, port: int | None = None, name: str = "", **settings) -> procs.Proc:
+    """A weight-store process on `root`'s data folder (the same folder on a restart), its log
+    under `root`, on `port` (None: a free one), with `settings` as its SPOTRL_ variables
+    (`keep_versions=30`: SPOTRL_KEEP_VERSIONS=30); healthy (stopped again if it never was)."""
+    port = port or procs.free_port()
+    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data")}
+    env |= {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
+    proc = procs.start_service(name or f"ws-{port}", "services.weightstore.main", env, root, port)
+    try:
+        procs.wait_healthy([proc], 60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
 def short_heartbeat_config(
     folder: Path, preemptible: int, ttl_s: float = 1.5, grace_s: float = 5, **over
 ) -> DeploymentConfig:
     """`preemptible` preemptible workers of 4 slots, no reserved one, with a short heartbeat
     (short_heartbeat_env): for tests that kill, freeze or notify workers mid-generation."""
-    return DeploymentConfig(
+    env = short_heartbeat_env(ttl_s, grace_s)
+    return deploy_config(
         folder,
-        reserved=0,
-        preemptible=preemptible,
-        worker_slots=4,
-        flush_tokens=2,
-        extra_env=short_heartbeat_env(ttl_s, grace_s),
-        **over,
+        **({"reserved": 0, "preemptible": preemptible, "worker_slots": 4, "extra_env": env} | over),
     )
 
 
@@ -213,8 +228,6 @@ def finished_requests(rdb, run_id: str, step: int) -> set[tuple[str, int]]:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private redis-server on a free port."""
-    from services.cli import procs
-
     work = tmp_path_factory.mktemp("redis")
     proc, url = procs.start_redis(work, work / "data")
     yield url

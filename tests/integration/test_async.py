@@ -12,7 +12,7 @@ from services.contracts import keys
 from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import small_spec, wait_final, wait_until
+from .conftest import deploy_config, small_spec, wait_final, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = 6
@@ -20,11 +20,9 @@ PROMPTS = 6
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("async"),
-        reserved=1,
         preemptible=2,
-        worker_slots=16,
         flush_tokens=1,
         # decode steps slower than the trainer's step: the next steps overlap its training
         extra_env={"SPOTRL_STEP_DELAY_MS": "60", "SPOTRL_OBSERVE_S": "0.5"},

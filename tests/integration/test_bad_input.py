@@ -28,7 +28,7 @@ from services.contracts.runspec import FINAL_STATES
 from services.contracts.runspec.spec import sectioned
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import collected, small_spec, wait_final
+from .conftest import collected, deploy_config, small_spec, wait_final
 
 TOKEN = "bad-input-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -44,12 +44,10 @@ WRITES = ("post", "put", "patch", "delete")
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("bad-input"),
         reserved=0,
-        preemptible=1,
         worker_slots=64,
-        flush_tokens=2,
         api_token=TOKEN,
         extra_env={"SPOTRL_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "SPOTRL_OBSERVE_S": "0.5"},
     )

@@ -10,9 +10,9 @@ from services.cli.audit import audit_run
 from services.contracts import keys
 from services.contracts.messages import Group
 from services.contracts.runspec import RunSpec
-from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
     collected,
+    deploy_config,
     read_groups,
     run_events,
     small_spec,
@@ -26,12 +26,11 @@ PROMPTS = 4
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory):
     """Two preemptible workers slowed a little, so that a step can be caught in the middle."""
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("bounded"),
         reserved=0,
         preemptible=2,
         worker_slots=4,
-        flush_tokens=2,
         extra_env={"SPOTRL_STEP_DELAY_MS": "15"},
     )
 

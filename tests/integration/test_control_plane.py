@@ -16,7 +16,7 @@ from services.contracts import keys
 from services.contracts.records import RunRecord
 from services.state import run_record
 from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import small_spec, wait_final, wait_until
+from tests.integration.conftest import deploy_config, small_spec, wait_final, wait_until
 
 pytestmark = pytest.mark.slow
 RATE, BURST = 4, 6  # reads per second, and at once, of one client
@@ -24,12 +24,9 @@ RATE, BURST = 4, 6  # reads per second, and at once, of one client
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("control-plane"),
-        reserved=1,
         preemptible=0,
-        worker_slots=16,
-        flush_tokens=2,
         extra_env={"SPOTRL_READ_RATE_PER_S": str(RATE), "SPOTRL_READ_BURST": str(BURST)},
     )
 

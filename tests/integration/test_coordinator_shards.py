@@ -16,7 +16,7 @@ from services.contracts.runspec import RunSpec
 from services.contracts.shards import shard_of
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import read_groups, run_events, small_spec, wait_final, wait_until
+from .conftest import deploy_config, read_groups, run_events, small_spec, wait_final, wait_until
 
 SHARDS = 3
 STEPS = 4
@@ -26,11 +26,9 @@ HEARTBEAT_TTL_S = 2.0
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("shards"),
-        reserved=1,
         preemptible=2,
-        worker_slots=16,
         flush_tokens=1,
         extra_env={
             "SPOTRL_STEP_DELAY_MS": "120",

@@ -15,7 +15,7 @@ from services.contracts import keys
 from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import small_spec, wait_final, wait_until
+from .conftest import deploy_config, small_spec, wait_final, wait_until
 
 STEPS = 5
 PROMPTS = 8
@@ -29,11 +29,9 @@ def outages(log_path) -> int:
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("crash"),
-        reserved=1,
         preemptible=2,
-        worker_slots=16,
         flush_tokens=1,
         # the trainer checkpoints every step (in the background) until a restart says otherwise
         extra_env={

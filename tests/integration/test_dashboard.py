@@ -18,7 +18,7 @@ from tests.harness.browser import (
 )
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import small_spec, wait_final, wait_until
+from .conftest import deploy_config, small_spec, wait_final, wait_until
 
 STEPS = 5
 PLOTS = ("reward", "throughput", "pool", "churn", "tseed", "trainer")
@@ -26,12 +26,9 @@ PLOTS = ("reward", "throughput", "pool", "churn", "tseed", "trainer")
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("dashboard"),
-        reserved=1,
         preemptible=2,
-        worker_slots=16,
-        flush_tokens=2,
         extra_env={
             "SPOTRL_OBSERVE_S": "0.3",
             "SPOTRL_HEARTBEAT_TTL_S": "2",

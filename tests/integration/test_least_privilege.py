@@ -25,6 +25,7 @@ from services.infra import signing
 from services.infra.tls import ca_verify
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
+    deploy_config,
     read_groups,
     small_spec,
     wait_final,
@@ -39,12 +40,9 @@ INTRUDER = "intruder-1"
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("least-privilege"),
-        reserved=1,
-        preemptible=1,
         worker_slots=8,
-        flush_tokens=2,
         secure=True,
         tls=True,
         # reads need a token too; engine steps of 30 ms at least: a run lasts long enough to be

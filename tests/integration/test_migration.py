@@ -14,11 +14,11 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
-from services.contracts.sampling import SamplingParams
 from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
 from services.coordinator.step_store import StepStore
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import connect, ensure_group
+from tests import factories
 from tests.conftest import apply
 
 from .conftest import run_events
@@ -29,16 +29,7 @@ STREAM = keys.jobs_stream(RUN, STEP)
 
 def new_table() -> RequestTable:
     """Two prompts of two responses: requests "1:{prompt}:{sample}"."""
-    return RequestTable(
-        RUN,
-        STEP,
-        version=STEP,
-        prompts=[[1, 2], [3, 4]],
-        group_size=2,
-        sampling=SamplingParams(max_new_tokens=6),
-        seed=3,
-        stop_token_ids=[0],
-    )
+    return factories.table([[1, 2], [3, 4]], 2, 6, run_id=RUN, step=STEP, seed=3)
 
 
 def delta(rid: str, offset: int, tokens: list[int], lease: int) -> DeltaItem:

@@ -18,8 +18,8 @@ from services.cli.audit import audit_run
 from services.contracts import keys
 from services.contracts.messages import Job
 from services.contracts.runspec import RunSpec
-from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import (
+    deploy_config,
     read_groups,
     short_heartbeat_env,
     small_spec,
@@ -48,12 +48,11 @@ def deployment_config(tmp_path_factory, env_dir):
         "SPOTRL_ENVIRONMENT_MODULES": "tests.data.multi_turn_envs",
         "MULTI_TURN_TEST_DIR": str(env_dir),
     }
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("multi-turn"),
         reserved=0,
         preemptible=3,
         worker_slots=8,
-        flush_tokens=2,
         extra_env=extra,
     )
 

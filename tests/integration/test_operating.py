@@ -19,7 +19,7 @@ from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import run_events, small_spec, wait_final, wait_until
+from .conftest import deploy_config, run_events, small_spec, wait_final, wait_until
 
 TOKEN = "op-s3cret"
 STEPS = 6
@@ -27,12 +27,9 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("operating"),
-        reserved=1,
         preemptible=3,
-        worker_slots=16,
-        flush_tokens=2,
         api_token=TOKEN,
         extra_env={
             "SPOTRL_OBSERVE_S": "0.3",

@@ -17,16 +17,14 @@ from services.cli.recovery import Recovery, RecoveryWatch, busiest_worker, held_
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job
 from services.contracts.runspec import RunSpec
-from services.contracts.sampling import SamplingParams
 from services.coordinator.migration import reclaim_dead_workers
 from services.coordinator.step_store import StepStore
-from services.core.request_table import RequestTable
 from services.infra.redis_streams import connect
 from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
+from tests import factories
 from tests.conftest import apply_all
-from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import collected, small_spec, wait_final, wait_until
+from tests.integration.conftest import collected, deploy_config, small_spec, wait_final, wait_until
 from tests.unit.test_request_table import delta
 
 RUN = "run-recovery"
@@ -40,7 +38,7 @@ def read_jobs(r: redis.Redis, worker: str, count: int) -> list[Job]:
 
 def test_a_killed_workers_requests_resume_only_with_tokens_of_their_new_lease(empty_redis_url):
     spec = RunSpec(model="m", steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4)
-    table = RequestTable(RUN, 0, 0, [[1, 2], [3]], 2, SamplingParams(max_new_tokens=4), 7, [0])
+    table = factories.table([[1, 2], [3]], 2, 4, run_id=RUN, seed=7)
     jobs = keys.jobs_stream(RUN, 0)
 
     async def scenario() -> None:
@@ -110,12 +108,11 @@ def deployment_config(tmp_path_factory):
         step_delay_ms=40,
         preempt_grace_s=5,
     )
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("recovery"),
         reserved=0,
         preemptible=3,
         worker_slots=8,
-        flush_tokens=2,
         worker_env=worker_env,
     )
 

@@ -15,21 +15,12 @@ from services.infra.redis_streams import (
     read_group,
     while_out_of_memory,
 )
+from tests import factories
 from tests.conftest import apply
 
 
 def job(i: int) -> Job:
-    return Job(
-        run_id="r",
-        request_id=str(i),
-        lease=0,
-        grant="g",
-        version=0,
-        prompt_ids=[1],
-        remaining_tokens=2,
-        sampling=SamplingParams(),
-        seed=i,
-    )
+    return factories.job(str(i), [1], 2, seed=i, sampling=SamplingParams())
 
 
 def test_groups_share_work_and_reclaim_what_a_dead_reader_held(redis_url):
@@ -93,10 +84,9 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     reads back exactly what was staged."""
     from services.contracts.messages import DeltaItem
     from services.coordinator.step_store import StepStore
-    from services.core.request_table import RequestTable
 
     def new_table():
-        return RequestTable("rs", 0, 0, [[1, 2]], 2, SamplingParams(max_new_tokens=8), 0, [])
+        return factories.table(1, 2, 8, run_id="rs", stops=())
 
     def item(offset, tokens, finished=False):
         return DeltaItem(

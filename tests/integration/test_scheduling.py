@@ -8,42 +8,23 @@ import time
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, Job, WorkerControl
-from services.contracts.sampling import SamplingParams
 from services.coordinator.scheduling import StepScheduler, alive_workers, forget_gone_workers
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.redis_streams import connect, ensure_group
 from services.infra.redis_users import mint_worker_user
+from tests import factories
 
 RUN, STEP = "run-sched", 2
 WINDOW_S = 0.3
 
 
 def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heartbeat:
-    fields = {
-        "worker_id": worker_id,
-        "pool": pool,
-        "run_id": RUN,
-        "version": version,
-        "active": 0,
-        "slots": 8,
-        "tokens_generated": 0,
-        "at": time.time(),
-    }
-    return Heartbeat(**(fields | over))
+    return factories.beat(worker_id, pool, version, **({"run_id": RUN, "at": time.time()} | over))
 
 
 def new_table(prompts: int = 3, group_size: int = 2) -> RequestTable:
-    return RequestTable(
-        RUN,
-        STEP,
-        version=STEP,
-        prompts=[[1, 2]] * prompts,
-        group_size=group_size,
-        sampling=SamplingParams(max_new_tokens=4),
-        seed=1,
-        stop_token_ids=[0],
-    )
+    return factories.table(prompts, group_size, 4, run_id=RUN, step=STEP, seed=1)
 
 
 class SteppedClock:

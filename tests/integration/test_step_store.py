@@ -4,31 +4,26 @@ logprobs, their versions, leases, finish reasons, crashes, groups published or d
 writes append only what is new, and a finished step's copy expires."""
 
 import asyncio
+import json
+from pathlib import Path
 
 from services.contracts import keys
-from services.contracts.messages import DeltaItem
-from services.contracts.sampling import SamplingParams
+from services.contracts.messages import DeltaItem, Job
 from services.coordinator.step_store import StepStore
 from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import connect
+from tests import factories
 from tests.conftest import apply, apply_all
 
 RUN, STEP = "run-store", 3
+OLD_STEP = "step_store_before_issue_49.json"  # tests/data: see its note
 
 
 def new_table(max_new_tokens: int = 4) -> RequestTable:
     """Three prompts of two responses each: requests "3:{prompt}:{sample}"."""
-    return RequestTable(
-        RUN,
-        STEP,
-        version=STEP,
-        prompts=[[1, 2], [3], [4, 5, 6]],
-        group_size=2,
-        sampling=SamplingParams(max_new_tokens=max_new_tokens),
-        seed=7,
-        stop_token_ids=[0],
-    )
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    return factories.table(prompts, 2, max_new_tokens, run_id=RUN, step=STEP, seed=7)
 
 
 def delta(rid: str, offset: int, tokens: list[int], lease: int = 0, finish=None) -> DeltaItem:
@@ -215,9 +210,7 @@ def test_a_multi_turn_episode_is_restored_with_its_turns_observations_and_awaite
     environment said so far, and a turn still waiting for the environment."""
 
     def episodes() -> EpisodeTable:
-        return EpisodeTable(
-            RUN, STEP, STEP, [[1, 2]], 2, SamplingParams(max_new_tokens=12), 7, [0], max_turns=3
-        )
+        return factories.table(1, 2, 12, run_id=RUN, step=STEP, seed=7, max_turns=3)
 
     async def scenario():
         r = connect(empty_redis_url)
@@ -245,3 +238,48 @@ def test_a_multi_turn_episode_is_restored_with_its_turns_observations_and_awaite
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_step_stored_by_the_release_before_issue_49_is_restored_and_its_jobs_read(
+    empty_redis_url,
+):
+    """Upgrade: the keys a coordinator of the previous release wrote (its table had a `version`,
+    its jobs a field `version` where they now have `step`) restore into today's table as that
+    release held it, and the jobs it queued are read with their step."""
+    old = json.loads((Path(__file__).parents[1] / "data" / OLD_STEP).read_text())
+    run, step = old["run_id"], old["step"]
+
+    async def scenario():
+        r = connect(empty_redis_url)
+        for key, value in old["keys"].items():
+            if "hash" in value:
+                await r.hset(key, mapping={f: bytes.fromhex(v) for f, v in value["hash"].items()})
+            elif "list" in value:
+                await r.rpush(key, *[bytes.fromhex(v) for v in value["list"]])
+            elif "set" in value:
+                await r.sadd(key, *value["set"])
+            else:
+                for fields in value["stream"]:
+                    await r.xadd(key, {f: bytes.fromhex(v) for f, v in fields.items()})
+        table = factories.table([[1, 2], [3], [4, 5, 6]], 2, 4, run_id=run, step=step, seed=7)
+        started = await StepStore(r, run, step).restore(table)
+        entries = await r.xrange(keys.jobs_stream(run, step))
+        await r.aclose()
+        return table, started, [Job.from_fields(fields) for _, fields in entries]
+
+    table, started, jobs = asyncio.run(scenario())
+    assert started == old["started_at"]
+    want = {rid: tuple(map(_tuples, held)) for rid, held in old["requests"].items()}
+    assert snapshot(table) == want
+    assert table.quarantined == {1} and table.pending_groups == {2}
+    assert len(jobs) == 7 and {j.step for j in jobs} == {step}
+    # the job queued last (the crashed request's, under its new lease, before its token [4]
+    # came) is today's job for it as it was then
+    assert jobs[-1] == table.job("3:2:1").replace(prefix_ids=[], remaining_tokens=4)
+
+
+def _tuples(value):
+    """JSON's lists as the table holds them (version runs are tuples)."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return [tuple(v) for v in value]
+    return value

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from services.cli.procs import thread_env
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import small_spec
+from .conftest import deploy_config, small_spec
 from .test_crash import check_run, wait_mid_step, wait_past
 
 pytestmark = pytest.mark.timeout(600)
@@ -79,11 +79,8 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, tiny_model, name):
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("ranks"),
-        reserved=1,
-        preemptible=1,
-        worker_slots=16,
         flush_tokens=1,
         trainer_ranks=2,
         extra_env={"SPOTRL_STEP_DELAY_MS": "120", "SPOTRL_CHECKPOINT_EVERY": "1"},

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from services.coordinator.open_step import stop_token_ids
 from tests.data.user_reward import sum_is_right
 from tests.harness.deploy import DeploymentConfig
-from tests.integration.conftest import read_groups, small_spec, wait_final
+from tests.integration.conftest import deploy_config, read_groups, small_spec, wait_final
 from tests.integration.test_up import summary_of, up_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,12 +27,9 @@ TEMPLATE = "{a}+{b}="
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("deploy"),
-        reserved=1,
         preemptible=0,
-        worker_slots=16,
-        flush_tokens=2,
         reward_modules=[MODULE],
         extra_env={"PYTHONPATH": str(REPO)},  # the operator makes the module importable
     )

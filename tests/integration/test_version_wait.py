@@ -10,21 +10,16 @@ import redis.asyncio as aioredis
 
 from services.cli import procs
 from services.contracts import keys
-from services.contracts.sampling import SamplingParams
 from services.coordinator.scheduling import StepScheduler
-from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.state.run_state import wait_for_version
 from services.trainer.run_trainer import wait_seeding
 from services.trainer.versions import VersionPublisher
 from services.weights.transfer import WeightClient
+from tests.factories import table
 
 RUN = "r20260101-000000-wait01"
 NEVER_MS = 120_000  # a wait that ran to its end would fail the test's bound below
-
-
-def table(step: int) -> RequestTable:
-    return RequestTable(RUN, step, step, [[1, 2]], 1, SamplingParams(max_new_tokens=4), 0, [])
 
 
 @pytest.fixture
@@ -76,7 +71,8 @@ def test_the_trainer_wakes_when_the_coordinator_ends_seeding(redis_url, tmp_path
     async def scenario():
         r = aioredis.from_url(redis_url)
         await r.hset(keys.run(RUN), "state", "running")
-        seeding = [StepScheduler(r, StepController(table(step)), "jobs") for step in range(3)]
+        tables = [table(1, 1, run_id=RUN, step=step, stops=()) for step in range(3)]
+        seeding = [StepScheduler(r, StepController(t), "jobs") for t in tables]
         await seeding[0].finish()
         await asyncio.wait_for(wait_seeding(r, RUN, 0), 30)
         waiter = asyncio.create_task(wait_seeding(r, RUN, 1))

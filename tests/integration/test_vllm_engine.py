@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.rollout.engines.hf import HFEngine
-from tests.conftest import make_job as job
 from tests.conftest import require_vllm
+from tests.factories import job
 
 PROMPTS = {
     "a": [5, 6, 7, 8],

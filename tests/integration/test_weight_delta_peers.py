@@ -19,7 +19,6 @@ import redis
 import torch
 from safetensors.torch import save
 
-from services.cli import procs
 from services.contracts import keys
 from services.infra.redis_streams import connect
 from services.rollout.peers import Peers
@@ -27,19 +26,12 @@ from services.rollout.settings import RolloutSettings
 from services.weights.contract import Manifest
 from services.weights.files import hash_files_now
 from services.weights.transfer import PullResult, WeightClient
+from tests.integration.conftest import start_store
 
 RUN = "delta-peers-run"
 WEIGHTS = "model.safetensors"
 DELTA = f"{WEIGHTS}.delta"
 CONFIG = b'{"dtype": "bfloat16"}'
-
-
-def start_store(root: Path) -> procs.Proc:
-    port = procs.free_port()
-    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data")}
-    proc = procs.start_service(f"ws-{port}", "services.weightstore.main", env, root, port)
-    procs.wait_healthy([proc], 60)
-    return proc
 
 
 def two_versions(mib: int = 4) -> tuple[bytes, bytes]:

@@ -9,6 +9,7 @@ moved by AdamW-like updates of about `LR`, exported as bf16, where most values d
 from one version to the next."""
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from services.weights.contract import Manifest, WeightTransferError
 from services.weights.files import COMPLETE, hash_files_now, read_complete
 from services.weights.transfer import PullResult, WeightClient
 from tests.harness.deploy import Deployment, DeploymentConfig
+from tests.integration import conftest
 from tests.integration.conftest import small_spec, wait_final, wait_until
 
 LR = 1e-6
@@ -37,18 +39,8 @@ WEIGHTS = "model.safetensors"
 REFUSED = "spotrl_weight_deltas_refused_total"
 
 
-def start_store(root: Path, port: int | None = None, full_every: int = 8) -> procs.Proc:
-    """A weight-store process on `root`'s data folder (the same folder on a restart)."""
-    port = port or procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(root / "data"),
-        "SPOTRL_FULL_EVERY": str(full_every),
-        "SPOTRL_KEEP_VERSIONS": "30",
-    }
-    proc = procs.start_service(f"ws-{port}", "services.weightstore.main", env, root, port)
-    procs.wait_healthy([proc], 60)
-    return proc
+# a weight store on a folder (the same folder on a restart): a full file every 8 versions
+start_store = functools.partial(conftest.start_store, full_every=8, keep_versions=30)
 
 
 def rl_versions(count: int, elements: int = 1 << 20, seed: int = 0) -> list[bytes]:

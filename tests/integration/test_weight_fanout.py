@@ -4,6 +4,7 @@ or real rollout workers in a run. A peer SIGKILLed in the middle of serving, and
 a corrupted block: the puller ends with the verified version all the same, nothing partial."""
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -18,23 +19,14 @@ from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
 from services.weights.transfer import WeightClient
 from tests.harness.deploy import Deployment, DeploymentConfig
+from tests.integration import conftest
 from tests.integration.conftest import small_spec, wait_until
 
 BLOCK = 1024 * 1024
 RUN = "fanout-run"
 
 
-def start_store(root, **settings):
-    port = procs.free_port()
-    env = {
-        "SPOTRL_PORT": str(port),
-        "SPOTRL_ROOT": str(root / "data"),
-        "SPOTRL_BLOCK_BYTES": str(BLOCK),
-    }
-    env |= {f"SPOTRL_{k.upper()}": str(v) for k, v in settings.items()}
-    proc = procs.start_service(f"ws-{port}", "services.weightstore.main", env, root, port)
-    procs.wait_healthy([proc], 60)
-    return proc
+start_store = functools.partial(conftest.start_store, block_bytes=BLOCK)
 
 
 def publish(tmp_path, store, nbytes):

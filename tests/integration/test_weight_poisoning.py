@@ -25,7 +25,7 @@ from services.weights.transfer import (
 )
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import small_spec, wait_final
+from .conftest import deploy_config, small_spec, wait_final
 
 WORKER = "rollout-preemptible-1"
 
@@ -34,11 +34,9 @@ WORKER = "rollout-preemptible-1"
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
     # a slow engine: a step's rollout takes seconds, so a foreign upload made as soon as the
     # step's version is announced lands before the trainer commits the next one
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("poison"),
         reserved=0,
-        preemptible=1,
-        worker_slots=16,
         flush_tokens=1,
         extra_env={"SPOTRL_STEP_DELAY_MS": "500"},
     )

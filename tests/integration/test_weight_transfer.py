@@ -11,21 +11,12 @@ import time
 import pytest
 import redis
 
-from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.weights.transfer import WeightClient, WeightTransferError
 from tests.harness.deploy import Deployment, DeploymentConfig
-from tests.integration.conftest import small_spec, wait_final, wait_until
-
-
-def start_store(root, port=None):
-    port = port or procs.free_port()
-    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data")}
-    proc = procs.start_service(f"ws-{port}", "services.weightstore.main", env, root, port)
-    procs.wait_healthy([proc], 60)
-    return proc
+from tests.integration.conftest import small_spec, start_store, wait_final, wait_until
 
 
 def make_folder(path, size):

@@ -2,37 +2,26 @@
 clear 4xx errors that change nothing, auth, and the client's verified parallel pull."""
 
 import asyncio
+import functools
 import hashlib
-from pathlib import Path
 
 import httpx
 import pytest
 
-from services.cli import procs
 from services.weights.transfer import WeightClient, WeightTransferError
+from tests.integration import conftest
 
 TOKEN = "s3cret"
 
 
-def start_store(root: Path, settings: dict[str, str]) -> procs.Proc:
-    """A weight store with the token and `settings` (SPOTRL_ variables), its data and log under
-    `root`, healthy; the caller stops it."""
-    port = procs.free_port()
-    env = {"SPOTRL_PORT": str(port), "SPOTRL_ROOT": str(root / "data"), "SPOTRL_API_TOKEN": TOKEN}
-    env |= settings
-    proc = procs.start_service("weightstore", "services.weightstore.main", env, root, port)
-    try:
-        procs.wait_healthy([proc], 60)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+# a weight store with the token, its data and log under a folder, healthy; the caller stops it
+start_store = functools.partial(conftest.start_store, name="weightstore", api_token=TOKEN)
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
-    proc = start_store(root, {"SPOTRL_KEEP_VERSIONS": "3"})
+    proc = start_store(root, keep_versions=3)
     yield proc.url, root
     proc.stop()
 
@@ -180,7 +169,7 @@ def test_an_upload_sends_only_what_changed_since_the_clients_last_commit(store, 
 def test_a_store_with_protected_reads_serves_its_files_to_the_token_only(tmp_path):
     """With SPOTRL_PROTECT_READS the file ranges need the token too: a pull with it works, one
     without it fails and leaves nothing behind."""
-    proc = start_store(tmp_path, {"SPOTRL_PROTECT_READS": "true"})
+    proc = start_store(tmp_path, protect_reads="true")
     try:
         src = tmp_path / "src"
         src.mkdir()

@@ -14,7 +14,7 @@ from services.infra.redis_streams import StreamConsumer, ensure_group, range_ent
 from services.rollout.engines.hf import HFEngine
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
-from tests.conftest import make_job
+from tests.factories import job as make_job
 
 RUN, WORKER = "r", "w1"
 

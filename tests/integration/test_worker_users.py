@@ -26,28 +26,26 @@ import redis
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
-from services.contracts.messages import FIELD, DeltaBatch, DeltaItem, Heartbeat, Job
+from services.contracts.messages import FIELD, DeltaBatch, DeltaItem, Job
 from services.contracts.runspec import RunSpec
 from services.contracts.shards import shard_of
 from services.coordinator.workers.keys import COORDINATOR, WorkerKeys
 from services.infra.redis_streams import Read, connect, read_entries
 from services.infra.signing import SIGNATURE_FIELD, key_bytes, new_key, registration_proof, sign
 from services.infra.tls import ca_verify
+from tests import factories
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import collected, small_spec, wait_final, wait_until
+from .conftest import collected, deploy_config, small_spec, wait_final, wait_until
 
 WORKER = "rollout-preemptible-1"  # the deployment's one worker
 
 
 @pytest.fixture(scope="module")
 def deployment_config(tmp_path_factory) -> DeploymentConfig:
-    return DeploymentConfig(
+    return deploy_config(
         tmp_path_factory.mktemp("worker-users"),
         reserved=0,
-        preemptible=1,
-        worker_slots=16,
-        flush_tokens=2,
         secure=True,
     )
 
@@ -98,16 +96,7 @@ def connect_as(deployment, answer: dict) -> redis.Redis:
 
 def beat(r: redis.Redis, worker_id: str, run_id: str | None) -> None:
     """The heartbeat a worker serving `run_id` at version 0 writes (alive for a minute)."""
-    hb = Heartbeat(
-        worker_id=worker_id,
-        pool="preemptible",
-        run_id=run_id,
-        version=0,
-        active=0,
-        slots=4,
-        tokens_generated=0,
-        at=0.0,
-    )
+    hb = factories.beat(worker_id, "preemptible", 0, run_id=run_id, slots=4)
     r.set(keys.worker_heartbeat(worker_id), hb.encode(), px=60_000)
 
 

@@ -18,6 +18,7 @@ from services.core.seeding import (
     seeding_over,
     train_compute_s,
 )
+from tests import factories
 from tests.conftest import apply_held
 from tests.unit.test_request_table import delta, table
 
@@ -214,16 +215,4 @@ def test_deltas_from_a_version_older_than_the_bound_are_not_taken_and_continue_e
 
 def replace_step(t, step):
     """The test table as a table of `step` (request ids and versions renamed)."""
-    from services.contracts.sampling import SamplingParams
-    from services.core.request_table import RequestTable
-
-    return RequestTable(
-        "run",
-        step=step,
-        version=step,
-        prompts=[[1, 2]] * len(t.prompts),
-        group_size=t.group_size,
-        sampling=SamplingParams(max_new_tokens=5),
-        seed=0,
-        stop_token_ids=[0],
-    )
+    return factories.table(len(t.prompts), t.group_size, 5, step=step)

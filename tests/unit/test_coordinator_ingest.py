@@ -11,20 +11,18 @@ from array import array
 import pytest
 
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
-from services.contracts.sampling import SamplingParams
 from services.coordinator.delta_collector import gc_paused
 from services.coordinator.step_log import Arrays, RecordWriter, replay
 from services.coordinator.step_store import StepStore
 from services.core.collect import CollectRules, split_by_step
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import StagedWrites, entry_time_s
+from tests import factories
 from tests.conftest import apply, apply_all, apply_held
 
 
 def new_table(prompts: int = 3, n: int = 2, max_new: int = 6) -> RequestTable:
-    return RequestTable(
-        "run", 0, 0, [[1, 2]] * prompts, n, SamplingParams(max_new_tokens=max_new), 0, [0]
-    )
+    return factories.table(prompts, n, max_new)
 
 
 def item(rid, offset, tokens, lease=0, finished=False, reason=None) -> DeltaItem:
@@ -118,7 +116,7 @@ def test_version_runs_and_counts_follow_each_delta_of_a_batch():
 
 
 def test_a_reads_outcome_counts_every_delta_once_out_of_bound_ones_included():
-    table = RequestTable("run", 5, 5, [[1]] * 2, 2, SamplingParams(max_new_tokens=4), 0, [0])
+    table = factories.table([[1]] * 2, 2, 4, step=5)
     batches = [
         DeltaBatch(
             worker_id="w1",

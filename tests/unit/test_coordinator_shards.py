@@ -14,6 +14,7 @@ from services.contracts.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of
 from services.coordinator.step_record import ShardSummary
 from services.core.collect import split_by_shard
 from services.core.request_table import RequestTable, request_id
+from tests import factories
 from tests.conftest import apply
 
 
@@ -24,10 +25,9 @@ def item(rid: str, offset: int = 0) -> DeltaItem:
 
 
 def table(shard: int, shards: int, prompts: int = 7, group: int = 3) -> RequestTable:
-    return RequestTable(
-        "run", 2, 2, [[1, p] for p in range(prompts)], group, SamplingParams(), 0, [0],
-        shard=shard, shards=shards,
-    )  # fmt: skip
+    prompt_ids = [[1, p] for p in range(prompts)]
+    sampling = SamplingParams()
+    return factories.table(prompt_ids, group, step=2, sampling=sampling, shard=shard, shards=shards)
 
 
 def test_a_request_belongs_to_the_shard_of_its_prompt():

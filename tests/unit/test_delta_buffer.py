@@ -7,7 +7,7 @@ import msgspec
 
 from services.contracts.messages import RequestLease
 from services.rollout.delta_buffer import DeltaBuffer
-from tests.conftest import make_job
+from tests.factories import job as make_job
 
 
 @dataclass

@@ -6,26 +6,18 @@ sum of its turns'."""
 import pytest
 
 from services.contracts.messages import DeltaBatch, DeltaItem
-from services.contracts.sampling import SamplingParams
 from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import Applied
+from tests import factories
 from tests.conftest import apply, apply_held
 
 EOS = 0
 
 
 def table(max_turns: int = 3, budget: int = 16, group_size: int = 2) -> EpisodeTable:
-    return EpisodeTable(
-        "run",
-        1,
-        1,
-        [[7, 8]],
-        group_size,
-        SamplingParams(max_new_tokens=budget),
-        seed=5,
-        stop_token_ids=[EOS],
-        max_turns=max_turns,
+    return factories.table(
+        [[7, 8]], group_size, budget, step=1, seed=5, stops=[EOS], max_turns=max_turns
     )
 
 

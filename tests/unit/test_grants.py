@@ -5,12 +5,12 @@ lease (a migration, a multi-turn episode's next turn) has a new grant; the worke
 grant of the job it read (`DeltaBuffer`)."""
 
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
-from services.contracts.sampling import SamplingParams
 from services.core.collect import CollectRules, apply_batches
-from services.core.episodes import EpisodeTable, Observation
+from services.core.episodes import Observation
 from services.core.request_table import Applied
 from services.rollout.delta_buffer import DeltaBuffer
-from tests.conftest import make_job
+from tests import factories
+from tests.factories import job as make_job
 from tests.unit.test_collect import replace_step
 from tests.unit.test_delta_buffer import Tok
 from tests.unit.test_request_table import delta, table
@@ -111,9 +111,7 @@ def test_every_lease_of_every_request_has_its_own_grant():
 
 
 def test_the_next_turn_of_an_episode_has_a_new_grant():
-    t = EpisodeTable(
-        "run", 1, 1, [[7, 8]], 1, SamplingParams(max_new_tokens=16), 5, [0], max_turns=3
-    )
+    t = factories.table([[7, 8]], 1, 16, step=1, seed=5, max_turns=3)
     rid = "1:0:0"
     first = t.job(rid)
     done = DeltaItem(

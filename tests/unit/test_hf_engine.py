@@ -6,7 +6,7 @@ import torch
 from services.contracts.sampling import SamplingParams
 from services.rollout.engines.hf import HFEngine
 from services.rollout.engines.sampling import sample_token
-from tests.conftest import make_job as job
+from tests.factories import job
 
 
 def run_to_end(engine, out=None, joins=None):

@@ -5,6 +5,7 @@ from services.contracts.messages import DeltaBatch, DeltaItem, Group, Job, Malfo
 from services.contracts.runspec import ModelFolderError, RunSpec
 from services.contracts.sampling import SamplingParams
 from services.tasks import TaskError, load_task
+from tests import factories
 
 
 def test_messages_roundtrip_through_msgpack():
@@ -13,7 +14,7 @@ def test_messages_roundtrip_through_msgpack():
         request_id="0:1:2",
         lease=3,
         grant="5eed",
-        version=1,
+        step=1,
         prompt_ids=[1, 2],
         prefix_ids=[3],
         remaining_tokens=4,
@@ -38,6 +39,19 @@ def test_messages_roundtrip_through_msgpack():
 def test_malformed_messages_raise_a_clear_error(raw):
     with pytest.raises(MalformedMessage, match="Group"):
         Group.decode(raw)
+
+
+def test_a_job_queued_by_the_release_before_issue_49_is_read_with_its_step():
+    """That release named a job's step `version`: a job it left in a stream at upgrade is read
+    as the same job; one with both names, or with neither, is malformed."""
+    job = factories.job("3:0:1", [1, 2], 4, [5], step=3, lease=2, stop=[0])
+    old = msgspec.structs.asdict(job)
+    old["version"] = old.pop("step")
+    entry = {b"m": msgspec.msgpack.encode(old)}
+    assert Job.from_fields(entry) == job
+    for fields in (old | {"step": 3}, {k: v for k, v in old.items() if k != "version"}):
+        with pytest.raises(MalformedMessage, match="Job"):
+            Job.decode(msgspec.msgpack.encode(fields))
 
 
 def test_arithmetic_is_deterministic_and_exact():

@@ -10,20 +10,14 @@ import pytest
 from services.cli.follow import event_line, progress_info
 from services.contracts.messages import Heartbeat
 from services.coordinator.workers.observer import RateTracker, pool_rates
+from tests import factories
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def beat(worker: str, at: float, tokens: int, pool: str = "preemptible") -> Heartbeat:
-    return Heartbeat(
-        worker_id=worker,
-        pool=pool,
-        run_id="r",
-        version=0,
-        active=1,
-        slots=4,
-        tokens_generated=tokens,
-        at=at,
+    return factories.beat(
+        worker, pool, run_id="r", active=1, slots=4, tokens_generated=tokens, at=at
     )
 
 

@@ -3,7 +3,6 @@ Redis holds, timeline pages from the held entries, the worker list, the fleet's 
 
 import json
 
-from services.contracts.messages import Heartbeat
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import RunSpec
 from services.coordinator.api.read_model import (
@@ -19,6 +18,7 @@ from services.coordinator.api.read_model import (
     worker_list,
 )
 from services.state.step_metrics import StepRow
+from tests import factories
 
 SPEC = RunSpec(model="/models/m", steps=5)
 
@@ -89,16 +89,7 @@ def test_the_worker_list_with_liveness_and_errors():
         "w1": WorkerRecord(id="w1", pool="reserved", engine="hf", slots=8, url="http://x"),
         "gone": WorkerRecord(id="gone", gone_since=5.0),  # forgotten: no registration left
     }
-    beat = Heartbeat(
-        worker_id="w1",
-        pool="reserved",
-        run_id="r1",
-        version=3,
-        active=2,
-        slots=8,
-        tokens_generated=7,
-        at=1.0,
-    )
+    beat = factories.beat("w1", "reserved", 3, run_id="r1", active=2, tokens_generated=7, at=1.0)
     workers = worker_list(records, {"w1": beat}, {"w2": {"error": "OOM"}})
     assert [w.id for w in workers] == ["w1", "w2"]
     assert workers[0].alive and workers[0].version == 3 and workers[0].active == 2

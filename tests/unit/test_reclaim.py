@@ -3,25 +3,13 @@ on this shard's table under the lease each carried, handed to the shard that hol
 dropped), with no Redis."""
 
 from services.contracts.messages import DeltaItem
-from services.contracts.sampling import SamplingParams
 from services.core.reclaim import expired_readers, plan_reclaim
-from services.core.request_table import RequestTable
+from tests import factories
 from tests.conftest import apply
 
 
 def table(shard=0, shards=1, prompts=4):
-    return RequestTable(
-        "run",
-        step=0,
-        version=0,
-        prompts=[[1, 2]] * prompts,
-        group_size=2,
-        sampling=SamplingParams(max_new_tokens=5),
-        seed=0,
-        stop_token_ids=[0],
-        shard=shard,
-        shards=shards,
-    )
+    return factories.table(prompts, 2, 5, shard=shard, shards=shards)
 
 
 def test_a_reader_is_dead_when_it_holds_jobs_and_has_no_heartbeat():

@@ -9,23 +9,13 @@ import pytest
 from services.cli.recovery import RecoveryTracker, distribution
 from services.contracts.messages import Job
 from services.contracts.sampling import SamplingParams
+from tests import factories
 
 AT = 1000.0
 
 
 def job(rid: str, lease: int, prefix: int) -> Job:
-    return Job(
-        run_id="r",
-        request_id=rid,
-        lease=lease,
-        grant="g",
-        version=0,
-        prompt_ids=[1, 2],
-        prefix_ids=list(range(prefix)),
-        remaining_tokens=8,
-        sampling=SamplingParams(),
-        seed=1,
-    )
+    return factories.job(rid, [1, 2], 8, range(prefix), lease=lease, sampling=SamplingParams())
 
 
 def test_a_request_resumes_at_the_first_poll_that_sees_a_token_past_its_prefix():

@@ -1,20 +1,11 @@
 from services.contracts.messages import DeltaItem
-from services.contracts.sampling import SamplingParams
-from services.core.request_table import Applied, RequestTable
+from services.core.request_table import Applied
+from tests import factories
 from tests.conftest import apply
 
 
 def table(n=2, prompts=2, max_new=5):
-    return RequestTable(
-        "run",
-        step=0,
-        version=0,
-        prompts=[[1, 2]] * prompts,
-        group_size=n,
-        sampling=SamplingParams(max_new_tokens=max_new),
-        seed=0,
-        stop_token_ids=[0],
-    )
+    return factories.table(prompts, n, max_new)
 
 
 def delta(rid, offset, tokens, lease=0, finished=False, reason=None):

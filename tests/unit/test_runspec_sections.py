@@ -24,9 +24,9 @@ from services.contracts.runspec import (
 from services.contracts.sampling import SamplingParams
 from services.coordinator.api.routes import runs_router
 from services.coordinator.settings import CoordinatorSettings
-from services.core.request_table import RequestTable
 from services.infra.http_limits import guard_input
 from services.infra.service import Auth
+from tests import factories
 
 FLAT = {
     "model": "/m",
@@ -168,7 +168,7 @@ def test_a_422_names_the_place_of_the_field():
 
 def test_one_sampling_params_from_the_spec_through_the_job_and_its_encoding():
     spec = RunSpec.model_validate(FLAT)
-    table = RequestTable("r", 0, 0, [[1, 2]], 2, spec.sampling, 0, [])
+    table = factories.table(1, 2, run_id="r", stops=(), sampling=spec.sampling)
     for job in table.initial_jobs():
         assert job.sampling is spec.sampling
         decoded = Job.decode(job.encode())

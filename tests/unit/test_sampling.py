@@ -10,8 +10,8 @@ import torch
 
 from services.contracts.messages import Job, MalformedMessage
 from services.contracts.sampling import SamplingParams
-from services.core.request_table import RequestTable
 from services.rollout.engines.sampling import keep_likeliest, penalise_repeats, sample_token
+from tests import factories
 
 
 def test_top_k_1_is_greedy():
@@ -77,7 +77,7 @@ def test_repetition_penalty_lowers_a_seen_tokens_probability():
 
 def test_the_request_table_puts_the_knobs_in_every_job():
     sampling = SamplingParams(max_new_tokens=4, top_p=0.9, top_k=20, repetition_penalty=1.1)
-    table = RequestTable("r", 0, 0, [[1, 2]], 2, sampling, 0, [])
+    table = factories.table(1, 2, run_id="r", stops=(), sampling=sampling)
     for job in table.initial_jobs():
         assert job.sampling == sampling
         assert Job.decode(job.encode()) == job

@@ -2,9 +2,7 @@
 request table: plain functions, a made-up clock."""
 
 from services.contracts.runspec import RunSpec
-from services.contracts.sampling import SamplingParams
 from services.core.collect import CollectRules, note_crash
-from services.core.request_table import RequestTable
 from services.core.stall import (
     Action,
     Blocker,
@@ -14,6 +12,7 @@ from services.core.stall import (
     blocker,
     is_poison,
 )
+from tests import factories
 
 
 def test_a_worker_holding_or_loading_the_version_is_able():
@@ -114,7 +113,7 @@ def test_poison_needs_k_crashes_the_last_one_alone():
 
 
 def table():
-    return RequestTable("run", 0, 0, [[1, 2]] * 3, 2, SamplingParams(max_new_tokens=4), 0, [0])
+    return factories.table(3, 2, 4)
 
 
 def test_a_crash_makes_suspects_that_run_isolated():

@@ -1,35 +1,24 @@
 """core.step_controller: one step's seeding window, recall, read cap and balancing decided from
 heartbeats, counts and a clock, with no Redis (the shell is `coordinator/scheduling.py`)."""
 
+import functools
 import math
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
-from services.contracts.sampling import SamplingParams
 from services.core.balancer import ReleaseGate, WorkerLoad
-from services.core.request_table import RequestTable
 from services.core.step_controller import StepController, balance_orders, route_deltas, serving
+from tests import factories
 from tests.conftest import granted_batch
 
 RUN, STEP = "run", 2
 
 
-def beat(worker_id: str, pool: str, version: int | None = STEP, **over) -> Heartbeat:
-    fields = {
-        "worker_id": worker_id,
-        "pool": pool,
-        "run_id": RUN,
-        "version": version,
-        "active": 0,
-        "slots": 8,
-        "tokens_generated": 0,
-        "at": 0.0,
-    }
-    return Heartbeat(**(fields | over))
+beat = functools.partial(factories.beat, version=STEP, run_id=RUN)
 
 
 def control(window_s: float = 5.0, fair_reads: bool = True) -> StepController:
     """A step's controller whose step opens (`start`) at 0 with a window of `window_s`."""
-    table = RequestTable(RUN, STEP, STEP, [[1, 2]] * 8, 2, SamplingParams(max_new_tokens=4), 1, [0])
+    table = factories.table(8, 2, 4, run_id=RUN, step=STEP, seed=1)
     return StepController(table, fair_reads=fair_reads, window_s=window_s)
 
 

@@ -34,12 +34,12 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from services.contracts import keys
+from services.contracts.fleet import fleet_figures
 from services.contracts.messages import Heartbeat, MalformedMessage
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec
 from services.coordinator.api.schemas import FleetPublic, RunPublic, WorkerPublic
 from services.core.call_errors import run_health
-from services.core.scaler import fleet_figures
 from services.infra.read_limit import etag_of
 from services.infra.redis_streams import range_entries
 from services.infra.retry import brief
