@@ -18,7 +18,7 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.coordinator import dashboard, routes_fleet, routes_runs, routes_workers
-from services.coordinator.data_plane_process import DataPlaneProcess
+from services.coordinator.data_plane import DataPlaneProcess
 from services.coordinator.read_model import ReadModel
 from services.coordinator.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
