@@ -24,7 +24,7 @@ from services.coordinator.api.routes import (
     runs_router,
     workers_router,
 )
-from services.coordinator.data_plane_process import DataPlaneProcess
+from services.coordinator.data_plane import DataPlaneProcess
 from services.coordinator.run.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.infra.http_limits import guard_input

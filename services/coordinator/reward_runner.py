@@ -1,36 +1,39 @@
 """Scoring a run's responses without ever blocking or stopping the coordinator.
 
 A reward that may hang or crash (a user function, a pattern from the spec, sympy) runs in reward
-processes (`reward_worker.py`) that the runner kills and starts again when a call takes longer
-than the spec's `reward_timeout_s` or kills its process; exact and numeric matches run in a
-thread. A call that raises, hangs, crashes its process or returns no finite number scores 0 and
-is counted (`spotrl_coordinator_reward_errors_total{kind}`, and per step by the caller); only a
-reward that cannot be loaded at all is an error (RewardLoadError).
+processes that the runner kills and starts again when a call takes longer than the spec's
+`reward_timeout_s` or kills its process; exact and numeric matches run in a thread. A call that
+raises, hangs, crashes its process or returns no finite number scores 0 and is counted
+(`spotrl_coordinator_reward_errors_total{kind}`, and per step by the caller); only a reward that
+cannot be loaded at all is an error (RewardLoadError).
+
+A reward process is this module run as a child (`services.infra.child_process`):
+`python -m services.coordinator.reward_runner`. It loads the run's reward (importing a user
+function's module there, never in the coordinator), then scores the batches it is sent. What the
+two say to each other, each message a frame (`services.infra.frames`):
+
+    runner -> process: `LoadReward` once, then `ScoreBatch`es.
+    process -> runner: `Loaded` once, then one `reward_choice.Outcome` per call of a batch, in
+    order, each as soon as it is known: a call that takes too long is the one after the last
+    outcome received.
+
+It may be killed at any moment (a call that hangs) and dies with the coordinator. What user code
+prints goes to the coordinator's log (stderr), never into the frames.
 """
 
 import abc
 import asyncio
-import contextlib
 import logging
-import os
-import signal
-import sys
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any
 
+import msgspec
 from prometheus_client import Counter
 
-from services.coordinator.reward_protocol import (
-    HEADER,
-    MAX_REPLY_BYTES,
-    Loaded,
-    LoadReward,
-    ScoreBatch,
-    decode,
-    frame,
-)
 from services.environments.sandbox import user_code_environ
-from services.tasks.base import Example
+from services.infra.child_process import ChildGone, ChildProcess, take_pipes, tie_to_parent
+from services.infra.frames import read_frame, write_frame
+from services.tasks.base import Example, TaskError
 from services.tasks.reward_choice import (
     CRASHED,
     ERROR_KINDS,
@@ -39,6 +42,7 @@ from services.tasks.reward_choice import (
     RewardChoice,
     RewardLoadError,
     call_reward,
+    describe,
 )
 
 log = logging.getLogger(__name__)
@@ -51,11 +55,21 @@ REWARD_ERRORS = Counter(
 ERRORS = {kind: REWARD_ERRORS.labels(kind) for kind in ERROR_KINDS}
 LOAD_TIMEOUT_S = 60.0  # to import a user reward's module
 Call = tuple[Example, str]  # an example and a decoded response
-T = TypeVar("T")
 
 
-class ProcessGone(Exception):
-    """The reward process exited or closed its side of the pipes."""
+class LoadReward(msgspec.Struct, frozen=True):
+    name: str  # a built-in's name, or module.path:function
+    answer_regex: str | None
+    tolerance: float
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    error: str = ""  # why the reward could not be loaded; empty when it was
+
+
+class ScoreBatch(msgspec.Struct, frozen=True):
+    examples: list[tuple[str, str, dict[str, Any]]]  # prompt, answer, row
+    calls: list[tuple[int, str]]  # index into examples, decoded response
 
 
 class RewardProcess:
@@ -64,27 +78,27 @@ class RewardProcess:
 
     def __init__(self, choice: RewardChoice, timeout_s: float) -> None:
         self.choice, self.timeout_s = choice, timeout_s
-        self.proc: asyncio.subprocess.Process | None = None
+        # its own process group (a kill takes its children too), none of this service's
+        # credentials in its environment
+        self.child = ChildProcess(
+            "services.coordinator.reward_runner", env=user_code_environ, pipes=True, own_group=True
+        )
         self.restarts = 0
+
+    @property
+    def running(self) -> bool:
+        """Whether its process is up (a killed one is started again by the next batch)."""
+        return self.child.proc is not None
 
     async def start(self) -> None:
         """Start the process and load the reward; RewardLoadError when it cannot."""
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.coordinator.reward_worker",
-            str(os.getpid()),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group: a kill takes its children too
-            env=user_code_environ(),  # none of this service's credentials
-        )
+        await self.child.start()
         c = self.choice
         try:
-            await self._send(LoadReward(c.name, c.answer_regex, c.tolerance))
+            await self.child.send(LoadReward(c.name, c.answer_regex, c.tolerance))
             async with asyncio.timeout(LOAD_TIMEOUT_S):  # not wait_for: see infra/cancel.py
-                loaded = await self._read(Loaded)
-        except (ProcessGone, TimeoutError):
+                loaded = await self.child.read(Loaded)
+        except (ChildGone, TimeoutError):
             await self.stop()
             raise RewardLoadError(f"reward {c.name}: its process did not load it") from None
         if loaded.error:
@@ -92,31 +106,7 @@ class RewardProcess:
             raise RewardLoadError(loaded.error)
 
     async def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-
-    async def _send(self, message: object) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(frame(message))
-            await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            raise ProcessGone from None
-
-    async def _read(self, kind: type[T]) -> T:
-        assert self.proc is not None and self.proc.stdout is not None
-        try:
-            (size,) = HEADER.unpack(await self.proc.stdout.readexactly(HEADER.size))
-            if size > MAX_REPLY_BYTES:
-                raise ProcessGone
-            return decode(await self.proc.stdout.readexactly(size), kind)
-        except asyncio.IncompleteReadError:
-            raise ProcessGone from None
+        await self.child.stop()
 
     async def score(
         self, examples: list[tuple[str, str, dict]], calls: list[tuple[int, str]]
@@ -126,13 +116,13 @@ class RewardProcess:
         out: list[Outcome] = []
         resent_at = -1  # a process found dead before a batch is replaced once, free
         while len(out) < len(calls):
-            if self.proc is None:
+            if not self.running:
                 self.restarts += 1
                 await self.start()
             pending = calls[len(out) :]
             try:
-                await self._send(ScoreBatch(examples, pending))
-            except ProcessGone:
+                await self.child.send(ScoreBatch(examples, pending))
+            except ChildGone:
                 await self.stop()
                 if resent_at != len(out):
                     resent_at = len(out)
@@ -142,11 +132,11 @@ class RewardProcess:
             try:
                 for _ in pending:
                     async with asyncio.timeout(self.timeout_s):
-                        out.append(await self._read(Outcome))
+                        out.append(await self.child.read(Outcome))
             except TimeoutError:
                 out.append(Outcome(0.0, TIMEOUT, f"no score after {self.timeout_s:g} s"))
                 await self.stop()
-            except ProcessGone:
+            except ChildGone:
                 out.append(Outcome(0.0, CRASHED, "the reward process exited"))
                 await self.stop()
         return out
@@ -238,3 +228,30 @@ async def check_loads(choice: RewardChoice) -> None:
     probe = RewardProcess(choice, timeout_s=1.0)
     await probe.start()
     await probe.stop()
+
+
+def serve() -> None:
+    """The reward process: load the reward it is sent, then score its batches until its
+    parent closes the pipe."""
+    tie_to_parent()
+    inbox, channel = take_pipes()  # user code that prints writes to the log
+    load = read_frame(inbox, LoadReward)
+    if load is None:
+        return
+    try:
+        scorer = RewardChoice(load.name, load.answer_regex, load.tolerance).load()
+    except TaskError as exc:
+        write_frame(channel, Loaded(error=str(exc)))
+        return
+    except Exception as exc:  # a pattern that does not compile, say
+        write_frame(channel, Loaded(error=describe(exc)))
+        return
+    write_frame(channel, Loaded())
+    while (batch := read_frame(inbox, ScoreBatch)) is not None:
+        examples = [Example(prompt, answer, row) for prompt, answer, row in batch.examples]
+        for index, response in batch.calls:
+            write_frame(channel, call_reward(scorer, examples[index], response))
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,26 +1,41 @@
-"""The run scheduler of the data plane: it makes the oldest queued run active (or resumes the
-active one) and drives its rollout manager until the run ends, one run at a time. Whenever the
-run it drives changes (at start, when a run becomes active, when one ended) it sets the fleet's
-gauges from the run records (`step_record.publish_fleet`): a restarted coordinator restores
-them, an ended run clears them."""
+"""The coordinator's data plane: the run scheduler (which drives each run's shard 0, its rollout
+manager, its delta ingest and its shards) and the observer, in a process of their own, started
+by the control plane (`app.py`, through `data_plane.DataPlaneProcess`) as its child and dying
+with it.
+
+The run scheduler makes the oldest queued run active (or resumes the active one) and drives it
+(`shard.drive`) until the run ends, one run at a time. Whenever the run it drives changes (at
+start, when a run becomes active, when one ended) it sets the fleet's gauges from the run
+records (`step_record.publish_fleet`): a restarted coordinator restores them, an ended run
+clears them.
+
+Nothing a client does reaches this process: the REST API, the dashboard and the metrics are
+answered by the control plane from its read model. Its own metrics are served on loopback, on a
+port it hands the control plane through a pipe, and appear in the control plane's /metrics.
+
+    python -m services.coordinator.scheduler [PORT_FD]   (the coordinator's settings handed
+    down by its parent: `services.infra.child_process`; PORT_FD: the pipe's write end)
+"""
 
 import asyncio
 import logging
+import os
+import signal
+import sys
 
-from prometheus_client import Gauge
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from prometheus_client import Gauge, start_http_server
 
 from services.contracts import keys
-from services.coordinator.rollout_manager import RunManager
-from services.coordinator.run.runs import RunFailed, RunStore
-from services.coordinator.run_end import ended_as, failure_text, settle
+from services.coordinator.run.runs import RunStore
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.shard import drive
 from services.coordinator.step_record import publish_fleet
-from services.infra.redis_streams import with_reconnect
-from services.infra.retry import brief
-from services.state.run_state import RunStopped
+from services.coordinator.workers.observer import Observer
+from services.infra import stack_dump
+from services.infra.child_process import handed_settings, tie_to_parent
+from services.infra.logs import setup_logging
+from services.infra.redis_streams import connect, with_reconnect
+from services.infra.service import BackgroundTasks
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
@@ -42,33 +57,49 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
             await asyncio.sleep(settings.scheduler_poll_s)
             continue
         log.info("run %s active", run_id)
-        try:
-            spec = await store.spec(run_id)
-            await RunManager.configured(store.r, run_id, spec, settings).run()
-        except RunStopped as exc:
-            log.info("run %s stopped: %s", run_id, exc)
-            await settle(store, run_id, await ended_as(store, run_id) or "cancelled")
-            continue
-        except RunFailed as exc:  # it cannot go on: its reason is the error
-            log.error("run %s failed: %s", run_id, exc)
-            await store.finish(run_id, "failed", str(exc))
-            continue
-        except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
-            # Redis went away (or refused a write at its memory limit) mid-step: everything that
-            # landed is in Redis, each batch whole or not at all; resume from it
-            log.warning(
-                "run %s: redis unavailable (%s); resuming once it is back", run_id, brief(exc)
-            )
-            await asyncio.sleep(settings.scheduler_poll_s)
-            continue
-        except Exception as exc:
-            ended = await ended_as(store, run_id)
-            if ended is not None:  # its keys went while the manager still read them
-                log.info("run %s stopped (%s) under its manager: %s", run_id, ended, exc)
-                await settle(store, run_id, ended)
-                continue
-            log.exception("run %s failed", run_id)
-            await store.finish(run_id, "failed", failure_text(exc))
-            continue
-        await store.finish(run_id, "succeeded")
-        log.info("run %s succeeded", run_id)
+        await drive(store, run_id, settings)  # a Redis outage: driven again once it is back
+
+
+def serve_metrics(port_fd: int | None) -> None:
+    """Serve this process's metrics on a free loopback port and write the port to `port_fd`."""
+    server, _ = start_http_server(0, addr="127.0.0.1")
+    if port_fd is not None:
+        with os.fdopen(port_fd, "w") as pipe:
+            pipe.write(f"{server.server_port}\n")
+
+
+async def run(settings: CoordinatorSettings) -> None:
+    """Schedule runs and observe the pool until SIGTERM."""
+    r = connect(settings.redis_url, ca_file=settings.tls_ca_file)
+    store = RunStore(r, settings.audit_ttl_s)
+    observer = Observer(
+        r,
+        settings.observe_s,
+        settings.redis_memory_limit_mb,
+        settings.forget_workers_after_s,
+        settings.worker_redis_users,
+    )
+    tasks = BackgroundTasks()
+    tasks.start("scheduler", lambda: schedule_runs(store, settings))
+    tasks.start("observer", observer.forever)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("data plane stopping")
+    await tasks.stop()
+    await r.aclose()
+
+
+def main() -> None:
+    settings = handed_settings(CoordinatorSettings)
+    setup_logging("coordinator-data", settings.log_level)
+    tie_to_parent()
+    stack_dump.install()
+    serve_metrics(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    asyncio.run(run(settings))
+
+
+if __name__ == "__main__":
+    main()

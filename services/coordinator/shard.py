@@ -1,26 +1,32 @@
-"""Coordinator shards 1..K-1 of a run (`contracts.shards`, `RunSpec.coordinator_shards`): each a
-process of its own, so that the run's token deltas are absorbed by K cores.
+"""Driving a run until it ends, and the process of coordinator shards 1..K-1.
+
+`drive` is the one drive-a-run call: it runs the rollout manager of one shard of a run and
+turns how it ended into the run's final state (succeeded, failed with the error users read,
+cancelled under it) or into a wait for Redis to come back. Shard 0 is driven by the run
+scheduler (`scheduler.py`), in the data plane; shards 1..K-1 (`contracts.shards`,
+`RunSpec.coordinator_shards`) each by a process of its own, `follow`, so that the run's token
+deltas are absorbed by K cores. Only shard 0 records a success and tidies up after a run that
+ended under its manager (`settle`); any shard records a failure.
 
 Shard i runs the rollout manager of its share of every step's groups (`RunManager` with
 `shard=i`): it queues their jobs, reads its own deltas stream, keeps its own durable request
 table and publishes its groups to the trainer, every read in one MULTI as on shard 0. What is
-the whole step's stays on shard 0, the coordinator's own process: seeding and balancing (given
-every shard's unfinished requests, `ShardView`), reclaiming the jobs of dead workers (those of
-another shard go to it as released requests on its deltas stream, in the MULTI that acknowledges
-them), the stall watch and the step's metrics row (every shard's summary added up).
+the whole step's stays on shard 0: seeding and balancing (given every shard's unfinished
+requests, `ShardView`), reclaiming the jobs of dead workers (those of another shard go to it as
+released requests on its deltas stream, in the MULTI that acknowledges them), the stall watch
+and the step's metrics row (every shard's summary added up).
 
-Shard 0 starts the others as its children (`ShardProcesses`) and starts one again when it dies
-while the run goes on: it resumes from its durable table like a restarted coordinator. They die
-with the coordinator (PR_SET_PDEATHSIG), so that the shards of a restarted coordinator are the
-only ones reading their streams.
+Shard 0 starts the others as its children (`shard_group.ShardProcesses`) and starts one again
+when it dies while the run goes on: it resumes from its durable table like a restarted
+coordinator. They die with the coordinator (PR_SET_PDEATHSIG), so that the shards of a
+restarted coordinator are the only ones reading their streams.
 
-    python -m services.coordinator.shard RUN_ID SHARD   (the coordinator's settings in
-    SPOTRL_SHARD_SETTINGS, as JSON; its pid in SPOTRL_SHARD_PARENT)
+    python -m services.coordinator.shard RUN_ID SHARD   (started by `ShardProcesses`, which
+    hands down the coordinator's settings: `services.infra.child_process`)
 """
 
 import asyncio
 import logging
-import os
 import sys
 from functools import partial
 
@@ -30,24 +36,98 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES
 from services.coordinator.rollout_manager import RunManager
-from services.coordinator.run.runs import RunFailed, RunStore
-from services.coordinator.run_end import ended_as, failure_text
+from services.coordinator.run.runs import RunFailed, RunStore, release_run
 from services.coordinator.settings import CoordinatorSettings
-from services.coordinator.shard_group import PARENT_ENV, SETTINGS_ENV
 from services.infra import tls
-from services.infra.lifeline import die_with_parent
+from services.infra.child_process import handed_settings, tie_to_parent
+from services.infra.http_limits import clip
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect, with_reconnect
 from services.infra.retry import brief
+from services.state import run_record
 from services.state.run_state import RunStopped
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 1000
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError)
+
+
+async def drive(
+    store: RunStore, run_id: str, settings: CoordinatorSettings, shard: int = 0
+) -> bool:
+    """Drive shard `shard` of the run once: True when the run is over for it (it succeeded,
+    failed, or ended under its manager), False when Redis went away mid-step (or refused a
+    write at its memory limit): everything that landed is in Redis, each batch whole or not at
+    all, and the caller drives it again once Redis is back."""
+    try:
+        spec = await store.spec(run_id)
+        await RunManager.configured(store.r, run_id, spec, settings, shard).run()
+    except RunStopped as exc:
+        log.info("run %s stopped (shard %d): %s", run_id, shard, exc)
+        if shard == 0:
+            await settle(store, run_id, await ended_as(store, run_id) or "cancelled")
+        return True
+    except RunFailed as exc:  # it cannot go on: its reason is the error
+        log.error("run %s failed on coordinator shard %d: %s", run_id, shard, exc)
+        await with_reconnect(partial(store.finish, run_id, "failed", str(exc)), "fail run")
+        return True
+    except REDIS_AWAY as exc:
+        log.warning(
+            "run %s shard %d: redis unavailable (%s); resuming once it is back",
+            run_id,
+            shard,
+            brief(exc),
+        )
+        await asyncio.sleep(settings.scheduler_poll_s)
+        return False
+    except Exception as exc:
+        return await _ended_by(store, run_id, shard, exc)
+    if shard == 0:
+        await store.finish(run_id, "succeeded")
+        log.info("run %s succeeded", run_id)
+    return True
+
+
+async def _ended_by(store: RunStore, run_id: str, shard: int, exc: Exception) -> bool:
+    """After an unforeseen error of a run's manager: the run ended under it (its keys went
+    while the manager still read them), or the error fails it."""
+    ended = await ended_as(store, run_id)
+    if ended is not None:
+        log.info("run %s stopped (%s) under shard %d: %s", run_id, ended, shard, exc)
+        if shard == 0:
+            await settle(store, run_id, ended)
+        return True
+    log.exception("run %s failed on coordinator shard %d", run_id, shard)
+    failed = partial(store.finish, run_id, "failed", failure_text(exc))
+    await with_reconnect(failed, "fail run")
+    return True
+
+
+def failure_text(exc: Exception) -> str:
+    """A failed run's error as users read it: the exception's type and message, cut short;
+    never its repr (the repr of a decoding error holds the bytes it could not decode)."""
+    return clip(f"{type(exc).__name__}: {exc}", MAX_ERROR_CHARS)
+
+
+async def ended_as(store: RunStore, run_id: str) -> str | None:
+    """The final state of a run (cancelled under its manager, say), or None while it is live."""
+    state = await run_record.read_state(store.r, run_id)
+    return state if state in FINAL_STATES else None
+
+
+async def settle(store: RunStore, run_id: str, state: str) -> None:
+    """The manager of a run that ended under it has stopped: drop what it wrote meanwhile."""
+    await release_run(store.r, run_id, state, store.audit_ttl_s)
+    if await store.active() == run_id:
+        await store.r.delete(keys.ACTIVE_RUN)
 
 
 async def follow(run_id: str, shard: int, settings: CoordinatorSettings) -> None:
-    """Drive shard `shard` of the run until the run ends; a failure fails the run (shard 0
-    then stops), a Redis outage is waited out (the shard resumes from its durable table)."""
+    """Drive shard `shard` (1..K-1) of the run until the run ends; a failure fails the run
+    (shard 0 then stops), a Redis outage is waited out (the shard resumes from its durable
+    table)."""
     r = connect(settings.redis_url, ca_file=settings.tls_ca_file)
     store = RunStore(r)
     if not settings.protect_reads:  # the metrics server has no token check
@@ -59,42 +139,16 @@ async def follow(run_id: str, shard: int, settings: CoordinatorSettings) -> None
         )
         url = f"{tls.scheme(settings)}://{settings.host}:{server.server_port}/metrics"
         await with_reconnect(lambda: r.hset(keys.shard_metrics(run_id), shard, url), "metrics")
-    while True:
-        try:
-            if await ended_as(store, run_id) is not None:
-                return
-            spec = await store.spec(run_id)
-            await RunManager.configured(r, run_id, spec, settings, shard).run()
-            return
-        except RunStopped:
-            return
-        except RunFailed as exc:
-            log.error("run %s failed on coordinator shard %d: %s", run_id, shard, exc)
-            await with_reconnect(partial(store.finish, run_id, "failed", str(exc)), "fail run")
-            return
-        except (RedisConnectionError, RedisTimeoutError, OutOfMemoryError) as exc:
-            log.warning(
-                "run %s shard %d: redis unavailable (%s); resuming", run_id, shard, brief(exc)
-            )
-            await asyncio.sleep(settings.scheduler_poll_s)
-        except Exception as exc:
-            if await ended_as(store, run_id) is not None:
-                return
-            log.exception("run %s failed on coordinator shard %d", run_id, shard)
-            failed = partial(store.finish, run_id, "failed", failure_text(exc))
-            await with_reconnect(failed, "fail run")
+    while await with_reconnect(partial(ended_as, store, run_id), "run state") is None:
+        if await drive(store, run_id, settings, shard):
             return
 
 
 def main() -> None:
     run_id, shard = sys.argv[1], int(sys.argv[2])
-    raw = os.environ.get(SETTINGS_ENV)
-    settings = (
-        CoordinatorSettings.model_validate_json(raw) if raw is not None else CoordinatorSettings()
-    )
+    settings = handed_settings(CoordinatorSettings)
     setup_logging(f"coordinator-shard-{shard}", settings.log_level)
-    if PARENT_ENV in os.environ:
-        die_with_parent(int(os.environ[PARENT_ENV]))
+    tie_to_parent()
     asyncio.run(follow(run_id, shard, settings))
 
 

@@ -4,10 +4,7 @@ as child processes and starts one again when it dies while the run goes on. The 
 itself is `services.coordinator.shard`."""
 
 import asyncio
-import contextlib
 import logging
-import os
-import sys
 from types import TracebackType
 from typing import cast
 
@@ -19,10 +16,10 @@ from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.step_record import ShardSummary
 from services.core.request_table import RequestTable
 from services.infra.cancel import cancel_and_wait
+from services.infra.child_process import ChildProcess
 
 log = logging.getLogger(__name__)
-SETTINGS_ENV = "SPOTRL_SHARD_SETTINGS"
-PARENT_ENV = "SPOTRL_SHARD_PARENT"  # the coordinator's pid
+SHARD_MODULE = "services.coordinator.shard"  # `python -m SHARD_MODULE RUN_ID SHARD`
 RESTART_S = 1.0  # a shard that died is started again after this long
 STOP_S = 10.0  # a shard told to stop (SIGTERM) is killed after this long
 TTL_S = 24 * 3600
@@ -88,17 +85,22 @@ class ShardView:
 
 
 class ShardProcesses:
-    """Shards 1..K-1 of one run as child processes, for as long as the `async with` lasts."""
+    """Shards 1..K-1 of one run as child processes (`services.infra.child_process`), for as
+    long as the `async with` lasts; one that dies of anything but the run's end (exit 0) is
+    started again after RESTART_S."""
 
     def __init__(self, run_id: str, shards: int, settings: CoordinatorSettings) -> None:
         self.run_id, self.shards, self.settings = run_id, shards, settings
-        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.children = {
+            shard: ChildProcess(SHARD_MODULE, [run_id, str(shard)], settings=settings)
+            for shard in range(1, shards)
+        }
         self.restarts = 0
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> "ShardProcesses":
-        for shard in range(1, self.shards):
-            self.procs[shard] = await self._start(shard)
+        for shard in self.children:
+            await self._start(shard)
         self._task = asyncio.create_task(self._supervise())
         return self
 
@@ -109,43 +111,23 @@ class ShardProcesses:
         tb: TracebackType | None,
     ) -> None:
         await cancel_and_wait([self._task])
-        running = [p for p in self.procs.values() if p.returncode is None]
-        for proc in running:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in running:
-            try:
-                async with asyncio.timeout(STOP_S):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await asyncio.gather(*(child.stop(STOP_S) for child in self.children.values()))
 
-    async def _start(self, shard: int) -> asyncio.subprocess.Process:
-        env = {
-            **os.environ,
-            SETTINGS_ENV: self.settings.model_dump_json(),
-            PARENT_ENV: str(os.getpid()),
-        }
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.coordinator.shard",
-            self.run_id,
-            str(shard),
-            env=env,
+    async def _start(self, shard: int) -> None:
+        child = self.children[shard]
+        await child.start()
+        assert child.proc is not None
+        log.info(
+            "run %s: coordinator shard %d started (pid %d)", self.run_id, shard, child.proc.pid
         )
-        log.info("run %s: coordinator shard %d started (pid %d)", self.run_id, shard, proc.pid)
-        return proc
 
     async def _supervise(self) -> None:
         """Start a shard again when it dies of anything but the run's end (exit 0)."""
         while True:
             waits = {
-                asyncio.ensure_future(p.wait()): shard
-                for shard, p in self.procs.items()
-                if p.returncode is None
+                asyncio.ensure_future(child.wait()): shard
+                for shard, child in self.children.items()
+                if child.alive
             }
             if not waits:
                 return
@@ -164,4 +146,4 @@ class ShardProcesses:
                 )
                 await asyncio.sleep(RESTART_S)
                 self.restarts += 1
-                self.procs[shard] = await self._start(shard)
+                await self._start(shard)

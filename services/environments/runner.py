@@ -9,19 +9,13 @@ times out, crashes its process or returns a bad value ends its episode:
 `spotrl_coordinator_environment_errors_total{kind}`. Only an environment that cannot be loaded,
 or a sandbox that cannot be built, is an error (EnvironmentLoadError, NetworkIsolationError).
 
-Why not the reward runner's processes (services/coordinator/reward_runner.py): a reward process
-scores batches and streams one outcome per call; an environment process answers one call at a
-time inside a sandbox. What both do alike (the frames, starting a process in its own group and
-killing the group) is some forty lines; its shared home would be a module of services/infra
-that both import, not one package importing the other.
+The processes are `services.infra.child_process` children, talking in its frames; what they
+say is `wire.py`. A reward process (services/coordinator/reward_runner.py) is the same kind of
+child with another policy: it scores batches and streams one outcome per call.
 """
 
 import asyncio
-import contextlib
 import logging
-import os
-import signal
-import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,18 +26,8 @@ from prometheus_client import Counter, Histogram
 from services.environments.choice import EnvironmentChoice, EnvironmentLoadError
 from services.environments.protocol import CRASHED, ERROR_KINDS, TIMEOUT, Feedback, Turn
 from services.environments.sandbox import user_code_environ
-from services.environments.wire import (
-    HEADER,
-    MAX_REPLY_BYTES,
-    Call,
-    Loaded,
-    LoadEnvironment,
-    OpeningCall,
-    Reply,
-    StepCall,
-    decode,
-    frame,
-)
+from services.environments.wire import Call, Loaded, LoadEnvironment, OpeningCall, Reply, StepCall
+from services.infra.child_process import ChildGone, ChildProcess
 
 log = logging.getLogger(__name__)
 ENVIRONMENT_ERRORS = Counter(
@@ -64,10 +48,6 @@ MIB = 1024 * 1024
 
 class NetworkIsolationError(RuntimeError):
     """No network namespace could be entered and the network is not allowed."""
-
-
-class ProcessGone(Exception):
-    """The environment process exited or closed its side of the pipes."""
 
 
 @dataclass(frozen=True)
@@ -105,29 +85,31 @@ class EnvProcess:
 
     def __init__(self, load: LoadEnvironment) -> None:
         self.load = load
-        self.proc: asyncio.subprocess.Process | None = None
+        # its own process group (a kill takes its children too), none of this service's
+        # credentials in its environment
+        self.child = ChildProcess(
+            "services.environments.worker", env=user_code_environ, pipes=True, own_group=True
+        )
         self.loaded = Loaded()
-        self.starts = 0
+
+    @property
+    def starts(self) -> int:
+        return self.child.starts
+
+    @property
+    def running(self) -> bool:
+        """Whether its process is up (a killed one is started again by the next call)."""
+        return self.child.proc is not None
 
     async def start(self) -> Loaded:
         """Start the process and load the environment; EnvironmentLoadError when it cannot,
         NetworkIsolationError when its sandbox cannot be built."""
-        self.starts += 1
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.environments.worker",
-            str(os.getpid()),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group: a kill takes its children too
-            env=user_code_environ(),  # none of this service's credentials
-        )
+        await self.child.start()
         try:
-            await self._send(self.load)
+            await self.child.send(self.load)
             async with asyncio.timeout(LOAD_TIMEOUT_S):  # not wait_for: see infra/cancel.py
-                loaded = await self._read(Loaded)
-        except (ProcessGone, TimeoutError):
+                loaded = await self.child.read(Loaded)
+        except (ChildGone, TimeoutError):
             await self.stop()
             raise EnvironmentLoadError(
                 f"environment {self.load.name}: its process did not load it"
@@ -141,57 +123,26 @@ class EnvProcess:
         return loaded
 
     async def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await self.child.stop()
 
     async def call(self, message: Call, timeout_s: float) -> Reply:
         """One call's reply; a call that times out or finds the process dead gets its error,
         and the process is stopped (started again by the next call)."""
-        if self.proc is None:
+        if not self.running:
             await self.start()
         try:
-            await self._send(message)
+            await self.child.send(message)
             async with asyncio.timeout(timeout_s):
-                return await self._read(Reply)
+                return await self.child.read(Reply)
         except TimeoutError:
             await self.stop()
             return Reply(error=TIMEOUT, detail=f"no answer after {timeout_s:g} s")
-        except ProcessGone:
+        except ChildGone:
             await self.stop()
             return Reply(error=CRASHED, detail="the environment process exited")
         except asyncio.CancelledError:  # its reply would answer the next call: kill it now
-            self._kill()
+            self.child.kill()
             raise
-
-    def _kill(self) -> None:
-        """Kill the process group without waiting (asyncio's child watcher reaps it)."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-    async def _send(self, message: object) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(frame(message))
-            await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            raise ProcessGone from None
-
-    async def _read(self, kind: Any) -> Any:
-        assert self.proc is not None and self.proc.stdout is not None
-        try:
-            (size,) = HEADER.unpack(await self.proc.stdout.readexactly(HEADER.size))
-            if size > MAX_REPLY_BYTES:
-                raise ProcessGone
-            return decode(await self.proc.stdout.readexactly(size), kind)
-        except asyncio.IncompleteReadError:
-            raise ProcessGone from None
 
 
 class EnvRunner:

@@ -1,20 +1,15 @@
 """What the environment runner and its processes say to each other over the process's stdin and
-stdout: frames of a 4-byte big-endian length and a msgpack body (never pickle).
+stdout, each message a frame (`services.infra.frames`).
 
 runner -> process: `LoadEnvironment` once, then one call at a time (`OpeningCall`, `StepCall`).
 process -> runner: `Loaded` once, then one `Reply` per call.
 """
 
-import struct
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from services.environments.protocol import Feedback, Turn
-
-HEADER = struct.Struct(">I")
-MAX_REPLY_BYTES = 1024 * 1024  # an observation is at most 16 Ki characters; tools are bounded
-T = TypeVar("T")
 
 
 class LoadEnvironment(msgspec.Struct, frozen=True):
@@ -50,32 +45,3 @@ class Reply(msgspec.Struct, frozen=True):
     trace: str = ""  # the traceback of what raised (user_errors.trace_text); "" otherwise
     opening: str = ""  # an OpeningCall's answer
     feedback: Feedback | None = None  # a StepCall's answer
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def frame(message: Any) -> bytes:
-    body = _ENCODER.encode(message)
-    return HEADER.pack(len(body)) + body
-
-
-def decode(body: bytes, kind: Any) -> Any:
-    return msgspec.msgpack.decode(body, type=kind)
-
-
-def read_frame(stream: IO[bytes], kind: Any) -> Any:
-    """The next message from a blocking stream (the process's side); None at its end."""
-    header = stream.read(HEADER.size)
-    if len(header) < HEADER.size:
-        return None
-    (size,) = HEADER.unpack(header)
-    body = stream.read(size)
-    if len(body) < size:
-        return None
-    return decode(body, kind)
-
-
-def write_frame(stream: IO[bytes], message: Any) -> None:
-    stream.write(frame(message))
-    stream.flush()

@@ -1,14 +1,12 @@
-"""An environment process: `python -m services.environments.worker PARENT_PID`, started by the
-environment runner (`runner.py`). It puts its limits on itself (memory, no network: see
-`sandbox.py`), only then loads the environment (importing a user class's module here, never in
-the coordinator), and answers the calls it is sent, one reply per call (`wire.py`).
+"""An environment process: `python -m services.environments.worker`, started by the environment
+runner (`runner.py`) as its child (`services.infra.child_process`). It puts its limits on itself
+(memory, no network: see `sandbox.py`), only then loads the environment (importing a user
+class's module here, never in the coordinator), and answers the calls it is sent, one reply per
+call (`wire.py`).
 
 It may be killed at any moment (a call that hangs) and dies with its parent. What environment
 code prints goes to the parent's log (stderr), never into the protocol's stream.
 """
-
-import os
-import sys
 
 import msgspec
 
@@ -22,16 +20,9 @@ from services.environments.protocol import (
     check_opening,
 )
 from services.environments.sandbox import isolate_network, limit_memory
-from services.environments.wire import (
-    Call,
-    Loaded,
-    LoadEnvironment,
-    OpeningCall,
-    Reply,
-    read_frame,
-    write_frame,
-)
-from services.infra.lifeline import die_with_parent
+from services.environments.wire import Call, Loaded, LoadEnvironment, OpeningCall, Reply
+from services.infra.child_process import take_pipes, tie_to_parent
+from services.infra.frames import read_frame, write_frame
 from services.infra.user_errors import defined_at, trace_text, user_frame
 from services.tasks.base import TaskError
 from services.tasks.reward_choice import clip, describe
@@ -76,14 +67,8 @@ def answer(env: Environment, call: Call) -> Reply:
 
 
 def main() -> None:
-    die_with_parent(int(sys.argv[1]))
-    # the protocol's own descriptors: environment code that prints writes to the log (fd 2),
-    # and code that reads stdin reads nothing
-    channel = os.fdopen(os.dup(1), "wb")
-    inbox = os.fdopen(os.dup(0), "rb")
-    os.dup2(2, 1)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.stdout = sys.stderr
+    tie_to_parent()
+    inbox, channel = take_pipes()  # environment code that prints writes to the log
     request = read_frame(inbox, LoadEnvironment)
     if request is None:
         return

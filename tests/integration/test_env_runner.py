@@ -132,7 +132,7 @@ def test_a_hang_is_killed_at_the_time_limit_counted_and_the_next_call_works():
             assert hung.error == "timeout" and hung.feedback == Feedback("", 0.0, done=True)
             assert TIMEOUT_S <= took < TIMEOUT_S + 5.0, took
             assert errors("timeout") == before + 1
-            assert runner.pool[0].proc is None  # killed; started again by the next call
+            assert not runner.pool[0].running  # killed; started again by the next call
             assert (await step(runner, {"kind": "ok"})).feedback.observation == "fine"
             assert runner.pool[0].starts == 2
         finally:
@@ -154,7 +154,7 @@ def test_a_call_that_kills_its_process_is_counted_and_the_next_call_works():
             assert runner.pool[0].starts == 3
         finally:
             await runner.close()
-        assert all(p.proc is None for p in runner.pool)
+        assert not any(p.running for p in runner.pool)
 
     asyncio.run(main())
 

@@ -22,7 +22,8 @@ from services.environments.protocol import (
     episode_over,
     trajectory_reward,
 )
-from services.environments.wire import Call, LoadEnvironment, OpeningCall, StepCall, frame
+from services.environments.wire import Call, LoadEnvironment, OpeningCall, StepCall
+from services.infra.frames import frame
 
 
 def test_a_good_feedback_passes_with_its_reward_as_a_float():

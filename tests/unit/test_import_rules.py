@@ -20,12 +20,12 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 # the modules the coordinator-layers contract names (each layer must exist)
 COORDINATOR_LAYERS = (
     *("main", "app", "api.routes", "api.read_model"),
-    *("data_plane", "data_plane_process", "scheduler", "shard", "rollout_manager"),
+    *("data_plane", "scheduler", "shard", "rollout_manager"),
     *("step_leader", "step_follower", "step_shard", "open_step", "delta_collector"),
     "scheduling",
     *("stall_watch", "run.memory", "quarantine", "migration", "step_record", "step_store"),
-    *("step_log", "reward_runner", "reward_worker", "reward_protocol", "workers.observer"),
-    *("shard_group", "run.runs", "run_end", "settings", "api.schemas"),
+    *("step_log", "reward_runner", "workers.observer"),
+    *("shard_group", "run.runs", "settings", "api.schemas"),
 )
 
 

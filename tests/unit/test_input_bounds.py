@@ -16,7 +16,7 @@ from services.contracts.runspec import (
 )
 from services.coordinator.api.routes import over_step_caps
 from services.coordinator.run.runs import audit_keys, scratch_keys
-from services.coordinator.run_end import failure_text
+from services.coordinator.shard import failure_text
 from services.infra.http_limits import (
     MAX_ERROR_BODY_BYTES,
     BodyLimits,
