@@ -13,10 +13,10 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
-from services.coordinator.rollout_manager import RunManager
 from services.coordinator.run_end import ended_as, failure_text, settle
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.step_loop import build_loop
 from services.coordinator.step_record import publish_fleet
 from services.infra.redis_streams import with_reconnect
 from services.infra.retry import brief
@@ -44,7 +44,7 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
         log.info("run %s active", run_id)
         try:
             spec = await store.spec(run_id)
-            await RunManager.configured(store.r, run_id, spec, settings).run()
+            await build_loop(store.r, run_id, spec, settings).run()
         except RunStopped as exc:
             log.info("run %s stopped: %s", run_id, exc)
             await settle(store, run_id, await ended_as(store, run_id) or "cancelled")

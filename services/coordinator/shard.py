@@ -1,7 +1,7 @@
 """Coordinator shards 1..K-1 of a run (`contracts.shards`, `RunSpec.coordinator_shards`): each a
 process of its own, so that the run's token deltas are absorbed by K cores.
 
-Shard i runs the rollout manager of its share of every step's groups (`RunManager` with
+Shard i runs the step loop of its share of every step's groups (`step_loop.build_loop` with
 `shard=i`): it queues their jobs, reads its own deltas stream, keeps its own durable request
 table and publishes its groups to the trainer, every read in one MULTI as on shard 0. What is
 the whole step's stays on shard 0, the coordinator's own process: seeding and balancing (given
@@ -30,11 +30,11 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
-from services.coordinator.rollout_manager import RunManager
 from services.coordinator.run_end import ended_as, failure_text
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.shard_group import PARENT_ENV, SETTINGS_ENV
+from services.coordinator.step_loop import build_loop
 from services.infra import tls
 from services.infra.lifeline import die_with_parent
 from services.infra.logs import setup_logging
@@ -64,7 +64,7 @@ async def follow(run_id: str, shard: int, settings: CoordinatorSettings) -> None
             if await ended_as(store, run_id) is not None:
                 return
             spec = await store.spec(run_id)
-            await RunManager.configured(r, run_id, spec, settings, shard).run()
+            await build_loop(r, run_id, spec, settings, shard).run()
             return
         except RunStopped:
             return

@@ -19,10 +19,8 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 # the modules the coordinator-layers contract names (each layer must exist)
 COORDINATOR_LAYERS = (
     *("main", "app", "routes_runs", "routes_workers", "dashboard", "read_model", "read_views"),
-    *("data_plane", "data_plane_process", "scheduler", "shard", "rollout_manager"),
-    *("step_leader", "step_follower", "step_shard", "open_step", "delta_collector"),
-    "scheduling",
-    *("stall_watch", "memory", "quarantine", "migration", "step_record", "step_store"),
+    *("data_plane", "data_plane_process", "scheduler", "shard", "step_loop"),
+    *("delta_collector", "scheduling", "memory", "step_record", "step_store"),
     *("step_log", "reward_runner", "reward_worker", "reward_protocol", "observer"),
     *("shard_group", "runs", "run_end", "settings", "schemas", "cleanup"),
 )
