@@ -17,12 +17,10 @@ fails the run on too many failed calls of user code), and after the trainer comm
 writes the seeding update (`step_record.adapt`). A follower reports its part of each step to
 the leader through `ShardView`.
 
-The run's task (its dataset read and checked, `services.tasks`) is loaded when the run starts,
-off the event loop, and its reward runner (`reward_runner.py`) lives as long as the run. No
-step is queued while Redis is near its memory limit (`memory.py`). Redis holds what a restart
-can still need, no more: a delta entry is deleted in the transaction that stores what it
-carried; a step's jobs and request table are deleted once the version trained on it is
-committed. The loop trains nothing and moves no weights.
+The run's task (`services.tasks`) is loaded off the event loop when the run starts; its reward
+runner (`reward_runner.py`) lives as long as the run. No step is queued while Redis is near its
+memory limit (`memory.py`). Redis holds what a restart can still need, no more: a step's jobs
+and request table are deleted once the version trained on it is committed.
 """
 
 import asyncio
@@ -166,10 +164,11 @@ class Leadership:
     async def start(self) -> None:
         """Pick up a stall from before a restart, and the workers that served the run."""
         run = await run_record.read(self.r, self.run_id, "state", "stalled_since", "stall_reason")
-        stalled = run is not None and run.state == "stalled" and run.stalled_since is not None
+        since, reason = None, ""
+        if run is not None and run.state == "stalled" and run.stalled_since is not None:
+            since, reason = run.stalled_since, run.stall_reason
         loaded = await loaded_workers(self.r, self.run_id, await registered_workers(self.r))
-        since = run.stalled_since if stalled and run is not None else None
-        self.policy.restore(since, run.stall_reason if since is not None and run else "", loaded)
+        self.policy.restore(since, reason, loaded)
 
     async def tick(
         self, live: LiveStep, others: ShardView, committed: int, oldest: bool, signer
@@ -184,18 +183,9 @@ class Leadership:
         gone = await self._gone(beats) if oldest else []
         others_unfinished = await others.unfinished(live.table)
         tick = Tick(
-            time.monotonic(),
-            time.time(),
-            beats,
-            others_unfinished,
-            executing,
-            pending,
-            readers,
-            beating,
-            committed,
-            oldest,
-            gone,
-        )
+            time.monotonic(), time.time(), beats, others_unfinished, executing, pending,
+            readers, beating, committed, oldest, gone,
+        )  # fmt: skip
         effects = control.tick(tick)
         await store.write(live.table, effects)
         self._log(control, effects)
@@ -272,17 +262,15 @@ class Leadership:
     @staticmethod
     def _log(c: StepController, effects: Effects) -> None:
         if effects.paused and c.seed_end is not None:
+            after = c.seed_end - c.started
             log.info(
                 "step %d: seeding window over after %.2fs; %d reserved workers step aside",
-                c.step,
-                c.seed_end - c.started,
-                effects.paused,
+                *(c.step, after, effects.paused),
             )
         if effects.recalled:
             log.warning(
                 "step %d: no preemptible worker left; %d reserved workers resume it",
-                c.step,
-                effects.resumed,
+                *(c.step, effects.resumed),
             )
         for worker_id, count in effects.released.items():
             log.info("step %d: %s holds %d over its cap: release ordered", c.step, worker_id, count)
