@@ -36,7 +36,7 @@ from services.coordinator.reward_runner import RewardRunner
 from services.coordinator.runs import RunFailed, RunStore
 from services.coordinator.scheduling import crash_reports
 from services.coordinator.step_record import ShardSummary
-from services.coordinator.step_store import StepStore
+from services.coordinator.step_store import StepStore, write_staged
 from services.coordinator.user_failures import FailureLog
 from services.coordinator.worker_keys import WorkerKeys
 from services.core.episodes import EpisodeStats, EpisodeTable
@@ -266,7 +266,7 @@ class DeltaCollector:
         """One attempt at the read's MULTI; packing it allocates much, and its round trip is
         short: the GC stays paused over both."""
         with gc_paused():
-            await staged.execute(self.r)
+            await write_staged(self.r, staged)
 
     def _apply(
         self, live: dict[int, "LiveStep"], messages: list[tuple[bytes, DeltaBatch]]

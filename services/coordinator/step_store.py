@@ -41,7 +41,7 @@ from services.coordinator.step_record import ShardSummary
 from services.core.episodes import Episode, EpisodeTable
 from services.core.request_table import RequestTable
 from services.core.step_controller import Effects
-from services.infra.redis_streams import text
+from services.infra.redis_streams import StagedWrites, text
 from services.state import run_record
 
 log = logging.getLogger(__name__)
@@ -316,6 +316,12 @@ class StepStore:
             except MalformedMessage as exc:
                 log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
         return ids, jobs
+
+
+async def write_staged(r: aioredis.Redis, staged: StagedWrites) -> None:
+    """One read's MULTI: every step's effects staged (`StepStore.stage`) with its
+    acknowledgement, sent whole."""
+    await staged.execute(r)
 
 
 async def loaded_workers(r: aioredis.Redis, run_id: str, ids: list[str]) -> list[str]:
