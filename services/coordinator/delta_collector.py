@@ -1,13 +1,17 @@
-"""Collecting a run's token deltas into the request tables of the steps in flight (one, or with
-asynchronous RL up to max_staleness + 1): one read of the deltas stream at a time, its batches
-split by step and applied to each step's controller (`core.step_controller.route_deltas`, then
-`StepController.update_from_deltas`), finished responses decoded and scored (`reward_runner.py`:
-a reward that fails scores 0 and is counted in the step's reward_errors), and the outcome of
-every step written in one MULTI with the acknowledgement of what was read. Deltas of a step not
-in flight (finished, or fenced stragglers) are counted as unknown and dropped with the read.
+"""Collecting a run's token deltas into the steps in flight (one, or with asynchronous RL up to
+max_staleness + 1): one read of the deltas stream at a time goes to the step controllers
+(`core.step_controller.route_deltas`: each step's `StepController.on_deltas`) and comes back as
+one `Effects` value per step; finished responses are scored (`reward_runner.py`: a reward that
+fails scores 0 and is counted in the step's reward_errors) or, in multi-turn episodes, ended
+turns are answered by the environment (`episode_shell.py`), each answer handed back to the
+controller; then every step's effects are written in one MULTI with the acknowledgement of what
+was read (`step_store.py`), and what they say is counted and told (`tell`: migrations,
+quarantined groups, fenced leases). Deltas of a step not in flight (finished, or fenced
+stragglers) are counted as unknown and dropped with the read.
 
-It does not drive steps (queueing, seeding, balancing, stall and dead-worker checks): that is
-`step_shard.py` (the step's leader and followers), which calls `collect` in its loop.
+It decides nothing: what to store, queue, publish, quarantine and fence is the controller's.
+It does not drive steps: that is `step_loop.py`, which calls `collect` in its loop (and
+`settle` with the effects of a step it opens).
 """
 
 import asyncio
@@ -17,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import get_args
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
@@ -24,21 +29,19 @@ from redis.exceptions import OutOfMemoryError
 from tokenizers import Tokenizer
 
 from services.contracts import keys
-from services.contracts.messages import DeltaBatch
+from services.contracts.messages import DeltaBatch, ReleaseReason
 from services.contracts.runspec import RunSpec
 from services.coordinator.episode_shell import EpisodeShell
-from services.coordinator.migration import count_migrations, fence
-from services.coordinator.quarantine import report_poison
 from services.coordinator.reward_runner import RewardRunner
-from services.coordinator.run.runs import RunStore
+from services.coordinator.run.runs import RunFailed, RunStore
+from services.coordinator.scheduling import crash_reports
 from services.coordinator.step_record import ShardSummary
-from services.coordinator.step_store import StepStore
+from services.coordinator.step_store import StepStore, write_staged
 from services.coordinator.user_failures import FailureLog
 from services.coordinator.workers.keys import WorkerKeys
-from services.core.collect import CollectOutcome
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
-from services.core.step_controller import StepController, route_deltas
+from services.core.step_controller import Effects, StepController, route_deltas
 from services.infra.redis_streams import (
     Read,
     StagedWrites,
@@ -47,7 +50,7 @@ from services.infra.redis_streams import (
     entry_time_s,
     while_out_of_memory,
 )
-from services.state import run_record
+from services.state import timeline
 from services.tasks import Example
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,14 @@ LAG_S = Histogram(
     "From a worker's flush (its deltas entry's id) to the stored outcome of the read that took it",
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60),
 )
+
+MIGRATIONS = Counter("spotrl_coordinator_migrations_total", "Requests migrated", ["cause"])
+for _cause in (*get_args(ReleaseReason), "bound"):
+    MIGRATIONS.labels(_cause)  # every cause is exported from the start, at 0
+QUARANTINED = Counter(
+    "spotrl_coordinator_groups_quarantined_total", "Groups dropped for a poison request"
+)
+ERROR_CHARS = 300  # of the last worker's error quoted in a poison reason
 
 DELTA_BATCH = 256
 
@@ -186,11 +197,9 @@ class DeltaCollector:
         return {rid: o.value for rid, o in zip(rids, outcomes, strict=True)}
 
     async def collect(self, live: dict[int, LiveStep], block_ms: int) -> None:
-        """Apply one read of delta batches to the steps in flight (`collect.apply_batches`,
-        waiting up to `block_ms` for one); then, in one MULTI: the requests that changed, the
-        continuations of the requests released, the groups completed, and the
-        acknowledgement and deletion of the read's entries (what they carried is in the
-        request tables from then on)."""
+        """One read of delta batches (waiting up to `block_ms` for one) to the steps in flight;
+        their effects written with the acknowledgement and deletion of the read's entries
+        (what they carried is in the request tables from then on): `settle`."""
         with gc_paused():  # deltas waiting now: the reply is big and comes at once
             entries = await self.deltas.fetch(DELTA_BATCH, None)
         if not entries:  # none: wait for some, with the GC on
@@ -202,101 +211,91 @@ class DeltaCollector:
             if self.signatures is not None:  # a key read at most once: a short round trip
                 await self.signatures.screen(read)
             applied = self._apply(live, read.messages)
-        await self._settle(applied, read)
+        await self.settle(applied, read)
 
-    async def resume_turns(self, into: LiveStep) -> None:
-        """A step restored after a restart: its turns that waited for the environment are
-        answered now (an environment is a function of the row and the history)."""
-        table = into.table
-        if self.episodes is None or not isinstance(table, EpisodeTable):
-            return
-        awaiting = table.awaiting()
-        if awaiting:
-            outcome = CollectOutcome(changed=set(awaiting), turn_ended=awaiting)
-            await self._settle([(into, outcome)], None)
-
-    async def _settle(
-        self, applied: list[tuple[LiveStep, CollectOutcome]], read: Read[DeltaBatch] | None
+    async def settle(
+        self, applied: list[tuple["LiveStep", Effects]], read: Read[DeltaBatch] | None = None
     ) -> None:
-        """What follows applied outcomes: finished responses scored (or, in multi-turn
-        episodes, ended turns answered by the environment); then in one MULTI the requests that
-        changed, the jobs to queue, the groups completed and the acknowledgement of `read`."""
-        parts: list[tuple[LiveStep, CollectOutcome, list[int]]] = []
-        for into, outcome in applied:
-            if self.episodes is not None:
-                await self._answer_turns(into, outcome)
-            elif outcome.finished:
-                into.table.score(await self.score(into, outcome.finished))
-            parts.append((into, outcome, into.table.completed_groups(outcome.finished)))
+        """What follows the controllers' effects of one read (or of a step opened, `read`
+        None): finished responses scored, or in multi-turn episodes ended turns answered by the
+        environment, each handed back to the controller; then in one MULTI every step's effects
+        and the acknowledgement of `read`; then what they say, counted and told."""
+        for into, effects in applied:
+            await self._answer(into, effects)
         staged = StagedWrites()
         with gc_paused():
-            for into, outcome, groups in parts:
-                self._stage_outcome(staged, into.table, into.store, outcome, groups)
+            for into, effects in applied:
+                into.store.stage(staged, into.table, effects)
         if read is not None:
             self.deltas.stage_ack(staged, read.ids, delete=True)
-        await while_out_of_memory(lambda: self._store(staged), "store deltas", self._say_oom)
+        if staged.ops:
+            await while_out_of_memory(lambda: self._store(staged), "store deltas", self._say_oom)
         stored = time.time()
         for entry_id in read.ids if read is not None else ():
             LAG_S.observe(max(0.0, stored - entry_time_s(entry_id)))
         if self.oom_stalled:
             self.oom_stalled = False
             await self.runs.mark_running(self.run_id, "redis takes writes again")
-        for into, outcome, groups in parts:
-            await self._after(into, outcome, groups)
+        for into, effects in applied:
+            into.control.stored(effects)
+            await self._after(into, effects)
         if read is not None:
             await self.deltas.park(read, keys.parked_stream(self.run_id), "deltas")
 
-    async def _answer_turns(self, into: LiveStep, outcome: CollectOutcome) -> None:
-        """The environment answers the turns that ended: the next turns' jobs are queued with
-        the outcome, the episodes over are finished (scored by their turns' rewards)."""
+    async def _answer(self, into: "LiveStep", effects: Effects) -> None:
+        """The responses that finished, scored; or in multi-turn episodes the turns that ended
+        answered by the environment (the next turns' jobs and the episodes over, which hold
+        their turns' rewards): each back to the controller."""
         table = into.table
-        if not outcome.turn_ended or self.episodes is None or not isinstance(table, EpisodeTable):
+        if self.episodes is None:
+            if effects.score:
+                into.control.on_scores(await self.score(into, effects.score))
+            return
+        if not effects.turns or not isinstance(table, EpisodeTable):
             return
         jobs, over, failed = await self.episodes.answer(
-            table, into.examples, outcome.turn_ended, into.episode_stats
+            table, into.examples, effects.turns, into.episode_stats
         )
         if failed:
             await self.failures.tell(
                 into.first_errors, table.step, "environment", failed[0].short, failed[0].trace
             )
-        outcome.next_turns.extend(jobs)
-        outcome.finished.extend(over)
+        effects.merge(into.control.on_answers(jobs, over))
 
     async def _store(self, staged: StagedWrites) -> None:
         """One attempt at the read's MULTI; packing it allocates much, and its round trip is
         short: the GC stays paused over both."""
         with gc_paused():
-            await staged.execute(self.r)
+            await write_staged(self.r, staged)
 
     def _apply(
-        self, live: dict[int, LiveStep], messages: list[tuple[bytes, DeltaBatch]]
-    ) -> list[tuple[LiveStep, CollectOutcome]]:
-        """Apply a read's batches to the controllers of their steps (CPU only)."""
+        self, live: dict[int, "LiveStep"], messages: list[tuple[bytes, DeltaBatch]]
+    ) -> list[tuple["LiveStep", Effects]]:
+        """A read's batches to the controllers of their steps (CPU only)."""
         steps = {step: into.control for step, into in live.items()}
         applied, unknown = route_deltas(steps, [batch for _, batch in messages])
         if unknown:  # of steps not in flight: nothing of them is applied any more
             OUTCOMES[Applied.UNKNOWN.value].inc(unknown)
-        return [(live[control.step], outcome) for control, outcome in applied]
+        return [(live[control.step], effects) for control, effects in applied]
 
-    async def _after(self, into: LiveStep, outcome: CollectOutcome, groups: list[int]) -> None:
-        """What follows a step's applied outcome once it is stored."""
+    async def _after(self, into: "LiveStep", effects: Effects) -> None:
+        """What follows a step's effects once they are stored: counted and told."""
         table = into.table
-        if outcome.poisoned:
-            await report_poison(self.r, self.spec, table, outcome.poisoned)
-        for reason, jobs in outcome.released.items():
-            await count_migrations(self.r, table, reason, len(jobs))
-        table.mark_published(groups)
-        GROUPS.inc(len(groups))
-        TOKENS.inc(outcome.tokens_appended)
-        for applied, n in outcome.applied.items():
-            OUTCOMES[applied].inc(n)
-        if outcome.forged:
-            self._say_forged(table, outcome)
-        await fence(self.r, self.run_id, outcome.stale)
+        await tell(self.r, table, effects)
+        GROUPS.inc(len(effects.publish))
+        outcome = effects.read
+        if outcome is not None:
+            TOKENS.inc(outcome.tokens_appended)
+            for applied, n in outcome.applied.items():
+                OUTCOMES[applied].inc(n)
+            if outcome.forged:
+                self._say_forged(table, effects)
         into.changed.set()
 
-    def _say_forged(self, table: RequestTable, outcome: CollectOutcome) -> None:
+    def _say_forged(self, table: RequestTable, effects: Effects) -> None:
         """Count and log (one line per read) the deltas and releases refused for their grant."""
+        outcome = effects.read
+        assert outcome is not None
         deltas = outcome.applied[Applied.WRONG_GRANT.value]
         WRONG_GRANT_DELTAS.inc(deltas)
         WRONG_GRANT_RELEASES.inc(outcome.forged_releases)
@@ -309,30 +308,6 @@ class DeltaCollector:
             ", ".join(f"{worker} {n}" for worker, n in outcome.forged.most_common(5)),
         )
 
-    def _stage_outcome(
-        self,
-        staged: StagedWrites,
-        table: RequestTable,
-        store: StepStore,
-        outcome: CollectOutcome,
-        groups: list[int],
-    ) -> None:
-        store.stage_requests(staged, table, outcome.changed)
-        if outcome.turn_ended and isinstance(table, EpisodeTable):
-            store.stage_episodes(staged, table, set(outcome.turn_ended))
-        jobs = keys.jobs_stream(self.run_id, table.step)
-        for continuations in (*outcome.released.values(), outcome.next_turns):
-            for job in continuations:
-                staged.xadd(jobs, job.fields())
-        groups_stream = keys.groups_stream(self.run_id)
-        for p in groups:
-            staged.xadd(groups_stream, table.group_message(p).fields())
-            store.stage_published(staged, p)
-        for p in outcome.dropped:
-            staged.xadd(groups_stream, table.dropped_group(p).fields())
-            store.stage_quarantined(staged, p)
-            run_record.stage_quarantined(staged, self.run_id)
-
     async def _say_oom(self, reason: str) -> None:
         """Redis refuses writes for memory: the run is stalled, saying so, where Redis takes
         that small write (else the log and the memory gauges say it)."""
@@ -340,3 +315,48 @@ class DeltaCollector:
             self.oom_stalled = await self.runs.mark_stalled(self.run_id, reason, time.time())
         except OutOfMemoryError as exc:
             log.warning("run %s: could not record the memory stall: %s", self.run_id, exc)
+
+
+async def tell(r: aioredis.Redis, table: RequestTable, effects: Effects) -> None:
+    """What a step's stored effects say, counted and told: the poison requests (their groups
+    quarantined, or the run failed: RunFailed), the requests migrated, the leases fenced."""
+    if effects.poisoned:
+        await report_poison(r, table, effects.poisoned, effects.poison_fails)
+    for cause, n in effects.migrated.items():
+        if n:
+            MIGRATIONS.labels(cause).inc(n)
+            await timeline.emit(r, table.run_id, "migrated", cause=cause, count=n, step=table.step)
+    for worker_id, pairs in effects.fences.items():
+        await timeline.emit(r, table.run_id, "fenced", worker=worker_id, count=len(pairs))
+        log.info("fenced %d requests on %s", len(pairs), worker_id)
+
+
+async def report_poison(
+    r: aioredis.Redis, table: RequestTable, poisoned: list[tuple[str, str]], fails: bool
+) -> None:
+    """Say which requests (each with the worker it crashed last) were quarantined and why (a
+    request released with reason "crash" counts the worker it crashed: `collect.note_crash`);
+    with on_poison=fail_run (`fails`) raise RunFailed instead."""
+    reports = await crash_reports(r, sorted({w for _, w in poisoned}))
+    for rid, worker_id in poisoned:
+        req = table.requests[rid]
+        error = str(reports.get(worker_id, {}).get("error", "unknown"))
+        reason = (
+            f"request {rid} (step {table.step}, prompt {req.prompt_index}) crashed "
+            f"{len(req.crashed_on)} workers ({', '.join(req.crashed_on)}); last error: "
+            f"{worker_id}: {error[:ERROR_CHARS]}"
+        )
+        if fails:
+            raise RunFailed(reason)
+        QUARANTINED.inc()
+        log.warning("step %d: group %d dropped: %s", table.step, req.prompt_index, reason)
+        await timeline.emit(
+            r,
+            table.run_id,
+            "quarantined",
+            step=table.step,
+            prompt_index=req.prompt_index,
+            request=rid,
+            workers=req.crashed_on,
+            reason=reason,
+        )

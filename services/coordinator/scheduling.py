@@ -1,29 +1,22 @@
-"""The asyncio shell around the step controller (`core.step_controller`: the seeding window,
-the recall, the read cap and the load balancing of one step), and the worker reads the leader
-needs (heartbeats, crash reports, the worker index). All decisions come from the core; this
-module only reads Redis and writes what a decision asks for.
+"""The workers as the coordinator reads them: heartbeats, crash reports, the worker index (and
+forgetting the workers long gone), the pool counts, and an order sent to one worker. The step's
+decisions are the step controller's (`core.step_controller`); its shell is `step_loop.py`.
 """
 
 import json
 import logging
-import time
-from collections.abc import Callable
 from typing import cast
 
 import redis.asyncio as aioredis
 from prometheus_client import Gauge
 
 from services.contracts import keys
-from services.contracts.consumers import consumer_worker
 from services.contracts.messages import Heartbeat, MalformedMessage, WorkerControl
-from services.core.step_controller import Actions, StepController
-from services.infra.redis_streams import text
 from services.infra.redis_users import drop_worker_user
 from services.state import worker_record
 
 log = logging.getLogger(__name__)
 WORKERS = Gauge("spotrl_coordinator_workers", "Alive workers on the active run", ["pool"])
-T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
 
 
 async def registered_workers(r: aioredis.Redis) -> list[str]:
@@ -113,90 +106,5 @@ def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:
     return counts
 
 
-CAP_TTL_S = 3600  # a read cap outlives a coordinator that dies mid-step by this long at most
-
-
 async def order(r: aioredis.Redis, worker_id: str, control: WorkerControl) -> None:
     await r.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
-
-
-class StepScheduler:
-    """The leader's shell of one step's `StepController` (the one its deltas go to): reads what
-    a tick needs (the step's pending jobs per reader) and writes what it decides in one
-    MULTI."""
-
-    def __init__(
-        self,
-        r: aioredis.Redis,
-        control: StepController,
-        jobs_stream: str,
-        clock: Callable[[], float] = time.monotonic,  # the clock of `started` (tests step it)
-    ) -> None:
-        self.r, self.control, self.jobs_stream, self.clock = r, control, jobs_stream, clock
-
-    @property
-    def seeded_out(self) -> bool:
-        return self.control.seeded_out
-
-    @property
-    def seed_end(self) -> float | None:
-        return self.control.seed_end
-
-    async def start(self, workers: dict[str, Heartbeat], window_s: float, started: float) -> None:
-        """The step is opened at `started` (on `clock`) with a seeding window of `window_s`."""
-        c = self.control
-        T_SEED.set(window_s if window_s != float("inf") else -1)
-        seed_done = bool(await self.r.exists(keys.seed_done(c.run_id, c.step)))
-        await self._carry_out(c.start(workers, seed_done, window_s, started, self.clock()))
-
-    async def tick(self, unfinished: int, beats: dict[str, Heartbeat]) -> None:
-        """One pass, given the step's unfinished requests (every coordinator shard's) and every
-        alive worker's heartbeat (`heartbeats`)."""
-        count_pools({w: b for w, b in beats.items() if b.run_id == self.control.run_id})
-        summary = await self.r.xpending(self.jobs_stream, keys.WORKERS_GROUP)
-        executing: dict[str, int] = {}  # by worker (its consumer may carry a secret)
-        for c in summary.get("consumers") or []:
-            worker = consumer_worker(text(c["name"]) or "")
-            executing[worker] = executing.get(worker, 0) + int(c["pending"])
-        pending = int(summary.get("pending") or 0)
-        actions = self.control.tick(self.clock(), unfinished, beats, executing, pending)
-        await self._carry_out(actions)
-
-    async def finish(self) -> None:
-        """Rollout is over; with no preemptible pool the reserved one did it all."""
-        await self._carry_out(self.control.finish(self.clock()))
-
-    async def _carry_out(self, actions: Actions) -> None:
-        """A decision's orders, seeding end and read cap, in one MULTI."""
-        c = self.control
-        if not (actions.orders or actions.seed_end is not None or actions.read_cap is not None):
-            return
-        async with self.r.pipeline(transaction=True) as pipe:
-            for worker_id, control in actions.orders:
-                pipe.xadd(keys.worker_control(worker_id), control.fields(), maxlen=1000)
-            if actions.seed_end is not None:
-                pipe.set(keys.seed_done(c.run_id, c.step), actions.seed_end, ex=3600)
-                over = keys.seeding_over(c.run_id)
-                pipe.xadd(over, {"step": c.step}, maxlen=1, approximate=False)
-            if actions.read_cap is not None:
-                pipe.set(keys.read_cap(c.run_id, c.step), actions.read_cap, ex=CAP_TTL_S)
-            await pipe.execute()
-        self._log(actions)
-
-    def _log(self, actions: Actions) -> None:
-        c = self.control
-        if actions.paused and c.seed_end is not None:
-            log.info(
-                "step %d: seeding window over after %.2fs; %d reserved workers step aside",
-                c.step,
-                c.seed_end - c.started,
-                actions.paused,
-            )
-        if actions.recalled:
-            log.warning(
-                "step %d: no preemptible worker left; %d reserved workers resume it",
-                c.step,
-                actions.resumed,
-            )
-        for worker_id, count in actions.released.items():
-            log.info("step %d: %s holds %d over its cap: release ordered", c.step, worker_id, count)

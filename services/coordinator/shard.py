@@ -8,7 +8,7 @@ scheduler (`scheduler.py`), in the data plane; shards 1..K-1 (`contracts.shards`
 deltas are absorbed by K cores. Only shard 0 records a success and tidies up after a run that
 ended under its manager (`settle`); any shard records a failure.
 
-Shard i runs the rollout manager of its share of every step's groups (`RunManager` with
+Shard i runs the step loop of its share of every step's groups (`step_loop.build_loop` with
 `shard=i`): it queues their jobs, reads its own deltas stream, keeps its own durable request
 table and publishes its groups to the trainer, every read in one MULTI as on shard 0. What is
 the whole step's stays on shard 0: seeding and balancing (given every shard's unfinished
@@ -37,9 +37,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
-from services.coordinator.rollout_manager import RunManager
 from services.coordinator.run.runs import RunFailed, RunStore, release_run
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.step_loop import build_loop
 from services.infra import tls
 from services.infra.child_process import handed_settings, tie_to_parent
 from services.infra.http_limits import clip
@@ -63,7 +63,7 @@ async def drive(
     all, and the caller drives it again once Redis is back."""
     try:
         spec = await store.spec(run_id)
-        await RunManager.configured(store.r, run_id, spec, settings, shard).run()
+        await build_loop(store.r, run_id, spec, settings, shard).run()
     except RunStopped as exc:
         log.info("run %s stopped (shard %d): %s", run_id, shard, exc)
         if shard == 0:

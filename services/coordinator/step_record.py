@@ -6,7 +6,8 @@ the pool they want), set from the run records whenever a step updates a figure a
 scheduler starts, activates or ends a run, so that a restarted coordinator restores them and a
 run's end clears them.
 
-It does not decide anything itself: the update comes from `core.seeding`, the figures from the
+It does not decide anything itself: the update comes from the leader's `Lead`
+(`core.step_controller`: `core.seeding`'s Algorithm 1 and pool sizer), the figures from the
 step's request table and times.
 """
 
@@ -24,13 +25,8 @@ from services.contracts.runspec import LIVE_STATES
 from services.core.call_errors import CallCount
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
-from services.core.seeding import (
-    PoolSizer,
-    SeedingController,
-    StepTimes,
-    after_step,
-    train_compute_s,
-)
+from services.core.seeding import StepTimes, train_compute_s
+from services.core.step_controller import Lead
 from services.state import run_record, timeline
 from services.state.redis_figures import RedisMemory, run_streams, stream_lengths
 from services.state.run_state import active_run
@@ -283,8 +279,7 @@ async def record_rollout(
 async def adapt(
     r: aioredis.Redis,
     run_id: str,
-    seeding: SeedingController,
-    pool: PoolSizer,
+    lead: Lead,
     step: int,
     times: StepTimes,
 ) -> None:
@@ -300,7 +295,7 @@ async def adapt(
         train_compute_s=compute_s,
         train_wait_s=train_wait_s,
     )
-    update = after_step(seeding, times)
+    update, wanted = lead.trained(times)
     n_prem = None if math.isinf(update.n_prem_recommended) else update.n_prem_recommended
     row = StepRow(
         t_remote_wait_s=update.t_remote_wait_s,
@@ -308,7 +303,6 @@ async def adapt(
         n_prem_recommended=update.n_prem_recommended,
     )
     await record_step(r, run_id, step, row)
-    wanted = pool.after_step(update.n_prem_recommended)
     await run_record.set_seeding(r, run_id, update.t_seed_next_s, update.n_prem_recommended, wanted)
     N_PREM.set(n_prem or 0)
     await publish_fleet(r)

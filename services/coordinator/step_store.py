@@ -17,26 +17,49 @@ again changes nothing that landed (offsets make deltas idempotent).
 Each request's state (its lease, finish reason, crashes and the lease's grant) is written with the
 step's first jobs: a restarted coordinator must take the deltas of jobs queued before it, and
 knows their grants only from here.
+
+This module opens the step's MULTIs and pipelines, and no other does: an `Effects` value of the
+step controller (`core.step_controller`) is written whole by `StepStore.write` (or staged with a
+read's acknowledgement by `StepStore.stage`); the leader's reads of a tick (the jobs each reader
+of the step's stream holds, the claim of a dead reader's jobs) and `ShardView` (what the other
+coordinator shards report of a step) are here too.
 """
 
+import logging
 from typing import cast
 
+import msgspec
 import redis.asyncio as aioredis
+from redis.typing import StreamIdT
 
 from services.contracts import keys
+from services.contracts.consumers import consumer_worker
+from services.contracts.messages import Job, MalformedMessage, RequestLease, WorkerControl
 from services.contracts.records import StepMeta
 from services.coordinator.step_log import RecordWriter, replay
+from services.coordinator.step_record import ShardSummary
 from services.core.episodes import Episode, EpisodeTable
 from services.core.request_table import RequestTable
+from services.core.step_controller import Effects
+from services.infra.redis_streams import StagedWrites, text
+from services.state import run_record
 
+log = logging.getLogger(__name__)
 TTL_S = 24 * 3600
 RESTORE_CHUNK = 256  # log records a restore reads in one round trip
+CAP_TTL_S = 3600  # a read cap outlives a coordinator that dies mid-step by this long at most
+SEED_TTL_S = 3600
+CONTROL_MAXLEN = 1000
+CLAIMER = "coordinator"  # the consumer a coordinator claims a dead reader's jobs with
+# XCLAIM's reply: (entry id, fields), fields None for an entry deleted while pending
+Claimed = list[tuple[bytes, dict[bytes, bytes] | None]]
 
 
 class StepStore:
     def __init__(self, r: aioredis.Redis, run_id: str, step: int, shard: int = 0) -> None:
         """The copy of coordinator shard `shard`'s table (`contracts.shards`)."""
         self.r = r
+        self.jobs = keys.jobs_stream(run_id, step)
         self.meta = keys.step_meta(run_id, step, shard)
         self.state = keys.step_requests(run_id, step, shard)
         self.published = keys.step_published(run_id, step, shard)
@@ -192,3 +215,189 @@ class StepStore:
             for key in self.scratch_keys():
                 pipe.expire(key, ttl_s)
             await pipe.execute()
+
+    # -- an effects value, written ----------------------------------------------------------
+
+    async def write(
+        self, table: RequestTable, effects: Effects, handed: dict[int, dict] | None = None
+    ) -> None:
+        """One decision of the step's controller in one MULTI (`stage`)."""
+        if not effects.writes:
+            return
+        async with self.r.pipeline(transaction=True) as pipe:
+            self.stage(pipe, table, effects, handed)
+            await pipe.execute()
+
+    def stage(
+        self, pipe, table: RequestTable, effects: Effects, handed: dict[int, dict] | None = None
+    ) -> None:
+        """Stage `effects` on a transaction (a pipeline or `StagedWrites`), in the order a
+        restart needs them: the read cap before the first jobs, the requests' state with the
+        jobs that continue them, the groups with their marks; `handed` is each shard's release
+        batch as sent (signed where workers sign their deltas)."""
+        run_id = self.run_id
+        if effects.read_cap is not None:
+            pipe.set(keys.read_cap(run_id, self.step), effects.read_cap, ex=CAP_TTL_S)
+        if effects.queued_at is not None:
+            self.stage_queued(pipe, table, effects.queued_at)
+        else:
+            self.stage_requests(pipe, table, effects.rows)
+        if effects.episodes and isinstance(table, EpisodeTable):
+            self.stage_episodes(pipe, table, effects.episodes)
+        for job in effects.jobs:
+            pipe.xadd(self.jobs, job.fields())
+        for shard, fields in (handed or {}).items():
+            pipe.xadd(keys.deltas_stream(run_id, shard), fields)
+        if effects.acks:
+            pipe.xack(self.jobs, keys.WORKERS_GROUP, *effects.acks)
+        if effects.drop_reader is not None:
+            pipe.xgroup_delconsumer(self.jobs, keys.WORKERS_GROUP, effects.drop_reader)
+        self._stage_groups(pipe, table, effects)
+        for worker_id, order in [*fence_orders(run_id, effects.fences), *effects.orders]:
+            pipe.xadd(keys.worker_control(worker_id), order.fields(), maxlen=CONTROL_MAXLEN)
+        if effects.seed_end is not None:
+            pipe.set(keys.seed_done(run_id, self.step), effects.seed_end, ex=SEED_TTL_S)
+            over = keys.seeding_over(run_id)
+            pipe.xadd(over, {"step": self.step}, maxlen=1, approximate=False)
+
+    def _stage_groups(self, pipe, table: RequestTable, effects: Effects) -> None:
+        groups_stream = keys.groups_stream(self.run_id)
+        for p in effects.publish:
+            pipe.xadd(groups_stream, table.group_message(p).fields())
+            self.stage_published(pipe, p)
+        for p in effects.dropped:
+            pipe.xadd(groups_stream, table.dropped_group(p).fields())
+            self.stage_quarantined(pipe, p)
+            run_record.stage_quarantined(pipe, self.run_id)
+
+    # -- the leader's reads of the step's jobs stream ---------------------------------------
+
+    async def readers(self) -> tuple[dict[str, int], set[str]]:
+        """The readers of the step's jobs stream (consumer name -> jobs pending), and those
+        of them holding jobs whose heartbeat key is there."""
+        pending: dict[str, int] = {}
+        for consumer in await self.r.xinfo_consumers(self.jobs, keys.WORKERS_GROUP):
+            pending[text(consumer["name"]) or ""] = int(consumer["pending"])
+        holding = [name for name, n in pending.items() if n > 0]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for name in holding:
+                pipe.exists(keys.worker_heartbeat(consumer_worker(name)))
+            beating = await pipe.execute()
+        return pending, {name for name, n in zip(holding, beating, strict=True) if n}
+
+    async def executing(self) -> tuple[dict[str, int], int]:
+        """The jobs each worker reading the step's stream holds, and all of them."""
+        summary = await self.r.xpending(self.jobs, keys.WORKERS_GROUP)
+        executing: dict[str, int] = {}  # by worker (its consumer may carry a secret)
+        for c in summary.get("consumers") or []:
+            worker = consumer_worker(text(c["name"]) or "")
+            executing[worker] = executing.get(worker, 0) + int(c["pending"])
+        return executing, int(summary.get("pending") or 0)
+
+    async def claim(self, name: str) -> tuple[list[StreamIdT], list[Job]]:
+        """Move every entry reader `name` holds to the coordinator's consumer: their ids, and
+        the jobs that can be read (an entry deleted while pending has none)."""
+        stream = self.jobs
+        pending = await self.r.xpending_range(
+            stream, keys.WORKERS_GROUP, min="-", max="+", count=100_000, consumername=name
+        )
+        ids: list[StreamIdT] = [p["message_id"] for p in pending]
+        if not ids:
+            return ids, []
+        # redis-py types the reply for any connection (text, or ids only with justid); ours
+        # answers bytes, and without justid each entry is (id, fields)
+        claimed = cast(Claimed, await self.r.xclaim(stream, keys.WORKERS_GROUP, CLAIMER, 0, ids))
+        jobs = []
+        for entry_id, fields in claimed:
+            if fields is None:
+                continue
+            try:
+                jobs.append(Job.from_fields(fields))
+            except MalformedMessage as exc:
+                log.warning("unreadable job %s held by %s: %s", entry_id, name, exc)
+        return ids, jobs
+
+
+async def write_staged(r: aioredis.Redis, staged: StagedWrites) -> None:
+    """One read's MULTI: every step's effects staged (`StepStore.stage`) with its
+    acknowledgement, sent whole."""
+    await staged.execute(r)
+
+
+async def loaded_workers(r: aioredis.Redis, run_id: str, ids: list[str]) -> list[str]:
+    """Of these workers, those that loaded weights of the run (they served it)."""
+    async with r.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.exists(keys.worker_loads(run_id, worker_id))
+        loaded = await pipe.execute()
+    return [w for w, n in zip(ids, loaded, strict=True) if n]
+
+
+def fence_orders(
+    run_id: str, stale: dict[str, set[tuple[str, int]]]
+) -> list[tuple[str, WorkerControl]]:
+    """Each worker told to drop the (request, old lease) pairs it sent stale deltas for."""
+    out = []
+    for worker_id, pairs in stale.items():
+        requests = [RequestLease(request_id=rid, lease=lease) for rid, lease in sorted(pairs)]
+        out.append((worker_id, WorkerControl(action="abort", run_id=run_id, requests=requests)))
+    return out
+
+
+class ShardView:
+    """What shard 0 reads of the other shards' part of one step, and what they report: their
+    unfinished requests while the step runs, their summary once their groups are published."""
+
+    def __init__(self, r: aioredis.Redis, run_id: str, step: int, shards: int) -> None:
+        self.r, self.key, self.shards = r, keys.step_shards(run_id, step), shards
+
+    async def _fields(self) -> dict[str, bytes]:
+        raw = cast(dict[bytes, bytes], await self.r.hgetall(self.key))
+        return {k.decode(): v for k, v in raw.items()}
+
+    async def all_done(self) -> bool:
+        """Whether every other shard has published all its groups of the step."""
+        if self.shards == 1:
+            return True
+        fields = await self._fields()
+        return all(f"{i}:done" in fields for i in range(1, self.shards))
+
+    async def unfinished(self, table: RequestTable) -> int:
+        """The other shards' unfinished requests, as last reported (a shard that reported
+        nothing yet: all of its requests)."""
+        if self.shards == 1:
+            return 0
+        fields, total = await self._fields(), 0
+        for i in range(1, self.shards):
+            if f"{i}:done" in fields:
+                continue
+            reported = fields.get(f"{i}:unfinished")
+            total += int(reported) if reported is not None else table.requests_of_shard(i)
+        return total
+
+    async def summaries(self) -> list[ShardSummary]:
+        fields = await self._fields()
+        return [
+            msgspec.json.decode(fields[f"{i}:done"], type=ShardSummary)
+            for i in range(1, self.shards)
+            if f"{i}:done" in fields
+        ]
+
+    async def report_unfinished(self, shard: int, n: int) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key, f"{shard}:unfinished", n)
+            pipe.expire(self.key, TTL_S)
+            await pipe.execute()
+
+    async def report_done(self, shard: int, summary: ShardSummary) -> None:
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                self.key,
+                mapping={f"{shard}:unfinished": 0, f"{shard}:done": msgspec.json.encode(summary)},
+            )
+            pipe.expire(self.key, TTL_S)
+            await pipe.execute()
+
+    async def expire(self, ttl_s: int) -> None:
+        if self.shards > 1:
+            await self.r.expire(self.key, ttl_s)

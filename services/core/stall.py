@@ -1,5 +1,6 @@
 """When a run cannot progress, and which request is poison: pure policies (worker views, crash
-counts and a clock in, decisions out). No Redis, no HTTP; `stall_watch.py` is the shell.
+counts and a clock in, decisions out). No Redis, no HTTP: the step controller
+(`core.step_controller`) checks for a stall in its tick, and its shell writes what changes.
 
 A step needs a rollout worker able to serve its weight version: one whose heartbeat is fresh,
 that has not crashed, and that has not stepped aside for training (a paused reserved worker).
@@ -26,7 +27,9 @@ class WorkerView:
 
     worker_id: str
     version: int | None
-    paused: bool = False  # stepped aside for the rest of its version
+    # stepped aside (paused) holding a version that may generate the step: it does not serve it
+    # (`step_controller.serves`, the one definition, decides it)
+    paused: bool = False
     error: str = ""  # a task of it died of this: it is shutting down
 
 
@@ -55,7 +58,7 @@ def _names(ids: list[str]) -> str:
 def blocker(version: int, alive: list[WorkerView], gone: list[GoneWorker]) -> Blocker | None:
     """Why no worker can serve `version` now, or None when one can (or is loading it)."""
     crashed = [w for w in alive if w.error]
-    aside = [w for w in alive if not w.error and w.paused and w.version == version]
+    aside = [w for w in alive if not w.error and w.paused]
     if len(crashed) + len(aside) < len(alive):
         return None
     parts = []

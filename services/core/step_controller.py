@@ -1,45 +1,92 @@
-"""The step controller: what is decided for one step in flight, as a pure object (vLLM v1's
-scheduler model: one object decides, one loop carries its decisions out). Two kinds of event
-come in:
-- a read of token deltas (`update_from_deltas`): applied to the step's `RequestTable` by
-  `core.collect.apply_batches`; out comes a `CollectOutcome` (requests to store, continuation
-  jobs to queue, responses to score, stale leases to fence, groups quarantined);
-  `route_deltas` splits a read among the steps in flight;
-- a tick (`tick`): heartbeats, the step's unfinished requests (every shard's), each worker's
-  executing requests and a monotonic clock; out come `Actions`: the orders to send workers
-  (pause, resume, release), the seeding window's end to record, the read cap to publish.
-No Redis: the coordinator's shells (`delta_collector.py`, `scheduling.py`) read what goes in and
-write each decision in one MULTI. Every coordinator shard holds one per step for its deltas; the
-leader (shard 0) also ticks it. The simulator drives the same object: its flushes go through
-`update_from_deltas` and its balancing through `balance`.
+"""The step controller: THE one decider of a step in flight, as a pure object (vLLM v1's
+scheduler model: one object decides and returns an output that carries every decision; a short
+loop carries it out). It takes every event of a step, in order, and each returns one complete
+`Effects` value that the coordinator's shell (`coordinator/step_loop.py`,
+`coordinator/delta_collector.py`) writes, in one MULTI where it is one decision
+(`coordinator/step_store.py`):
 
-Seeding (`core.seeding`): the reserved pool generates for the step's window T_seed, counted from
-when a reserved worker first holds a version that may generate the step, then steps aside
-(pause); with no preemptible worker left while requests remain, it is recalled (resume).
-Balancing (`core.balancer`): with fair reads every worker's cap is an equal share of what is
-executing, and a worker over its cap is ordered to release the excess, at most once per
-cooldown.
+- `open`: the step is queued or restored: its first jobs, the read cap queued with them, the
+  start of its seeding window (or its end at once, with no reserved worker to seed with);
+- `on_deltas`: a read of the step's token deltas, applied to its `RequestTable` by
+  `core.collect.apply_batches`: requests to store, continuation jobs to queue, responses to
+  score, turns for the environment, stale leases to fence, groups completed (to publish) or
+  quarantined; `route_deltas` splits a read among the steps in flight;
+- `on_scores` / `on_answers`: the rewards of finished responses; the environment's answers to
+  ended turns (next turns' jobs, episodes over and the groups they complete);
+- `tick`: heartbeats, every shard's unfinished requests, what each worker executes, a clock:
+  the seeding window's end, the recall, the read cap, release orders (balancing), which dead
+  readers' jobs to reclaim, and (for the step the trainer waits for) the stall check;
+- `on_claimed`: the jobs claimed from a dead reader: which requests continue where;
+- `end`: the rollout is over: the seeding window's end if it never closed, the run is no longer
+  stalled, the step's times, and the verdict on its failed calls of user code;
+- `stored`: the shell wrote an effects value: its groups are published from then on.
+
+What is the whole run's rather than one step's (the seeding controller, Algorithm 1; the pool
+sizer; the stall tracker and the workers seen on the run) is a `Lead`, which the leader's
+controllers share (None on a follower shard: it decides only its own requests' fate). After
+the trainer committed a step, `Lead.trained` moves T_seed and sizes the preemptible pool.
+
+Which workers serve step s has ONE definition, `serves`: alive on the run (or idle, following
+the active run), not failed, and not stepped aside for a version that may generate the step
+(with max_staleness k, versions s - k .. s do). Of those, the ones that hold such a version now
+(`holds`) are seeded, paused and balanced.
+
+The simulator drives the same object: its flushes go through `on_deltas` and its balancing
+through `balance`.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from services.contracts.messages import DeltaBatch, Heartbeat, WorkerControl
+from services.contracts.messages import DeltaBatch, Heartbeat, Job, WorkerControl
 from services.core.balancer import ReleaseGate, WorkerLoad, equal_caps, read_cap, releases
+from services.core.call_errors import CallCount, judge
 from services.core.collect import CollectOutcome, CollectRules, apply_batches, split_by_step
+from services.core.episodes import EpisodeTable
+from services.core.reclaim import expired_readers, plan_reclaim
 from services.core.request_table import RequestTable
-from services.core.seeding import recall, seeding_over
+from services.core.seeding import (
+    PoolSizer,
+    SeedingController,
+    SeedingUpdate,
+    StepTimes,
+    after_step,
+    recall,
+    seeding_over,
+)
+from services.core.stall import Action, Decision, GoneWorker, StallTracker, WorkerView, blocker
+
+GONE_KEPT = 20  # workers gone from the run that a stall reason can name, newest first
 
 
-def serving(beats: dict[str, Heartbeat], run_id: str, step: int) -> int:
-    """The workers that serve the step's version or will once they have loaded it: alive on
-    the run or idle (an idle worker follows the active run), not failed, not stepped aside for
-    this version."""
-    return sum(
-        1
-        for b in beats.values()
-        if b.run_id in (run_id, None) and not b.error and not (b.paused and b.version == step)
+def holds(beat: Heartbeat, step: int, staleness: int) -> bool:
+    """Whether the worker holds a version that may generate `step` (s - k .. s)."""
+    return beat.version is not None and step - staleness <= beat.version <= step
+
+
+def serves(beat: Heartbeat, run_id: str, step: int, staleness: int = 0) -> bool:
+    """THE definition of a worker that serves step `step` of the run, or will once it has
+    loaded its weights: alive on the run or idle (an idle worker follows the active run), not
+    failed, not stepped aside (paused) holding a version that may generate the step."""
+    return (
+        beat.run_id in (run_id, None)
+        and not beat.error
+        and not (beat.paused and holds(beat, step, staleness))
     )
+
+
+def serving(beats: dict[str, Heartbeat], run_id: str, step: int, staleness: int = 0) -> int:
+    """How many workers serve the step (`serves`)."""
+    return sum(1 for b in beats.values() if serves(b, run_id, step, staleness))
+
+
+def pools_of(workers: dict[str, Heartbeat]) -> dict[str, int]:
+    """The workers of each pool."""
+    counts = {"reserved": 0, "preemptible": 0}
+    for beat in workers.values():
+        counts[beat.pool] += 1
+    return counts
 
 
 def balance_orders(
@@ -53,29 +100,143 @@ def balance_orders(
 
 
 @dataclass
-class Actions:
-    """What one decision of the controller asks for, carried out in this order."""
+class Effects:
+    """Everything one event of a step decided, carried out by the shell in this order: stored
+    (requests, episodes, the step's mark), queued (jobs), handed, acknowledged, published,
+    quarantined, ordered (fences, worker orders), the read cap and the seeding window's end;
+    then counted, told and logged."""
 
+    rows: set[str] = field(default_factory=set)  # requests whose stored state changed
+    episodes: set[str] = field(default_factory=set)  # multi-turn episodes that changed
+    queued_at: float | None = None  # the step's first jobs (unix s): its mark, every state
+    jobs: list[Job] = field(default_factory=list)  # to queue on the step's stream, in order
+    migrated: dict[str, int] = field(default_factory=dict)  # cause -> requests moved
+    handed: dict[int, DeltaBatch] = field(default_factory=dict)  # shard -> releases (reclaim)
+    acks: list[Any] = field(default_factory=list)  # claimed entries to acknowledge (reclaim)
+    drop_reader: str | None = None  # a dead reader's consumer to delete (reclaim)
+    dead_worker: str | None = None  # a worker declared dead (reclaim)
+    publish: list[int] = field(default_factory=list)  # groups complete: to the trainer
+    dropped: list[int] = field(default_factory=list)  # groups quarantined
+    poisoned: list[tuple[str, str]] = field(default_factory=list)  # (request, last worker)
+    poison_fails: bool = False  # poison fails the run (on_poison=fail_run)
+    fences: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # worker -> to drop
+    score: list[str] = field(default_factory=list)  # finished responses: to score
+    turns: list[str] = field(default_factory=list)  # ended turns: for the environment
     orders: list[tuple[str, WorkerControl]] = field(default_factory=list)  # (worker, order)
-    seed_end: float | None = None  # the seeding window is over at this time: record it
     read_cap: int | None = None  # publish the step's read cap
+    seed_end: float | None = None  # the seeding window is over at this time: record it
+    reclaim: list[str] = field(default_factory=list)  # dead readers whose jobs to claim
+    stall: Decision | None = None  # the run's stall state changes
+    resumed_why: str = ""  # what a stall's RESUME says
+    times: StepTimes | None = None  # the step's times (at its end)
+    fail: str | None = None  # the run fails with this reason
+    read: CollectOutcome | None = None  # the read's counters (metrics)
     paused: int = 0  # reserved workers told to step aside (for the log)
     recalled: bool = False  # the reserved pool is called back to the step
     resumed: int = 0  # reserved workers told to resume (for the log)
     released: dict[str, int] = field(default_factory=dict)  # release orders (for the log)
 
+    def merge(self, other: "Effects") -> "Effects":
+        """This value and `other` (the answers to its turns, or a reclaim), decided after it,
+        as one (for one write)."""
+        self.rows |= other.rows
+        self.episodes |= other.episodes
+        self.jobs.extend(other.jobs)
+        for cause, n in other.migrated.items():
+            self.migrated[cause] = self.migrated.get(cause, 0) + n
+        self.publish = sorted(set(self.publish) | set(other.publish))
+        self.orders.extend(other.orders)
+        return self
+
+    @property
+    def writes(self) -> bool:
+        """Whether anything is to be written to Redis."""
+        return bool(
+            self.rows
+            or self.episodes
+            or self.queued_at is not None
+            or self.jobs
+            or self.handed
+            or self.acks
+            or self.drop_reader
+            or self.publish
+            or self.dropped
+            or self.fences
+            or self.orders
+            or self.read_cap is not None
+            or self.seed_end is not None
+        )
+
+
+@dataclass
+class Tick:
+    """What a tick of the leader reads: the clocks, every alive worker's heartbeat, the other
+    shards' unfinished requests, the jobs each reader of the step's stream holds (and whether
+    its heartbeat key is there), and for the stall check the trainer's committed version,
+    whether this is the step the trainer waits for and the workers gone from the run."""
+
+    now: float  # monotonic
+    wall: float  # unix s (a stall restored after a restart keeps its start)
+    beats: dict[str, Heartbeat]
+    others_unfinished: int = 0
+    executing: dict[str, int] = field(default_factory=dict)  # reader's worker -> jobs held
+    pending: int = 0  # the jobs held by every reader
+    readers: dict[str, int] = field(default_factory=dict)  # consumer name -> jobs pending
+    beating: set[str] = field(default_factory=set)  # readers whose heartbeat key exists
+    committed: int = 0
+    oldest: bool = True  # the step the trainer waits for
+    gone: list[GoneWorker] = field(default_factory=list)
+
+
+@dataclass
+class Lead:
+    """What the leader decides for the whole run, shared by its steps' controllers: the
+    seeding window (Algorithm 1), the pool to hold, the stall state and the workers seen."""
+
+    seeding: SeedingController = field(default_factory=SeedingController)
+    pool: PoolSizer = field(default_factory=lambda: PoolSizer(0.0))
+    stall: StallTracker = field(default_factory=lambda: StallTracker(3.0))
+    max_error_share: float = 1.0  # the share of failed user-code calls that fails the run
+    seen: dict[str, float] = field(default_factory=dict)  # worker seen on the run -> unix s
+
+    def restore(self, stalled_since: float | None, reason: str, loaded: list[str]) -> None:
+        """After a restart: a stall recorded before it, and the workers that loaded the run."""
+        if stalled_since is not None:
+            self.stall.restore(stalled_since, reason)
+        self.seen |= {w: 0.0 for w in loaded}
+
+    def window(self, pools: dict[str, int], staleness: int) -> float:
+        """The seeding window of a step opened with these pools (asynchronous: the reserved
+        pool trains; no window, it is recalled as ever when no preemptible worker is left)."""
+        return 0.0 if staleness else self.seeding.window_s(pools["preemptible"])
+
+    def gone_ids(self, beats: dict[str, Heartbeat]) -> list[str]:
+        """The workers seen on the run and gone now, the newest first (a stall reason's)."""
+        gone = (w for w in self.seen if w not in beats)
+        return sorted(gone, key=self.seen.__getitem__, reverse=True)[:GONE_KEPT]
+
+    def trained(self, times: StepTimes) -> tuple[SeedingUpdate, int | None]:
+        """The trainer committed the version trained on a step of these times: T_seed moved,
+        N_prem recommended, and the pool a scaler should hold."""
+        update = after_step(self.seeding, times)
+        return update, self.pool.after_step(update.n_prem_recommended)
+
 
 @dataclass
 class StepController:
     """One step in flight: its request table and the run's rules for moving requests; on the
-    leader, its seeding window, recall, read cap and load balancing too."""
+    leader (`lead` set), its seeding window, recall, read cap, balancing, reclaim and stall
+    check too."""
 
     table: RequestTable
     rules: CollectRules = field(default_factory=CollectRules)
     fair_reads: bool = True  # publish the read cap and balance onto equal shares (RunSpec)
     staleness: int = 0  # max_staleness: workers holding versions step - k .. step serve it
-    window_s: float = 0.0  # the seeding window, set by `start`
-    started: float = 0.0  # monotonic, when the step began; set by `start`
+    lead: Lead | None = None  # the leader's: the whole step's decisions are this one's
+    migration: bool = True  # token-level migration (a reclaim keeps the tokens)
+    window_s: float = 0.0  # the seeding window, set by `open`
+    started: float = 0.0  # monotonic, when the step began; set by `open`
+    pools: dict[str, int] = field(default_factory=lambda: {"reserved": 0, "preemptible": 0})
     seed_start: float | None = None  # when a reserved worker first held the step's weights
     seeded_out: bool = False
     seed_end: float | None = None
@@ -90,10 +251,124 @@ class StepController:
     def step(self) -> int:
         return self.table.step
 
+    def serves(self, beat: Heartbeat) -> bool:
+        return serves(beat, self.run_id, self.step, self.staleness)
+
+    def holds(self, beat: Heartbeat) -> bool:
+        return holds(beat, self.step, self.staleness)
+
+    # -- open --------------------------------------------------------------------------------
+
+    def open(
+        self,
+        beats: dict[str, Heartbeat],
+        started: float,
+        now: float,
+        queued_at: float | None = None,
+        seed_done: bool = False,
+    ) -> Effects:
+        """The step is opened at `started` (monotonic) with these alive workers: queued now
+        (`queued_at`, unix s: its first jobs, and on the leader with fair reads the read cap,
+        so that the first worker to hold the version never reads more than its share) or
+        restored (None). `seed_done` when its seeding window was over before a restart."""
+        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
+        self.pools, self.started = pools_of(workers), started
+        out = Effects(queued_at=queued_at)
+        if queued_at is not None:
+            out.jobs = self.table.initial_jobs()
+        else:
+            self._restored(out)
+        if self.lead is None:
+            return out
+        self.window_s = self.lead.window(self.pools, self.staleness)
+        if queued_at is not None and self.fair_reads:
+            step_requests = len(self.table.prompts) * self.table.group_size  # every shard's
+            out.read_cap = read_cap(
+                step_requests, serving(beats, self.run_id, self.step, self.staleness)
+            )
+        if seed_done:
+            self.seeded_out, self.seed_end = True, started  # a resumed step: already over
+        elif not any(b.pool == "reserved" for b in workers.values()):
+            self._end_seeding({}, now, out)  # nothing to seed with: the trainer may start
+        return out
+
+    def _restored(self, out: Effects) -> None:
+        """A step restored after a restart: its finished responses are scored again (a
+        finished episode holds its rewards), its turns that waited for the environment are
+        answered now (an environment is a function of the row and the history)."""
+        table = self.table
+        if isinstance(table, EpisodeTable):
+            awaiting = table.awaiting()
+            out.rows, out.episodes, out.turns = set(awaiting), set(awaiting), awaiting
+            return
+        out.score = [rid for rid, req in table.requests.items() if req.done]
+
+    # -- a read of deltas, its scores, the environment's answers --------------------------
+
     def update_from_deltas(self, batches: list[DeltaBatch]) -> CollectOutcome:
-        """A read's batches of this step, in read order: applied to the request table (fenced
-        by lease, appended once); what the shell must store, queue, score and fence."""
+        """A read's batches of this step applied to the request table (fenced by lease,
+        appended once), as `core.collect` says."""
         return apply_batches(self.table, batches, self.rules)
+
+    def on_deltas(self, batches: list[DeltaBatch]) -> Effects:
+        """A read's batches of this step, in read order: what to store, queue, score, answer,
+        fence, publish and quarantine."""
+        outcome = self.update_from_deltas(batches)
+        jobs = [job for moved in outcome.released.values() for job in moved]
+        return Effects(
+            rows=outcome.changed,
+            episodes=set(outcome.turn_ended),
+            jobs=jobs,
+            migrated={cause: len(moved) for cause, moved in outcome.released.items()},
+            publish=self.table.completed_groups(outcome.finished),
+            dropped=outcome.dropped,
+            poisoned=outcome.poisoned,
+            poison_fails=not self.rules.drop_poison,
+            fences=outcome.stale,
+            score=outcome.finished,
+            turns=outcome.turn_ended,
+            read=outcome,
+        )
+
+    def on_scores(self, rewards: dict[str, float]) -> None:
+        """The rewards of finished responses (scored by the shell's reward runner)."""
+        self.table.score(rewards)
+
+    def on_answers(self, jobs: list[Job], over: list[str]) -> Effects:
+        """The environment answered ended turns: the next turns' jobs, and the episodes over
+        (scored by their turns' rewards) with the groups they complete."""
+        return Effects(jobs=list(jobs), publish=self.table.completed_groups(over))
+
+    def stored(self, effects: Effects) -> None:
+        """The shell wrote `effects`: their groups are published from now on."""
+        self.table.mark_published(effects.publish)
+
+    # -- the leader's tick -------------------------------------------------------------------
+
+    def tick(self, t: Tick) -> Effects:
+        """One pass of the leader over the step: seeding, recall, read cap, balancing, the dead
+        readers to reclaim and (for the step the trainer waits for) the stall check."""
+        out = Effects(reclaim=self.dead_readers(t.readers, t.beating))
+        unfinished = self.table.unfinished_count + t.others_unfinished
+        workers = {w: b for w, b in t.beats.items() if b.run_id == self.run_id}
+        reserved = [b for b in workers.values() if b.pool == "reserved"]
+        if self.seed_start is None and any(self.holds(b) for b in reserved):
+            self.seed_start = t.now  # the window runs from when seeding can start
+        n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
+        if not self.seeded_out and seeding_over(
+            t.now, self.seed_start, self.window_s, len(reserved), n_preemptible
+        ):
+            self._end_seeding(workers, t.now, out)
+        if self.recalled is None and recall(self.seeded_out, n_preemptible, unfinished):
+            self._recall(reserved, t.now, out)
+        if self.fair_reads:
+            out.read_cap = read_cap(
+                unfinished, serving(t.beats, self.run_id, self.step, self.staleness)
+            )
+        self._balance(workers, t, unfinished, out)
+        if t.oldest and self.lead is not None:
+            self._check_stall(t, out)
+        return out
 
     def balance(
         self, loads: list[WorkerLoad], queued: int, now: float
@@ -102,85 +377,100 @@ class StepController:
         cooldown), and when each one held back is due."""
         return balance_orders(loads, queued, self.fair_reads, self.release_gate, now)
 
-    def start(
-        self,
-        workers: dict[str, Heartbeat],
-        seed_done: bool,
-        window_s: float,
-        started: float,
-        now: float,
-    ) -> Actions:
-        """The step is opened (at `started`, monotonic) with the workers alive on the run and
-        a seeding window of `window_s`; `seed_done` when its window was over before a
-        restart."""
-        self.window_s, self.started = window_s, started
-        if seed_done:
-            self.seeded_out, self.seed_end = True, self.started  # a resumed step: already over
-            return Actions()
-        if not any(b.pool == "reserved" for b in workers.values()):
-            return self._end_seeding({}, now)  # nothing to seed with: the trainer may start
-        return Actions()
-
-    def tick(
-        self,
-        now: float,
-        unfinished: int,
-        beats: dict[str, Heartbeat],
-        executing: dict[str, int],
-        pending: int,
-    ) -> Actions:
-        """One pass, given the step's unfinished requests (every shard's), every alive
-        worker's heartbeat, the jobs each reader of the step's stream holds and their total."""
-        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
-        reserved = [b for b in workers.values() if b.pool == "reserved"]
-        if self.seed_start is None and any(self._serves(b) for b in reserved):
-            self.seed_start = now  # the window runs from when seeding can start
-        n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
-        out = Actions()
-        if not self.seeded_out and seeding_over(
-            now, self.seed_start, self.window_s, len(reserved), n_preemptible
-        ):
-            out = self._end_seeding(workers, now)
-        if self.recalled is None and recall(self.seeded_out, n_preemptible, unfinished):
-            self._recall(reserved, now, out)
-        if self.fair_reads:
-            out.read_cap = read_cap(unfinished, serving(beats, self.run_id, self.step))
+    def _balance(
+        self, workers: dict[str, Heartbeat], t: Tick, unfinished: int, out: Effects
+    ) -> None:
+        """Release orders for the workers that serve the step and hold its weights now."""
         loads = [
-            WorkerLoad(w, executing.get(w, 0), b.plateau or b.slots)
+            WorkerLoad(w, t.executing.get(w, 0), b.plateau or b.slots)
             for w, b in workers.items()
-            if b.version == self.step and not b.paused and not b.error
+            if self.serves(b) and self.holds(b)
         ]
-        wanted, _ = self.balance(loads, unfinished - pending, now)
+        wanted, _ = self.balance(loads, unfinished - t.pending, t.now)
         for worker_id, count in wanted.items():
             order = WorkerControl(action="release", run_id=self.run_id, count=count)
             out.orders.append((worker_id, order))
         out.released = wanted
+
+    def _check_stall(self, t: Tick, out: Effects) -> None:
+        """Whether a worker can serve the version the trainer waits for; the run's stall state
+        as it changes (raised as `fail` once stalled past its timeout)."""
+        assert self.lead is not None
+        version = min(self.step, t.committed)
+        alive = []
+        for worker_id, beat in t.beats.items():
+            ours = beat.run_id == self.run_id
+            if ours:
+                self.lead.seen[worker_id] = t.wall
+            aside = ours and beat.paused and holds(beat, version, self.staleness)
+            alive.append(WorkerView(worker_id, beat.version, aside, beat.error))
+        decision = self.lead.stall.observe(t.wall, blocker(version, alive, t.gone))
+        if decision.action is not Action.NONE:
+            out.stall, out.resumed_why = decision, f"a worker can serve version {version}"
+        if decision.action is Action.FAIL:
+            out.fail = decision.reason
+
+    # -- reclaim -------------------------------------------------------------------------------
+
+    def dead_readers(self, readers: dict[str, int], beating: set[str]) -> list[str]:
+        """The readers of the step's stream (name -> jobs pending) whose jobs to reclaim: they
+        hold jobs and their heartbeat expired (not `beating`)."""
+        return expired_readers(readers, beating)
+
+    def on_claimed(self, reader: str, ids: list[Any], jobs: list[Job], claimer: str) -> Effects:
+        """The jobs claimed from a dead `reader` (entries `ids`): each request migrates under
+        the lease its job carried, here or on the shard that holds it (`core.reclaim`)."""
+        plan = plan_reclaim(self.table, reader, jobs, self.migration, claimer)
+        return Effects(
+            rows={job.request_id for job in plan.moved},
+            jobs=plan.moved,
+            migrated={"death": len(plan.moved)},
+            handed=plan.handed,
+            acks=list(ids),
+            drop_reader=reader if plan.dead else None,
+            dead_worker=reader if plan.dead else None,
+        )
+
+    # -- the step's end ------------------------------------------------------------------------
+
+    def end(self, now: float, wall: float, calls: Mapping[str, CallCount] | None = None) -> Effects:
+        """The rollout is over (at `now`, monotonic): with no preemptible pool the reserved
+        one did it all; the run progressed (not stalled); the step's times; and on the leader
+        the verdict on the whole step's `calls` of user code (too many failed fail the run)."""
+        out = Effects()
+        if self.lead is not None and not self.seeded_out:
+            self._end_seeding({}, now, out)
+            self.seed_end = None  # the window never closed during the step
+        out.times = StepTimes(
+            n_preemptible=self.pools["preemptible"],
+            n_reserved=self.pools["reserved"],
+            started=self.started,
+            seed_end=self.seed_end,
+            rollout_end=now,
+            committed=float("nan"),
+            train_compute_s=float("nan"),
+            train_wait_s=float("nan"),
+        )
+        if self.lead is None:
+            return out
+        decision = self.lead.stall.observe(wall, None)
+        if decision.action is not Action.NONE:
+            out.stall, out.resumed_why = decision, f"step {self.step} rolled out"
+        verdict = judge(calls or {}, self.lead.max_error_share, f"in step {self.step}")
+        if verdict.health == "failed":
+            out.fail = verdict.reason
         return out
 
-    def finish(self, now: float) -> Actions:
-        """Rollout is over; with no preemptible pool the reserved one did it all."""
-        if self.seeded_out:
-            return Actions()
-        out = self._end_seeding({}, now)
-        self.seed_end = None  # the window never closed during the step
-        return out
-
-    def _serves(self, beat: Heartbeat) -> bool:
-        """Whether the worker holds a version that may generate this step."""
-        return beat.version is not None and self.step - self.staleness <= beat.version <= self.step
-
-    def _end_seeding(self, workers: dict[str, Heartbeat], now: float) -> Actions:
-        out = Actions()
+    def _end_seeding(self, workers: dict[str, Heartbeat], now: float, out: Effects) -> None:
         for worker_id, b in workers.items():
-            if b.pool == "reserved" and b.version is not None and self._serves(b):
+            if b.pool == "reserved" and b.version is not None and self.holds(b):
                 pause = WorkerControl(action="pause", run_id=self.run_id, version=b.version)
                 out.orders.append((worker_id, pause))
                 out.paused += 1
         self.seeded_out, self.seed_end = True, now
         out.seed_end = now
-        return out
 
-    def _recall(self, reserved: list[Heartbeat], now: float, out: Actions) -> None:
+    def _recall(self, reserved: list[Heartbeat], now: float, out: Effects) -> None:
         """No preemptible worker is left: the reserved workers resume the step."""
         self.recalled = now
         for beat in reserved:
@@ -193,15 +483,15 @@ class StepController:
 
 def route_deltas(
     steps: Mapping[int, StepController], batches: list[DeltaBatch]
-) -> tuple[list[tuple[StepController, CollectOutcome]], int]:
+) -> tuple[list[tuple[StepController, Effects]], int]:
     """One read of a run's deltas, split by step (`collect.split_by_step`) and applied to the
-    steps in flight; and the delta items of steps not in flight (finished, or
-    fenced stragglers), which nothing applies any more."""
+    steps in flight (`StepController.on_deltas`); and the delta items of steps not in flight
+    (finished, or fenced stragglers), which nothing applies any more."""
     out, unknown = [], 0
     for step, part in split_by_step(batches).items():
         control = steps.get(step)
         if control is None:
             unknown += sum(len(b.items) for b in part)
             continue
-        out.append((control, control.update_from_deltas(part)))
+        out.append((control, control.on_deltas(part)))
     return out, unknown

@@ -2,7 +2,7 @@
 (the oldest step's first, under each step's read cap with `fair_reads`), Algorithm 2's releases
 (`balancer.releases`, through the step controller's `balance`), and every flush (a release, a
 finished request, what a dying instance flushed) applied by the coordinator's own step
-controller (`update_from_deltas`) to the step's `RequestTable`, whose completed groups go to
+controller (`on_deltas`) to the step's `RequestTable`, whose completed groups go to
 the trainer (steps.py); a multi-turn episode's ended turns go to the environment (turns.py).
 """
 
@@ -173,7 +173,7 @@ class RequestFlow:
         job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
         self.totals.discarded += st.table.tokens_discarded - before
         if job is not None:
-            self.queue_continuations(st, {cause: [job]})
+            self.queue_jobs(st, [job], {cause: 1})
 
     def delta(
         self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
@@ -196,23 +196,23 @@ class RequestFlow:
 
     def collect(self, st: StepState, batch: DeltaBatch) -> None:
         """The coordinator applies a flush of the step's requests (the step controller's
-        `update_from_deltas`, as the services do): the continuations are queued and the groups
-        it completed go to the trainer."""
+        `on_deltas`, as the services do): the continuations are queued and the groups it
+        completed go to the trainer."""
         before = st.table.tokens_discarded
-        outcome = st.control.update_from_deltas([batch])
+        effects = st.control.on_deltas([batch])
         self.totals.discarded += st.table.tokens_discarded - before
-        self.queue_continuations(st, outcome.released)
-        if outcome.turn_ended:  # multi-turn: for the environment (turns.py)
-            self.turns_ended(st, outcome.turn_ended)
-        groups = st.table.completed_groups(outcome.finished)
-        st.table.mark_published(groups)
-        for prompt in groups:
+        self.queue_jobs(st, effects.jobs, effects.migrated)
+        if effects.turns:  # multi-turn: for the environment (turns.py)
+            self.turns_ended(st, effects.turns)
+        st.control.stored(effects)
+        for prompt in effects.publish:
             self.group_done(st, prompt)
 
-    def queue_continuations(self, st: StepState, released: dict[str, list[Job]]) -> None:
-        for cause, jobs in released.items():
-            st.queue.extend(jobs)
-            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + len(jobs)
+    def queue_jobs(self, st: StepState, jobs: list[Job], migrated: dict[str, int]) -> None:
+        """The controller's jobs queued, the requests moved counted by cause."""
+        st.queue.extend(jobs)
+        for cause, n in migrated.items():
+            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + n
 
     def finish_request(self, inst: Instance, rid: str) -> None:
         st = self.step_of(rid)

@@ -1,8 +1,9 @@
-"""Moving requests off dead workers and fencing the ones that come back
-(services/coordinator/migration.py) against a real redis-server: the jobs a worker held when its
-heartbeat expired are re-queued under new leases (continuing from the collected tokens, or from
-zero with migration off), acknowledged and staged in the step store, once; a delta under an old
-lease is refused and its worker told to drop the request."""
+"""Moving requests off dead workers and fencing the ones that come back (the step controller's
+decision, carried out by `step_loop.reclaim_dead_workers` and `step_store.py`) against a real
+redis-server: the jobs a worker held when its heartbeat expired are re-queued under new leases
+(continuing from the collected tokens, or from zero with migration off), acknowledged and staged
+in the step store, once; a delta under an old lease is refused and its worker told to drop the
+request."""
 
 import asyncio
 import contextlib
@@ -14,9 +15,12 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
-from services.coordinator.migration import CLAIMER, fence, reclaim_dead_workers
-from services.coordinator.step_store import StepStore
+from services.coordinator.delta_collector import tell
+from services.coordinator.step_loop import reclaim_dead_workers
+from services.coordinator.step_store import CLAIMER, StepStore
+from services.core.collect import CollectRules
 from services.core.request_table import Applied, RequestTable
+from services.core.step_controller import Effects, StepController
 from services.infra.redis_streams import connect, ensure_group
 from tests import factories
 from tests.conftest import apply
@@ -83,9 +87,14 @@ class QueuedStep:
 
     async def reclaim(self, migration: bool = True) -> list[str]:
         """One pass of the coordinator's reclaim: the dead workers it found."""
-        return await reclaim_dead_workers(
-            self.r, STREAM, self.table, self.store, migration=migration
-        )
+        control = StepController(self.table, CollectRules(migration), migration=migration)
+        return await reclaim_dead_workers(self.r, control, self.store)
+
+    async def fence(self, stale: dict[str, set[tuple[str, int]]]) -> None:
+        """Stale leases fenced, as the effects of a read carry them (written, then told)."""
+        effects = Effects(fences=stale)
+        await self.store.write(self.table, effects)
+        await tell(self.r, self.table, effects)
 
     async def requeued(self) -> list[Job]:
         """Jobs added to the stream after the step's own."""
@@ -187,7 +196,7 @@ def test_a_worker_back_from_the_dead_is_fenced(empty_redis_url):
             # it was only slow: it flushes under the lease it had, which moved on
             assert apply(table, delta(rid, 0, [9], lease=0)) is Applied.STALE_LEASE
             assert table.requests[rid].token_ids == []
-            await fence(r, RUN, {"w-dead": {(rid, 0)}})
+            await step.fence({"w-dead": {(rid, 0)}})
             entries = await r.xrange(keys.worker_control("w-dead"))
             (order,) = [WorkerControl.from_fields(fields) for _, fields in entries]
             assert (order.action, order.run_id) == ("abort", RUN)
@@ -201,7 +210,7 @@ def test_reclaims_and_fences_are_on_the_runs_timeline(empty_redis_url):
     async def scenario():
         async with queued_step(empty_redis_url, {"w-dead": 2}) as step:
             await step.reclaim()
-            await fence(step.r, RUN, {"w-dead": {(step.held["w-dead"][0], 0)}})
+            await step.fence({"w-dead": {(step.held["w-dead"][0], 0)}})
 
     asyncio.run(scenario())
     with redis.Redis.from_url(empty_redis_url) as rdb:

@@ -1,6 +1,6 @@
 """The recovery watch (services/cli/recovery.py) against a real redis-server and the
 coordinator's own writes: the step's durable table staged by `StepStore` and a dead worker's jobs
-reclaimed by `migration.reclaim_dead_workers`. It reads which requests the dead worker held from
+reclaimed by `step_loop.reclaim_dead_workers`. It reads which requests the dead worker held from
 its pending jobs, ignores its tokens stored late and the stale ones after the migration, leaves
 out the request it had finished, and says a request generates again only once a token of the new
 lease is stored. Then with real processes: a SIGKILLed worker's requests migrate no sooner than
@@ -17,8 +17,9 @@ from services.cli.recovery import Recovery, RecoveryWatch, busiest_worker, held_
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job
 from services.contracts.runspec import RunSpec
-from services.coordinator.migration import reclaim_dead_workers
+from services.coordinator.step_loop import reclaim_dead_workers
 from services.coordinator.step_store import StepStore
+from services.core.step_controller import StepController
 from services.infra.redis_streams import connect
 from services.infra.settings import settings_env
 from services.rollout.settings import RolloutSettings
@@ -74,7 +75,8 @@ def test_a_killed_workers_requests_resume_only_with_tokens_of_their_new_lease(em
             assert watch.tracker.requests[done].finished
             await stored(delta(going, 1, [6]))  # flushed before its death, stored after
             assert not watch.poll()
-            assert await reclaim_dead_workers(ar, jobs, table, store, True) == ["w-dead"]
+            dead = await reclaim_dead_workers(ar, StepController(table), store)
+            assert dead == ["w-dead"]
             await stored(delta(going, 2, [9]))  # stale: dropped, never stored
             assert not watch.poll()
             assert watch.tracker.requests[going].prefix_tokens == 2

@@ -1,4 +1,5 @@
-"""The coordinator's scheduling shell (services/coordinator/scheduling.py) against a real
+"""The coordinator's worker reads (services/coordinator/scheduling.py) and the step controller's
+open, tick and end as the leader's shell writes them (`step_store.StepStore`) against a real
 redis-server: which workers count as alive, forgetting the long gone ones, the seeding window of
 a step (the reserved pool steps aside once its window, counted from when it holds the step's
 weights, is over and a preemptible pool can take over) and load-balancing releases."""
@@ -8,9 +9,10 @@ import time
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, Job, WorkerControl
-from services.coordinator.scheduling import StepScheduler, alive_workers, forget_gone_workers
+from services.coordinator.scheduling import alive_workers, forget_gone_workers
+from services.coordinator.step_store import StepStore
 from services.core.request_table import RequestTable
-from services.core.step_controller import StepController
+from services.core.step_controller import Lead, StepController, Tick
 from services.infra.redis_streams import connect, ensure_group
 from services.infra.redis_users import mint_worker_user
 from tests import factories
@@ -40,16 +42,50 @@ class SteppedClock:
         self.now += seconds
 
 
-def scheduler(r, window_s: float = WINDOW_S, clock=None, fair_reads=True) -> StepScheduler:
+class Scheduler:
+    """A leader's step controller driven as `step_loop.Leadership` drives it (the reads of a
+    tick, the effects written by `StepStore`), on a clock the test moves."""
+
+    def __init__(self, r, control: StepController, clock) -> None:
+        self.r, self.control, self.clock = r, control, clock
+        self.store = StepStore(r, RUN, STEP)
+
+    @property
+    def seeded_out(self) -> bool:
+        return self.control.seeded_out
+
+    @property
+    def seed_end(self) -> float | None:
+        return self.control.seed_end
+
+    async def start(self, workers: dict[str, Heartbeat]) -> None:
+        """The step is restored (its jobs queued by the test) with the test's window."""
+        c, window = self.control, self.control.window_s
+        seed_done = bool(await self.r.exists(keys.seed_done(RUN, STEP)))
+        effects = c.open(workers, c.started, self.clock(), seed_done=seed_done)
+        c.window_s = window
+        await self.store.write(c.table, effects)
+
+    async def tick(self, unfinished: int, beats: dict[str, Heartbeat]) -> None:
+        executing, pending = await self.store.executing()
+        others = unfinished - self.control.table.unfinished_count
+        tick = Tick(self.clock(), time.time(), beats, others, executing, pending, oldest=False)
+        await self.store.write(self.control.table, self.control.tick(tick))
+
+    async def finish(self) -> None:
+        await self.store.write(self.control.table, self.control.end(self.clock(), time.time()))
+
+
+def scheduler(r, window_s: float = WINDOW_S, clock=None, fair_reads=True) -> Scheduler:
     """The leader's shell of a step controller; `start` opens the step with this window."""
     clock = clock or SteppedClock()
-    control = StepController(new_table(), fair_reads=fair_reads, window_s=window_s)
+    control = StepController(new_table(), fair_reads=fair_reads, lead=Lead(), window_s=window_s)
     control.started = clock()
-    return StepScheduler(r, control, keys.jobs_stream(RUN, STEP), clock=clock)
+    return Scheduler(r, control, clock)
 
 
-async def start(sched: StepScheduler, workers: dict[str, Heartbeat]) -> None:
-    await sched.start(workers, sched.control.window_s, sched.control.started)
+async def start(sched: Scheduler, workers: dict[str, Heartbeat]) -> None:
+    await sched.start(workers)
 
 
 async def queue_jobs(r, table: RequestTable) -> str:

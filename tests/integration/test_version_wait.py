@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 
 from services.cli import procs
 from services.contracts import keys
-from services.coordinator.scheduling import StepScheduler
-from services.core.step_controller import StepController
+from services.coordinator.step_store import StepStore
+from services.core.step_controller import Lead, StepController
 from services.state.run_state import wait_for_version
 from services.trainer.run_trainer import wait_seeding
 from services.trainer.versions import VersionPublisher
@@ -55,6 +55,13 @@ def test_a_wait_wakes_on_the_announcement_not_on_its_timeout(redis_url, tmp_path
     asyncio.run(scenario())
 
 
+async def end_rollout(r, step: int) -> None:
+    """The step's rollout is over on the leader (its controller's end, written by the shell's
+    store): with its window still open, the seeding window ends then."""
+    control = StepController(table(step), lead=Lead())
+    await StepStore(r, RUN, step).write(control.table, control.end(0.0, 0.0))
+
+
 async def blocked(r, waiter: asyncio.Task) -> None:
     """Return once `waiter` blocks in Redis (failing if it ends first)."""
     while (await r.info("clients"))["blocked_clients"] < 1:
@@ -71,15 +78,13 @@ def test_the_trainer_wakes_when_the_coordinator_ends_seeding(redis_url, tmp_path
     async def scenario():
         r = aioredis.from_url(redis_url)
         await r.hset(keys.run(RUN), "state", "running")
-        tables = [table(1, 1, run_id=RUN, step=step, stops=()) for step in range(3)]
-        seeding = [StepScheduler(r, StepController(t), "jobs") for t in tables]
-        await seeding[0].finish()
+        await end_rollout(r, 0)
         await asyncio.wait_for(wait_seeding(r, RUN, 0), 30)
         waiter = asyncio.create_task(wait_seeding(r, RUN, 1))
         await blocked(r, waiter)
-        await seeding[1].finish()
+        await end_rollout(r, 1)
         await asyncio.wait_for(waiter, 30)
-        await seeding[2].finish()
+        await end_rollout(r, 2)
         assert await r.xlen(keys.seeding_over(RUN)) == 1
         await r.aclose()
 

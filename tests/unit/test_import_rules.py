@@ -20,10 +20,8 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 # the modules the coordinator-layers contract names (each layer must exist)
 COORDINATOR_LAYERS = (
     *("main", "app", "api.routes", "api.read_model"),
-    *("data_plane", "scheduler", "shard", "rollout_manager"),
-    *("step_leader", "step_follower", "step_shard", "open_step", "delta_collector"),
-    "scheduling",
-    *("stall_watch", "run.memory", "quarantine", "migration", "step_record", "step_store"),
+    *("data_plane", "scheduler", "shard", "step_loop", "delta_collector", "scheduling"),
+    *("run.memory", "step_record", "step_store"),
     *("step_log", "reward_runner", "workers.observer"),
     *("shard_group", "run.runs", "settings", "api.schemas"),
 )

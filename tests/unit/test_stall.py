@@ -1,6 +1,7 @@
 """The stall and poison policies (services/core/stall.py) and the crash bookkeeping of the
 request table: plain functions, a made-up clock."""
 
+from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from services.core.collect import CollectRules, note_crash
 from services.core.stall import (
@@ -12,6 +13,7 @@ from services.core.stall import (
     blocker,
     is_poison,
 )
+from services.core.step_controller import serves
 from tests import factories
 
 
@@ -44,8 +46,13 @@ def test_crashing_and_stepped_aside_workers_cannot_serve():
     assert "1 crashing: rollout-preemptible-3" in why.detail
     assert "1 reserved stepped aside for training: rollout-reserved-1" in why.detail
     assert "last error: rollout-preemptible-3: ValueError: bad weights" in why.detail
-    # paused for an older version: it serves the new one once loaded
-    assert blocker(3, [WorkerView("rollout-reserved-1", 2, paused=True)], []) is None
+    # paused for an older version: it serves the new one once loaded (the step controller's one
+    # definition decides whether a paused worker stepped aside for the version)
+    older = Heartbeat(
+        worker_id="rollout-reserved-1", pool="reserved", run_id="r", version=2, paused=True,
+        active=0, slots=8, tokens_generated=0, at=0.0,
+    )  # fmt: skip
+    assert serves(older, "r", 3) and not serves(older, "r", 2)
 
 
 def test_many_gone_workers_are_counted_not_listed():

@@ -1,12 +1,21 @@
-"""core.step_controller: one step's seeding window, recall, read cap and balancing decided from
-heartbeats, counts and a clock, with no Redis (the shell is `coordinator/scheduling.py`)."""
+"""core.step_controller: the one decider of a step. Each event (open, a read of deltas, a tick,
+the jobs claimed from a dead reader, the end) returns one complete `Effects` value, decided from
+heartbeats, counts and a clock, with no Redis (the shell is `coordinator/step_loop.py`)."""
 
 import functools
 import math
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
 from services.core.balancer import ReleaseGate, WorkerLoad
-from services.core.step_controller import StepController, balance_orders, route_deltas, serving
+from services.core.stall import Action, StallTracker
+from services.core.step_controller import (
+    Lead,
+    StepController,
+    Tick,
+    balance_orders,
+    route_deltas,
+    serving,
+)
 from tests import factories
 from tests.conftest import granted_batch
 
@@ -16,14 +25,38 @@ RUN, STEP = "run", 2
 beat = functools.partial(factories.beat, version=STEP, run_id=RUN)
 
 
-def control(window_s: float = 5.0, fair_reads: bool = True) -> StepController:
-    """A step's controller whose step opens (`start`) at 0 with a window of `window_s`."""
+def control(
+    window_s: float = 5.0, fair_reads: bool = True, staleness: int = 0, lead: Lead | None = None
+) -> StepController:
+    """A leader's step controller whose step opens (`start`) at 0 with a window of
+    `window_s`."""
     table = factories.table(8, 2, 4, run_id=RUN, step=STEP, seed=1)
-    return StepController(table, fair_reads=fair_reads, window_s=window_s)
+    lead = lead or Lead()
+    return StepController(
+        table, fair_reads=fair_reads, staleness=staleness, lead=lead, window_s=window_s
+    )
 
 
 def start(c: StepController, workers: dict[str, Heartbeat], seed_done: bool, now: float):
-    return c.start(workers, seed_done, c.window_s, 0.0, now)
+    """The step opened (queued now) with the test's window rather than Algorithm 1's."""
+    window = c.window_s
+    out = c.open(workers, 0.0, now, queued_at=1.0, seed_done=seed_done)
+    c.window_s = window
+    return out
+
+
+def tick(
+    c: StepController,
+    now: float,
+    unfinished: int,
+    beats: dict[str, Heartbeat],
+    executing: dict[str, int],
+    pending: int,
+    **over,
+):
+    """A tick with `unfinished` requests of the step in all (the other shards' the rest)."""
+    others = unfinished - c.table.unfinished_count
+    return c.tick(Tick(now, now, beats, others, executing, pending, **over))
 
 
 def actions_of(out) -> list[tuple[str, str]]:
@@ -34,12 +67,12 @@ def test_the_window_runs_from_when_a_reserved_worker_holds_the_step_then_it_step
     c = control(window_s=5.0)
     beats = {"r-1": beat("r-1", "reserved", version=STEP - 1), "p-1": beat("p-1", "preemptible")}
     assert start(c, beats, seed_done=False, now=0.0).orders == []
-    c.tick(1.0, 16, beats, {}, 0)
+    tick(c, 1.0, 16, beats, {}, 0)
     assert c.seed_start is None  # still loading the step's weights
     beats["r-1"] = beat("r-1", "reserved")
-    c.tick(2.0, 16, beats, {}, 0)
+    tick(c, 2.0, 16, beats, {}, 0)
     assert c.seed_start == 2.0 and not c.seeded_out
-    out = c.tick(7.0, 16, beats, {}, 0)
+    out = tick(c, 7.0, 16, beats, {}, 0)
     assert actions_of(out) == [("r-1", "pause")] and out.seed_end == 7.0 and c.seeded_out
 
 
@@ -48,7 +81,8 @@ def test_no_reserved_worker_ends_seeding_at_once_and_a_resumed_step_is_over():
     out = start(c, {"p-1": beat("p-1", "preemptible")}, seed_done=False, now=3.0)
     assert out.seed_end == 3.0 and out.orders == []
     resumed = control()
-    assert start(resumed, {}, seed_done=True, now=9.0).seed_end is None
+    opened = start(resumed, {}, seed_done=True, now=9.0)
+    assert opened.seed_end is None and len(opened.jobs) == 16 and opened.queued_at == 1.0
     assert resumed.seeded_out and resumed.seed_end == 0.0
 
 
@@ -56,9 +90,9 @@ def test_with_no_preemptible_worker_left_the_reserved_pool_is_recalled_once():
     c = control(window_s=math.inf)
     beats = {"r-1": beat("r-1", "reserved", paused=True)}
     c.seeded_out = True
-    out = c.tick(1.0, 4, beats, {}, 0)
+    out = tick(c, 1.0, 4, beats, {}, 0)
     assert actions_of(out) == [("r-1", "resume")] and out.recalled and out.resumed == 1
-    assert not c.tick(2.0, 4, beats, {}, 0).recalled
+    assert not tick(c, 2.0, 4, beats, {}, 0).recalled
 
 
 def test_read_cap_is_an_equal_share_of_the_unfinished_requests_among_serving_workers():
@@ -67,18 +101,18 @@ def test_read_cap_is_an_equal_share_of_the_unfinished_requests_among_serving_wor
     assert serving(beats, RUN, STEP) == 3
     c = control()
     c.seeded_out = True
-    assert c.tick(0.0, 10, beats, {}, 0).read_cap == 4
-    assert control(fair_reads=False).tick(0.0, 10, beats, {}, 0).read_cap is None
+    assert tick(c, 0.0, 10, beats, {}, 0).read_cap == 4
+    assert tick(control(fair_reads=False), 0.0, 10, beats, {}, 0).read_cap is None
 
 
 def test_an_idle_worker_beside_a_crowded_one_gets_a_release_order_once_per_cooldown():
     c = control()
     c.seeded_out = True
     beats = {"p-1": beat("p-1", "preemptible"), "p-2": beat("p-2", "preemptible")}
-    out = c.tick(0.0, 6, beats, {"p-1": 6}, 6)
+    out = tick(c, 0.0, 6, beats, {"p-1": 6}, 6)
     assert out.released == {"p-1": 3} and actions_of(out) == [("p-1", "release")]
-    assert c.tick(0.5, 6, beats, {"p-1": 6}, 6).released == {}
-    assert c.tick(2.0, 6, beats, {"p-1": 6}, 6).released == {"p-1": 3}
+    assert tick(c, 0.5, 6, beats, {"p-1": 6}, 6).released == {}
+    assert tick(c, 2.0, 6, beats, {"p-1": 6}, 6).released == {"p-1": 3}
 
 
 def test_balance_orders_without_fair_reads_only_brings_workers_under_their_plateau():
@@ -87,11 +121,12 @@ def test_balance_orders_without_fair_reads_only_brings_workers_under_their_plate
     assert balance_orders(loads, 1, False, ReleaseGate(), 0.0) == ({}, [])
 
 
-def test_finish_without_a_window_closed_ends_seeding_with_no_seed_end():
+def test_the_end_without_a_window_closed_ends_seeding_with_no_seed_end():
     c = control(window_s=math.inf)
-    out = c.finish(4.0)
+    out = c.end(4.0, 4.0)
     assert out.seed_end == 4.0 and c.seeded_out and c.seed_end is None
-    assert c.finish(5.0).seed_end is None
+    assert out.times is not None and out.times.seed_end is None and out.times.rollout_end == 4.0
+    assert c.end(5.0, 5.0).seed_end is None
 
 
 def delta(rid: str, tokens: list[int], finished: bool = False) -> DeltaItem:
@@ -117,8 +152,64 @@ def test_a_read_of_deltas_goes_to_the_controllers_of_its_steps_and_other_steps_a
     flush = granted_batch(c.table, flush)
     applied, unknown = route_deltas({STEP: c}, [flush])
     assert unknown == 1  # the next step is not in flight here
-    [(into, outcome)] = applied
-    assert into is c and outcome.finished == [f"{STEP}:0:0"] and outcome.tokens_appended == 2
+    [(into, effects)] = applied
+    assert into is c and effects.score == [f"{STEP}:0:0"] and effects.read is not None
+    assert effects.read.tokens_appended == 2 and effects.rows == {f"{STEP}:0:0"}
     assert c.table.requests[f"{STEP}:0:0"].token_ids == [5, 0]
+    assert effects.publish == []  # its group's other response is unfinished
     again, _ = route_deltas({STEP: c}, [flush])  # the same flush read twice: appended once
-    assert again[0][1].tokens_appended == 0
+    assert again[0][1].read is not None and again[0][1].read.tokens_appended == 0
+
+
+def test_a_group_completed_by_a_read_is_published_once_stored():
+    c = control()
+    items = [delta(f"{STEP}:0:{i}", [5, 0], finished=True) for i in range(2)]
+    flush = granted_batch(c.table, DeltaBatch(worker_id="p-1", version=STEP, items=items))
+    effects = c.on_deltas([flush])
+    assert effects.publish == [0] and 0 in c.table.pending_groups
+    c.on_scores({rid: 1.0 for rid in effects.score})
+    c.stored(effects)
+    assert 0 not in c.table.pending_groups
+
+
+def test_one_definition_of_serving_counts_staleness():
+    """A reserved worker paused holding a version that may generate the step (s - k .. s)
+    does not serve it; under max_staleness a worker on an older version that serves the step
+    is balanced like one on the step's own."""
+    aside = beat("r-1", "reserved", version=STEP - 1, paused=True)
+    assert serving({"r-1": aside}, RUN, STEP) == 1  # paused for an older version: serves
+    assert serving({"r-1": aside}, RUN, STEP, staleness=1) == 0
+    c = control(staleness=1)
+    c.seeded_out = True
+    beats = {"p-1": beat("p-1", "preemptible", version=STEP - 1), "p-2": beat("p-2", "preemptible")}
+    out = tick(c, 0.0, 6, beats, {"p-1": 6}, 6)
+    assert out.released == {"p-1": 3}
+
+
+def test_a_tick_names_the_dead_readers_to_reclaim_and_the_claimed_jobs_move():
+    c = control()
+    c.seeded_out = True
+    readers = {"w-dead": 2, "w-live": 1, "w-idle": 0}
+    out = tick(c, 0.0, 16, {}, {}, 0, readers=readers, beating={"w-live"})
+    assert out.reclaim == ["w-dead"]
+    job = c.table.job(f"{STEP}:0:0")
+    claimed = c.on_claimed("w-dead", [b"1-0"], [job], "coordinator")
+    assert [j.request_id for j in claimed.jobs] == [f"{STEP}:0:0"]
+    assert claimed.migrated == {"death": 1} and claimed.acks == [b"1-0"]
+    assert claimed.drop_reader == "w-dead" and claimed.rows == {f"{STEP}:0:0"}
+
+
+def test_the_stall_check_is_the_ticks_and_the_end_resumes_the_run():
+    lead = Lead(stall=StallTracker(stall_after_s=1.0, timeout_s=10.0))
+    c = control(lead=lead)
+    c.seeded_out = True
+    beats = {"r-1": beat("r-1", "reserved", paused=True)}  # stepped aside: nobody serves
+    assert tick(c, 0.0, 16, beats, {}, 0, committed=STEP).stall is None
+    out = tick(c, 2.0, 16, beats, {}, 0, committed=STEP)
+    assert out.stall is not None and out.stall.action is Action.STALL
+    assert tick(c, 3.0, 16, beats, {}, 0, committed=STEP, oldest=False).stall is None
+    assert "r-1" in lead.seen
+    out = tick(c, 20.0, 16, beats, {}, 0, committed=STEP)
+    assert out.fail is not None and "stall_timeout_s" in out.fail
+    end = c.end(21.0, 21.0)
+    assert end.stall is not None and end.stall.action is Action.RESUME

@@ -1,0 +1,603 @@
+"""The step loop of one coordinator shard of a run: for each step, queue this shard's B x n / K
+token-level jobs (or restore a step queued before a restart), collect its token deltas until
+every group is published to the trainer, and retire the step once the version trained on it
+is committed. It keeps the steps in flight that the committed version allows (step s once
+version s - max_staleness is committed).
+
+Each step's decisions are its `StepController`'s (`core.step_controller`): every event goes in
+(open, a read of deltas, scores, environment answers, a tick, the jobs claimed from a dead
+reader, the end) and one `Effects` value comes out, which this shell writes
+(`step_store.py`: one MULTI where it is one decision) and tells. The shell decides nothing.
+
+Shard 0 leads: its loop holds a `Leadership` (None on the followers, shards 1..K-1, child
+processes it runs: `shard_group.ShardProcesses`), which ticks each step's controller with
+every shard's unfinished requests (`step_store.ShardView`), claims the jobs of dead workers,
+writes stall state changes, records the step once every shard's groups are published (then
+fails the run on too many failed calls of user code), and after the trainer committed a step,
+writes the seeding update (`step_record.adapt`). A follower reports its part of each step to
+the leader through `ShardView`.
+
+The run's task (`services.tasks`) is loaded off the event loop when the run starts; its reward
+runner (`reward_runner.py`) lives as long as the run. No step is queued while Redis is near its
+memory limit (`memory.py`). Redis holds what a restart can still need, no more: a step's jobs
+and request table are deleted once the version trained on it is committed.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge
+from tokenizers import Tokenizer
+
+from services.contracts import keys
+from services.contracts.consumers import consumer_worker
+from services.contracts.runspec import RunSpec
+from services.coordinator.delta_collector import DeltaCollector, LiveStep, tell
+from services.coordinator.episode_shell import EpisodeShell, open_environment
+from services.coordinator.reward_runner import open_runner
+from services.coordinator.run.memory import MemoryGate
+from services.coordinator.run.runs import RunFailed, RunStore
+from services.coordinator.scheduling import (
+    count_pools,
+    crash_reports,
+    heartbeats,
+    registered_workers,
+)
+from services.coordinator.settings import CoordinatorSettings, EnvironmentLimits
+from services.coordinator.shard_group import ShardProcesses
+from services.coordinator.step_record import ShardSummary, adapt, record_rollout
+from services.coordinator.step_store import CLAIMER, ShardView, StepStore, loaded_workers
+from services.coordinator.workers.keys import WorkerKeys
+from services.core.collect import CollectRules
+from services.core.episodes import EpisodeTable
+from services.core.request_table import RequestTable
+from services.core.seeding import PoolSizer, SeedingController, StepTimes
+from services.core.stall import Action, GoneWorker, StallTracker
+from services.core.step_controller import Effects, Lead, StepController, Tick
+from services.infra.cancel import cancel_and_wait
+from services.infra.redis_streams import ensure_group, with_reconnect
+from services.state import run_record, timeline
+from services.state.run_state import ensure_live, wait_for_version
+from services.tasks import DatasetLimits, Task, task_for_spec
+from services.tasks.chat import PromptEncoder
+from services.tasks.reward_choice import RewardChoice
+
+log = logging.getLogger(__name__)
+PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
+T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
+DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose heartbeat expired")
+STALLS = Counter("spotrl_coordinator_run_stalls_total", "Times the active run became stalled")
+
+POLL_S = 0.05
+VERSION_WAIT_MS = 500  # a wait for the next version looks at the run this often
+JOBS_TTL_S = 600
+CHECK_S = 0.25  # period of the cancel and dead-worker checks
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A finished rollout, as the seeding controller will need it once the step is trained."""
+
+    step: int
+    times: StepTimes  # the trainer's part is filled in by `adapt`
+    scratch: tuple[str, ...]  # the step's keys, deleted once the next version is committed
+
+
+def stop_token_ids(model_dir: Path) -> list[int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [int(eos)]
+
+
+def build_loop(
+    r: aioredis.Redis,
+    run_id: str,
+    spec: RunSpec,
+    settings: CoordinatorSettings,
+    shard: int = 0,
+) -> "StepLoop":
+    """The step loop of shard `shard` of the run as the coordinator's settings say: shard 0
+    leads (and with several shards runs the others), another follows."""
+    lead = None
+    if shard == 0:
+        shards = spec.rollout.coordinator_shards
+        processes = ShardProcesses(run_id, shards, settings) if shards > 1 else None
+        lead = Leadership(r, run_id, spec, settings.stall_after_s, processes)
+    return StepLoop(
+        r,
+        run_id,
+        spec,
+        settings.redis_memory_limit_mb,
+        settings.redis_memory_high,
+        reward_modules=settings.reward_modules,
+        reward_processes=settings.reward_processes,
+        limits=settings.dataset_limits(),
+        shard=shard,
+        environments=settings.environment_limits(),
+        lead=lead,
+        # with `worker_redis_users` on, workers sign their deltas: a batch is applied only
+        # when signed by the worker it names
+        worker_keys=WorkerKeys(r) if settings.worker_redis_users else None,
+    )
+
+
+class Leadership:
+    """The leader's part of a step loop (shard 0's): what is the whole step's. It reads what a
+    tick needs, hands it to the step's controller and writes what comes back; the decisions
+    of the whole run (seeding window, pool size, stall state) are its `policy`'s."""
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        spec: RunSpec,
+        stall_after_s: float = 3.0,
+        shard_processes: ShardProcesses | None = None,
+    ) -> None:
+        self.r, self.run_id, self.spec = r, run_id, spec
+        self.shard_processes = shard_processes
+        self.runs = RunStore(r)
+        rollout = spec.rollout
+        self.policy = Lead(
+            SeedingController(
+                wait_share=rollout.seeding_wait_share, backoff=rollout.seeding_backoff
+            ),
+            PoolSizer(rollout.pool_headroom),
+            StallTracker(stall_after_s, spec.faults.stall_timeout_s),
+            spec.faults.max_error_share,
+        )
+
+    async def enter(self, stack: contextlib.AsyncExitStack) -> None:
+        """The other shards live as long as the run's steps."""
+        if self.shard_processes is not None:
+            await stack.enter_async_context(self.shard_processes)
+
+    async def start(self) -> None:
+        """Pick up a stall from before a restart, and the workers that served the run."""
+        run = await run_record.read(self.r, self.run_id, "state", "stalled_since", "stall_reason")
+        since, reason = None, ""
+        if run is not None and run.state == "stalled" and run.stalled_since is not None:
+            since, reason = run.stalled_since, run.stall_reason
+        loaded = await loaded_workers(self.r, self.run_id, await registered_workers(self.r))
+        self.policy.restore(since, reason, loaded)
+
+    async def tick(
+        self, live: LiveStep, others: ShardView, committed: int, oldest: bool, signer
+    ) -> None:
+        """One pass over the step: what the controller's tick needs, read; what it decides,
+        written (one MULTI); the dead readers' jobs claimed and moved; the stall state."""
+        control, store = live.control, live.store
+        beats = await heartbeats(self.r)
+        count_pools({w: b for w, b in beats.items() if b.run_id == self.run_id})  # gauges
+        readers, beating = await store.readers()
+        executing, pending = await store.executing()
+        gone = await self._gone(beats) if oldest else []
+        others_unfinished = await others.unfinished(live.table)
+        tick = Tick(
+            time.monotonic(), time.time(), beats, others_unfinished, executing, pending,
+            readers, beating, committed, oldest, gone,
+        )  # fmt: skip
+        effects = control.tick(tick)
+        await store.write(live.table, effects)
+        self._log(control, effects)
+        for reader in effects.reclaim:
+            await reclaim(self.r, control, store, reader, signer)
+        await self._stall(effects)
+
+    async def end(self, live: LiveStep, others: ShardView, summary: ShardSummary) -> StepDone:
+        """Every shard's groups of the step are published: the controller's end written, the
+        step recorded (then the run fails on too many failed calls of user code)."""
+        table, store, control = live.table, live.store, live.control
+        total = ShardSummary.total([summary, *(await others.summaries())])
+        effects = control.end(time.monotonic(), time.time(), total.call_counts())
+        await store.write(table, effects)
+        self._log(control, effects)
+        await self._stall(effects)
+        assert effects.times is not None
+        await record_rollout(
+            self.r, self.run_id, table.step, table.step, total, effects.times,
+            control.window_s, control.pools,
+        )  # fmt: skip
+        if effects.fail is not None:
+            raise RunFailed(effects.fail)
+        # kept until the next version is committed (a restart before then finds the step
+        # complete); the TTL covers a coordinator that dies before it deletes them
+        await self.r.expire(store.jobs, JOBS_TTL_S)
+        await others.expire(JOBS_TTL_S)
+        scratch = (
+            *store.scratch_keys(),
+            store.jobs,
+            keys.seed_done(self.run_id, table.step),
+            keys.read_cap(self.run_id, table.step),
+            keys.step_shards(self.run_id, table.step),
+        )
+        return StepDone(table.step, effects.times, scratch)
+
+    async def retired(self, done: StepDone) -> None:
+        """The version trained on the step is committed: the seeding update."""
+        await adapt(self.r, self.run_id, self.policy, done.step, done.times)
+
+    async def _gone(self, beats) -> list[GoneWorker]:
+        """How the workers seen on the run and gone now went (a stall reason names them)."""
+        gone_ids = self.policy.gone_ids(beats)
+        reports = await crash_reports(self.r, gone_ids)
+        leaving = await self.r.mget([keys.worker_leaving(w) for w in gone_ids]) if gone_ids else []
+        gone = []
+        for worker_id, left in zip(gone_ids, leaving, strict=True):
+            report = reports.get(worker_id)
+            if report is not None and report.get("run_id") == self.run_id:
+                gone.append(GoneWorker(worker_id, "crashed", str(report.get("error", ""))))
+            else:
+                gone.append(GoneWorker(worker_id, "left" if left else "lost"))
+        return gone
+
+    async def _stall(self, effects: Effects) -> None:
+        """The run's stall state as the controller changed it; RunFailed past its timeout."""
+        decision = effects.stall
+        if decision is None:
+            return
+        if decision.action is Action.STALL:
+            STALLS.inc()
+            since = self.policy.stall.stalled_since or time.time()
+            await self.runs.mark_stalled(self.run_id, decision.reason, since)
+            log.warning("run %s stalled: %s", self.run_id, decision.reason)
+        elif decision.action is Action.UPDATE:
+            await self.runs.update_stall_reason(self.run_id, decision.reason)
+            log.warning("run %s still stalled: %s", self.run_id, decision.reason)
+        elif decision.action is Action.RESUME:
+            await self.runs.mark_running(self.run_id, effects.resumed_why)
+            log.info("run %s running again: %s", self.run_id, effects.resumed_why)
+        elif decision.action is Action.FAIL:
+            raise RunFailed(decision.reason)
+
+    @staticmethod
+    def _log(c: StepController, effects: Effects) -> None:
+        if effects.paused and c.seed_end is not None:
+            after = c.seed_end - c.started
+            log.info(
+                "step %d: seeding window over after %.2fs; %d reserved workers step aside",
+                *(c.step, after, effects.paused),
+            )
+        if effects.recalled:
+            log.warning(
+                "step %d: no preemptible worker left; %d reserved workers resume it",
+                *(c.step, effects.resumed),
+            )
+        for worker_id, count in effects.released.items():
+            log.info("step %d: %s holds %d over its cap: release ordered", c.step, worker_id, count)
+
+
+async def reclaim(
+    r: aioredis.Redis,
+    control: StepController,
+    store: StepStore,
+    reader: str,
+    signer: WorkerKeys | None = None,
+) -> Effects:
+    """Claim the jobs a dead `reader` of the step's stream holds (moved to the coordinator's
+    own consumer), hand them to the controller, write what it decides (new leases, their
+    continuation jobs, the releases handed to other shards, signed by `signer` where workers
+    sign their deltas, the claimed entries acknowledged and the reader's consumer deleted) in
+    one MULTI, and tell it. Entries claimed by a coordinator that died before that MULTI are
+    pending under its consumer and are reclaimed the same way on the next pass."""
+    table = control.table
+    ids, jobs = await store.claim(reader)
+    effects = control.on_claimed(reader, ids, jobs, CLAIMER)
+    handed = {
+        shard: await signer.entry(batch) if signer is not None else batch.fields()
+        for shard, batch in effects.handed.items()
+    }
+    await store.write(table, effects, handed)
+    await tell(r, table, effects)
+    moved = len(effects.jobs)
+    handed_count = sum(len(batch.released) for batch in effects.handed.values())
+    if effects.dead_worker is None:
+        log.warning(
+            "re-queued %d jobs claimed before a coordinator restart (%d to other shards)",
+            moved,
+            handed_count,
+        )
+        return effects
+    DEAD.inc()
+    worker = consumer_worker(effects.dead_worker)
+    await timeline.emit(
+        r, table.run_id, "worker_reclaimed", worker=worker, jobs=len(ids), step=table.step
+    )
+    log.warning(
+        "worker %s missed its heartbeat: migrated %d of its %d jobs (%d by other shards)",
+        worker,
+        moved,
+        len(ids),
+        handed_count,
+    )
+    return effects
+
+
+async def reclaim_dead_workers(
+    r: aioredis.Redis, control: StepController, store: StepStore, signer: WorkerKeys | None = None
+) -> list[str]:
+    """The reclaim of a tick alone: the jobs of every reader of the step's stream that the
+    controller finds dead, moved; the workers declared dead."""
+    readers, beating = await store.readers()
+    dead = []
+    for reader in control.dead_readers(readers, beating):
+        effects = await reclaim(r, control, store, reader, signer)
+        if effects.dead_worker is not None:
+            dead.append(consumer_worker(effects.dead_worker))
+    return dead
+
+
+class StepLoop:
+    """Shard `shard` of a run's steps (`contracts.shards`); the leader's loop holds a
+    `Leadership`, a follower's none."""
+
+    # set by `run`, which loads them off the event loop
+    task: Task
+    prompts: PromptEncoder
+    collector: DeltaCollector
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        spec: RunSpec,
+        memory_limit_mb: int = 0,
+        memory_high: float = 0.85,
+        reward_modules: tuple[str, ...] | list[str] = (),
+        reward_processes: int = 1,
+        limits: DatasetLimits | None = None,
+        shard: int = 0,
+        environments: EnvironmentLimits | None = None,
+        lead: Leadership | None = None,
+        worker_keys: WorkerKeys | None = None,
+    ) -> None:
+        self.r, self.run_id, self.spec = r, run_id, spec
+        self.lead, self.worker_keys = lead, worker_keys
+        self.environments = environments or EnvironmentLimits()
+        self.episodes: EpisodeShell | None = None  # a run with an environment
+        self.shard, self.shards = shard, spec.rollout.coordinator_shards
+        self.memory_gate = MemoryGate(r, run_id, memory_limit_mb, memory_high, CHECK_S)
+        self.model_dir = Path(spec.model)
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.stop_ids = stop_token_ids(self.model_dir)
+        self.reward_modules, self.reward_processes = reward_modules, reward_processes
+        self.limits = limits or DatasetLimits()
+        self.live: dict[int, LiveStep] = {}  # the steps in flight, by step
+        self.committed = 0  # the newest version the trainer committed, as last seen
+
+    def _load(self, tools: list[dict] | None) -> tuple[Task, PromptEncoder]:
+        """The run's task and prompt encoder (blocking: a dataset is read and checked)."""
+        spec = self.spec
+        # checked at submit too; the allow list may have changed since the run was queued
+        RewardChoice.from_spec(spec).check_allowed(self.reward_modules)
+        task = task_for_spec(spec, self.limits)
+        data = spec.data
+        prompts = PromptEncoder(
+            self.model_dir, self.tokenizer, data.chat_template, data.system_prompt, tools
+        )
+        return task, prompts
+
+    async def run(self) -> None:
+        """Drive every step; returns when version `steps` is committed. Raises RunStopped."""
+        env = await open_environment(self.spec, self.environments)
+        try:
+            tools = env.tools if env is not None else None
+            self.task, self.prompts = await asyncio.to_thread(self._load, tools)
+            if env is not None:
+                self.episodes = EpisodeShell(
+                    env, self.spec, self.prompts, self.tokenizer, self.stop_ids
+                )
+            await self._run_with_rewards()
+        finally:
+            if env is not None:
+                await env.close()
+
+    async def _run_with_rewards(self) -> None:
+        rewards = await open_runner(
+            self.task.reward_choice, self.spec.scoring.reward_timeout_s, self.reward_processes
+        )
+        try:
+            self.collector = DeltaCollector(
+                self.r,
+                self.run_id,
+                self.spec,
+                self.memory_gate.runs,
+                self.tokenizer,
+                self.stop_ids,
+                rewards,
+                self.shard,
+                self.episodes,
+                self.worker_keys,
+            )
+            async with contextlib.AsyncExitStack() as stack:
+                if self.lead is not None:
+                    await self.lead.enter(stack)
+                await self.collector.start()
+                if self.lead is not None:
+                    await self.lead.start()
+                await self._run_steps()
+        finally:
+            await rewards.close()
+
+    async def _run_steps(self) -> None:
+        """Keep the steps in flight that the committed version allows (step s once version
+        s - max_staleness is committed), collect their deltas in one task, and retire each
+        step once the version trained on it is committed."""
+        k = self.spec.rollout.max_staleness
+        self.committed = await self._wait_version(0)
+        flight: dict[int, asyncio.Task[StepDone]] = {}
+        next_step = self.committed
+        collecting: asyncio.Task[None] | None = None
+        try:
+            while self.committed < self.spec.training.steps:
+                while next_step < self.spec.training.steps and next_step <= self.committed + k:
+                    live = await self._open_step(next_step)
+                    flight[next_step] = asyncio.create_task(self._drive(live))
+                    next_step += 1
+                if collecting is None:  # once the steps of a restart are restored: replay
+                    self.collector.replay()
+                    collecting = asyncio.create_task(self._collect_forever())
+                self.committed = await self._wait_version(self.committed + 1, flight, collecting)
+                for step in sorted(s for s in flight if s < self.committed):
+                    done = await flight.pop(step)
+                    # no restart can need the step any more: its version is trained and committed
+                    await self.r.unlink(*done.scratch)
+                    if self.lead is not None:
+                        await self.lead.retired(done)
+        finally:
+            # the collector first: no read may be applied (or dropped as a step not in flight)
+            # while the steps are torn down; what it read and did not store is replayed later
+            await cancel_and_wait([collecting])
+            await cancel_and_wait(flight.values())
+
+    async def _collect_forever(self) -> None:
+        while True:
+            await self.collector.collect(self.live, int(POLL_S * 1000))
+            PENDING.set(sum(live.table.unfinished_count for live in self.live.values()))
+
+    async def _check_running(self) -> None:
+        await ensure_live(self.r, self.run_id)
+
+    async def _wait_version(
+        self,
+        at_least: int,
+        flight: dict[int, "asyncio.Task[StepDone]"] | None = None,
+        collecting: "asyncio.Task[None] | None" = None,
+    ) -> int:
+        """Wait until the trainer committed a version >= at_least; return it. A step in
+        flight or the collector that failed raises here."""
+        while True:
+            await self._check_running()
+            for task in [*(flight or {}).values(), *([collecting] if collecting else [])]:
+                if task.done():
+                    task.result()  # raises what it died of
+            version = await with_reconnect(
+                lambda: wait_for_version(self.r, self.run_id, at_least - 1, VERSION_WAIT_MS),
+                "committed version",
+            )
+            if version is not None and version >= at_least:
+                return version
+
+    async def _open_step(self, step: int) -> LiveStep:
+        """Queue the step (or restore it after a restart): the controller's open, written
+        (`DeltaCollector.settle`: a restored step's finished responses scored, its turns
+        answered). It is live (its deltas are applied) from before its jobs are queued."""
+        examples = self.task.examples(self.spec.seed, step, self.spec.training.prompts_per_step)
+        texts = [e.prompt for e in examples]
+        if self.episodes is not None:  # each episode's opening, from the environment
+            texts = await self.episodes.openings(examples)
+        prompt_ids = await asyncio.to_thread(self.prompts.encode, texts)
+        table = self._table(step, prompt_ids)
+        store = StepStore(self.r, self.run_id, step, self.shard)
+        live = LiveStep(self._controller(table), store, examples)
+        beats = await heartbeats(self.r)
+        began = await live.store.restore(table)
+        if began is None:
+            await self.memory_gate.wait_below(self._check_running)  # backpressure
+        await ensure_group(self.r, live.store.jobs, keys.WORKERS_GROUP)
+        self.live[step] = live
+        if began is not None:
+            log.info(
+                "step %d resumed: %d of %d groups already published, %d requests finished",
+                step,
+                table.groups - len(table.pending_groups),
+                table.groups,
+                len(table.requests) - len(table.unfinished()),
+            )
+        seed_done = self.lead is not None and bool(
+            await self.r.exists(keys.seed_done(self.run_id, step))
+        )
+        queued_at = time.time() if began is None else None
+        # time of the step so far, on this process's monotonic clock
+        started = time.monotonic() - max(0.0, time.time() - (began or queued_at or 0.0))
+        effects = live.control.open(beats, started, time.monotonic(), queued_at, seed_done)
+        await self.collector.settle([(live, effects)])
+        self._say_opened(live.control)
+        return live
+
+    def _say_opened(self, c: StepController) -> None:
+        window = c.window_s
+        if self.lead is not None:
+            T_SEED.set(window if window != math.inf else -1)
+        log.info(
+            "step %d: %d jobs on %s%s (pools %s, T_seed %.2fs)",
+            c.step,
+            len(c.table.requests),
+            keys.jobs_stream(self.run_id, c.step),
+            f" (shard {self.shard} of {self.shards})" if self.shards > 1 else "",
+            c.pools,
+            window,
+        )
+
+    async def _drive(self, live: LiveStep) -> StepDone:
+        """Until the step's groups are published (on the leader, every shard's), tick it (the
+        leader) or report how many of this shard's requests are unfinished (a follower); then
+        its end."""
+        table, store = live.table, live.store
+        others = ShardView(self.r, self.run_id, table.step, self.shards)
+        lead = self.lead
+        while not await self._until_change(live, others, all_shards=lead is not None):
+            if lead is None:
+                await others.report_unfinished(self.shard, table.unfinished_count)
+                continue
+            oldest = table.step == min(self.live)  # the step the trainer waits for
+            await lead.tick(live, others, self.committed, oldest, self.worker_keys)
+        # complete: its last deltas are applied and stored; later ones of it are dropped
+        self.live.pop(table.step, None)
+        summary = live.summary()
+        await store.expire_soon(JOBS_TTL_S)
+        if lead is not None:
+            return await lead.end(live, others, summary)
+        await others.report_done(self.shard, summary)
+        times = live.control.end(time.monotonic(), time.time()).times
+        assert times is not None
+        return StepDone(table.step, times, tuple(store.scratch_keys()))
+
+    async def _until_change(self, live: LiveStep, others: ShardView, all_shards: bool) -> bool:
+        """Wait for the step's table to change or CHECK_S to pass; whether the step is complete
+        (with `all_shards`, every shard's part of it). Raises RunStopped."""
+        table = live.table
+        if table.complete and (not all_shards or await others.all_done()):
+            return True
+        live.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CHECK_S):
+                await live.changed.wait()
+        if table.complete and (not all_shards or await others.all_done()):
+            return True
+        await self._check_running()
+        return False
+
+    def _table(self, step: int, prompt_ids: list[list[int]]) -> RequestTable:
+        """The step's request table (of episodes, in a run with an environment)."""
+        spec = self.spec
+        stops = [] if spec.sampling.ignore_eos else self.stop_ids
+        args = (self.run_id, step, prompt_ids, spec.training.group_size, spec.sampling)
+        if self.episodes is not None:
+            turns = self.episodes.max_turns
+            return EpisodeTable(
+                *args, spec.seed, stops, shard=self.shard, shards=self.shards, max_turns=turns
+            )
+        return RequestTable(*args, spec.seed, stops, shard=self.shard, shards=self.shards)
+
+    def _controller(self, table: RequestTable) -> StepController:
+        """The step's controller, with the run's rules for moving requests and for reads (on
+        the leader, sharing the run's `Lead`)."""
+        rollout = self.spec.rollout
+        return StepController(
+            table,
+            CollectRules.for_run(self.spec),
+            rollout.fair_reads,
+            rollout.max_staleness,
+            lead=self.lead.policy if self.lead is not None else None,
+            migration=rollout.migration,
+        )
