@@ -69,16 +69,16 @@ from services.cli.audit import audit_run
 from services.contracts import keys
 from services.contracts.messages import DeltaBatch, DeltaItem
 from services.contracts.runspec import FINAL_STATES, RunSpec
-from services.coordinator.delta_collector import DeltaCollector, LiveStep
-from services.coordinator.reward_runner import open_runner
-from services.coordinator.run.runs import RunStore
-from services.coordinator.step_store import StepStore
+from services.coordinator.scoring.rewards import open_runner
+from services.coordinator.step.deltas import DeltaCollector, LiveStep
+from services.coordinator.step.store import StepStore
 from services.core.collect import CollectRules
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect
 from services.state.run_state import committed_version
+from services.state.runs import RunStore
 from services.state.step_metrics import read_steps
 from services.tasks.reward_choice import RewardChoice
 from services.trainer.loop import TrainerLoop
@@ -226,7 +226,7 @@ class Bench:
         out |= {p.pid: "workers" for p in self.workers if p.alive()}
         with contextlib.suppress(psutil.Error):  # the coordinator's shards 1..K-1
             for child in psutil.Process(self.procs["coordinator"].pid).children():
-                if "services.coordinator.shard" in child.cmdline():
+                if "services.coordinator.run.shard" in child.cmdline():
                     out[child.pid] = "coordinator_shards"
         return out | {psutil.Process().pid: "bench"}
 

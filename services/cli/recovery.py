@@ -46,8 +46,7 @@ from services.contracts.consumers import consumer_worker
 from services.contracts.messages import Job, MalformedMessage
 from services.contracts.runspec import RunSpec
 from services.contracts.shards import shard_of
-from services.coordinator.step_log import Arrays, replay
-from services.coordinator.step_store import CLAIMER
+from services.coordinator.step.store import CLAIMER, Arrays, replay
 from services.core.request_table import request_id, step_of
 from services.infra.redis_streams import entry_time_s, text
 from services.state import run_record

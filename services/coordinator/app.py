@@ -24,8 +24,7 @@ from services.coordinator.api.routes import (
     runs_router,
     workers_router,
 )
-from services.coordinator.data_plane import DataPlaneProcess
-from services.coordinator.run.runs import RunStore
+from services.coordinator.run.data_plane import DataPlaneProcess
 from services.coordinator.settings import CoordinatorSettings
 from services.infra.http_limits import guard_input
 from services.infra.rate_limit import ClientBuckets
@@ -33,6 +32,7 @@ from services.infra.read_limit import ReadLimit
 from services.infra.redis_streams import connect
 from services.infra.retry import brief
 from services.infra.service import BackgroundTasks, add_health_and_metrics, auth_for, tokens_of
+from services.state.runs import RunStore
 
 log = logging.getLogger(__name__)
 

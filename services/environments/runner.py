@@ -10,7 +10,7 @@ times out, crashes its process or returns a bad value ends its episode:
 or a sandbox that cannot be built, is an error (EnvironmentLoadError, NetworkIsolationError).
 
 The processes are `services.infra.child_process` children, talking in its frames; what they
-say is `wire.py`. A reward process (services/coordinator/reward_runner.py) is the same kind of
+say is `wire.py`. A reward process (services/coordinator/scoring/rewards.py) is the same kind of
 child with another policy: it scores batches and streams one outcome per call.
 """
 

@@ -61,10 +61,15 @@ async def register(r: aioredis.Redis, record: WorkerRecord, signing_key: str | N
 
 
 async def forget(r: aioredis.Redis, worker_id: str, drop_key: bool) -> None:
-    """Remove a worker in one transaction: its record, its control stream, its place in the
-    worker index and, with `drop_key`, its signing key."""
+    """Remove a worker in one transaction: its record, its control stream, its crash report,
+    its leaving mark, its place in the worker index and, with `drop_key`, its signing key."""
     async with r.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.worker(worker_id), keys.worker_control(worker_id))
+        pipe.delete(
+            keys.worker(worker_id),
+            keys.worker_control(worker_id),
+            keys.worker_crash(worker_id),
+            keys.worker_leaving(worker_id),
+        )
         pipe.srem(keys.WORKER_INDEX, worker_id)
         if drop_key:
             pipe.hdel(keys.WORKER_KEYS, worker_id)

@@ -35,7 +35,7 @@ class Task:
 
     def reward(self, response: str, example: Example) -> float:
         """Score a response in this process, raising what the reward raises (the coordinator
-        scores through `services/coordinator/reward_runner.py`, which bounds and counts)."""
+        scores through `services/coordinator/scoring/rewards.py`, which bounds and counts)."""
         if self._scorer is None:
             self._scorer = self.reward_choice.load()
         return float(self._scorer(example.prompt, response, example))

@@ -3,7 +3,7 @@ scoring 1.0 (right) or 0.0. Their names are `runspec.BUILTIN_REWARDS`.
 
 They do not time out on their own: `regex_match` runs a pattern from the run spec and
 `boxed_match` runs sympy, so the coordinator runs those two in a reward process it can kill
-(services/coordinator/reward_runner.py).
+(services/coordinator/scoring/rewards.py).
 """
 
 import math

@@ -18,7 +18,7 @@ from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
-from services.coordinator.step_log import replay
+from services.coordinator.step.store import replay
 from services.core.request_table import request_id
 from tests.harness.deploy import Deployment, DeploymentConfig
 

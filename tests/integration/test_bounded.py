@@ -146,7 +146,7 @@ def test_workers_gone_long_enough_are_forgotten(redis_url):
     """Churn over days does not pile up in the worker index; a worker back in time stays."""
     import asyncio
 
-    from services.coordinator.scheduling import forget_gone_workers
+    from services.coordinator.workers.fleet import forget_gone_workers
     from services.infra.redis_streams import connect
 
     async def scenario():

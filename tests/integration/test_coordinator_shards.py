@@ -52,7 +52,7 @@ def shard_processes(deployment, run_id: str) -> dict[int, psutil.Process]:
                 continue
         except psutil.Error:
             continue
-        if "services.coordinator.shard" in cmd and run_id in cmd:
+        if "services.coordinator.run.shard" in cmd and run_id in cmd:
             out[int(cmd[-1])] = child
     return out
 

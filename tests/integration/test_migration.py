@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
-from services.coordinator.delta_collector import tell
-from services.coordinator.step_loop import reclaim_dead_workers
-from services.coordinator.step_store import CLAIMER, StepStore
+from services.coordinator.step.deltas import tell
+from services.coordinator.step.loop import reclaim_dead_workers
+from services.coordinator.step.store import CLAIMER, StepStore
 from services.core.collect import CollectRules
 from services.core.request_table import Applied, RequestTable
 from services.core.step_controller import Effects, StepController

@@ -17,8 +17,8 @@ from services.cli.recovery import Recovery, RecoveryWatch, busiest_worker, held_
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job
 from services.contracts.runspec import RunSpec
-from services.coordinator.step_loop import reclaim_dead_workers
-from services.coordinator.step_store import StepStore
+from services.coordinator.step.loop import reclaim_dead_workers
+from services.coordinator.step.store import StepStore
 from services.core.step_controller import StepController
 from services.infra.redis_streams import connect
 from services.infra.settings import settings_env

@@ -83,7 +83,7 @@ def test_the_step_store_writes_a_state_only_when_it_changes(redis_url):
     lease|finish field and the TTLs are written when they change (once per key), and a restore
     reads back exactly what was staged."""
     from services.contracts.messages import DeltaItem
-    from services.coordinator.step_store import StepStore
+    from services.coordinator.step.store import StepStore
 
     def new_table():
         return factories.table(1, 2, 8, run_id="rs", stops=())

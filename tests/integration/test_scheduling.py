@@ -1,4 +1,4 @@
-"""The coordinator's worker reads (services/coordinator/scheduling.py) and the step controller's
+"""The coordinator's worker reads (services/coordinator/workers/fleet.py) and the step controller's
 open, tick and end as the leader's shell writes them (`step_store.StepStore`) against a real
 redis-server: which workers count as alive, forgetting the long gone ones, the seeding window of
 a step (the reserved pool steps aside once its window, counted from when it holds the step's
@@ -9,8 +9,8 @@ import time
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat, Job, WorkerControl
-from services.coordinator.scheduling import alive_workers, forget_gone_workers
-from services.coordinator.step_store import StepStore
+from services.coordinator.step.store import StepStore
+from services.coordinator.workers.fleet import alive_workers, forget_gone_workers
 from services.core.request_table import RequestTable
 from services.core.step_controller import Lead, StepController, Tick
 from services.infra.redis_streams import connect, ensure_group

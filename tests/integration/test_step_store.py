@@ -1,4 +1,4 @@
-"""The durable copy of a step's request table (services/coordinator/step_store.py) against a real
+"""The durable copy of a step's request table (services/coordinator/step/store.py) against a real
 redis-server: what a coordinator staged is what a new coordinator restores after a restart (tokens,
 logprobs, their versions, leases, finish reasons, crashes, groups published or dropped), staged
 writes append only what is new, and a finished step's copy expires."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job
-from services.coordinator.step_store import StepStore
+from services.coordinator.step.store import StepStore
 from services.core.episodes import EpisodeTable, Observation
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import connect

@@ -165,7 +165,7 @@ def test_up_sigkilled_takes_its_whole_deployment_with_it(tmp_path, tiny_model):
         for module in ("weightstore", "coordinator", "trainer"):
             assert sum(f"services.{module}.main" in c for c in commands) >= 1, described
         assert sum("services.rollout.main" in c for c in commands) == 2, described
-        assert sum("services.coordinator.shard" in c for c in commands) == 1, described
+        assert sum("services.coordinator.run.shard" in c for c in commands) == 1, described
         assert sum("torch.distributed.run" in c for c in commands) == 1, described
         grandchildren = [seen for seen in recorded.values() if seen.ppid != up.pid]
         assert len(grandchildren) >= 3, described  # the shard and the two trainer ranks

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from services.coordinator.step_loop import stop_token_ids
+from services.coordinator.step.loop import stop_token_ids
 from tests.data.user_reward import sum_is_right
 from tests.harness.deploy import DeploymentConfig
 from tests.integration.conftest import deploy_config, read_groups, small_spec, wait_final

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from services.cli import procs
 from services.contracts import keys
-from services.coordinator.step_store import StepStore
+from services.coordinator.step.store import StepStore
 from services.core.step_controller import Lead, StepController
 from services.state.run_state import wait_for_version
 from services.trainer.run_trainer import wait_seeding

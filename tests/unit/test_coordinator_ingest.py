@@ -11,9 +11,8 @@ from array import array
 import pytest
 
 from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
-from services.coordinator.delta_collector import gc_paused
-from services.coordinator.step_log import Arrays, RecordWriter, replay
-from services.coordinator.step_store import StepStore
+from services.coordinator.step.deltas import gc_paused
+from services.coordinator.step.store import Arrays, RecordWriter, StepStore, replay
 from services.core.collect import CollectRules, split_by_step
 from services.core.request_table import Applied, RequestTable
 from services.infra.redis_streams import StagedWrites, entry_time_s

@@ -11,7 +11,7 @@ from services.contracts.messages import DeltaBatch, DeltaItem, RequestLease
 from services.contracts.runspec import RunSpec
 from services.contracts.sampling import SamplingParams
 from services.contracts.shards import MAX_COORDINATOR_SHARDS, shard_of, shard_of_prompt
-from services.coordinator.step_record import ShardSummary
+from services.coordinator.step.record import ShardSummary
 from services.core.collect import split_by_shard
 from services.core.request_table import RequestTable, request_id
 from tests import factories

@@ -19,11 +19,10 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 # the modules the coordinator-layers contract names (each layer must exist)
 COORDINATOR_LAYERS = (
-    *("main", "app", "api.routes", "api.read_model"),
-    *("data_plane", "scheduler", "shard", "step_loop", "delta_collector", "scheduling"),
-    *("run.memory", "step_record", "step_store"),
-    *("step_log", "reward_runner", "workers.observer"),
-    *("shard_group", "run.runs", "settings", "api.schemas"),
+    *("main", "app", "api.routes", "api.read_model", "run.data_plane", "run.scheduler"),
+    *("run.shard", "step.loop", "step.deltas", "step.store", "step.record", "step.memory"),
+    *("scoring.rewards", "scoring.episodes", "workers.observer", "workers.fleet"),
+    *("workers.keys", "api.schemas", "settings"),
 )
 
 
@@ -89,7 +88,9 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
     write(tmp_path, "services.rollout.worker", "from services.trainer import loop\n")
     write(tmp_path, "services.state.ledger", "import tests.harness.deploy\n")
     write(tmp_path, "services.infra.cancel", "from services.weights import transfer\n")
-    write(tmp_path, "services.coordinator.run.runs", "from services.coordinator import scheduler\n")
+    write(
+        tmp_path, "services.coordinator.step.store", "from services.coordinator.step import loop\n"
+    )
     write(tmp_path, "services.coordinator.workers.keys", "from services.coordinator import api\n")
     write(tmp_path, "tests.harness.deploy")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
@@ -103,7 +104,7 @@ def test_the_contracts_catch_each_kind_of_broken_rule(tmp_path):
     assert "services.rollout.worker -> services.trainer.loop" in report
     assert "services.state.ledger -> tests" in report
     assert "services.infra.cancel -> services.weights.transfer" in report
-    assert "services.coordinator.run.runs -> services.coordinator.scheduler" in report
+    assert "services.coordinator.step.store -> services.coordinator.step.loop" in report
     assert "services.coordinator.workers.keys -> services.coordinator.api" in report
 
 

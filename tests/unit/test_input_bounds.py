@@ -15,8 +15,7 @@ from services.contracts.runspec import (
     check_text_file,
 )
 from services.coordinator.api.routes import over_step_caps
-from services.coordinator.run.runs import audit_keys, scratch_keys
-from services.coordinator.shard import failure_text
+from services.coordinator.run.shard import failure_text
 from services.infra.http_limits import (
     MAX_ERROR_BODY_BYTES,
     BodyLimits,
@@ -26,6 +25,7 @@ from services.infra.http_limits import (
     declared_length,
 )
 from services.infra.settings import CommonSettings, is_loopback
+from services.state.runs import audit_keys, scratch_keys
 from services.tasks import TaskError, load_task
 
 SECRET = "s3cret-file-content"

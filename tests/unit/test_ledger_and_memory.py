@@ -3,7 +3,7 @@
 import msgspec
 
 from services.contracts.messages import Group, Response
-from services.coordinator.run.memory import pressure
+from services.coordinator.step.memory import pressure
 from services.state.ledger import StepLedger, bitmap_members
 from services.state.redis_figures import MIB, MemoryReading
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from services.coordinator.reward_runner import (
+from services.coordinator.scoring.rewards import (
     ProcessRewards,
     ThreadRewards,
     check_loads,

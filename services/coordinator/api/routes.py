@@ -48,10 +48,9 @@ from services.coordinator.api.schemas import (
     WorkerRegistration,
     WorkerRelease,
 )
-from services.coordinator.reward_runner import check_loads
-from services.coordinator.run.runs import RunNotCancellable, RunNotFound, RunStore
-from services.coordinator.scheduling import heartbeats, order
+from services.coordinator.scoring.rewards import check_loads
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.workers.fleet import heartbeats, order
 from services.coordinator.workers.keys import COORDINATOR
 from services.environments.choice import EnvironmentChoice
 from services.infra.read_limit import NOT_MODIFIED, etag_of, revalidated
@@ -60,6 +59,7 @@ from services.infra.redis_users import drop_worker_user, mint_worker_user
 from services.infra.service import Auth, errors
 from services.infra.signing import consumer_secret, key_bytes, new_key, registration_proof
 from services.state import timeline, worker_record
+from services.state.runs import RunNotCancellable, RunNotFound, RunStore
 from services.tasks import RewardChoice, TaskError, task_for_spec
 from services.tasks.chat import has_chat_template, no_template_error
 

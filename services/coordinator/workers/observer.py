@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from services.contracts import keys
 from services.contracts.messages import Heartbeat
-from services.coordinator.scheduling import forget_gone_workers, heartbeats
+from services.coordinator.workers.fleet import forget_gone_workers, heartbeats
 from services.infra.redis_streams import text, with_reconnect
 from services.state import timeline
 from services.state.redis_figures import MIB, RedisMemory, run_streams, stream_lengths

@@ -8,7 +8,7 @@ raises, hangs, crashes its process or returns no finite number scores 0 and is c
 cannot be loaded at all is an error (RewardLoadError).
 
 A reward process is this module run as a child (`services.infra.child_process`):
-`python -m services.coordinator.reward_runner`. It loads the run's reward (importing a user
+`python -m services.coordinator.scoring.rewards`. It loads the run's reward (importing a user
 function's module there, never in the coordinator), then scores the batches it is sent. What the
 two say to each other, each message a frame (`services.infra.frames`):
 
@@ -81,7 +81,10 @@ class RewardProcess:
         # its own process group (a kill takes its children too), none of this service's
         # credentials in its environment
         self.child = ChildProcess(
-            "services.coordinator.reward_runner", env=user_code_environ, pipes=True, own_group=True
+            "services.coordinator.scoring.rewards",
+            env=user_code_environ,
+            pipes=True,
+            own_group=True,
         )
         self.restarts = 0
 

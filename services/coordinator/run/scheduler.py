@@ -13,7 +13,7 @@ Nothing a client does reaches this process: the REST API, the dashboard and the 
 answered by the control plane from its read model. Its own metrics are served on loopback, on a
 port it hands the control plane through a pipe, and appear in the control plane's /metrics.
 
-    python -m services.coordinator.scheduler [PORT_FD]   (the coordinator's settings handed
+    python -m services.coordinator.run.scheduler [PORT_FD]   (the coordinator's settings handed
     down by its parent: `services.infra.child_process`; PORT_FD: the pipe's write end)
 """
 
@@ -26,16 +26,16 @@ import sys
 from prometheus_client import Gauge, start_http_server
 
 from services.contracts import keys
-from services.coordinator.run.runs import RunStore
+from services.coordinator.run.shard import drive
 from services.coordinator.settings import CoordinatorSettings
-from services.coordinator.shard import drive
-from services.coordinator.step_record import publish_fleet
+from services.coordinator.step.record import publish_fleet
 from services.coordinator.workers.observer import Observer
 from services.infra import stack_dump
 from services.infra.child_process import handed_settings, tie_to_parent
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect, with_reconnect
 from services.infra.service import BackgroundTasks
+from services.state.runs import RunStore
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")

@@ -39,21 +39,19 @@ from tokenizers import Tokenizer
 from services.contracts import keys
 from services.contracts.consumers import consumer_worker
 from services.contracts.runspec import RunSpec
-from services.coordinator.delta_collector import DeltaCollector, LiveStep, tell
-from services.coordinator.episode_shell import EpisodeShell, open_environment
-from services.coordinator.reward_runner import open_runner
-from services.coordinator.run.memory import MemoryGate
-from services.coordinator.run.runs import RunFailed, RunStore
-from services.coordinator.scheduling import (
+from services.coordinator.scoring.episodes import EpisodeShell, open_environment
+from services.coordinator.scoring.rewards import open_runner
+from services.coordinator.settings import CoordinatorSettings, EnvironmentLimits
+from services.coordinator.step.deltas import DeltaCollector, LiveStep, tell
+from services.coordinator.step.memory import MemoryGate
+from services.coordinator.step.record import ShardSummary, adapt, record_rollout
+from services.coordinator.step.store import CLAIMER, ShardView, StepStore, loaded_workers
+from services.coordinator.workers.fleet import (
     count_pools,
     crash_reports,
     heartbeats,
     registered_workers,
 )
-from services.coordinator.settings import CoordinatorSettings, EnvironmentLimits
-from services.coordinator.shard_group import ShardProcesses
-from services.coordinator.step_record import ShardSummary, adapt, record_rollout
-from services.coordinator.step_store import CLAIMER, ShardView, StepStore, loaded_workers
 from services.coordinator.workers.keys import WorkerKeys
 from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable
@@ -65,6 +63,7 @@ from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import ensure_group, with_reconnect
 from services.state import run_record, timeline
 from services.state.run_state import ensure_live, wait_for_version
+from services.state.runs import RunFailed, RunStore
 from services.tasks import DatasetLimits, Task, task_for_spec
 from services.tasks.chat import PromptEncoder
 from services.tasks.reward_choice import RewardChoice
@@ -106,12 +105,8 @@ def build_loop(
     shard: int = 0,
 ) -> "StepLoop":
     """The step loop of shard `shard` of the run as the coordinator's settings say: shard 0
-    leads (and with several shards runs the others), another follows."""
-    lead = None
-    if shard == 0:
-        shards = spec.rollout.coordinator_shards
-        processes = ShardProcesses(run_id, shards, settings) if shards > 1 else None
-        lead = Leadership(r, run_id, spec, settings.stall_after_s, processes)
+    leads, another follows (the other shards' processes are the run's: `run.shard.drive`)."""
+    lead = Leadership(r, run_id, spec, settings.stall_after_s) if shard == 0 else None
     return StepLoop(
         r,
         run_id,
@@ -141,10 +136,8 @@ class Leadership:
         run_id: str,
         spec: RunSpec,
         stall_after_s: float = 3.0,
-        shard_processes: ShardProcesses | None = None,
     ) -> None:
         self.r, self.run_id, self.spec = r, run_id, spec
-        self.shard_processes = shard_processes
         self.runs = RunStore(r)
         rollout = spec.rollout
         self.policy = Lead(
@@ -155,11 +148,6 @@ class Leadership:
             StallTracker(stall_after_s, spec.faults.stall_timeout_s),
             spec.faults.max_error_share,
         )
-
-    async def enter(self, stack: contextlib.AsyncExitStack) -> None:
-        """The other shards live as long as the run's steps."""
-        if self.shard_processes is not None:
-            await stack.enter_async_context(self.shard_processes)
 
     async def start(self) -> None:
         """Pick up a stall from before a restart, and the workers that served the run."""
@@ -418,13 +406,10 @@ class StepLoop:
                 self.episodes,
                 self.worker_keys,
             )
-            async with contextlib.AsyncExitStack() as stack:
-                if self.lead is not None:
-                    await self.lead.enter(stack)
-                await self.collector.start()
-                if self.lead is not None:
-                    await self.lead.start()
-                await self._run_steps()
+            await self.collector.start()
+            if self.lead is not None:
+                await self.lead.start()
+            await self._run_steps()
         finally:
             await rewards.close()
 

@@ -19,8 +19,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from services.coordinator.run.runs import RunStore
 from services.state.redis_figures import MIB, MemoryReading, RedisMemory
+from services.state.runs import RunStore
 
 log = logging.getLogger(__name__)
 

@@ -75,16 +75,7 @@ async def forget_gone_workers(
     for worker_id in stale:
         if await r.exists(keys.worker_heartbeat(worker_id)):
             continue  # back since the index was read
-        async with r.pipeline(transaction=True) as pipe:
-            pipe.srem(keys.WORKER_INDEX, worker_id)
-            pipe.delete(
-                keys.worker(worker_id),
-                keys.worker_control(worker_id),
-                keys.worker_crash(worker_id),
-                keys.worker_leaving(worker_id),
-            )
-            pipe.hdel(keys.WORKER_KEYS, worker_id)
-            await pipe.execute()
+        await worker_record.forget(r, worker_id, drop_key=True)
         if drop_users:
             await drop_worker_user(r, worker_id)
         forgotten.append(worker_id)

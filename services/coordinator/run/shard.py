@@ -21,14 +21,16 @@ when it dies while the run goes on: it resumes from its durable table like a res
 coordinator. They die with the coordinator (PR_SET_PDEATHSIG), so that the shards of a
 restarted coordinator are the only ones reading their streams.
 
-    python -m services.coordinator.shard RUN_ID SHARD   (started by `ShardProcesses`, which
+    python -m services.coordinator.run.shard RUN_ID SHARD   (started by `ShardProcesses`, which
     hands down the coordinator's settings: `services.infra.child_process`)
 """
 
 import asyncio
+import contextlib
 import logging
 import sys
 from functools import partial
+from types import TracebackType
 
 from prometheus_client import start_http_server
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -37,17 +39,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
-from services.coordinator.run.runs import RunFailed, RunStore, release_run
 from services.coordinator.settings import CoordinatorSettings
-from services.coordinator.step_loop import build_loop
+from services.coordinator.step.loop import build_loop
 from services.infra import tls
-from services.infra.child_process import handed_settings, tie_to_parent
+from services.infra.cancel import cancel_and_wait
+from services.infra.child_process import ChildProcess, handed_settings, tie_to_parent
 from services.infra.http_limits import clip
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect, with_reconnect
 from services.infra.retry import brief
 from services.state import run_record
 from services.state.run_state import RunStopped
+from services.state.runs import RunFailed, RunStore, release_run
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 1000
@@ -63,7 +66,11 @@ async def drive(
     all, and the caller drives it again once Redis is back."""
     try:
         spec = await store.spec(run_id)
-        await build_loop(store.r, run_id, spec, settings, shard).run()
+        shards = spec.rollout.coordinator_shards
+        async with contextlib.AsyncExitStack() as stack:
+            if shard == 0 and shards > 1:  # the other shards live as long as shard 0's loop
+                await stack.enter_async_context(ShardProcesses(run_id, shards, settings))
+            await build_loop(store.r, run_id, spec, settings, shard).run()
     except RunStopped as exc:
         log.info("run %s stopped (shard %d): %s", run_id, shard, exc)
         if shard == 0:
@@ -154,3 +161,77 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# The other shards of a run, as shard 0 runs them: `ShardProcesses` runs shards 1..K-1 as child
+# processes and starts one again when it dies while the run goes on. The shard process itself is
+# `services.coordinator.run.shard`; what the shards report of a step is `step_store.ShardView`.
+log = logging.getLogger(__name__)
+SHARD_MODULE = "services.coordinator.run.shard"  # `python -m SHARD_MODULE RUN_ID SHARD`
+RESTART_S = 1.0  # a shard that died is started again after this long
+STOP_S = 10.0  # a shard told to stop (SIGTERM) is killed after this long
+
+
+class ShardProcesses:
+    """Shards 1..K-1 of one run as child processes (`services.infra.child_process`), for as
+    long as the `async with` lasts; one that dies of anything but the run's end (exit 0) is
+    started again after RESTART_S."""
+
+    def __init__(self, run_id: str, shards: int, settings: CoordinatorSettings) -> None:
+        self.run_id, self.shards, self.settings = run_id, shards, settings
+        self.children = {
+            shard: ChildProcess(SHARD_MODULE, [run_id, str(shard)], settings=settings)
+            for shard in range(1, shards)
+        }
+        self.restarts = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> "ShardProcesses":
+        for shard in self.children:
+            await self._start(shard)
+        self._task = asyncio.create_task(self._supervise())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await cancel_and_wait([self._task])
+        await asyncio.gather(*(child.stop(STOP_S) for child in self.children.values()))
+
+    async def _start(self, shard: int) -> None:
+        child = self.children[shard]
+        await child.start()
+        assert child.proc is not None
+        log.info(
+            "run %s: coordinator shard %d started (pid %d)", self.run_id, shard, child.proc.pid
+        )
+
+    async def _supervise(self) -> None:
+        """Start a shard again when it dies of anything but the run's end (exit 0)."""
+        while True:
+            waits = {
+                asyncio.ensure_future(child.wait()): shard
+                for shard, child in self.children.items()
+                if child.alive
+            }
+            if not waits:
+                return
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for fut in pending:
+                fut.cancel()
+            for fut in done:
+                shard, code = waits[fut], fut.result()
+                if code == 0:
+                    continue
+                log.warning(
+                    "run %s: coordinator shard %d died (exit %d); starting it again",
+                    self.run_id,
+                    shard,
+                    code,
+                )
+                await asyncio.sleep(RESTART_S)
+                self.restarts += 1
+                await self._start(shard)

@@ -19,7 +19,9 @@ from services.coordinator.settings import CoordinatorSettings
 from services.infra.child_process import ChildProcess
 
 log = logging.getLogger(__name__)
-MODULE = "services.coordinator.scheduler"  # the data plane's process: `python -m MODULE PORT_FD`
+MODULE = (
+    "services.coordinator.run.scheduler"  # the data plane's process: `python -m MODULE PORT_FD`
+)
 STOP_S = 15.0  # a data plane told to stop (SIGTERM) is killed after this long
 START_S = 60.0  # its metrics port must come within this long
 METRICS_CACHE_S = 1.0  # its metrics are fetched at most this often, however often they are read

@@ -31,13 +31,11 @@ from tokenizers import Tokenizer
 from services.contracts import keys
 from services.contracts.messages import DeltaBatch, ReleaseReason
 from services.contracts.runspec import RunSpec
-from services.coordinator.episode_shell import EpisodeShell
-from services.coordinator.reward_runner import RewardRunner
-from services.coordinator.run.runs import RunFailed, RunStore
-from services.coordinator.scheduling import crash_reports
-from services.coordinator.step_record import ShardSummary
-from services.coordinator.step_store import StepStore, write_staged
-from services.coordinator.user_failures import FailureLog
+from services.coordinator.scoring.episodes import EpisodeShell
+from services.coordinator.scoring.rewards import RewardRunner
+from services.coordinator.step.record import FailureLog, ShardSummary
+from services.coordinator.step.store import StepStore, write_staged
+from services.coordinator.workers.fleet import crash_reports
 from services.coordinator.workers.keys import WorkerKeys
 from services.core.episodes import EpisodeStats, EpisodeTable
 from services.core.request_table import Applied, RequestTable
@@ -51,6 +49,7 @@ from services.infra.redis_streams import (
     while_out_of_memory,
 )
 from services.state import timeline
+from services.state.runs import RunFailed, RunStore
 from services.tasks import Example
 
 log = logging.getLogger(__name__)
