@@ -12,7 +12,7 @@ process: the multi-host test uses it as the benchmark does):
   acknowledges what it releases as it leaves);
 - when each request migrated: its continuation job on the jobs stream, with a lease above the
   held one (the entry id says when it was queued) and the tokens collected so far as its prefix;
-- when it generated again: the step's log (`coordinator.step_log`), replayed as it grows. Deltas
+- when it generated again: the step's log (`coordinator.step.store`), replayed as it grows. Deltas
   of an older lease are dropped once a request migrated, so the request holds more tokens than
   its continuation's prefix only once a token of the new lease was stored.
 

@@ -1,10 +1,10 @@
 """The deployment's fleet figures: what a scaler reads from its coordinator (the gauges
 `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`, and GET
 /v1/fleet), and how they follow from the active runs. The coordinator publishes them
-(`coordinator.step_record`, `coordinator.api.read_model`); `spotrl scale` follows them
+(`coordinator.step.record`, `coordinator.api.read_model`); `spotrl scale` follows them
 (`services.cli.scale_decision`).
 
-What `preemptible_wanted` means (`core.seeding.PoolSizer`, `coordinator.step_record`): N_prem
+What `preemptible_wanted` means (`core.seeding.PoolSizer`, `coordinator.step.record`): N_prem
 with headroom, at least 1, once a step is trained; null before (the run's status says "hold what
 you can get"). The gauge writes that null as 0 ("0: all"), so 0, wherever it was read, means the
 same as null: no figure (`known_figure`).

@@ -82,8 +82,8 @@ def step_requests(run_id: str, step: int, shard: int = 0) -> str:
 
 def step_shards(run_id: str, step: int) -> str:
     """Hash, with coordinator shards: "{shard}:unfinished" -> the shard's unfinished requests
-    of the step, "{shard}:done" -> its summary (JSON, `step_record.ShardSummary`) once it has
-    published all its groups. Read by shard 0, which schedules and records the step."""
+    of the step, "{shard}:done" -> its summary (JSON, `coordinator.step.record.ShardSummary`)
+    once it has published all its groups. Read by shard 0, which schedules and records the step."""
     return f"{PREFIX}:run:{run_id}:step:{step}:shards"
 
 
@@ -96,7 +96,7 @@ def step_episodes(run_id: str, step: int, shard: int = 0) -> str:
 
 def step_log(run_id: str, step: int, shard: int = 0) -> str:
     """List: one record per coordinator read that changed the shard's requests of the step:
-    their new tokens, logprobs and weight versions (`coordinator.step_log`); replayed in order
+    their new tokens, logprobs and weight versions (`coordinator.step.store`); replayed in order
     they give every request's arrays."""
     return f"{PREFIX}:run:{run_id}:step:{step}:log{_shard(shard)}"
 

@@ -5,7 +5,7 @@ prompt p of every step go to shard p mod K. Each shard queues the jobs of its re
 their durable table and reads its own deltas stream (`keys.deltas_stream(run, shard)`), to which
 a worker sends the deltas of the requests of that shard. Shard 0 is the coordinator's own
 process, which also schedules, reclaims dead workers' jobs and records each step; shards 1..K-1
-are processes it starts (`coordinator/shard.py`). With K = 1 everything is shard 0, under the
+are processes it starts (`coordinator/run/shard.py`). With K = 1 everything is shard 0, under the
 names of before.
 """
 

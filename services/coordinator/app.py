@@ -1,6 +1,6 @@
 """Coordinator: the control plane. The REST API for runs and workers, the dashboard and the
 metrics (`api`), answered from the read model (`api.read_model`), in this process; the
-scheduler, the rollout managers and the observer run in the data plane (`data_plane`), a child
+scheduler, the runs' step loops and the observer run in the data plane (`run.data_plane`), a child
 process this one starts, so that no read runs on the event loop that ingests token deltas.
 
 Reads (GET) are limited per client (`read_rate_per_s`, `read_burst`: 429 past them) and carry an

@@ -1,8 +1,8 @@
 """Whether a run's failing user code calls (its environment's `step()`, its reward) let it go
 on: a pure policy, counts and the spec's threshold in, a verdict out. No Redis, no logging; the
-step's leader (`coordinator/step_leader.py`) judges every step with the whole step's counts (all
-shards added up) and fails the run on a `failed` verdict; the read API and `spotrl up` judge the
-run's totals to say `ok` or `degraded`.
+step's leader (`coordinator/step/loop.py`, `Leadership.end`) judges every step with the whole
+step's counts (all shards added up) and fails the run on a `failed` verdict; the read API and
+`spotrl up` judge the run's totals to say `ok` or `degraded`.
 
 The rule: a step in which more than `max_error_share` of one kind's calls failed fails the run
 (the first step alone is enough: a step whose calls all fail trains on zero rewards only). A run

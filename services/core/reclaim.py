@@ -2,7 +2,7 @@
 stream readers are dead (jobs pending, no heartbeat), and, for the jobs claimed from one of them,
 which requests continue where (a continuation job on this shard's table, or a release handed to
 the shard that holds the request) and what is counted. No Redis: the step controller's
-`on_claimed` decides with it; `coordinator/step_store.py` claims the entries and writes the
+`on_claimed` decides with it; `coordinator/step/store.py` claims the entries and writes the
 decision in one MULTI.
 """
 

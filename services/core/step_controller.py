@@ -1,9 +1,9 @@
 """The step controller: THE one decider of a step in flight, as a pure object (vLLM v1's
 scheduler model: one object decides and returns an output that carries every decision; a short
 loop carries it out). It takes every event of a step, in order, and each returns one complete
-`Effects` value that the coordinator's shell (`coordinator/step_loop.py`,
-`coordinator/delta_collector.py`) writes, in one MULTI where it is one decision
-(`coordinator/step_store.py`):
+`Effects` value that the coordinator's shell (`coordinator/step/loop.py`,
+`coordinator/step/deltas.py`) writes, in one MULTI where it is one decision
+(`coordinator/step/store.py`):
 
 - `open`: the step is queued or restored: its first jobs, the read cap queued with them, the
   start of its seeding window (or its end at once, with no reserved worker to seed with);

@@ -10,8 +10,8 @@ down (`handed_settings`) and, when it talks in frames, takes the pipes for itsel
 (`take_pipes`: what its code prints goes to the log, never into the frames).
 
 What a child's death means (start it again, fail the call it was on, stop the whole service) is
-each user's own policy: the data plane (`coordinator/data_plane.py`), the coordinator's shards
-(`coordinator/shard_group.py`), the reward runner and the environment runner.
+each user's own policy: the data plane (`coordinator/run/data_plane.py`), the coordinator's shards
+(`coordinator/run/shard.py`), the reward runner and the environment runner.
 """
 
 import asyncio

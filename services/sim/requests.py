@@ -167,7 +167,8 @@ class RequestFlow:
             self.collect(st, batch)
 
     def migrate(self, rid: str, cause: str, lease: int) -> None:
-        """The coordinator reclaims a request of a dead worker (`migration.py`)."""
+        """The coordinator reclaims a request of a dead worker (`core.reclaim`, carried out by
+        `coordinator/step/loop.reclaim`)."""
         st = self.step_of(rid)
         before = st.table.tokens_discarded
         job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)

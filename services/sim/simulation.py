@@ -164,7 +164,8 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
 
     def recall_reserved(self) -> None:
         """No preemptible instance is left after the seeding window: the reserved engines
-        resume the step (after a switch), as the coordinator's `StepScheduler` orders them."""
+        resume the step (after a switch), as the coordinator's step controller orders them
+        (`StepController.tick`)."""
         if self.system.max_staleness:
             self.recall_async()
             return

@@ -1,7 +1,7 @@
 """The figures of Redis an operator watches and the coordinator brakes on: its memory (used and
 the limit: the configured one, else Redis's own `maxmemory`, exported as gauges at each read)
 and the lengths of a run's streams, each read in one round trip. The brake itself (no new step
-while memory is high) is the coordinator's (`coordinator.run.memory`).
+while memory is high) is the coordinator's (`coordinator.step.memory`).
 """
 
 from dataclasses import dataclass

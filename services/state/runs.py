@@ -11,8 +11,8 @@ and parked messages. Deleted at once: the jobs stream of every version, the per-
 tables (requests, tokens, logprobs, versions, published and quarantined groups, step meta) and
 the seeding flags. The groups and deltas streams, which audits read after a run, stay for
 `audit_ttl_s` after a success or a failure and go at once after a cancel. Anything still reading
-a run when its keys go (a worker, the trainer, the rollout manager) sees an absent stream, which
-the stream helpers read as empty; the scheduler releases them again once the rollout manager has
+a run when its keys go (a worker, the trainer, the step loop) sees an absent stream, which
+the stream helpers read as empty; the scheduler releases them again once the step loop has
 stopped, for what it wrote in between.
 """
 

@@ -1,6 +1,6 @@
 """The recovery watch (services/cli/recovery.py) against a real redis-server and the
 coordinator's own writes: the step's durable table staged by `StepStore` and a dead worker's jobs
-reclaimed by `step_loop.reclaim_dead_workers`. It reads which requests the dead worker held from
+reclaimed by `step.loop.reclaim_dead_workers`. It reads which requests the dead worker held from
 its pending jobs, ignores its tokens stored late and the stale ones after the migration, leaves
 out the request it had finished, and says a request generates again only once a token of the new
 lease is stored. Then with real processes: a SIGKILLed worker's requests migrate no sooner than

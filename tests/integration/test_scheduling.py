@@ -1,5 +1,5 @@
 """The coordinator's worker reads (services/coordinator/workers/fleet.py) and the step controller's
-open, tick and end as the leader's shell writes them (`step_store.StepStore`) against a real
+open, tick and end as the leader's shell writes them (`step.store.StepStore`) against a real
 redis-server: which workers count as alive, forgetting the long gone ones, the seeding window of
 a step (the reserved pool steps aside once its window, counted from when it holds the step's
 weights, is over and a preemptible pool can take over) and load-balancing releases."""
@@ -43,7 +43,7 @@ class SteppedClock:
 
 
 class Scheduler:
-    """A leader's step controller driven as `step_loop.Leadership` drives it (the reads of a
+    """A leader's step controller driven as `step.loop.Leadership` drives it (the reads of a
     tick, the effects written by `StepStore`), on a clock the test moves."""
 
     def __init__(self, r, control: StepController, clock) -> None:

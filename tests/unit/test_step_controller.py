@@ -1,6 +1,6 @@
 """core.step_controller: the one decider of a step. Each event (open, a read of deltas, a tick,
 the jobs claimed from a dead reader, the end) returns one complete `Effects` value, decided from
-heartbeats, counts and a clock, with no Redis (the shell is `coordinator/step_loop.py`)."""
+heartbeats, counts and a clock, with no Redis (the shell is `coordinator/step/loop.py`)."""
 
 import functools
 import math

@@ -149,7 +149,7 @@ def run_list(docs: list[RunDocs]) -> Doc:
 
 def fleet_doc(records: list[RunRecord]) -> Doc:
     """GET /v1/fleet from the records of the runs held (newest first): the live ones and the
-    pool they want (`core.scaler.fleet_figures`)."""
+    pool they want (`contracts.fleet.fleet_figures`)."""
     live = [record for record in records if record.state in LIVE_STATES]
     figures = fleet_figures([record.preemptible_wanted for record in live])
     fleet = FleetPublic(

@@ -1,7 +1,7 @@
 """The data plane as the control plane sees it: the control plane (`app.py`) starts it as its
 child (`services.infra.child_process`), learns where its metrics are served, relays them, and
 stops it. The data plane itself, the run scheduler and the observer in a process of their own,
-is `scheduler.py`.
+is `run/scheduler.py`.
 
 A data plane that exits on its own is an error of the whole coordinator: `watch` raises, the
 control plane's background task dies and the service stops, so that its supervisor starts both

@@ -1,12 +1,12 @@
-"""The coordinator's data plane: the run scheduler (which drives each run's shard 0, its rollout
-manager, its delta ingest and its shards) and the observer, in a process of their own, started
-by the control plane (`app.py`, through `data_plane.DataPlaneProcess`) as its child and dying
+"""The coordinator's data plane: the run scheduler (which drives each run's shard 0, its step
+loop, its delta ingest and its shards) and the observer, in a process of their own, started
+by the control plane (`app.py`, through `run.data_plane.DataPlaneProcess`) as its child and dying
 with it.
 
 The run scheduler makes the oldest queued run active (or resumes the active one) and drives it
 (`shard.drive`) until the run ends, one run at a time. Whenever the run it drives changes (at
 start, when a run becomes active, when one ended) it sets the fleet's gauges from the run
-records (`step_record.publish_fleet`): a restarted coordinator restores them, an ended run
+records (`step.record.publish_fleet`): a restarted coordinator restores them, an ended run
 clears them.
 
 Nothing a client does reaches this process: the REST API, the dashboard and the metrics are

@@ -1,22 +1,22 @@
 """Driving a run until it ends, and the process of coordinator shards 1..K-1.
 
-`drive` is the one drive-a-run call: it runs the rollout manager of one shard of a run and
+`drive` is the one drive-a-run call: it runs the step loop of one shard of a run and
 turns how it ended into the run's final state (succeeded, failed with the error users read,
 cancelled under it) or into a wait for Redis to come back. Shard 0 is driven by the run
 scheduler (`scheduler.py`), in the data plane; shards 1..K-1 (`contracts.shards`,
 `RunSpec.coordinator_shards`) each by a process of its own, `follow`, so that the run's token
 deltas are absorbed by K cores. Only shard 0 records a success and tidies up after a run that
-ended under its manager (`settle`); any shard records a failure.
+ended under its step loop (`settle`); any shard records a failure.
 
-Shard i runs the step loop of its share of every step's groups (`step_loop.build_loop` with
+Shard i runs the step loop of its share of every step's groups (`step.loop.build_loop` with
 `shard=i`): it queues their jobs, reads its own deltas stream, keeps its own durable request
 table and publishes its groups to the trainer, every read in one MULTI as on shard 0. What is
 the whole step's stays on shard 0: seeding and balancing (given every shard's unfinished
 requests, `ShardView`), reclaiming the jobs of dead workers (those of another shard go to it as
-released requests on its deltas stream, in the MULTI that acknowledges them), the stall watch
+released requests on its deltas stream, in the MULTI that acknowledges them), the stall check
 and the step's metrics row (every shard's summary added up).
 
-Shard 0 starts the others as its children (`shard_group.ShardProcesses`) and starts one again
+Shard 0 starts the others as its children (`ShardProcesses`, below) and starts one again
 when it dies while the run goes on: it resumes from its durable table like a restarted
 coordinator. They die with the coordinator (PR_SET_PDEATHSIG), so that the shards of a
 restarted coordinator are the only ones reading their streams.
@@ -61,7 +61,7 @@ async def drive(
     store: RunStore, run_id: str, settings: CoordinatorSettings, shard: int = 0
 ) -> bool:
     """Drive shard `shard` of the run once: True when the run is over for it (it succeeded,
-    failed, or ended under its manager), False when Redis went away mid-step (or refused a
+    failed, or ended under its step loop), False when Redis went away mid-step (or refused a
     write at its memory limit): everything that landed is in Redis, each batch whole or not at
     all, and the caller drives it again once Redis is back."""
     try:
@@ -98,8 +98,8 @@ async def drive(
 
 
 async def _ended_by(store: RunStore, run_id: str, shard: int, exc: Exception) -> bool:
-    """After an unforeseen error of a run's manager: the run ended under it (its keys went
-    while the manager still read them), or the error fails it."""
+    """After an unforeseen error of a run's step loop: the run ended under it (its keys went
+    while the loop still read them), or the error fails it."""
     ended = await ended_as(store, run_id)
     if ended is not None:
         log.info("run %s stopped (%s) under shard %d: %s", run_id, ended, shard, exc)
@@ -119,13 +119,13 @@ def failure_text(exc: Exception) -> str:
 
 
 async def ended_as(store: RunStore, run_id: str) -> str | None:
-    """The final state of a run (cancelled under its manager, say), or None while it is live."""
+    """The final state of a run (cancelled under its step loop, say), or None while it is live."""
     state = await run_record.read_state(store.r, run_id)
     return state if state in FINAL_STATES else None
 
 
 async def settle(store: RunStore, run_id: str, state: str) -> None:
-    """The manager of a run that ended under it has stopped: drop what it wrote meanwhile."""
+    """The step loop of a run that ended under it has stopped: drop what it wrote meanwhile."""
     await release_run(store.r, run_id, state, store.audit_ttl_s)
     if await store.active() == run_id:
         await store.r.delete(keys.ACTIVE_RUN)
@@ -165,7 +165,7 @@ if __name__ == "__main__":
 
 # The other shards of a run, as shard 0 runs them: `ShardProcesses` runs shards 1..K-1 as child
 # processes and starts one again when it dies while the run goes on. The shard process itself is
-# `services.coordinator.run.shard`; what the shards report of a step is `step_store.ShardView`.
+# `services.coordinator.run.shard`; what the shards report of a step is `step.store.ShardView`.
 log = logging.getLogger(__name__)
 SHARD_MODULE = "services.coordinator.run.shard"  # `python -m SHARD_MODULE RUN_ID SHARD`
 RESTART_S = 1.0  # a shard that died is started again after this long

@@ -1,16 +1,16 @@
 """Collecting a run's token deltas into the steps in flight (one, or with asynchronous RL up to
 max_staleness + 1): one read of the deltas stream at a time goes to the step controllers
 (`core.step_controller.route_deltas`: each step's `StepController.on_deltas`) and comes back as
-one `Effects` value per step; finished responses are scored (`reward_runner.py`: a reward that
+one `Effects` value per step; finished responses are scored (`scoring/rewards.py`: a reward that
 fails scores 0 and is counted in the step's reward_errors) or, in multi-turn episodes, ended
-turns are answered by the environment (`episode_shell.py`), each answer handed back to the
+turns are answered by the environment (`scoring/episodes.py`), each answer handed back to the
 controller; then every step's effects are written in one MULTI with the acknowledgement of what
-was read (`step_store.py`), and what they say is counted and told (`tell`: migrations,
+was read (`step/store.py`), and what they say is counted and told (`tell`: migrations,
 quarantined groups, fenced leases). Deltas of a step not in flight (finished, or fenced
 stragglers) are counted as unknown and dropped with the read.
 
 It decides nothing: what to store, queue, publish, quarantine and fence is the controller's.
-It does not drive steps: that is `step_loop.py`, which calls `collect` in its loop (and
+It does not drive steps: that is `step/loop.py`, which calls `collect` in its loop (and
 `settle` with the effects of a step it opens).
 """
 

@@ -7,19 +7,19 @@ version s - max_staleness is committed).
 Each step's decisions are its `StepController`'s (`core.step_controller`): every event goes in
 (open, a read of deltas, scores, environment answers, a tick, the jobs claimed from a dead
 reader, the end) and one `Effects` value comes out, which this shell writes
-(`step_store.py`: one MULTI where it is one decision) and tells. The shell decides nothing.
+(`step/store.py`: one MULTI where it is one decision) and tells. The shell decides nothing.
 
 Shard 0 leads: its loop holds a `Leadership` (None on the followers, shards 1..K-1, child
-processes it runs: `shard_group.ShardProcesses`), which ticks each step's controller with
-every shard's unfinished requests (`step_store.ShardView`), claims the jobs of dead workers,
+processes it runs: `run.shard.ShardProcesses`), which ticks each step's controller with
+every shard's unfinished requests (`step.store.ShardView`), claims the jobs of dead workers,
 writes stall state changes, records the step once every shard's groups are published (then
 fails the run on too many failed calls of user code), and after the trainer committed a step,
-writes the seeding update (`step_record.adapt`). A follower reports its part of each step to
+writes the seeding update (`step.record.adapt`). A follower reports its part of each step to
 the leader through `ShardView`.
 
 The run's task (`services.tasks`) is loaded off the event loop when the run starts; its reward
-runner (`reward_runner.py`) lives as long as the run. No step is queued while Redis is near its
-memory limit (`memory.py`). Redis holds what a restart can still need, no more: a step's jobs
+runner (`scoring/rewards.py`) lives as long as the run. No step is queued while Redis is near its
+memory limit (`step/memory.py`). Redis holds what a restart can still need, no more: a step's jobs
 and request table are deleted once the version trained on it is committed.
 """
 

@@ -8,7 +8,7 @@ coordinator then applies backpressure: it queues no new step while Redis is abov
 is back under it. Writes Redis refuses mid-step are retried (`redis_streams.while_out_of_memory`),
 never dropped.
 
-`pressure` is pure; `MemoryGate` is the shell the rollout manager awaits before queuing a step.
+`pressure` is pure; `MemoryGate` is the shell the step loop awaits before queuing a step.
 The figure it brakes on is read by `state.redis_figures.RedisMemory` (INFO), as the observer
 reads it for the operator.
 """

@@ -325,7 +325,7 @@ async def publish_fleet(r: aioredis.Redis) -> FleetFigures:
 # failure of each kind is written to the coordinator's log with its traceback and to the run's
 # timeline (`spotrl logs`, kind `user_code_failed`), once per kind and coordinator process; each
 # step keeps its own first failure in short form for its metrics row. Later failures are only
-# counted: the step's log line says how many (`step_record.record_rollout`).
+# counted: the step's log line says how many (`record_rollout`).
 #
 # It decides nothing: whether the failures end the run is `core.call_errors`'.
 log = logging.getLogger(__name__)

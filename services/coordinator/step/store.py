@@ -4,7 +4,7 @@ was.
 
 What is kept, per step: whether its jobs were queued (and when), each request's lease, finish
 reason and the workers that crashed running it, its tokens, their logprobs and the weight versions
-that generated them (one record per read in the step's log, `step_log.py`: a read costs Redis one
+that generated them (one record per read in the step's log, below: a read costs Redis one
 append, whatever the number of requests it changed, and holds their new tokens only), the groups
 already handed to the trainer and those quarantined (dropped: a request of theirs crashed too many
 workers), and in a run with an environment each request's episode (`core.episodes`: its turns,

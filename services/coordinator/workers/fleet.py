@@ -1,6 +1,6 @@
 """The workers as the coordinator reads them: heartbeats, crash reports, the worker index (and
 forgetting the workers long gone), the pool counts, and an order sent to one worker. The step's
-decisions are the step controller's (`core.step_controller`); its shell is `step_loop.py`.
+decisions are the step controller's (`core.step_controller`); its shell is `step/loop.py`.
 """
 
 import json
