@@ -24,7 +24,7 @@ def summarize(sim: Simulation) -> dict:
     end_s = records[-1].end_s if records else 0.0
     totals = sim.totals
     reserved_cost = sim.sc.cloud.reserved_node_per_h * sim.system.reserved_nodes * end_s / 3600
-    pool = [i for i in sim.instances.values() if i.pool == "preemptible"]
+    pool = [i for i in sim.fleet.instances.values() if i.pool == "preemptible"]
     pool_s = sum(i.alive_s(end_s) for i in pool)
     pool_busy_s = sum(min(i.engine.busy_s, i.alive_s(end_s)) for i in pool)
     pool_cost = sum(i.alive_s(end_s) * i.price_per_h / 3600 for i in pool)

@@ -193,8 +193,10 @@ def summarize_fleet(sim: Simulation, replicas: int) -> dict:
 def egress(sim: Simulation, out: dict, replicas: int) -> dict:
     """The link's bytes for the fleet and their bill, added to `out`'s cost: billed at the
     run's rate (bytes over the whole simulated time), as the instances are by the hour."""
-    gb = sim.cross_region_bytes * replicas / 1e9
-    usd_per_h = gb * sim.sc.transfer.egress_usd_per_gb / (sim.now / 3600) if sim.now else 0.0
+    gb = sim.fleet.cross_region_bytes * replicas / 1e9
+    usd_per_h = (
+        gb * sim.sc.transfer.egress_usd_per_gb / (sim.clock.now / 3600) if sim.clock.now else 0.0
+    )
     changes: dict = {"cross_region_gb": gb, "egress_usd_per_h": usd_per_h}
     if usd_per_h and out["cost_per_h"]:
         cost_per_h = out["cost_per_h"] + usd_per_h

@@ -1,25 +1,41 @@
-"""The instances' half of the simulation: the trace offering and taking back instances, the
+"""The simulation's instances: the trace offering and taking back instances, the
 scaler holding the pool the coordinator wants, boots, weight pulls (in the foreground at boot,
 in the background under asynchronous RL), preemptions with or without notice, and their
 detection when a dead instance's heartbeat expires.
 
 What a preempted instance held goes through the services' own flush and migration code
-(requests.py); what is modelled here is time and the cloud's choices (a random victim).
+(requests.py); what is modelled here is time and the cloud's choices (a random victim). The
+component is `Fleet`, held by the simulation as `sim.fleet`; its events are `on_*` methods.
 """
 
 import itertools
 import random
-from typing import TYPE_CHECKING, TypeVar
 
-from services.contracts.messages import DeltaBatch, DeltaItem, ReleaseReason
+from services.contracts.messages import DeltaBatch
+from services.sim.clock import Clock
 from services.sim.engine import SimEngine
+from services.sim.requests import RequestFlow
 from services.sim.scenario import Route, Scenario
-from services.sim.state import Instance, StepState, Totals
+from services.sim.state import Instance, Totals
 from services.sim.systems import SystemSpec
 
-T = TypeVar("T")
-
 REMOTE_SUFFIX = "@remote"  # ends the name of a spot instance in the remote region
+
+
+def reserved_instances(sc: Scenario, system: SystemSpec) -> dict[str, Instance]:
+    """The reserved nodes' engines, up from the start and paused (the step starts them)."""
+    return {
+        f"reserved-{i}": Instance(
+            f"reserved-{i}",
+            "reserved",
+            SimEngine(sc.reserved_engine),
+            0.0,
+            0.0,
+            state="up",
+            paused=True,
+        )
+        for i in range(sc.reserved_engines * system.reserved_nodes)
+    }
 
 
 def is_remote(inst: Instance) -> bool:
@@ -27,43 +43,38 @@ def is_remote(inst: Instance) -> bool:
     return inst.name.endswith(REMOTE_SUFFIX)
 
 
-class InstanceLifecycle:
-    """Mixed into `Simulation`. The state and the methods of the other halves it uses are
-    declared here with their types; `Simulation` sets and defines them."""
+class Fleet:
+    """The instances, reserved and preemptible: what the cloud offers (`available`), the pool
+    the coordinator wants, boots, pulls and preemptions. What a dying instance held goes to the
+    requests' component (`requests`), which applies it as the coordinator does."""
 
-    sc: Scenario
-    system: SystemSpec
-    now: float
-    version: int  # latest committed weights
-    rng: random.Random  # the cloud's choice of victims
-    totals: Totals
-    instances: dict[str, Instance]
-    spot_timeline: list[tuple[float, int]]  # the trace: instances offered
-    available: int  # instances the cloud offers now
-    wanted: int | None  # the pool the coordinator asks for (None: all)
-    _names: itertools.count
-    # bytes this shard's pulls carried over the cross-region link (`TransferModel.link_bytes`)
-    cross_region_bytes: float = 0.0
-    carried: tuple[int, int] = (-1, -1)  # the latest version carried over it whole, as a delta
-
-    if TYPE_CHECKING:
-
-        def at(self, t: float, kind: str, payload: object = None) -> None: ...
-        def step_of(self, rid: str) -> StepState: ...
-        def by_step(self, items: list[tuple[StepState, T]]) -> list[tuple[StepState, list[T]]]: ...
-        def held_version(self, inst: Instance, st: StepState) -> int: ...
-        def delta(
-            self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
-        ) -> DeltaItem: ...
-        def collect(self, st: StepState, batch: DeltaBatch) -> None: ...
-        def release(self, inst: Instance, count: int, cause: ReleaseReason) -> None: ...
-        def migrate(self, rid: str, cause: str, lease: int) -> None: ...
+    def __init__(
+        self,
+        clock: Clock,
+        sc: Scenario,
+        system: SystemSpec,
+        totals: Totals,
+        seed: int,
+        instances: dict[str, Instance],
+        requests: RequestFlow,
+    ) -> None:
+        self.clock, self.sc, self.system, self.totals = clock, sc, system, totals
+        self.instances = instances  # the reserved engines (`reserved_instances`), then spot ones
+        self.requests = requests
+        self.rng = random.Random(f"{seed}:victims")  # the cloud's choice of victims
+        self.spot_timeline: list[tuple[float, int]] = []  # the trace: instances offered
+        self.available = 0  # instances the cloud offers now
+        self.wanted: int | None = None  # the pool the coordinator asks for (None: all)
+        self._names = itertools.count()
+        # bytes this shard's pulls carried over the cross-region link (`TransferModel.link_bytes`)
+        self.cross_region_bytes = 0.0
+        self.carried = (-1, -1)  # the latest version carried over it whole, as a delta
 
     def on_target(self, count: int) -> None:
         """The trace: the cloud now offers `count` instances. An instance it takes back is
         preempted (a random one of those held); a scaler holds min(offered, wanted)."""
         self.available = count
-        self.spot_timeline.append((self.now, count))
+        self.spot_timeline.append((self.clock.now, count))
         self.hold(count if self.wanted is None else min(count, self.wanted), scale_in=False)
 
     def want(self, wanted: int | None) -> None:
@@ -84,9 +95,9 @@ class InstanceLifecycle:
             if self.system.pool == "fixed":
                 price = self.sc.cloud.ondemand_instance_per_h
             self.instances[name] = Instance(
-                name, "preemptible", SimEngine(self.sc.spot_engine), price, self.now
+                name, "preemptible", SimEngine(self.sc.spot_engine), price, self.clock.now
             )
-            self.at(self.now + self.sc.cloud.startup_s, "booted", name)
+            self.clock.at(self.clock.now + self.sc.cloud.startup_s, "booted", name)
         excess = max(0, len(live) - count)
         if not scale_in:
             for victim in self.rng.sample(live, excess):
@@ -96,12 +107,17 @@ class InstanceLifecycle:
         order = {"booting": 0, "pulling": 1, "up": 2}
         live.sort(key=lambda i: (order.get(i.state, 3), -i.born_s))
         for inst in live[:excess]:
-            self.release(inst, len(inst.engine.running), "preemption")  # none between steps
+            self.requests.release(
+                inst, len(inst.engine.running), "preemption"
+            )  # none between steps
             self.totals.scaled_in += 1
             self.on_gone(inst.name)
 
     def pool_instances(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.pool == "preemptible" and i.state != "gone"]
+
+    def reserved(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.pool == "reserved"]
 
     def on_booted(self, name: str) -> None:
         inst = self.instances[name]
@@ -110,7 +126,7 @@ class InstanceLifecycle:
 
     def pull(self, inst: Instance) -> None:
         inst.state = "pulling"
-        self.at(self.now + self.pull_s(inst), "pulled", (inst.name, self.version))
+        self.clock.at(self.clock.now + self.pull_s(inst), "pulled", (inst.name, self.clock.version))
 
     def pull_s(self, inst: Instance) -> float:
         """A pull by `inst` started now: its region's source (the weight store's egress, or
@@ -123,7 +139,7 @@ class InstanceLifecycle:
             for i in self.instances.values()
             if (i.state == "pulling" or (i.fetching and i.state == "up")) and is_remote(i) == remote
         )
-        holds_previous = inst.version is not None and inst.version == self.version - 1
+        holds_previous = inst.version is not None and inst.version == self.clock.version - 1
         route: Route = "link" if remote else "store"
         if remote and transfer.p2p and self.region_holds_latest():
             route = "peers"
@@ -142,15 +158,15 @@ class InstanceLifecycle:
         (whole, or its delta) over the link."""
         whole, delta = self.carried
         if holds_previous and self.sc.transfer.delta_share is not None:
-            first, self.carried = delta < self.version, (whole, self.version)
+            first, self.carried = delta < self.clock.version, (whole, self.clock.version)
         else:
-            first, self.carried = whole < self.version, (self.version, delta)
+            first, self.carried = whole < self.clock.version, (self.clock.version, delta)
         return first
 
     def region_holds_latest(self) -> bool:
         """Whether an instance of the remote region serves the latest version already."""
         return any(
-            is_remote(i) and i.state == "up" and i.version == self.version
+            is_remote(i) and i.state == "up" and i.version == self.clock.version
             for i in self.instances.values()
         )
 
@@ -158,7 +174,9 @@ class InstanceLifecycle:
         """Asynchronous RL: pull the latest version in the background; the instance keeps
         generating its running requests with the weights it holds."""
         inst.fetching = True
-        self.at(self.now + self.pull_s(inst), "fetched", (inst.name, self.version))
+        self.clock.at(
+            self.clock.now + self.pull_s(inst), "fetched", (inst.name, self.clock.version)
+        )
 
     def on_fetched(self, payload: tuple[str, int]) -> None:
         """The pull is loaded: the instance switches to it between two decode steps and its
@@ -169,7 +187,7 @@ class InstanceLifecycle:
         if inst.state != "up":
             return  # preempted (or told to go) meanwhile
         inst.version = version
-        if version < self.version:
+        if version < self.clock.version:
             self.fetch(inst)  # a newer version was committed meanwhile
 
     def on_pulled(self, payload: tuple[str, int]) -> None:
@@ -178,7 +196,7 @@ class InstanceLifecycle:
         if inst.state != "pulling":
             return  # preempted while pulling
         inst.version = version
-        if version >= self.version:
+        if version >= self.clock.version:
             inst.state = "up"
         elif self.system.max_staleness:
             inst.state = "up"  # it may serve the steps its version is recent enough for
@@ -190,35 +208,39 @@ class InstanceLifecycle:
         self.totals.preemptions += 1
         notice = self.sc.cloud.notice_s
         if notice > 0 and inst.state != "booting":
-            self.release(inst, len(inst.engine.running), "preemption")  # flush, release, exit
+            self.requests.release(
+                inst, len(inst.engine.running), "preemption"
+            )  # flush, release, exit
             inst.state = "noticed"
-            self.at(self.now + notice, "gone", inst.name)
+            self.clock.at(self.clock.now + notice, "gone", inst.name)
             return
         held, items = [], []
         for rid in list(inst.engine.running):
-            st = self.step_of(rid)
+            st = self.requests.step_of(rid)
             run, tokens = inst.engine.remove(rid)
             self.totals.generated += tokens
             flushed = tokens - tokens % self.sc.flush_tokens
             self.totals.lost_unflushed += tokens - flushed
-            items.append((st, self.delta(st, rid, run.lease, run.offset, flushed, False)))
+            items.append((st, self.requests.delta(st, rid, run.lease, run.offset, flushed, False)))
             held.append((rid, run.lease))
-        for st, step_items in self.by_step(items):  # what it flushed before it died
-            self.collect(
+        for st, step_items in self.requests.by_step(items):  # what it flushed before it died
+            self.requests.collect(
                 st,
                 DeltaBatch(
-                    worker_id=inst.name, version=self.held_version(inst, st), items=step_items
+                    worker_id=inst.name,
+                    version=self.requests.held_version(inst, st),
+                    items=step_items,
                 ),
             )
         self.on_gone(inst.name)
         if held:
-            self.at(self.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
+            self.clock.at(self.clock.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
 
     def on_gone(self, name: str) -> None:
         inst = self.instances[name]
-        inst.state, inst.gone_s = "gone", self.now
+        inst.state, inst.gone_s = "gone", self.clock.now
 
     def on_detected(self, held: list[tuple[str, int]]) -> None:
         """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
         for rid, lease in held:
-            self.migrate(rid, "death", lease)
+            self.requests.migrate(rid, "death", lease)

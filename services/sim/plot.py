@@ -29,9 +29,9 @@ def plot_throughput(comparison: Comparison, out: Path, title: str = "") -> Path:
     top.grid(alpha=0.3)
     top.legend(fontsize=8, ncol=2)
     hybrid = comparison.sims.get("hybrid")
-    if hybrid is not None and hybrid.spot_timeline:
-        times = [t / 3600 for t, _ in hybrid.spot_timeline]
-        counts = [n for _, n in hybrid.spot_timeline]
+    if hybrid is not None and hybrid.fleet.spot_timeline:
+        times = [t / 3600 for t, _ in hybrid.fleet.spot_timeline]
+        counts = [n for _, n in hybrid.fleet.spot_timeline]
         end = max(times[-1], max((r.end_s for r in hybrid.records), default=0) / 3600)
         bottom.step([*times, end], [*counts, counts[-1]], where="post", color="tab:gray")
     bottom.set_ylabel("spot instances")

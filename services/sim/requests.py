@@ -1,12 +1,15 @@
-"""The requests' half of the simulation: instances reading jobs up to their plateau batch size
+"""The simulation's requests: instances reading jobs up to their plateau batch size
 (the oldest step's first, under each step's read cap with `fair_reads`), Algorithm 2's releases
 (`balancer.releases`, through the step controller's `balance`), and every flush (a release, a
 finished request, what a dying instance flushed) applied by the coordinator's own step
 controller (`on_deltas`) to the step's `RequestTable`, whose completed groups go to
-the trainer (steps.py); a multi-turn episode's ended turns go to the environment (turns.py).
+the trainer (`Simulation.group_done`); a multi-turn episode's ended turns go to the
+environment, whose answer (an event) queues the next turn or ends the episode (turns.py holds
+the episodes' table and physics). The component is `RequestFlow`, held as `sim.requests`.
 """
 
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from services.contracts.messages import (
     DeltaBatch,
@@ -18,6 +21,8 @@ from services.contracts.messages import (
 )
 from services.core.balancer import WorkerLoad, read_cap
 from services.core.collect import keeps_tokens
+from services.core.episodes import EpisodeTable, Observation
+from services.sim.clock import Clock
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepState, Totals
 from services.sim.systems import SystemSpec
@@ -26,22 +31,24 @@ T = TypeVar("T")
 
 
 class RequestFlow:
-    """Mixed into `Simulation`. The state and the methods of the other halves it uses are
-    declared here with their types; `Simulation` sets and defines them."""
+    """The requests of the steps in flight, over the instances (`instances`, the fleet's: read
+    here, never added to). A completed group goes back to the step side (`group_done`)."""
 
-    sc: Scenario
-    system: SystemSpec
-    now: float
-    totals: Totals
-    instances: dict[str, Instance]
-    inflight: dict[int, StepState]  # steps queued and not committed, oldest first
-    max_lag: int  # the most a job's step was ahead of its instance's weights at start
-
-    if TYPE_CHECKING:
-
-        def at(self, t: float, kind: str, payload: object = None) -> None: ...
-        def group_done(self, st: StepState, prompt: int) -> None: ...
-        def turns_ended(self, st: StepState, rids: list[str]) -> None: ...
+    def __init__(
+        self,
+        clock: Clock,
+        sc: Scenario,
+        system: SystemSpec,
+        totals: Totals,
+        inflight: dict[int, StepState],
+        instances: dict[str, Instance],
+        group_done: Callable[[StepState, int], None],
+    ) -> None:
+        self.clock, self.sc, self.system, self.totals = clock, sc, system, totals
+        self.inflight = inflight  # the simulation's steps queued and not committed, oldest first
+        self.instances = instances
+        self.group_done = group_done
+        self.max_lag = 0  # the most a job's step was ahead of its instance's weights at start
 
     def step_of(self, rid: str) -> StepState:
         """The step in flight that request `rid` belongs to."""
@@ -121,7 +128,9 @@ class RequestFlow:
         self.max_lag = max(self.max_lag, st.step - inst.version)
         tokens = st.stop_at(job.request_id) - len(job.prefix_ids)
         context = len(job.prompt_ids) + len(job.prefix_ids)
-        inst.engine.add(job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.now)
+        inst.engine.add(
+            job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.clock.now
+        )
 
     def balance(self) -> None:
         """Algorithm 2 over the instances that serve some step in flight, with the cooldown of
@@ -136,9 +145,9 @@ class RequestFlow:
         }
         loads = [WorkerLoad(n, i.engine.batch, i.slots()) for n, i in takers.items()]
         queued = sum(len(st.queue) for st in steps)
-        orders, held = rolling[0].control.balance(loads, queued, self.now)
+        orders, held = rolling[0].control.balance(loads, queued, self.clock.now)
         for at in held:
-            self.at(at, "wake")
+            self.clock.at(at, "wake")
         for name, count in orders.items():
             self.release(takers[name], count, "balance")
         self.dispatch()
@@ -224,6 +233,41 @@ class RequestFlow:
         self.collect(
             st, DeltaBatch(worker_id=inst.name, version=self.held_version(inst, st), items=[item])
         )
+
+    # -- multi-turn episodes (turns.py) ---------------------------------------------------
+
+    def turns_ended(self, st: StepState, rids: list[str]) -> None:
+        """Turns a flush ended: the environment answers each after its latency."""
+        for rid in rids:
+            table = st.table
+            assert isinstance(table, EpisodeTable)
+            seconds = st.env_latency_s[rid][table.episodes[rid].turns - 1]
+            self.totals.env_s += seconds
+            self.clock.at(
+                self.clock.now + seconds, "env_answer", (st.step, rid, table.requests[rid].lease)
+            )
+
+    def on_env_answer(self, payload: tuple[int, str, int]) -> None:
+        """The environment answers a turn: the next turn is queued, or the episode is over
+        (after the workload's last turn, or when the budget has no room left)."""
+        step, rid, lease = payload
+        st = self.inflight[step]  # a step with a turn awaiting an answer is not committed
+        table = st.table
+        assert isinstance(table, EpisodeTable)
+        r = table.requests[rid]
+        done = table.episodes[rid].turns >= table.max_turns
+        tokens = [] if done else [0] * self.sc.workload.observation_tokens
+        job = table.observe(rid, lease, Observation(tokens, 0.0, done))
+        self.totals.env_answers += 1
+        if job is not None:
+            st.queue.append(job)
+            return
+        if r.done:
+            self.totals.episodes += 1
+            groups = table.completed_groups([rid])
+            table.mark_published(groups)
+            for prompt in groups:
+                self.group_done(st, prompt)
 
 
 def grant_of(st: StepState, rid: str, lease: int) -> str:

@@ -19,32 +19,56 @@ A multi-turn workload (`ResponseLengthModel.turns` > 1) runs episodes: a turn's 
 the environment's answer (an event after its latency), then the next turn is queued like a
 continuation (turns.py, over the coordinator's `EpisodeTable`).
 
-This module holds the event loop and the reserved node's recall; the instances' events are in
-instances.py, the requests' in requests.py, the steps' in steps.py, the turns' in turns.py (each
-a mixin of `Simulation`).
+The step side is here: the event loop, starting a step, the reserved node's seeding window and
+recall, the trainer consuming groups as they arrive, the version commit and the T_seed update.
+The decisions are the services' own (services/core): the request table and its groups,
+`seeding.after_step` (Algorithm 1 and N_prem) once the next version is committed, the seeding
+window counted from when the reserved engines hold the step's weights. What is modelled here
+is time: the trainer's micro-batches as groups arrive, one optimizer step, the publication.
+Under asynchronous RL the trainer takes the oldest step's groups only (it is sequential); later
+steps' groups wait for their turn, and the reserved node does not seed (window 0): it trains,
+and generates only when recalled.
+
+Two components hold the rest, each owning its events (the loop maps an event's kind to its
+owner's method): the instances (`Fleet`, instances.py, as `sim.fleet`) and the requests with
+the turns of multi-turn episodes (`RequestFlow`, requests.py, as `sim.requests`). They share
+the `Clock` (clock.py): the time, the latest committed version and the events to come.
 """
 
-import heapq
-import itertools
 import math
-import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 from services.contracts.runspec import RolloutSection
 from services.core.collect import CollectRules
-from services.core.seeding import PoolSizer, SeedingController, recall
-from services.sim.engine import SimEngine
-from services.sim.instances import InstanceLifecycle
+from services.core.request_table import request_id
+from services.core.seeding import (
+    PoolSizer,
+    SeedingController,
+    StepTimes,
+    after_step,
+    recall,
+    recommended_pool_size,
+    train_compute_s,
+)
+from services.core.step_controller import StepController
+from services.sim.clock import Clock
+from services.sim.instances import Fleet, reserved_instances
 from services.sim.requests import RequestFlow
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
-from services.sim.steps import StepProtocol
 from services.sim.systems import SystemSpec
-from services.sim.turns import TurnFlow
+from services.sim.turns import step_table, turn_physics
 
 QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
 
 
-class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
+class Simulation:
+    """One system on one trace: the clock's loop and the step side, with the instances
+    (`fleet`) and the requests (`requests`) as components."""
+
     def __init__(
         self,
         scenario: Scenario,
@@ -56,27 +80,27 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
     ) -> None:
         self.sc, self.system, self.seed = scenario, system, seed
         self.horizon_s, self.max_steps = horizon_s, max_steps
-        self.now = 0.0
-        self.rng = random.Random(f"{seed}:victims")
+        self.clock = Clock()
         self.totals = Totals()
-        self.instances: dict[str, Instance] = {}
-        self.version = 0  # latest committed weights
         self.cur: StepState | None = None  # the oldest step in flight: the one the trainer takes
         self.inflight: dict[int, StepState] = {}  # steps queued and not committed, oldest first
-        self.max_lag = 0  # the most a job's step was ahead of its instance's weights at start
         self.resuming = False  # the reserved engines are switching to rollout (a recall)
-        self.trainer_back_s = 0.0  # asynchronous RL: the node switches back to training until
-        self.busy_mark = (0.0, 0.0)  # asynchronous RL: rollout busy seconds at the last commit
+        self.trainer_back_s = 0.0  # asynchronous RL: the node trains again from then
+        # asynchronous RL: the pool's and the reserved engines' rollout busy seconds at the commit
+        self.busy_mark = (0.0, 0.0)
         self.records: list[StepRecord] = []
-        self.spot_timeline: list[tuple[float, int]] = []  # the trace: instances offered
-        self.available = 0  # instances the cloud offers now
-        self.wanted: int | None = None  # the pool the coordinator asks for (None: all)
-        self._events: list[tuple[float, int, str, object]] = []
-        self._seq = itertools.count()
-        self._names = itertools.count()
+        instances = reserved_instances(scenario, system)
+        self.requests = RequestFlow(
+            self.clock, scenario, system, self.totals, self.inflight, instances, self.group_done
+        )
+        self.fleet = Fleet(
+            self.clock, scenario, system, self.totals, seed, instances, self.requests
+        )
+        self.handlers = self.event_handlers()
         t_seed = {"adaptive": scenario.initial_t_seed_s, "off": 0.0, "colocated": math.inf}
         self.rules = CollectRules(migration=system.migration)
         headroom = system.pool_headroom
+        # None: the pool holds every instance the trace offers
         self.pool_sizer = (
             PoolSizer(headroom) if system.pool == "trace" and headroom is not None else None
         )
@@ -88,55 +112,72 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
             backoff=defaults.seeding_backoff,
             max_seed_s=1e9,
         )
-        for i in range(scenario.reserved_engines * system.reserved_nodes):
-            engine = SimEngine(scenario.reserved_engine)
-            self.instances[f"reserved-{i}"] = Instance(
-                f"reserved-{i}", "reserved", engine, 0.0, 0.0, state="up", paused=True
-            )
         if system.pool == "trace":
             for at, count in targets:
-                self.at(at, "target", count)
+                self.clock.at(at, "target", count)
         elif system.pool == "fixed":
-            self.at(0.0, "target", system.fixed_instances)
+            self.clock.at(0.0, "target", system.fixed_instances)
+
+    def event_handlers(self) -> dict[str, Callable[[Any], None]]:
+        """Each event's kind -> the method of the component that owns it."""
+        fleet, requests = self.fleet, self.requests
+        return {
+            "target": fleet.on_target,
+            "booted": fleet.on_booted,
+            "pulled": fleet.on_pulled,
+            "fetched": fleet.on_fetched,
+            "gone": fleet.on_gone,
+            "detected": fleet.on_detected,
+            "wake": requests.on_wake,
+            "env_answer": requests.on_env_answer,
+            "reserved_ready": self.on_reserved_ready,
+            "seed_end": self.on_seed_end,
+            "recalled": self.on_recalled,
+            "trainer_ready": self.on_trainer_ready,
+            "trained": self.on_trained,
+            "optimized": self.on_optimized,
+            "committed": self.on_committed,
+            "switched": self.on_switched,
+        }
 
     # -- the loop -------------------------------------------------------------------------
 
-    def at(self, t: float, kind: str, payload: object = None) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
-
     def run(self) -> "Simulation":
         self.start_steps()
-        while self.now < self.horizon_s and not self.finished():
-            busy = [i for i in self.instances.values() if i.engine.running]
+        while self.clock.now < self.horizon_s and not self.finished():
+            busy = [i for i in self.fleet.instances.values() if i.engine.running]
             t = min(
-                self._events[0][0] if self._events else math.inf,
-                min((self.now + i.engine.next_stop_s(self.now) for i in busy), default=math.inf),
-                self.now + QUANTUM_S if busy else math.inf,
+                self.clock.next_event_s(),
+                min(
+                    (self.clock.now + i.engine.next_stop_s(self.clock.now) for i in busy),
+                    default=math.inf,
+                ),
+                self.clock.now + QUANTUM_S if busy else math.inf,
                 self.horizon_s,
             )
             if math.isinf(t):
                 break  # nothing can happen any more (the trace ended with no instance)
             self._account(t, busy)
             for inst in busy:
-                inst.engine.advance(self.now, t)
-            self.now = t
+                inst.engine.advance(self.clock.now, t)
+            self.clock.now = t
             for inst in busy:
                 for rid in inst.engine.stopped():
-                    self.finish_request(inst, rid)
-            while self._events and self._events[0][0] <= self.now:
-                _, _, kind, payload = heapq.heappop(self._events)
-                getattr(self, f"on_{kind}")(payload)
+                    self.requests.finish_request(inst, rid)
+            while (event := self.clock.due()) is not None:
+                kind, payload = event
+                self.handlers[kind](payload)
             if self.system.pool == "trace":
                 self.recall_reserved()
-            self.dispatch()
-            self.balance()
+            self.requests.dispatch()
+            self.requests.balance()
         return self
 
     def finished(self) -> bool:
         return self.max_steps is not None and len(self.records) >= self.max_steps
 
     def _account(self, t: float, busy: list[Instance]) -> None:
-        dt = t - self.now
+        dt = t - self.clock.now
         if any(i.pool == "reserved" for i in busy):
             self.totals.reserved_rollout_s += dt
         if self.stalled():
@@ -151,14 +192,14 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
         waiting = any(
             st.queue and st.seeded_out and not st.recalled for st in self.inflight.values()
         )
-        return waiting and not any(i.has_heartbeat for i in self.pool_instances())
+        return waiting and not any(i.has_heartbeat for i in self.fleet.pool_instances())
 
     def stalled_async(self) -> bool:
         """Asynchronous RL: jobs wait, no preemptible worker is alive, and the reserved node
         neither generates nor has anything to train (then it is recalled: 0 by construction)."""
         return (
             any(st.queue for st in self.inflight.values())
-            and not any(i.has_heartbeat for i in self.pool_instances())
+            and not any(i.has_heartbeat for i in self.fleet.pool_instances())
             and not (self.resuming or self.reserved_generating() or self.trainer_has_work())
         )
 
@@ -172,7 +213,7 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
         for st in list(self.inflight.values()):
             if st.recalled or st.rollout_end_s is not None:
                 continue
-            n_pool = sum(1 for i in self.pool_instances() if i.has_heartbeat)
+            n_pool = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
             if recall(st.seeded_out, n_pool, st.table.unfinished_count):
                 self.recall_for(st)
 
@@ -181,7 +222,7 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
         self.totals.recalls += 1
         self.resuming = True
         self.totals.reserved_switch_s += self.sc.resume_s
-        self.at(self.now + self.sc.resume_s, "recalled", st.step)
+        self.clock.at(self.clock.now + self.sc.resume_s, "recalled", st.step)
 
     def recall_async(self) -> None:
         """Asynchronous RL: the reserved node trains; when no preemptible instance is alive,
@@ -190,7 +231,7 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
         step aside again once the oldest step's rollout is complete (`step_aside_async`)."""
         if self.resuming or self.reserved_generating() or self.trainer_has_work():
             return
-        n_pool = sum(1 for i in self.pool_instances() if i.has_heartbeat)
+        n_pool = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
         waiting = [st for st in self.inflight.values() if st.rollout_end_s is None]
         if not any(recall(st.seeded_out, n_pool, st.table.unfinished_count) for st in waiting):
             return
@@ -199,17 +240,286 @@ class Simulation(StepProtocol, InstanceLifecycle, RequestFlow, TurnFlow):
         self.recall_for(waiting[0])
 
     def reserved_generating(self) -> bool:
-        return any(not i.paused for i in self.reserved())
+        return any(not i.paused for i in self.fleet.reserved())
 
     def on_recalled(self, step: int) -> None:
         self.resuming = False
         if self.system.max_staleness:
             if not self.trainer_has_work():  # (else the switch back would follow at once)
-                for inst in self.reserved():
-                    inst.version, inst.paused = self.version, False
+                for inst in self.fleet.reserved():
+                    inst.version, inst.paused = self.clock.version, False
             self.train_next()
             return
         if self.cur is None or self.cur.step != step:
             return
-        for inst in self.reserved():
+        for inst in self.fleet.reserved():
             inst.version, inst.paused = step, False
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    @property
+    def step_in_flight(self) -> StepState:
+        """The current step: there is one from `run`'s first `start_step` on."""
+        assert self.cur is not None, "no step in flight before run()"
+        return self.cur
+
+    def start_steps(self) -> None:
+        """The steps queued at the start: 0 to k (those version 0 is recent enough for)."""
+        self.start_step(0)
+        for step in range(1, self.system.max_staleness + 1):
+            if self.max_steps is None or step < self.max_steps:
+                self.start_step(step)
+
+    def start_step(self, step: int) -> None:
+        sc = self.sc
+        work = sc.workload.step(self.seed, step)
+        table = step_table(sc.workload, step, work.prompt_tokens, self.seed, self.totals)
+        lengths = {
+            request_id(step, p, s): n
+            for p, group in enumerate(work.response_tokens)
+            for s, n in enumerate(group)
+        }
+        n_pre = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
+        window = math.inf if self.system.seeding == "colocated" else self.seeding.window_s(n_pre)
+        if self.system.max_staleness:
+            window = 0.0  # asynchronous: the reserved node trains (it is recalled if need be)
+        st = StepState(
+            step,
+            StepController(table, self.rules, self.system.fair_reads),
+            lengths,
+            work.prompt_tokens,
+            deque(table.initial_jobs()),
+            self.clock.now,
+            window,
+            n_pre,
+        )
+        st.turn_tokens, st.env_latency_s = turn_physics(step, work)
+        self.inflight[step] = st
+        if self.cur is None or self.cur.step not in self.inflight:
+            self.cur = st
+        if not self.system.max_staleness:  # (asynchronous: pulled at the commit, see swap)
+            for inst in self.fleet.pool_instances():
+                if inst.state == "up":
+                    self.fleet.pull(inst)
+        if window > 0:
+            self.totals.reserved_switch_s += sc.resume_s
+            self.clock.at(self.clock.now + sc.resume_s, "reserved_ready", step)
+        else:
+            st.seeded_out, st.seed_end_s = True, self.clock.now
+            self.clock.at(self.clock.now, "trainer_ready", step)
+
+    def on_reserved_ready(self, step: int) -> None:
+        st = self.step_in_flight
+        for inst in self.fleet.reserved():
+            inst.version, inst.paused = step, False
+        st.seed_start_s = self.clock.now
+        if not math.isinf(st.window_s):
+            self.clock.at(self.clock.now + st.window_s, "seed_end", step)
+
+    def on_seed_end(self, step: int) -> None:
+        st = self.step_in_flight
+        if st.step != step or st.seeded_out:
+            return
+        for inst in self.fleet.reserved():
+            self.requests.release(inst, len(inst.engine.running), "seed")
+        self.step_aside(st)
+
+    def step_aside(self, st: StepState) -> None:
+        """The reserved engines stop generating; the node switches to training."""
+        for inst in self.fleet.reserved():
+            inst.paused = True
+        st.seeded_out, st.seed_end_s = True, self.clock.now
+        self.totals.reserved_switch_s += self.sc.switch_s
+        self.clock.at(self.clock.now + self.sc.switch_s, "trainer_ready", st.step)
+
+    def group_done(self, st: StepState, prompt: int) -> None:
+        st.ready_groups.append(prompt)
+        if st.table.complete:
+            st.rollout_end_s = self.clock.now
+            if not st.seeded_out:
+                self.step_aside(st)  # the reserved node generated to the end (co-located)
+        if self.system.max_staleness and self.reserved_generating() and self.oldest_rolled_out():
+            self.step_aside_async()
+        self.train_next()
+
+    def step_aside_async(self) -> None:
+        """Asynchronous RL, after a recall: the oldest step's rollout is complete, so the
+        reserved engines give their requests back and the node switches to training."""
+        for inst in self.fleet.reserved():
+            self.requests.release(inst, len(inst.engine.running), "seed")
+            inst.paused = True
+        self.totals.reserved_switch_s += self.sc.switch_s
+        self.trainer_back_s = self.clock.now + self.sc.switch_s
+        self.clock.at(self.trainer_back_s, "switched")
+
+    def on_switched(self, _: object) -> None:
+        self.train_next()
+
+    def oldest_rolled_out(self) -> bool:
+        st = self.cur
+        return st is not None and st.step in self.inflight and st.rollout_end_s is not None
+
+    def trainer_has_work(self) -> bool:
+        """Asynchronous RL: the oldest step in flight has all its groups, or is training or
+        being committed: the reserved node is for training."""
+        if not self.inflight:
+            return False
+        st = self.inflight[min(self.inflight)]  # (while it is published, `cur` is the next)
+        return st.rollout_end_s is not None or st.training or bool(st.ready_groups)
+
+    # -- the trainer ------------------------------------------------------------------------
+
+    def on_trainer_ready(self, step: int) -> None:
+        self.inflight[step].trainer_ready_s = self.clock.now
+        self.train_next()
+
+    def train_next(self) -> None:
+        """Train the next ready group of the oldest step in flight (the trainer is sequential:
+        a later step's groups wait until it is the oldest). Asynchronous RL: not while the
+        reserved engines generate or switch back (they share the node)."""
+        if self.system.max_staleness and (
+            self.resuming or self.reserved_generating() or self.clock.now < self.trainer_back_s
+        ):
+            return
+        st = self.step_in_flight
+        if st.trainer_ready_s is None or st.training:
+            return
+        if not st.ready_groups:
+            if st.idle_since_s is None:
+                st.idle_since_s = self.clock.now
+            return
+        if st.idle_since_s is not None:
+            st.train_wait_s += self.clock.now - st.idle_since_s
+            st.idle_since_s = None
+        prompt = st.ready_groups.popleft()
+        group = st.table.group(prompt)
+        tokens = sum(len(r.token_ids) for r in group)  # observations are context: trained over
+        prompts = len(group) * st.prompt_tokens[prompt]
+        seconds = (tokens + prompts) / self.trainer_tokens_per_s()
+        st.trained_tokens += tokens - sum(n for r in group for _, n in r.observed)
+        st.trained_prompt_tokens += prompts
+        st.train_s += seconds
+        st.training = True
+        self.totals.reserved_train_s += seconds
+        self.clock.at(self.clock.now + seconds, "trained", st.step)
+
+    def trainer_tokens_per_s(self) -> float:
+        nodes = self.system.reserved_nodes
+        speedup = (2 * self.sc.reserved_scaling) ** math.log2(nodes) if nodes > 1 else 1.0
+        return self.sc.trainer.tokens_per_s * speedup
+
+    def on_trained(self, step: int) -> None:
+        st = self.inflight[step]
+        st.training = False
+        st.trained_groups += 1
+        if st.trained_groups < len(st.prompt_tokens):
+            self.train_next()
+        elif not self.system.max_staleness:
+            last = self.sc.trainer.optimizer_s + self.sc.trainer.publish_s
+            self.totals.reserved_train_s += last
+            self.clock.at(self.clock.now + last, "committed", step)
+        elif min(self.inflight) < step:  # the version before is still being published
+            st.optimize_waiting = True
+        else:
+            self.optimize(st)
+
+    def optimize(self, st: StepState) -> None:
+        """Asynchronous RL: the optimizer step, then the version is published while the
+        trainer goes on with the next step's groups (as the services' trainer does); the next
+        optimizer step waits for that commit."""
+        self.totals.reserved_train_s += self.sc.trainer.optimizer_s + self.sc.trainer.publish_s
+        self.clock.at(self.clock.now + self.sc.trainer.optimizer_s, "optimized", st.step)
+
+    def on_optimized(self, step: int) -> None:
+        later = [s for s in self.inflight if s > step]
+        if later:
+            self.cur = self.inflight[min(later)]
+        self.clock.at(self.clock.now + self.sc.trainer.publish_s, "committed", step)
+        self.train_next()
+
+    def on_committed(self, step: int) -> None:
+        """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next
+        (with k > 0: step+1+k; the instances swap to the new version in the background)."""
+        st = self.inflight[step]
+        rollout_end_s = st.rollout_end_s
+        assert rollout_end_s is not None, "the last group completed before the trainer took it"
+        self.clock.version = step + 1
+        self.totals.trained += st.trained_tokens
+        update = after_step(
+            self.seeding,
+            StepTimes(
+                n_preemptible=st.n_preemptible,
+                n_reserved=len(self.fleet.reserved()),
+                started=st.started_s,
+                seed_end=st.seed_end_s,
+                rollout_end=rollout_end_s,
+                committed=self.clock.now,
+                train_compute_s=st.train_s,
+                train_wait_s=st.train_wait_s,
+            ),
+            adapt=self.system.seeding == "adaptive",
+        )
+        if self.system.max_staleness:
+            update = replace(update, n_prem_recommended=self.n_prem_async(st))
+        self.records.append(
+            StepRecord(
+                step=step,
+                start_s=st.started_s,
+                end_s=self.clock.now,
+                rollout_s=rollout_end_s - st.started_s,
+                tokens=st.trained_tokens,
+                prompt_tokens=st.trained_prompt_tokens,
+                train_s=st.train_s,
+                t_seed_s=st.window_s,
+                spot_instances=st.n_preemptible,
+                train_wait_s=st.train_wait_s,
+                remote_wait_s=update.t_remote_wait_s,
+                n_prem_recommended=update.n_prem_recommended,
+            )
+        )
+        del self.inflight[step]
+        if self.inflight:
+            self.cur = self.inflight[min(self.inflight)]
+        if self.pool_sizer is not None:
+            self.fleet.want(self.pool_sizer.after_step(update.n_prem_recommended))
+        k = self.system.max_staleness
+        if k:
+            self.swap()
+        nxt = step + 1 + k
+        if not self.finished() and (self.max_steps is None or nxt < self.max_steps):
+            self.start_step(nxt)
+        if k:
+            if self.cur is not None and self.cur.optimize_waiting:  # its groups all trained
+                self.cur.optimize_waiting = False
+                self.optimize(self.cur)
+            self.train_next()  # the next step's groups may be waiting
+
+    def n_prem_async(self, st: StepState) -> float:
+        """Asynchronous RL: steps overlap, so a step's own rollout time says little. N_prem
+        (`recommended_pool_size`) is taken from the rollout work done since the last commit, about
+        one step's worth: the pool's busy instance-seconds, and the reserved engines' (when
+        recalled), over the step's training compute."""
+        pool_busy = sum(
+            i.engine.busy_s for i in self.fleet.instances.values() if i.pool == "preemptible"
+        )
+        reserved_busy = self.totals.reserved_rollout_s
+        last_pool, last_reserved = self.busy_mark
+        self.busy_mark = (pool_busy, reserved_busy)
+        return recommended_pool_size(
+            pool_busy - last_pool,
+            1,
+            reserved_busy - last_reserved,
+            len(self.fleet.reserved()),
+            train_compute_s(st.train_s, 0.0, 0.0),
+        )
+
+    def swap(self) -> None:
+        """Asynchronous RL: every up instance pulls the new version in the background (one
+        still loading an older one pulls again when it is done); the reserved engines, which
+        share the node with the trainer, hold it at once."""
+        for inst in self.fleet.pool_instances():
+            if inst.state == "up" and not inst.fetching:
+                self.fleet.fetch(inst)
+        for inst in self.fleet.reserved():
+            if not inst.paused:
+                inst.version = self.clock.version

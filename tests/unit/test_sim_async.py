@@ -46,7 +46,7 @@ def test_k0_is_the_synchronous_hybrid_as_it_was(targets, steps, generated, end_s
         sim = run(system, targets)
         assert len(sim.records) == steps and sim.totals.trained == 403504
         assert sim.totals.generated == generated and sim.records[-1].end_s == end_s
-        assert sim.totals.migrations == migrations and sim.max_lag == 0
+        assert sim.totals.migrations == migrations and sim.requests.max_lag == 0
 
 
 @pytest.mark.parametrize("system", [HYBRID_ASYNC_K1, HYBRID_ASYNC_K2])
@@ -61,7 +61,7 @@ def test_async_steps_complete_balanced_and_within_the_staleness_bound(system, no
         work.step(3, r.step).total_response_tokens for r in sim.records
     ]
     # `start_job` asserts the bound on every job; the largest lag seen is k: steps overlapped
-    assert sim.max_lag == system.max_staleness
+    assert sim.requests.max_lag == system.max_staleness
     assert t.stall_s == 0.0
 
 

@@ -82,25 +82,25 @@ def test_the_remote_share_spreads_over_the_starts():
 
 def sim_with(transfer: TransferModel) -> Simulation:
     sim = Simulation(replace(small_scenario(), transfer=transfer), HYBRID, [])
-    sim.version = 5
+    sim.clock.version = 5
     return sim
 
 
 def add(sim: Simulation, name: str, state: str, version: int | None) -> Instance:
     inst = Instance(name, "preemptible", SimEngine(sim.sc.spot_engine), 5.32, 0.0)
     inst.state, inst.version = state, version  # type: ignore[assignment]
-    sim.instances[name] = inst
+    sim.fleet.instances[name] = inst
     return inst
 
 
 def test_a_boot_pulls_whole_and_an_instance_one_version_behind_pulls_the_delta():
     sim = sim_with(replace(STORE, delta_share=0.05))
     boot = add(sim, "spot-0", "pulling", None)
-    assert sim.pull_s(boot) == STORE.pull_s(1)  # held nothing: the whole version
+    assert sim.fleet.pull_s(boot) == STORE.pull_s(1)  # held nothing: the whole version
     behind = add(sim, "spot-1", "pulling", 4)
-    assert sim.pull_s(behind) == pytest.approx(0.05 * STORE.pull_s(2) + 0.95 * STORE.load_s)
+    assert sim.fleet.pull_s(behind) == pytest.approx(0.05 * STORE.pull_s(2) + 0.95 * STORE.load_s)
     stale = add(sim, "spot-2", "pulling", 3)  # missed a version: the whole one
-    assert sim.pull_s(stale) == STORE.pull_s(3)
+    assert sim.fleet.pull_s(stale) == STORE.pull_s(3)
     assert sim.totals.pulls == 3 and sim.totals.max_pull_s == STORE.pull_s(3)
 
 
@@ -108,15 +108,15 @@ def test_in_the_simulation_the_remote_region_shares_the_link_apart_from_the_home
     sim = sim_with(replace(STORE, remote_share=0.5))
     add(sim, "spot-0", "pulling", 4)  # a home pull under way: not on the link
     first = add(sim, f"spot-1{REMOTE_SUFFIX}", "pulling", 4)
-    assert sim.pull_s(first) == STORE.pull_s(1, route="link")
+    assert sim.fleet.pull_s(first) == STORE.pull_s(1, route="link")
     second = add(sim, f"spot-3{REMOTE_SUFFIX}", "pulling", 4)
-    assert sim.pull_s(second) == STORE.pull_s(2, route="link")
-    assert sim.cross_region_bytes == 2 * STORE.weight_bytes
+    assert sim.fleet.pull_s(second) == STORE.pull_s(2, route="link")
+    assert sim.fleet.cross_region_bytes == 2 * STORE.weight_bytes
     p2p = sim_with(replace(P2P, remote_share=0.5))
     add(p2p, f"spot-1{REMOTE_SUFFIX}", "up", 5)  # the region holds the latest version
     joiner = add(p2p, f"spot-3{REMOTE_SUFFIX}", "pulling", None)
-    assert p2p.pull_s(joiner) == P2P.pull_s(1, route="peers") < 5
-    assert p2p.cross_region_bytes == 0.0
+    assert p2p.fleet.pull_s(joiner) == P2P.pull_s(1, route="peers") < 5
+    assert p2p.fleet.cross_region_bytes == 0.0
 
 
 def test_the_fleet_runs_a_cross_region_pool_with_and_without_deltas():

@@ -122,7 +122,7 @@ def test_a_restart_regenerates_whole_episodes_migration_keeps_them():
 def test_async_k1_completes_its_steps(notice_s):
     sim = run(HYBRID_ASYNC_K1, CHURN, notice_s=notice_s)
     t = sim.totals
-    assert len(sim.records) == 6 and t.preemptions > 0 and sim.max_lag <= 1
+    assert len(sim.records) == 6 and t.preemptions > 0 and sim.requests.max_lag <= 1
     assert t.generated == t.trained + t.lost + in_flight(sim)
     assert trains_its_workload(sim)
 

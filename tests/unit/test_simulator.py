@@ -180,7 +180,7 @@ def test_the_hybrid_holds_the_pool_the_coordinator_asks_for():
         for system in (HYBRID, HYBRID_ALL_SPOT)
     )
     assert sized.totals.scaled_in > 0 and every.totals.scaled_in == 0
-    assert sized.wanted is not None and sized.wanted < 12
+    assert sized.fleet.wanted is not None and sized.fleet.wanted < 12
     held = [summarize(sim)["mean_pool_instances"] for sim in (sized, every)]
     assert held[0] < held[1] == pytest.approx(12, rel=0.05)
     assert sized.totals.generated == sized.totals.trained  # nothing lost to a hand-back
