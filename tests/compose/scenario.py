@@ -161,7 +161,11 @@ class Stack:
 def drive(stack: Stack, steps: int, summary: dict) -> None:
     client = stack.client
     say("init-model (compose run --rm --no-deps trainer)")
-    stack.compose("run", "--rm", "--no-deps", "trainer", "spotrl", "init-model", MODEL)
+    # 1000 steps of pre-training on one thread: minutes, and many more beside the other tests
+    # (`make test` runs two processes)
+    stack.compose(
+        "run", "--rm", "--no-deps", "trainer", "spotrl", "init-model", MODEL, timeout_s=1800.0
+    )
 
     t_up = time.monotonic()
     stack.compose("up", "-d", "--wait", "--wait-timeout", "300")

@@ -11,7 +11,7 @@ import pytest
 from tests.compose.engine import EngineUnavailable, compose_binary, missing_tools
 from tests.compose.scenario import STEPS, run_scenario
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(2700)]
 SUMMARY = Path(os.environ.get("SPOTRL_COMPOSE_SUMMARY", ".spotrl/test-compose.json"))
 
 
