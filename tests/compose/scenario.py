@@ -8,7 +8,9 @@ as Redis's read-only user: a GRPO run whose steps advance and whose
 reward rises; rollout scaled to 2 mid-run by `spotrl scale --target compose`, both replicas
 producing tokens; one rollout container killed mid-step (the run goes on, the audit finds
 nothing lost or duplicated); the trainer container restarted (it resumes from its
-checkpoint); `down -v` leaves nothing behind.
+checkpoint); `down -v` leaves nothing behind. The run's model is the embedded one, pre-trained on
+the host while the image builds and shared with the Swarm test (tests/harness/models.py); `spotrl
+init-model` runs in the trainer's container too, for a few steps.
 
 `python -m tests.compose.scenario` prints the summary as JSON, last line; the pytest marker
 `compose` (tests/compose/test_compose_up.py) asserts it.
@@ -30,11 +32,13 @@ from services.cli.procs import free_port
 from services.cli.secrets_command import write_secrets
 from services.contracts.runspec import RunSpec
 from tests.compose.engine import DockerEngine, compose_binary
+from tests.harness.models import build_beside, copy_model
 from tests.integration.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("docker-compose.yml", "docker-compose.hostnet.yml")
 MODEL = "/models/arithmetic-base"
+INIT_CHECK = "/models/init-check"  # what the in-container `spotrl init-model` writes
 PRIVATE = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
 FINAL = {"succeeded", "failed", "cancelled"}
 # Long enough that the run outlasts the scale-up, the kill and the trainer's restart on a fast
@@ -53,7 +57,7 @@ class Stack:
         self.engine = engine
         self.project = f"spotrl-test-{secrets.token_hex(3)}"
         self.ports = {n: free_port() for n in ("redis", "coordinator", "weightstore", "trainer")}
-        models = work / "models"
+        models = self.models = work / "models"
         models.mkdir(parents=True, exist_ok=True)
         models.chmod(0o777)  # the services run as uid 10001
         # `spotrl secrets`, with Redis where docker-compose.hostnet.yml puts it
@@ -160,12 +164,18 @@ class Stack:
 
 def drive(stack: Stack, steps: int, summary: dict) -> None:
     client = stack.client
-    say("init-model (compose run --rm --no-deps trainer)")
-    # 1000 steps of pre-training on one thread: minutes, and many more beside the other tests
-    # (`make test` runs two processes)
+    # the embedded model, built once on the host for this test and the Swarm test (run_scenario)
+    copy_model("embedded", stack.models / Path(MODEL).name)
+    # `spotrl init-model` as a user runs it, in the trainer's container (a few steps: the path
+    # is what is checked here, the embedded model's pre-training takes minutes)
+    say("init-model (compose run --rm --no-deps trainer), 5 steps")
     stack.compose(
-        "run", "--rm", "--no-deps", "trainer", "spotrl", "init-model", MODEL, timeout_s=1800.0
-    )
+        "run", "--rm", "--no-deps", "trainer", "spotrl", "init-model", INIT_CHECK,
+        "--pretrain-steps", "5", timeout_s=600.0,
+    )  # fmt: skip
+    summary["init_model_in_container"] = (
+        stack.models / Path(INIT_CHECK).name / "config.json"
+    ).is_file()
 
     t_up = time.monotonic()
     stack.compose("up", "-d", "--wait", "--wait-timeout", "300")
@@ -263,10 +273,14 @@ def run_scenario(work: Path, steps: int = STEPS) -> dict:
     engine = DockerEngine()
     engine.start()
     say(f"dockerd up ({engine.host})")
+    model = build_beside("embedded")  # pre-trained while the image builds
     try:
         summary["build_s"] = round(engine.build_images(timeout_s=1200), 1)
         say(f"image built in {summary['build_s']} s")
         stack = Stack(engine, work)
+        t_model = time.monotonic()
+        model.result()
+        summary["model_wait_s"] = round(time.monotonic() - t_model, 1)
         try:
             drive(stack, steps, summary)
         except BaseException:

@@ -38,5 +38,6 @@ def test_compose_up_runs_scales_survives_kills_and_leaves_nothing(tmp_path):
     assert summary["workers_max"] >= 2, summary
     assert summary["killed"] == 1 and summary["lost"] == 0 and summary["duplicated"] == 0, summary
     assert summary["trainer_resumed"], summary
+    assert summary["init_model_in_container"], summary  # `spotrl init-model` in the container
     assert summary["leftovers"] == [] and summary["private_addresses"] == [], summary
     assert summary["worker_secrets"] == [], summary  # least privilege: a worker holds its own

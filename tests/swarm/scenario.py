@@ -15,16 +15,13 @@ end exact (audit: nothing lost or duplicated) and learn; teardown must leave not
 asserts it.
 """
 
-import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
 from services.cli.audit import audit_run
@@ -33,14 +30,12 @@ from services.cli.recovery import RecoveryWatch, held_requests
 from services.cli.redis_client import open_redis
 from services.cli.scale import Scaler, ScaleSettings
 from services.contracts import keys
-from services.contracts.runspec import EMBEDDED_PRETRAIN_STEPS, RunSpec
-from services.trainer.init_model import InitModelSpec, init_model
+from services.contracts.runspec import RunSpec
+from tests.harness.models import copy_model
 from tests.integration.conftest import wait_until
-from tests.swarm.cluster import CACHE, Cluster, running_cluster
+from tests.swarm.cluster import Cluster, running_cluster
 from tests.swarm.images import build_and_save, load_everywhere, say
 from tests.swarm.stack import SwarmStack
-
-ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "/models/arithmetic-base"
 KEYS = ("nodes", "workers_max", "blocks_from_peers", "drained", "killed", "lost", "duplicated",
@@ -255,50 +250,14 @@ def blocks_from_peers(loads: list[tuple[str, int, int, int]]) -> int:
     return sum(math.ceil(from_peers / BLOCK_BYTES) for _, _, _, from_peers in loads)
 
 
-# the base model: "embedded" is what `spotrl init-model` builds (the Compose test's), "tiny" the
-# unit tests' (seconds to build, learns less)
-MODEL_SPECS = {
-    "embedded": {"pretrain_steps": EMBEDDED_PRETRAIN_STEPS},
-    "tiny": {"hidden_size": 64, "layers": 2, "heads": 2, "pretrain_steps": 40, "batch_size": 64},
-}
+# the base model: "embedded" (the Compose test's too: built once, tests/harness/models.py) or
+# "tiny" (seconds to build, learns less)
 MODEL_SIZE = os.environ.get("SPOTRL_SWARM_MODEL", "embedded")
-
-
-def model_key(spec: InitModelSpec) -> str:
-    """What the base model is made of: its spec, its builder, the tasks, the packages it uses."""
-    files = [ROOT / "services/trainer/init_model.py"]
-    files += sorted((ROOT / "services/tasks").rglob("*.py"))
-    made_of = spec.model_dump_json() + " ".join(
-        f"{p}=={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")
-    )
-    return hashlib.sha256(made_of.encode() + b"".join(f.read_bytes() for f in files)).hexdigest()[
-        :16
-    ]
-
-
-def base_model(models: Path, size: str = MODEL_SIZE) -> Path:
-    """The base model copied into `models`: built once here (its pre-training takes minutes on
-    a busy machine) and kept under the swarm cache by what it is made of."""
-    spec = InitModelSpec(**MODEL_SPECS[size])
-    cached = CACHE / f"model-{size}-{model_key(spec)}"
-    if not (cached / "config.json").is_file():
-        for old in CACHE.glob(f"model-{size}-*"):
-            shutil.rmtree(old)
-        say(f"init-model ({size}): {spec.pretrain_steps} steps of pre-training")
-        partial = CACHE / f"partial-model-{size}"
-        shutil.rmtree(partial, ignore_errors=True)
-        init_model(partial, spec)
-        partial.rename(cached)
-    out = models / Path(MODEL).name
-    shutil.copytree(cached, out)
-    for f in out.iterdir():
-        f.chmod(0o644)  # the services run as uid 10001; the weights are written 0600
-    return out
 
 
 def drive(cluster: Cluster, work: Path, summary: dict, steps: int) -> None:
     stack = SwarmStack(cluster, work, SETTINGS)
-    base_model(stack.models)
+    copy_model(MODEL_SIZE, stack.models / Path(MODEL).name)
     t_up = time.monotonic()
     stack.deploy()
     try:
