@@ -90,7 +90,6 @@ def groups(vocab: int, sizes: tuple[int, int, int, int], seed: int) -> list:
             Group(
                 run_id="b",
                 step=seed,
-                version=seed,
                 prompt_index=p,
                 prompt_ids=prompt_ids,
                 responses=responses,

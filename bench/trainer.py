@@ -101,7 +101,6 @@ def synthetic_groups(args, vocab: int, seed: int):
             Group(
                 run_id="b",
                 step=0,
-                version=0,
                 prompt_index=p,
                 prompt_ids=prompt,
                 responses=responses,

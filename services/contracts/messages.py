@@ -9,7 +9,8 @@ decoded. On a stream, a message is one entry with the single field `m` holding t
 Messages name the step they belong to `step`; a `version` is always a weight version (the one
 that generated a batch's tokens, the one a worker holds), which under `max_staleness` can be older
 than the step. A field renamed since an earlier release is read under its old name too
-(`RENAMED`): an entry that release left in a stream at upgrade is still read correctly.
+(`RENAMED`), and one removed is dropped (`REMOVED`): an entry that release left in a stream at
+upgrade is still read correctly.
 """
 
 from typing import Annotated, Any, Literal, Self
@@ -190,10 +191,9 @@ class Group(Message, frozen=True, kw_only=True):
     toward the step's B and never trained on."""
 
     run_id: str
+    # the step, and the weight version it trains against: the trainer counts a token that an
+    # older version generated (its response's version_runs) as stale
     step: int
-    # the weight version the step trains against (the step's own): the trainer counts a token
-    # that an older one generated (its response's version_runs) as stale
-    version: int
     prompt_index: int
     prompt_ids: list[int]
     responses: list[Response]
@@ -217,13 +217,16 @@ class Heartbeat(Message, frozen=True, kw_only=True):
 # Fields renamed since an earlier release, by type: old name -> new name. An entry of that
 # release (a job queued before an upgrade) is read under the new names.
 RENAMED: dict[type[Message], dict[str, str]] = {Job: {"version": "step"}}
+# Fields removed since an earlier release, by type: their values are derived now (a group's
+# "version" was always its step).
+REMOVED: dict[type[Message], set[str]] = {Group: {"version"}}
 
 
 def _upgraded(cls: type[Message], data: bytes) -> bytes | None:
-    """`data`, an entry of an earlier release, with its renamed fields under their new names;
-    None when it has none of them (then it is malformed, not old)."""
-    renamed = RENAMED.get(cls)
-    if not renamed:
+    """`data`, an entry of an earlier release, with its renamed fields under their new names and
+    its removed ones dropped; None when it has none of them (then it is malformed, not old)."""
+    renamed, removed = RENAMED.get(cls, {}), REMOVED.get(cls, set())
+    if not renamed and not removed:
         return None
     try:
         raw = msgspec.msgpack.decode(data)
@@ -232,6 +235,7 @@ def _upgraded(cls: type[Message], data: bytes) -> bytes | None:
     if not isinstance(raw, dict):
         return None
     moved = {old: new for old, new in renamed.items() if old in raw and new not in raw}
-    if not moved:
+    gone = removed & raw.keys()
+    if not moved and not gone:
         return None
-    return _ENCODER.encode({moved.get(k, k): v for k, v in raw.items()})
+    return _ENCODER.encode({moved.get(k, k): v for k, v in raw.items() if k not in gone})

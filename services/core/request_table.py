@@ -283,7 +283,6 @@ class RequestTable:
         return Group(
             run_id=self.run_id,
             step=self.step,
-            version=self.step,
             prompt_index=prompt_index,
             prompt_ids=self.prompts[prompt_index],
             responses=responses,

@@ -151,7 +151,7 @@ class Policy:
                     self.skipped.sequences += 1
                     self.skipped.tokens += trained
                     continue
-                stale = stale_tokens(resp.version_runs, n, g.version)
+                stale = stale_tokens(resp.version_runs, n, g.step)
                 rows.append(Row(g.prompt_ids, resp.token_ids, resp.logprobs, adv, stale, generated))
         # full micro-batches only: the rest waits for the next groups (or the step's end), so
         # a step of R rows (its responses less the skipped ones) makes ceil(R /

@@ -42,7 +42,6 @@ def groups(spec: RunSpec, step: int) -> list[Group]:
             Group(
                 run_id="r",
                 step=step,
-                version=step,
                 prompt_index=i,
                 prompt_ids=prompt,
                 responses=responses,

@@ -28,7 +28,6 @@ def group(p: TokenPlan, step: int, prompt: int, change=None) -> Group:
     return Group(
         run_id="r",
         step=step,
-        version=step,
         prompt_index=prompt,
         prompt_ids=[1],
         responses=responses,

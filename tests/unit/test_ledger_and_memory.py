@@ -12,7 +12,6 @@ def group(p: int, tokens: list[list[int]], quarantined: bool = False) -> Group:
     return Group(
         run_id="r",
         step=0,
-        version=0,
         prompt_index=p,
         prompt_ids=[1],
         responses=[

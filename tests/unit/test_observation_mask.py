@@ -75,9 +75,7 @@ def test_the_intake_parks_a_group_whose_spans_do_not_fit():
                 token_ids=[3, 4, 5], logprobs=[-0.1, 0, -0.1], reward=0.0, finish_reason="stop"
             ).replace(observed=observed),
         ]
-        return Group(
-            run_id="r", step=5, version=5, prompt_index=prompt, prompt_ids=[1], responses=responses
-        )
+        return Group(run_id="r", step=5, prompt_index=prompt, prompt_ids=[1], responses=responses)
 
     good, bad = group(0, [(1, 1)]), group(1, [(2, 2)])
     messages = [(b"0-0", good), (b"1-0", bad)]
@@ -330,7 +328,6 @@ def groups_of(policy: Policy) -> list[Group]:
             Group(
                 run_id="r",
                 step=0,
-                version=0,
                 prompt_index=index,
                 prompt_ids=prompt,
                 responses=responses,

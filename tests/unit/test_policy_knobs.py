@@ -56,7 +56,6 @@ def make_groups(policy: Policy) -> list[Group]:
             Group(
                 run_id="r",
                 step=0,
-                version=0,
                 prompt_index=p,
                 prompt_ids=prompt,
                 responses=responses,

@@ -13,7 +13,6 @@ def group(prompt: int, step: int = 5, responses: int = N, quarantined: bool = Fa
     return Group(
         run_id="r",
         step=step,
-        version=step,
         prompt_index=prompt,
         prompt_ids=[1, 2],
         responses=[
