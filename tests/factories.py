@@ -57,9 +57,10 @@ def job(
     run_id: str = "r",
     step: int = 0,
     sampling: SamplingParams | None = None,
+    drafts: Sequence[Sequence[int]] = (),
 ) -> Job:
     """A token-level job: continue `prompt + prefix` for `n` tokens (sampled at `temperature`,
-    or under `sampling`)."""
+    or under `sampling`), with `drafts` as references to draft from."""
     return Job(
         run_id=run_id,
         request_id=rid,
@@ -72,6 +73,7 @@ def job(
         sampling=sampling or SamplingParams(temperature=temperature),
         seed=seed,
         stop_token_ids=list(stop),
+        drafts=[list(d) for d in drafts],
     )
 
 

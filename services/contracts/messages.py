@@ -4,7 +4,7 @@ Each type is a msgspec `Struct`, decoded straight from msgpack into the typed ob
 validated on the way (in C: the deltas carry every token a run makes, so this is the hot path).
 A malformed message raises `MalformedMessage` with the reason, and the reader parks it instead of
 crashing. Construction does not validate: a message is checked where it crosses a boundary, when
-decoded. On a stream, a message is one entry with the single field `m` holding the msgpack bytes.
+decoded (a bound msgspec.Meta cannot say is a `__post_init__`, run by both). On a stream, a message is one entry with the single field `m` holding the msgpack bytes.
 
 Messages name the step they belong to `step`; a `version` is always a weight version (the one
 that generated a batch's tokens, the one a worker holds), which under `max_staleness` can be older
@@ -32,6 +32,9 @@ StreamFields = dict[Encodable, Encodable]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+# a job's draft references (`Job.drafts`): how many, and how many tokens in all
+MAX_DRAFT_REFERENCES = 16
+MAX_DRAFT_TOKENS = 32768
 
 
 class MalformedMessage(ValueError):
@@ -114,6 +117,18 @@ class Job(Message, frozen=True, kw_only=True):
     # the run's coordinator shards: the worker sends the request's deltas to the stream of its
     # shard (`contracts.shards.shard_of`)
     shards: Annotated[int, msgspec.Meta(ge=1, le=MAX_COORDINATOR_SHARDS)] = 1
+    # token sequences the request is likely to repeat (its group's finished siblings, earlier
+    # responses to the same prompt), oldest first: the engine drafts from them and verifies
+    # each draft against its own seeded draws, so they change how fast, never which tokens.
+    # At most MAX_DRAFT_REFERENCES of them, MAX_DRAFT_TOKENS tokens in all; [] : none
+    drafts: Annotated[list[list[int]], msgspec.Meta(max_length=MAX_DRAFT_REFERENCES)] = []
+
+    def __post_init__(self) -> None:
+        """The one bound msgspec.Meta cannot say: the drafts' tokens in all (checked when
+        decoded, as every bound here, and on construction too)."""
+        total = sum(len(d) for d in self.drafts)
+        if total > MAX_DRAFT_TOKENS:
+            raise ValueError(f"drafts hold {total} tokens, more than {MAX_DRAFT_TOKENS}")
 
 
 class DeltaItem(Message, frozen=True, kw_only=True):

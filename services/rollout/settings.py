@@ -45,6 +45,14 @@ class RolloutSettings(CommonSettings):
         "the longest one's prompt + budget); a job that does not fit waits for room, one larger "
         "than the whole bound runs alone. None: bounded by slots only.",
     )
+    draft_tokens: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="hf engine: most draft tokens a request verifies per decode step when its "
+        "job carries references to draft from (speculative decoding, exact: the same tokens as "
+        "without it); 0: off.",
+    )
     flush_tokens: int = Field(4, ge=1, le=4096, description="Flush deltas every N decode steps.")
     flush_ms: int = Field(100, ge=1, le=60000, description="...or after this many milliseconds.")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="Heartbeat period.")

@@ -17,4 +17,6 @@ def make_engine(settings: "RolloutSettings") -> Engine:
         return VLLMEngine(VLLMOptions.from_settings(settings))
     from services.rollout.engines.hf import HFEngine
 
-    return HFEngine(settings.device, settings.slots, settings.kv_cache_tokens)
+    return HFEngine(
+        settings.device, settings.slots, settings.kv_cache_tokens, settings.draft_tokens
+    )

@@ -13,20 +13,43 @@ Sampling (`sampling.py`) is reproducible by (request seed, response position), s
 continuation on another worker (prompt + collected prefix) draws what an uninterrupted
 generation would have drawn for the same logits; a decode step draws its rows as one batch.
 
+Speculative decoding, exact: a job may carry reference token sequences (`Job.drafts`: its
+group's finished siblings, earlier responses to the same prompt), and the engine adds its prompt
+to them. Each step, a running request with references proposes up to `draft_tokens` tokens from
+them (`rollout/drafts.py`: what followed the longest suffix of its context found there), and
+every running row is fed 1 + k tokens in the one forward pass of the step: its last token, its
+draft (k = the most any row drafts), and padding the attention mask hides. Each position is
+drawn as a plain step draws it (`speculation.draws_at`: the same seeded number, penalties and
+filters), and a row keeps its draws up to the first that differs from its draft, that one
+included, so 1 to k + 1 tokens per pass, each the token plain decoding would draw (up to float
+noise in the logits of a wider pass: a draw lands on another token only where its number falls
+within that noise of a boundary of the cumulative distribution). The columns of the rejected
+draft tokens (and the padding) are then dropped from the cache by moving each row's columns right
+by what it drops (`speculation.drop_tail`), so the cache stays left-padded with every row's last
+kept position in its last column, as after a plain step. Rows without a draft take a plain step in
+the same pass; with no draft in the step, the step is the plain one. Stop tokens and the token
+budget end a request at the token where plain decoding ends it (a draft never passes the budget).
+`spec_stats` counts drafted and accepted tokens and forward passes.
+
 The model runs on the process's compute thread (`step`, `load`; services/infra/compute.py), so
 the event loop stays free; only the task that drives the engine calls it.
 """
 
 from pathlib import Path
 from typing import Any
+from weakref import WeakValueDictionary
 
 import torch
 
 from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
 from services.rollout.engines.base import Sequence, TokenEvent
-from services.rollout.engines.sampling import Draw, sample_rows
+from services.rollout.drafts import DraftIndex
+from services.rollout.engines.sampling import sample_rows
+from services.rollout.engines.speculation import SpecStats, draws_at, drop_tail, kept_tokens
 from services.rollout.engines.tensors import read_tensors
+
+DRAFT_TOKENS = 4  # most draft tokens a request verifies per step, by default
 
 
 def cache_tokens(job: Job) -> int:
@@ -47,17 +70,18 @@ def pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def draw_of(seq: Sequence) -> Draw:
-    job = seq.job
-    sampling = job.sampling
-    context = seq.context if sampling.repetition_penalty != 1.0 else ()
-    return Draw(sampling, job.seed, seq.offset, context)
-
-
 class HFEngine:
     name = "hf"
 
-    def __init__(self, device: str = "cpu", slots: int = 64, kv_cache_tokens: int | None = None):
+    def __init__(
+        self,
+        device: str = "cpu",
+        slots: int = 64,
+        kv_cache_tokens: int | None = None,
+        draft_tokens: int = DRAFT_TOKENS,
+    ):
+        if not 0 <= draft_tokens <= 64:
+            raise ValueError(f"draft_tokens must be within 0..64, not {draft_tokens}")
         self.device = device
         self.capacity = slots
         # the KV cache's bound in token positions: rows x the longest context (left-padded)
@@ -71,6 +95,12 @@ class HFEngine:
         # attention mask and last positions of the cache's rows (valid while there is a cache)
         self._attn = torch.zeros((0, 0), dtype=torch.long)
         self._positions = torch.zeros(0, dtype=torch.long)
+        self.draft_tokens = draft_tokens  # most draft tokens verified per request and step (0: off)
+        self._drafts: dict[str, DraftIndex] = {}  # the running requests that have references
+        # one index per distinct (prompt, references): a group's requests share theirs
+        self._indexes: WeakValueDictionary[tuple, DraftIndex] = WeakValueDictionary()
+        self.spec_stats = SpecStats()  # the engine's, since it was built
+        self.request_stats: dict[str, SpecStats] = {}  # each running request's
 
     # ---- the Engine interface ----
     async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
@@ -158,16 +188,39 @@ class HFEngine:
         if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone
             self._cache_ids = [LEFT if r == job.request_id else r for r in self._cache_ids]
         self.seqs[job.request_id] = Sequence(job)
+        self.request_stats[job.request_id] = SpecStats()
+        self.set_drafts(job.request_id, job.drafts)
         if self._longest is not None:
             self._longest = max(self._longest, cache_tokens(job))
 
+    def set_drafts(self, request_id: str, drafts: list[list[int]]) -> None:
+        """Draft a running request from `drafts` (its prompt added) from its next step on, in
+        place of what it drafted from (as siblings finish); [] or `draft_tokens` 0: no drafts."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not drafts or not self.draft_tokens:
+            self._drafts.pop(request_id, None)
+            return
+        references = [seq.job.prompt_ids, *drafts]
+        key = tuple(tuple(r) for r in references)
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = DraftIndex(references)
+        self._drafts[request_id] = index
+
     def abort(self, request_id: str) -> bool:
         self._longest = None
+        self._forget(request_id)
         return self.seqs.pop(request_id, None) is not None
+
+    def _forget(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
+        self.request_stats.pop(request_id, None)
 
     def abort_all(self) -> list[str]:
         out = list(self.seqs)
         self.seqs.clear()
+        self._drafts.clear()
+        self.request_stats.clear()
         self._longest = None
         self._drop_cache()
         return out
@@ -178,7 +231,7 @@ class HFEngine:
     # ---- decoding ----
     @torch.inference_mode()
     def decode(self) -> list[TokenEvent]:
-        """One decode step for every active request."""
+        """One decode step for every active request (with drafts: 1 to k + 1 tokens each)."""
         if not self.seqs:
             return []
         cached = set(self._cache_ids) if self._cache is not None else set()
@@ -187,22 +240,52 @@ class HFEngine:
         if joining and not self._appendable:  # a cache whose rows cannot be padded and joined
             running, self._cache, self._cache_ids = [], None, []
             joining = list(self.seqs)
+        drafts = {rid: self._propose(rid) for rid in running}
+        width = 1 + max((len(d) for d in drafts.values()), default=0)
         if not running:
             ids, logits = joining, self._prefill(joining)
         elif not joining:
-            ids, logits = running, self._decode(running)
+            ids, logits = running, self._decode(running, drafts, width)
         else:  # the running rows take their step, the joining ones are prefilled beside them
-            logits = self._decode(running)
+            logits = self._decode(running, drafts, width)
             before = self._cache, self._cache_ids, self._attn, self._positions
             joined = self._prefill(joining)
             self._append_to(*before)
             ids, logits = running + joining, torch.cat([logits, joined])
-        seqs = [self.seqs[rid] for rid in ids]
-        draws = [draw_of(seq) for seq in seqs]
-        events = []
-        for rid, seq, (token, logprob) in zip(ids, seqs, sample_rows(logits, draws), strict=True):
-            job, offset = seq.job, seq.offset
+        draws = [draws_at(self.seqs[rid], drafts.get(rid, [])) for rid in ids]
+        drawn = sample_rows(logits, [d for row in draws for d in row])
+        events: list[TokenEvent] = []
+        kept, at = [], 0
+        for rid, row in zip(ids, draws, strict=True):
+            draft = drafts.get(rid, [])
+            kept.append(self._emit(rid, draft, kept_tokens(draft, drawn[at : at + len(row)]), events))
+            at += len(row)
+        if running:
+            self._settle(kept[: len(running)], width)
+        return events
+
+    def _propose(self, rid: str) -> list[int]:
+        """A running request's draft for this step: [] without references, and never more
+        tokens than its budget leaves after the one a plain step draws."""
+        index = self._drafts.get(rid)
+        if index is None or not self._appendable:
+            return []
+        seq = self.seqs[rid]
+        k = min(self.draft_tokens, seq.tokens_left - 1)
+        return index.propose(seq.context, k, position=seq.offset)
+
+    def _emit(
+        self, rid: str, draft: list[int], tokens: list[tuple[int, float]], events: list[TokenEvent]
+    ) -> int:
+        """Append a request's kept tokens and their events, up to a stop token or its budget
+        (where it then finishes); how many it appended."""
+        seq = self.seqs[rid]
+        job = seq.job
+        n = 0
+        for token, logprob in tokens:
+            offset = seq.offset
             seq.generated.append(token)
+            n += 1
             reason: FinishReason | None = None
             if token in job.stop_token_ids:
                 reason = "stop"
@@ -212,7 +295,13 @@ class HFEngine:
             if reason is not None:
                 del self.seqs[rid]
                 self._longest = None
-        return events
+                break
+        accepted = sum(1 for (t, _), d in zip(tokens[:n], draft, strict=False) if t == d)
+        for stats in (self.spec_stats, self.request_stats[rid]):
+            stats.add(len(draft), accepted, n)
+        if rid not in self.seqs:
+            self._forget(rid)
+        return n
 
     def _prefill(self, ids: list[str]) -> torch.Tensor:
         """Prefill the running set: each distinct context once (a GRPO group's n samples share
@@ -260,25 +349,51 @@ class HFEngine:
         self._positions = torch.cat([positions, self._positions])
         self._cache, self._cache_ids = cache, ids + self._cache_ids
 
-    def _decode(self, ids: list[str]) -> torch.Tensor:
+    def _decode(self, ids: list[str], drafts: dict[str, list[int]], width: int) -> torch.Tensor:
+        """The running rows' forward pass, each fed its last token and its draft (padded to
+        `width`); the logits of every fed position but the padding, row by row."""
         if ids != self._cache_ids:  # some requests left: keep only the rows still running
             rows = torch.tensor([self._cache_ids.index(rid) for rid in ids])
             self._cache.batch_select_indices(rows.to(self.device))
             self._attn, self._positions = self._attn[rows], self._positions[rows]
             self._cache_ids = ids
             self._trim()
-        last = torch.tensor([[self.seqs[rid].generated[-1]] for rid in ids])
-        self._attn = torch.cat([self._attn, torch.ones((len(ids), 1), dtype=torch.long)], dim=1)
-        self._positions = self._positions + 1
+        pad = self.model.config.pad_token_id or 0
+        fed = torch.full((len(ids), width), pad, dtype=torch.long)
+        valid = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, rid in enumerate(ids):
+            tokens = [self.seqs[rid].generated[-1], *drafts.get(rid, [])]
+            fed[i, : len(tokens)] = torch.tensor(tokens)
+            valid[i, : len(tokens)] = 1
+        self._attn = torch.cat([self._attn, valid], dim=1)
+        positions = self._positions.unsqueeze(1) + torch.arange(1, width + 1)
         out = self.model(
-            input_ids=last.to(self.device),
+            input_ids=fed.to(self.device),
             attention_mask=self._attn.to(self.device),
-            position_ids=self._positions.unsqueeze(1).to(self.device),
+            position_ids=positions.to(self.device),
             past_key_values=self._cache,
             use_cache=True,
         )
         self._cache = out.past_key_values
-        return out.logits[:, -1]
+        if width == 1:
+            return out.logits[:, -1]
+        row, col = valid.nonzero(as_tuple=True)  # row-major: each row's positions in order
+        return out.logits[row.to(self.device), col.to(self.device)]
+
+    def _settle(self, kept: list[int], width: int) -> None:
+        """After a step that fed the running rows (the cache's first rows) `width` tokens each:
+        each row's position moves on by the tokens it kept, and the cache columns of the ones
+        it did not keep (rejected draft tokens, padding) are dropped."""
+        keep = torch.tensor(kept, dtype=torch.long)
+        self._positions = torch.cat(
+            [self._positions[: len(kept)] + keep, self._positions[len(kept) :]]
+        )
+        if width == 1:
+            return
+        drop = torch.zeros(len(self._cache_ids), dtype=torch.long)
+        drop[: len(kept)] = width - keep
+        self._attn = drop_tail(self._cache.layers, self._attn, drop)
+        self._trim()
 
     def _trim(self) -> None:
         """Drop the leading cache columns that no running row attends to any more (they were
