@@ -4,7 +4,8 @@ Each type is a msgspec `Struct`, decoded straight from msgpack into the typed ob
 validated on the way (in C: the deltas carry every token a run makes, so this is the hot path).
 A malformed message raises `MalformedMessage` with the reason, and the reader parks it instead of
 crashing. Construction does not validate: a message is checked where it crosses a boundary, when
-decoded (a bound msgspec.Meta cannot say is a `__post_init__`, run by both). On a stream, a message is one entry with the single field `m` holding the msgpack bytes.
+decoded (but for a bound msgspec.Meta cannot say: a `__post_init__`, which both run). On a
+stream, a message is one entry with the single field `m` holding the msgpack bytes.
 
 Messages name the step they belong to `step`; a `version` is always a weight version (the one
 that generated a batch's tokens, the one a worker holds), which under `max_staleness` can be older

@@ -23,10 +23,14 @@ drawn as a plain step draws it (`speculation.draws_at`: the same seeded number, 
 filters), and a row keeps its draws up to the first that differs from its draft, that one
 included, so 1 to k + 1 tokens per pass, each the token plain decoding would draw (up to float
 noise in the logits of a wider pass: a draw lands on another token only where its number falls
-within that noise of a boundary of the cumulative distribution). The columns of the rejected
-draft tokens (and the padding) are then dropped from the cache by moving each row's columns right
-by what it drops (`speculation.drop_tail`), so the cache stays left-padded with every row's last
-kept position in its last column, as after a plain step. Rows without a draft take a plain step in
+within that noise of a boundary of the cumulative distribution). The cache columns of the rejected
+draft tokens (and the padding) are then hidden by the attention mask, where they leave holes
+(positions are explicit, so a hole changes nothing but the cache's width); once the holes widen
+the cache by more than a quarter of its longest row, it is compacted (`speculation.compact`: one
+copy, each row's kept columns moved to its right end), so the cache stays at most that much
+wider than plain decoding's, and a step costs no copy of it beyond the cache's own append. A
+separate verify pass for the drafted rows would need a cache apart from the running set's; one
+pass with padded rows keeps the batch whole. Rows without a draft take a plain step in
 the same pass; with no draft in the step, the step is the plain one. Stop tokens and the token
 budget end a request at the token where plain decoding ends it (a draft never passes the budget).
 `spec_stats` counts drafted and accepted tokens and forward passes.
@@ -43,13 +47,23 @@ import torch
 
 from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
-from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.drafts import DraftIndex
+from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import sample_rows
-from services.rollout.engines.speculation import SpecStats, draws_at, drop_tail, kept_tokens
+from services.rollout.engines.speculation import (
+    SpecStats,
+    compact,
+    draws_at,
+    hide_rejected,
+    holes,
+    kept_tokens,
+)
 from services.rollout.engines.tensors import read_tensors
 
 DRAFT_TOKENS = 4  # most draft tokens a request verifies per step, by default
+# the cache is compacted once its hidden columns pass this share of its longest row and HOLES_MIN
+HOLES_SHARE = 0.25
+HOLES_MIN = 16
 
 
 def cache_tokens(job: Job) -> int:
@@ -258,7 +272,9 @@ class HFEngine:
         kept, at = [], 0
         for rid, row in zip(ids, draws, strict=True):
             draft = drafts.get(rid, [])
-            kept.append(self._emit(rid, draft, kept_tokens(draft, drawn[at : at + len(row)]), events))
+            kept.append(
+                self._emit(rid, draft, kept_tokens(draft, drawn[at : at + len(row)]), events)
+            )
             at += len(row)
         if running:
             self._settle(kept[: len(running)], width)
@@ -272,7 +288,9 @@ class HFEngine:
             return []
         seq = self.seqs[rid]
         k = min(self.draft_tokens, seq.tokens_left - 1)
-        return index.propose(seq.context, k, position=seq.offset)
+        n = index.max_ngram  # the context's tail is all a match looks at
+        tail = seq.generated[-n:] if len(seq.generated) >= n else seq.context[-n:]
+        return index.propose(tail, k, position=seq.offset)
 
     def _emit(
         self, rid: str, draft: list[int], tokens: list[tuple[int, float]], events: list[TokenEvent]
@@ -383,17 +401,20 @@ class HFEngine:
     def _settle(self, kept: list[int], width: int) -> None:
         """After a step that fed the running rows (the cache's first rows) `width` tokens each:
         each row's position moves on by the tokens it kept, and the cache columns of the ones
-        it did not keep (rejected draft tokens, padding) are dropped."""
+        it did not keep (rejected draft tokens, padding) are hidden from attention; once the
+        hidden columns widen the cache past `HOLES_SHARE` of its longest row (and `HOLES_MIN`),
+        the cache is compacted (one copy of it)."""
         keep = torch.tensor(kept, dtype=torch.long)
         self._positions = torch.cat(
             [self._positions[: len(kept)] + keep, self._positions[len(kept) :]]
         )
         if width == 1:
             return
-        drop = torch.zeros(len(self._cache_ids), dtype=torch.long)
-        drop[: len(kept)] = width - keep
-        self._attn = drop_tail(self._cache.layers, self._attn, drop)
-        self._trim()
+        hide_rejected(self._attn, keep, width)
+        longest = int(self._attn.shape[1]) - holes(self._attn)
+        if holes(self._attn) > max(HOLES_MIN, longest * HOLES_SHARE):
+            self._attn = compact(self._cache.layers, self._attn)
+            self._trim()
 
     def _trim(self) -> None:
         """Drop the leading cache columns that no running row attends to any more (they were

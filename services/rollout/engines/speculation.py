@@ -61,21 +61,33 @@ def kept_tokens(draft: list[int], drawn: list[tuple[int, float]]) -> list[tuple[
     return drawn[: len(draft) + 1]
 
 
-def drop_tail(layers: Any, attn: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """Drop the last `drop[b]` cache columns of each row b (the positions of its rejected draft
-    tokens, or padding), keeping the cache left-padded: each row's columns move right by its
-    `drop[b]`, the dropped ones wrapping round to the front where the mask hides them.
+def hide_rejected(attn: torch.Tensor, kept: torch.Tensor, width: int) -> None:
+    """In place: hide from attention the last `width` columns of each of the first rows (one
+    per entry of `kept`, the rows fed `width` tokens this step) past the `kept` first (the
+    positions of its rejected draft tokens, and padding)."""
+    cols = torch.arange(width).unsqueeze(0)
+    fed = attn[: len(kept), -width:]
+    attn[: len(kept), -width:] = fed.masked_fill(cols >= kept.unsqueeze(1), 0)
+
+
+def holes(attn: torch.Tensor) -> int:
+    """How many columns wider the cache is than its longest row: the columns that compacting
+    would drop (each row's hidden positions, where another row does not fill them)."""
+    return attn.shape[1] - int(attn.sum(dim=1).max()) if attn.numel() else 0
+
+
+def compact(layers: Any, attn: torch.Tensor) -> torch.Tensor:
+    """Move each row's attended cache columns to the right end, in order, the hidden ones to
+    the front (where `HFEngine._trim` drops those no row attends): one copy of the cache.
     `layers`' keys and values are replaced; the new attention mask is returned."""
-    width = attn.shape[1]
-    cols = torch.arange(width)
-    source = (cols.unsqueeze(0) - drop.unsqueeze(1)) % width  # new[b, t] = old[b, source[b, t]]
-    attn = attn.masked_fill(cols.unsqueeze(0) >= width - drop.unsqueeze(1), 0).gather(1, source)
+    source = torch.sort(attn, dim=1, stable=True).indices  # hidden first, then attended in order
     for layer in layers:
-        layer.keys = shift_columns(layer.keys, source)
-        layer.values = shift_columns(layer.values, source)
-    return attn
+        layer.keys = take_columns(layer.keys, source)
+        layer.values = take_columns(layer.values, source)
+    return attn.gather(1, source)
 
 
-def shift_columns(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+def take_columns(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """`t` (rows x heads x columns x dim) with column c of row b taken from `source[b, c]`."""
-    return t.gather(2, source.to(t.device)[:, None, :, None].expand_as(t))
+    rows = torch.arange(t.shape[0], device=t.device).unsqueeze(1)
+    return t.transpose(1, 2)[rows, source.to(t.device)].transpose(1, 2)
