@@ -3,10 +3,10 @@
 Epochs of the same prompts (N prompts x a group of G samples, temperature 1.0, fresh seeds each
 epoch, the same seeds for both variants of an epoch): epoch 1 runs plain; from epoch 2 on each
 epoch runs plain and speculative (alternated, `--rounds` times each, the best wall time of each
-kept: other work on the machine only slows a run), each request drafted from the previous epoch's responses to
-its prompt (RhymeRL's HistoSpec), and with `--siblings` also from its group's responses that
-finished before it in this epoch (handed to the running requests as they finish, as the
-coordinator would). Each variant keeps at most `--slots` requests running, and the same ones.
+kept: other work on the machine only slows a run), each request drafted from the previous
+epoch's responses to its prompt (RhymeRL's HistoSpec), and with `--siblings` also from its
+group's responses that finished before it in this epoch (handed to the running requests as they
+finish, as the coordinator would). Each variant keeps at most `--slots` requests running.
 
 Measures, over the epochs from 2 on: `identical_frac` (share of responses whose tokens equal
 plain decoding's: exact verification yields the same tokens, up to float noise landing a draw on

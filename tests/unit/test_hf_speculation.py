@@ -158,3 +158,27 @@ def test_draft_tokens_zero_turns_speculation_off(tiny_model):
     assert engine.spec_stats.drafted == 0 and engine.spec_stats.tokens_per_forward == 1.0
     with pytest.raises(ValueError, match="draft_tokens"):
         HFEngine(draft_tokens=-1)
+
+
+def test_rejected_positions_widen_the_cache_by_a_bounded_share(engine):
+    """Wrong drafts leave hidden columns in the cache; it is compacted before they pass a
+    quarter of its longest row (and HOLES_MIN), so it stays near plain decoding's width."""
+    from services.rollout.engines.hf import HOLES_MIN, HOLES_SHARE
+
+    jobs = group(SAMPLINGS["t1"], n=60)
+    plain = run(engine, jobs)
+    wrong = [j.replace(drafts=[[(t + 1) % 200 for t in tokens(plain[j.request_id])]]) for j in jobs]
+    for j in wrong:
+        engine.add(j)
+    out: dict[str, list] = {}
+    widest = 0
+    while engine.active:
+        for ev in engine.decode():
+            out.setdefault(ev.request_id, []).append((ev.offset, ev.token_id, ev.logprob, None))
+        if engine.active:
+            longest = int(engine._attn.sum(dim=1).max())
+            extra = engine._attn.shape[1] - longest
+            assert extra <= max(HOLES_MIN, longest * HOLES_SHARE)
+            widest = max(widest, extra)
+    assert widest > 4  # holes were left, then compacted
+    assert {r: tokens(e) for r, e in out.items()} == {r: tokens(e) for r, e in plain.items()}

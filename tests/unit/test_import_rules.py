@@ -30,7 +30,8 @@ COORDINATOR_LAYERS = (
 PURE_OUTSIDE_CORE = (
     *("services.infra.retry", "services.infra.figures", "services.infra.settings"),
     *("services.infra.rate_limit", "services.infra.traces", "services.rollout.delta_buffer"),
-    *("services.rollout.grace", "services.rollout.cloud_notice", "services.cli.scale_decision"),
+    *("services.rollout.grace", "services.rollout.cloud_notice", "services.rollout.drafts"),
+    *("services.cli.scale_decision",),
 )
 
 
