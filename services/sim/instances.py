@@ -241,5 +241,6 @@ class Fleet:
         inst.state, inst.gone_s = "gone", self.clock.now
 
     def on_detected(self, held: list[tuple[str, int]]) -> None:
-        """A dead instance's heartbeat expired: the coordinator claims the jobs it held."""
-        self.requests.reclaim(held)
+        """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
+        for rid, lease in held:
+            self.requests.migrate(rid, "death", lease)

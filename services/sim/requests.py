@@ -20,14 +20,12 @@ from services.contracts.messages import (
     RequestLease,
 )
 from services.core.balancer import WorkerLoad, read_cap
+from services.core.collect import keeps_tokens
 from services.core.episodes import EpisodeTable, Observation
 from services.sim.clock import Clock
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepState, Totals
 from services.sim.systems import SystemSpec
-
-# who claims a dead worker's jobs, and the dead reader's name (a reclaim's, for its effects)
-CLAIMER, DEAD_READER = "coordinator", "dead-worker"
 
 T = TypeVar("T")
 
@@ -177,21 +175,15 @@ class RequestFlow:
             )
             self.collect(st, batch)
 
-    def reclaim(self, held: list[tuple[str, int]]) -> None:
-        """The coordinator claims the jobs a dead worker held ((request, lease) each, in the
-        order it read them) and its step controller migrates them (`on_claimed`, as
-        `coordinator/step/loop` does): each request still under that lease goes back to its
-        step's queue."""
-        claimed: dict[int, list[Job]] = {}
-        for rid, lease in held:
-            st = self.step_of(rid)
-            claimed.setdefault(st.step, []).append(st.table.job(rid).replace(lease=lease))
-        for step, jobs in claimed.items():
-            st = self.inflight[step]
-            before = st.table.tokens_discarded
-            effects = st.control.on_claimed(DEAD_READER, [], jobs, CLAIMER)
-            self.totals.discarded += st.table.tokens_discarded - before
-            self.queue_jobs(st, effects.jobs, {c: n for c, n in effects.migrated.items() if n})
+    def migrate(self, rid: str, cause: str, lease: int) -> None:
+        """The coordinator reclaims a request of a dead worker (`core.reclaim`, carried out by
+        `coordinator/step/loop.reclaim`)."""
+        st = self.step_of(rid)
+        before = st.table.tokens_discarded
+        job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
+        self.totals.discarded += st.table.tokens_discarded - before
+        if job is not None:
+            self.queue_jobs(st, [job], {cause: 1})
 
     def delta(
         self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
@@ -267,15 +259,15 @@ class RequestFlow:
         tokens = [] if done else [0] * self.sc.workload.observation_tokens
         job = table.observe(rid, lease, Observation(tokens, 0.0, done))
         self.totals.env_answers += 1
-        over = [rid] if job is None and r.done else []
-        self.totals.episodes += len(over)
-        # the step controller takes the answer (`on_answers`, as the services' episodes do):
-        # the next turn's job, or the groups the episode's end completes
-        effects = st.control.on_answers([job] if job is not None else [], over)
-        self.queue_jobs(st, effects.jobs, {})
-        st.control.stored(effects)
-        for prompt in effects.publish:
-            self.group_done(st, prompt)
+        if job is not None:
+            st.queue.append(job)
+            return
+        if r.done:
+            self.totals.episodes += 1
+            groups = table.completed_groups([rid])
+            table.mark_published(groups)
+            for prompt in groups:
+                self.group_done(st, prompt)
 
 
 def grant_of(st: StepState, rid: str, lease: int) -> str:

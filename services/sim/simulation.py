@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RolloutSection
 from services.core.collect import CollectRules
 from services.core.request_table import request_id
@@ -54,14 +53,14 @@ from services.core.seeding import (
     recommended_pool_size,
     train_compute_s,
 )
-from services.core.step_controller import Lead, StepController
+from services.core.step_controller import StepController
 from services.sim.clock import Clock
 from services.sim.instances import Fleet, reserved_instances
 from services.sim.requests import RequestFlow
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
-from services.sim.turns import RUN_ID, step_table, turn_physics
+from services.sim.turns import step_table, turn_physics
 
 QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
 
@@ -113,20 +112,11 @@ class Simulation:
             backoff=defaults.seeding_backoff,
             max_seed_s=1e9,
         )
-        self.lead = Lead(seeding=self.seeding)  # the leader's run-wide part of the controllers
         if system.pool == "trace":
             for at, count in targets:
                 self.clock.at(at, "target", count)
         elif system.pool == "fixed":
             self.clock.at(0.0, "target", system.fixed_instances)
-
-    def beats(self) -> dict[str, Heartbeat]:
-        """Every registered instance's heartbeat, as the coordinator reads them."""
-        return {
-            i.name: i.heartbeat(RUN_ID, self.clock.now)
-            for i in self.fleet.instances.values()
-            if i.has_heartbeat
-        }
 
     def event_handlers(self) -> dict[str, Callable[[Any], None]]:
         """Each event's kind -> the method of the component that owns it."""
@@ -289,26 +279,19 @@ class Simulation:
             for p, group in enumerate(work.response_tokens)
             for s, n in enumerate(group)
         }
-        # the coordinator's step controller opens the step: its first jobs, the pools it
-        # counts and the seeding window (Algorithm 1, the simulation's SeedingController)
-        control = StepController(
-            table,
-            self.rules,
-            self.system.fair_reads,
-            self.system.max_staleness,
-            self.lead,
-            self.system.migration,
-        )
-        opened = control.open(self.beats(), self.clock.now, self.clock.now, self.clock.now)
+        n_pre = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
+        window = math.inf if self.system.seeding == "colocated" else self.seeding.window_s(n_pre)
+        if self.system.max_staleness:
+            window = 0.0  # asynchronous: the reserved node trains (it is recalled if need be)
         st = StepState(
             step,
-            control,
+            StepController(table, self.rules, self.system.fair_reads),
             lengths,
             work.prompt_tokens,
-            deque(opened.jobs),
+            deque(table.initial_jobs()),
             self.clock.now,
-            control.window_s,
-            control.pools["preemptible"],
+            window,
+            n_pre,
         )
         st.turn_tokens, st.env_latency_s = turn_physics(step, work)
         self.inflight[step] = st
@@ -318,7 +301,7 @@ class Simulation:
             for inst in self.fleet.pool_instances():
                 if inst.state == "up":
                     self.fleet.pull(inst)
-        if st.window_s > 0:
+        if window > 0:
             self.totals.reserved_switch_s += sc.resume_s
             self.clock.at(self.clock.now + sc.resume_s, "reserved_ready", step)
         else:

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.contracts.messages import Heartbeat, Job, Pool
+from services.contracts.messages import Job, Pool
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
@@ -37,21 +37,6 @@ class Instance:
 
     def slots(self) -> int:
         return min(self.engine.profile.max_seqs, self.engine.plateau.plateau())
-
-    def heartbeat(self, run_id: str, now: float) -> Heartbeat:
-        """What the instance tells the coordinator (the controller reads its pool, the version
-        it holds and whether it stepped aside)."""
-        return Heartbeat(
-            worker_id=self.name,
-            pool=self.pool,
-            run_id=run_id,
-            version=self.version,
-            active=self.engine.batch,
-            slots=self.engine.profile.max_seqs,
-            tokens_generated=0,
-            at=now,
-            paused=self.paused,
-        )
 
     def alive_s(self, until: float) -> float:
         end = until if self.gone_s is None else min(self.gone_s, until)

@@ -31,9 +31,6 @@ class SimEpisodeTable(EpisodeTable):
         super()._restarted(rid)
 
 
-RUN_ID = "sim"  # the one run a simulation runs
-
-
 def step_table(
     workload: ResponseLengthModel, step: int, prompt_tokens: list[int], seed: int, totals: Totals
 ) -> RequestTable:
@@ -43,9 +40,9 @@ def step_table(
     sampling = SamplingParams(max_new_tokens=workload.max_response_tokens)
     n = workload.group_size
     if workload.turns == 1:
-        return RequestTable(RUN_ID, step, prompts, n, sampling, seed, [])
+        return RequestTable("sim", step, prompts, n, sampling, seed, [])
     return SimEpisodeTable(
-        RUN_ID, step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
+        "sim", step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
     )
 
 
