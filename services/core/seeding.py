@@ -164,11 +164,19 @@ def recall(seeded_out: bool, n_preemptible: int, unfinished: int) -> bool:
 
 
 def seeding_over(
-    now: float, seed_start: float | None, window_s: float, n_reserved: int, n_preemptible: int
+    now: float,
+    seed_start: float | None,
+    window_s: float,
+    n_reserved: int,
+    n_preemptible: int,
+    alone: bool = False,
 ) -> bool:
     """Whether the reserved pool should step aside: it is gone, or its window (counted from
     when it first held the step's weights) is over and a preemptible pool can take over (with
-    none, stepping aside would leave the step with nobody to serve it)."""
+    none, stepping aside would leave the step with nobody to serve it; `alone`: it steps aside
+    all the same, and the recall calls it back). The window ends at `seed_start + window_s`,
+    the time a simulator's event for its end is due at."""
     if n_reserved == 0:
         return True
-    return seed_start is not None and now - seed_start >= window_s and n_preemptible > 0
+    over = seed_start is not None and now >= seed_start + window_s
+    return over and (n_preemptible > 0 or alone)

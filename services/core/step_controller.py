@@ -31,8 +31,9 @@ the active run), not failed, and not stepped aside for a version that may genera
 (with max_staleness k, versions s - k .. s do). Of those, the ones that hold such a version now
 (`holds`) are seeded, paused and balanced.
 
-The simulator drives the same object: its flushes go through `on_deltas` and its balancing
-through `balance`.
+The simulator (`services/sim`) drives the same object through the events it models: `open`,
+`on_deltas`, `on_answers` with `stored`, `tick` (the seeding window's end and the recall of
+synchronous steps; it balances through `balance` itself), `on_claimed` and `end`.
 """
 
 from collections.abc import Mapping
@@ -234,6 +235,16 @@ class StepController:
     staleness: int = 0  # max_staleness: workers holding versions step - k .. step serve it
     lead: Lead | None = None  # the leader's: the whole step's decisions are this one's
     migration: bool = True  # token-level migration (a reclaim keeps the tokens)
+    # the reserved pool starts each step stepped aside and generates only for a window (a node
+    # that trains between steps, as the simulator's): with a zero window it never seeds, so
+    # seeding is over at `open`
+    starts_aside: bool = False
+    # at its window's end the reserved pool steps aside even with no preemptible worker to take
+    # over, and the recall calls it back at once (the simulator's rule; `seeding_over`)
+    aside_alone: bool = False
+    # the tick orders releases (Algorithm 2 over the step's workers); False where the shell
+    # balances through `balance` itself (the simulator: over all its steps, after every event)
+    balances: bool = True
     window_s: float = 0.0  # the seeding window, set by `open`
     started: float = 0.0  # monotonic, when the step began; set by `open`
     pools: dict[str, int] = field(default_factory=lambda: {"reserved": 0, "preemptible": 0})
@@ -290,6 +301,8 @@ class StepController:
             self.seeded_out, self.seed_end = True, started  # a resumed step: already over
         elif not any(b.pool == "reserved" for b in workers.values()):
             self._end_seeding({}, now, out)  # nothing to seed with: the trainer may start
+        elif self.starts_aside and self.window_s == 0:
+            self._end_seeding({}, now, out)  # no window: the reserved pool stays aside
         return out
 
     def _restored(self, out: Effects) -> None:
@@ -356,7 +369,7 @@ class StepController:
             self.seed_start = t.now  # the window runs from when seeding can start
         n_preemptible = sum(1 for b in workers.values() if b.pool == "preemptible")
         if not self.seeded_out and seeding_over(
-            t.now, self.seed_start, self.window_s, len(reserved), n_preemptible
+            t.now, self.seed_start, self.window_s, len(reserved), n_preemptible, self.aside_alone
         ):
             self._end_seeding(workers, t.now, out)
         if self.recalled is None and recall(self.seeded_out, n_preemptible, unfinished):
@@ -365,7 +378,8 @@ class StepController:
             out.read_cap = read_cap(
                 unfinished, serving(t.beats, self.run_id, self.step, self.staleness)
             )
-        self._balance(workers, t, unfinished, out)
+        if self.balances:
+            self._balance(workers, t, unfinished, out)
         if t.oldest and self.lead is not None:
             self._check_stall(t, out)
         return out

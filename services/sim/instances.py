@@ -1,9 +1,10 @@
 """The simulation's instances: the trace offering and taking back instances, the
 scaler holding the pool the coordinator wants, boots, weight pulls (in the foreground at boot,
 in the background under asynchronous RL), preemptions with or without notice, and their
-detection when a dead instance's heartbeat expires.
+detection when a dead instance's heartbeat expires; and the heartbeats the coordinator's step
+controller reads (`Fleet.beats`).
 
-What a preempted instance held goes through the services' own flush and migration code
+What a preempted instance held goes through the services' own flush and reclaim code
 (requests.py); what is modelled here is time and the cloud's choices (a random victim). The
 component is `Fleet`, held by the simulation as `sim.fleet`; its events are `on_*` methods.
 """
@@ -11,12 +12,12 @@ component is `Fleet`, held by the simulation as `sim.fleet`; its events are `on_
 import itertools
 import random
 
-from services.contracts.messages import DeltaBatch
+from services.contracts.messages import DeltaBatch, Heartbeat
 from services.sim.clock import Clock
 from services.sim.engine import SimEngine
 from services.sim.requests import RequestFlow
 from services.sim.scenario import Route, Scenario
-from services.sim.state import Instance, Totals
+from services.sim.state import RUN_ID, Instance, Totals
 from services.sim.systems import SystemSpec
 
 REMOTE_SUFFIX = "@remote"  # ends the name of a spot instance in the remote region
@@ -234,13 +235,37 @@ class Fleet:
             )
         self.on_gone(inst.name)
         if held:
-            self.clock.at(self.clock.now + self.sc.cloud.heartbeat_ttl_s, "detected", held)
+            self.clock.at(
+                self.clock.now + self.sc.cloud.heartbeat_ttl_s, "detected", (inst.name, held)
+            )
 
     def on_gone(self, name: str) -> None:
         inst = self.instances[name]
         inst.state, inst.gone_s = "gone", self.clock.now
 
-    def on_detected(self, held: list[tuple[str, int]]) -> None:
-        """A dead instance's heartbeat expired: migrate what it held, each request on its own."""
-        for rid, lease in held:
-            self.requests.migrate(rid, "death", lease)
+    def on_detected(self, payload: tuple[str, list[tuple[str, int]]]) -> None:
+        """A dead instance's heartbeat expired: the coordinator reclaims the jobs it held,
+        (request, lease) each (`RequestFlow.reclaim`, through the step controller's
+        `on_claimed`)."""
+        name, held = payload
+        self.requests.reclaim(name, held)
+
+    def beats(self) -> dict[str, Heartbeat]:
+        """The heartbeats the coordinator reads now: every registered instance's
+        (`has_heartbeat`), on the run, with the weights it holds and whether it stepped aside.
+        No plateau is told: the simulation balances by its engines' own (`RequestFlow`)."""
+        return {
+            i.name: Heartbeat(
+                worker_id=i.name,
+                pool=i.pool,
+                run_id=RUN_ID,
+                version=i.version,
+                active=i.engine.batch,
+                slots=i.engine.profile.max_seqs,
+                tokens_generated=int(i.engine.tokens),
+                at=self.clock.now,
+                paused=i.paused,
+            )
+            for i in self.instances.values()
+            if i.has_heartbeat
+        }

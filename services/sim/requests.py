@@ -2,14 +2,16 @@
 (the oldest step's first, under each step's read cap with `fair_reads`), Algorithm 2's releases
 (`balancer.releases`, through the step controller's `balance`), and every flush (a release, a
 finished request, what a dying instance flushed) applied by the coordinator's own step
-controller (`on_deltas`) to the step's `RequestTable`, whose completed groups go to
-the trainer (`Simulation.group_done`); a multi-turn episode's ended turns go to the
-environment, whose answer (an event) queues the next turn or ends the episode (turns.py holds
-the episodes' table and physics). The component is `RequestFlow`, held as `sim.requests`.
+controller (`on_deltas`, then `stored`) to the step's `RequestTable`, whose completed groups go
+to the trainer (`Simulation.group_done`); a multi-turn episode's ended turns go to the
+environment, whose answer (an event) the controller takes (`on_answers`, then `stored`): the
+next turn queued or the episode over (turns.py holds the episodes' table and physics); a dead
+instance's jobs are reclaimed by the controller (`on_claimed`). The component is
+`RequestFlow`, held as `sim.requests`.
 """
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from services.contracts.messages import (
     DeltaBatch,
@@ -20,7 +22,6 @@ from services.contracts.messages import (
     RequestLease,
 )
 from services.core.balancer import WorkerLoad, read_cap
-from services.core.collect import keeps_tokens
 from services.core.episodes import EpisodeTable, Observation
 from services.sim.clock import Clock
 from services.sim.scenario import Scenario
@@ -28,6 +29,7 @@ from services.sim.state import Instance, StepState, Totals
 from services.sim.systems import SystemSpec
 
 T = TypeVar("T")
+CLAIMER: Final = "coordinator"  # the consumer a coordinator claims a dead reader's jobs with
 
 
 class RequestFlow:
@@ -119,7 +121,7 @@ class RequestFlow:
         return sum(
             1
             for i in self.instances.values()
-            if i.has_heartbeat and (i.pool != "reserved" or not st.seeded_out)
+            if i.has_heartbeat and (i.pool != "reserved" or not st.control.seeded_out)
         )
 
     def start_job(self, inst: Instance, job: Job) -> None:
@@ -175,15 +177,17 @@ class RequestFlow:
             )
             self.collect(st, batch)
 
-    def migrate(self, rid: str, cause: str, lease: int) -> None:
-        """The coordinator reclaims a request of a dead worker (`core.reclaim`, carried out by
-        `coordinator/step/loop.reclaim`)."""
-        st = self.step_of(rid)
-        before = st.table.tokens_discarded
-        job = st.table.migrate(rid, cause, keeps_tokens(self.system.migration, cause), lease)
-        self.totals.discarded += st.table.tokens_discarded - before
-        if job is not None:
-            self.queue_jobs(st, [job], {cause: 1})
+    def reclaim(self, worker: str, held: list[tuple[str, int]]) -> None:
+        """The coordinator reclaims the jobs a dead worker held, (request, lease) each, once its
+        heartbeat expired: each step's controller decides which continue (`on_claimed`, by
+        `core.reclaim`, as `coordinator/step/loop.reclaim` calls it) and their jobs are queued."""
+        claimed = [(self.step_of(rid), (rid, lease)) for rid, lease in held]
+        for st, pairs in self.by_step(claimed):
+            jobs = [st.table.job(rid).replace(lease=lease) for rid, lease in pairs]  # as read
+            before = st.table.tokens_discarded
+            effects = st.control.on_claimed(worker, [], jobs, CLAIMER)
+            self.totals.discarded += st.table.tokens_discarded - before
+            self.queue_jobs(st, effects.jobs, effects.migrated)
 
     def delta(
         self, st: StepState, rid: str, lease: int, offset: int, tokens: int, finished: bool
@@ -222,7 +226,8 @@ class RequestFlow:
         """The controller's jobs queued, the requests moved counted by cause."""
         st.queue.extend(jobs)
         for cause, n in migrated.items():
-            self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + n
+            if n:
+                self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + n
 
     def finish_request(self, inst: Instance, rid: str) -> None:
         st = self.step_of(rid)
@@ -248,8 +253,10 @@ class RequestFlow:
             )
 
     def on_env_answer(self, payload: tuple[int, str, int]) -> None:
-        """The environment answers a turn: the next turn is queued, or the episode is over
-        (after the workload's last turn, or when the budget has no room left)."""
+        """The environment answers a turn (`EpisodeTable.observe`, as the coordinator's
+        episodes runner does): the step controller's `on_answers` queues the next turn, or
+        takes the episode over (after the workload's last turn, or when the budget has no room
+        left) with the groups it completes, published once stored (`stored`)."""
         step, rid, lease = payload
         st = self.inflight[step]  # a step with a turn awaiting an answer is not committed
         table = st.table
@@ -259,15 +266,13 @@ class RequestFlow:
         tokens = [] if done else [0] * self.sc.workload.observation_tokens
         job = table.observe(rid, lease, Observation(tokens, 0.0, done))
         self.totals.env_answers += 1
-        if job is not None:
-            st.queue.append(job)
-            return
-        if r.done:
-            self.totals.episodes += 1
-            groups = table.completed_groups([rid])
-            table.mark_published(groups)
-            for prompt in groups:
-                self.group_done(st, prompt)
+        over = [rid] if job is None and r.done else []
+        self.totals.episodes += len(over)
+        effects = st.control.on_answers([job] if job is not None else [], over)
+        self.queue_jobs(st, effects.jobs, effects.migrated)
+        st.control.stored(effects)
+        for prompt in effects.publish:
+            self.group_done(st, prompt)
 
 
 def grant_of(st: StepState, rid: str, lease: int) -> str:

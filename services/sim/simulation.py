@@ -21,13 +21,20 @@ continuation (turns.py, over the coordinator's `EpisodeTable`).
 
 The step side is here: the event loop, starting a step, the reserved node's seeding window and
 recall, the trainer consuming groups as they arrive, the version commit and the T_seed update.
-The decisions are the services' own (services/core): the request table and its groups,
-`seeding.after_step` (Algorithm 1 and N_prem) once the next version is committed, the seeding
-window counted from when the reserved engines hold the step's weights. What is modelled here
-is time: the trainer's micro-batches as groups arrive, one optimizer step, the publication.
-Under asynchronous RL the trainer takes the oldest step's groups only (it is sequential); later
-steps' groups wait for their turn, and the reserved node does not seed (window 0): it trains,
-and generates only when recalled.
+Each step is decided by the coordinator's own `StepController`, driven through the events this
+simulation models, as the services drive it (docs/design.md 5g): `open` (the first jobs, the
+pools, the window from a `Lead` whose `seeding` is this simulation's `SeedingController`),
+`on_deltas`, `on_answers` and `stored` (requests.py), after every event a `tick` of each
+synchronous step rolling out (the instances' heartbeats: the window's end and the recall,
+whose pause and resume orders are carried out here), `on_claimed` for a dead instance's jobs
+(instances.py, requests.py), and `end` (the step's times, the trainer's filled in at the
+commit, then `seeding.after_step`: Algorithm 1 and N_prem). What is modelled here is time: the
+node's switches between training and rollout, the trainer's micro-batches as groups arrive,
+one optimizer step, the publication. Under asynchronous RL the trainer takes the oldest step's
+groups only (it is sequential); later steps' groups wait for their turn, and the reserved node
+does not seed (window 0): it trains, and generates only when recalled, which stays this
+simulation's (`recall_async`: the node shares its GPUs with the trainer, so it is called back
+only while the trainer has nothing to do, and again after it stepped back to train).
 
 Two components hold the rest, each owning its events (the loop maps an event's kind to its
 owner's method): the instances (`Fleet`, instances.py, as `sim.fleet`) and the requests with
@@ -53,7 +60,7 @@ from services.core.seeding import (
     recommended_pool_size,
     train_compute_s,
 )
-from services.core.step_controller import StepController
+from services.core.step_controller import Effects, Lead, StepController, Tick
 from services.sim.clock import Clock
 from services.sim.instances import Fleet, reserved_instances
 from services.sim.requests import RequestFlow
@@ -97,6 +104,9 @@ class Simulation:
             self.clock, scenario, system, self.totals, seed, instances, self.requests
         )
         self.handlers = self.event_handlers()
+        # the window each step opens with (`Lead.window`): off, none while a preemptible
+        # instance is up (the reserved node stays aside and trains); co-located, an unbounded
+        # one (it generates the whole step)
         t_seed = {"adaptive": scenario.initial_t_seed_s, "off": 0.0, "colocated": math.inf}
         self.rules = CollectRules(migration=system.migration)
         headroom = system.pool_headroom
@@ -112,6 +122,7 @@ class Simulation:
             backoff=defaults.seeding_backoff,
             max_seed_s=1e9,
         )
+        self.lead = Lead(seeding=self.seeding)  # the leader's: T_seed adapts in `seeding`
         if system.pool == "trace":
             for at, count in targets:
                 self.clock.at(at, "target", count)
@@ -164,14 +175,22 @@ class Simulation:
             for inst in busy:
                 for rid in inst.engine.stopped():
                     self.requests.finish_request(inst, rid)
-            while (event := self.clock.due()) is not None:
-                kind, payload = event
-                self.handlers[kind](payload)
-            if self.system.pool == "trace":
-                self.recall_reserved()
+            if self.handle_events() and not self.system.max_staleness:
+                self.tick()
+            elif self.system.max_staleness and self.system.pool == "trace":
+                self.recall_async()
             self.requests.dispatch()
             self.requests.balance()
         return self
+
+    def handle_events(self) -> bool:
+        """The events due by now, each by its owner; whether there was one."""
+        handled = False
+        while (event := self.clock.due()) is not None:
+            kind, payload = event
+            self.handlers[kind](payload)
+            handled = True
+        return handled
 
     def finished(self) -> bool:
         return self.max_steps is not None and len(self.records) >= self.max_steps
@@ -190,7 +209,7 @@ class Simulation:
         if self.system.max_staleness:
             return self.stalled_async()
         waiting = any(
-            st.queue and st.seeded_out and not st.recalled for st in self.inflight.values()
+            st.queue and st.control.seeded_out and not st.recalled for st in self.inflight.values()
         )
         return waiting and not any(i.has_heartbeat for i in self.fleet.pool_instances())
 
@@ -203,26 +222,42 @@ class Simulation:
             and not (self.resuming or self.reserved_generating() or self.trainer_has_work())
         )
 
-    def recall_reserved(self) -> None:
-        """No preemptible instance is left after the seeding window: the reserved engines
-        resume the step (after a switch), as the coordinator's step controller orders them
-        (`StepController.tick`)."""
-        if self.system.max_staleness:
-            self.recall_async()
-            return
+    def tick(self) -> None:
+        """The leader's tick over each synchronous step rolling out (`StepController.tick`,
+        the instances' heartbeats read as the coordinator reads them), after every event: its
+        seeding window's end and its recall, carried out here. (Between events only requests
+        finish, which never ends a window nor calls for a recall.) The tick does not balance:
+        `requests.balance` does, after every event and every finished request."""
         for st in list(self.inflight.values()):
-            if st.recalled or st.rollout_end_s is not None:
+            if st.rollout_end_s is not None:
                 continue
-            n_pool = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
-            if recall(st.seeded_out, n_pool, st.table.unfinished_count):
-                self.recall_for(st)
+            now = self.clock.now
+            tick = Tick(
+                now, now, self.fleet.beats(), committed=self.clock.version, oldest=st is self.cur
+            )
+            self.carry_out(st, st.control.tick(tick))
 
-    def recall_for(self, st: StepState) -> None:
+    def carry_out(self, st: StepState, effects: Effects) -> None:
+        """A tick's orders: at the seeding window's end the reserved engines ordered to pause
+        give their requests back and the node switches to training; recalled (no preemptible
+        instance left), the engines ordered to resume switch back to the step."""
+        if effects.seed_end is not None:
+            for name, order in effects.orders:
+                if order.action == "pause":
+                    inst = self.fleet.instances[name]
+                    self.requests.release(inst, len(inst.engine.running), "seed")
+            self.step_aside(st)
+        if effects.recalled:
+            resumed = [(n, o.version) for n, o in effects.orders if o.action == "resume"]
+            self.recall_for(st, resumed)
+
+    def recall_for(self, st: StepState, resumed: list[tuple[str, int | None]]) -> None:
+        """The reserved engines `resumed` (name, version) switch back to rollout."""
         st.recalled = True
         self.totals.recalls += 1
         self.resuming = True
         self.totals.reserved_switch_s += self.sc.resume_s
-        self.clock.at(self.clock.now + self.sc.resume_s, "recalled", st.step)
+        self.clock.at(self.clock.now + self.sc.resume_s, "recalled", (st.step, resumed))
 
     def recall_async(self) -> None:
         """Asynchronous RL: the reserved node trains; when no preemptible instance is alive,
@@ -233,16 +268,21 @@ class Simulation:
             return
         n_pool = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
         waiting = [st for st in self.inflight.values() if st.rollout_end_s is None]
-        if not any(recall(st.seeded_out, n_pool, st.table.unfinished_count) for st in waiting):
+        if not any(
+            recall(st.control.seeded_out, n_pool, st.table.unfinished_count) for st in waiting
+        ):
             return
         for st in waiting:
             st.recalled = True
-        self.recall_for(waiting[0])
+        self.recall_for(waiting[0], [(i.name, None) for i in self.fleet.reserved()])
 
     def reserved_generating(self) -> bool:
         return any(not i.paused for i in self.fleet.reserved())
 
-    def on_recalled(self, step: int) -> None:
+    def on_recalled(self, payload: tuple[int, list[tuple[str, int | None]]]) -> None:
+        """The switch is over: the engines resume (at the version their order says;
+        asynchronous: at the latest committed)."""
+        step, resumed = payload
         self.resuming = False
         if self.system.max_staleness:
             if not self.trainer_has_work():  # (else the switch back would follow at once)
@@ -252,8 +292,9 @@ class Simulation:
             return
         if self.cur is None or self.cur.step != step:
             return
-        for inst in self.fleet.reserved():
-            inst.version, inst.paused = step, False
+        for name, version in resumed:
+            inst = self.fleet.instances[name]
+            inst.version, inst.paused = version, False
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -279,20 +320,20 @@ class Simulation:
             for p, group in enumerate(work.response_tokens)
             for s, n in enumerate(group)
         }
-        n_pre = sum(1 for i in self.fleet.pool_instances() if i.has_heartbeat)
-        window = math.inf if self.system.seeding == "colocated" else self.seeding.window_s(n_pre)
-        if self.system.max_staleness:
-            window = 0.0  # asynchronous: the reserved node trains (it is recalled if need be)
-        st = StepState(
-            step,
-            StepController(table, self.rules, self.system.fair_reads),
-            lengths,
-            work.prompt_tokens,
-            deque(table.initial_jobs()),
-            self.clock.now,
-            window,
-            n_pre,
+        control = StepController(
+            table,
+            self.rules,
+            self.system.fair_reads,
+            staleness=self.system.max_staleness,
+            lead=self.lead,
+            migration=self.system.migration,
+            starts_aside=True,  # the reserved node trains between steps
+            aside_alone=True,  # at the window's end, with no spot instance left too
+            balances=False,  # `requests.balance`, over every step in flight
         )
+        now = self.clock.now
+        opened = control.open(self.fleet.beats(), started=now, now=now, queued_at=now)
+        st = StepState(step, control, lengths, work.prompt_tokens, deque(opened.jobs))
         st.turn_tokens, st.env_latency_s = turn_physics(step, work)
         self.inflight[step] = st
         if self.cur is None or self.cur.step not in self.inflight:
@@ -301,46 +342,48 @@ class Simulation:
             for inst in self.fleet.pool_instances():
                 if inst.state == "up":
                     self.fleet.pull(inst)
-        if window > 0:
+        if opened.seed_end is not None:  # no window: the reserved node stays aside and trains
+            self.clock.at(now, "trainer_ready", step)
+        else:  # it switches to rollout for the window
             self.totals.reserved_switch_s += sc.resume_s
-            self.clock.at(self.clock.now + sc.resume_s, "reserved_ready", step)
-        else:
-            st.seeded_out, st.seed_end_s = True, self.clock.now
-            self.clock.at(self.clock.now, "trainer_ready", step)
+            self.clock.at(now + sc.resume_s, "reserved_ready", step)
 
     def on_reserved_ready(self, step: int) -> None:
+        """The reserved engines hold the step's weights: the next tick starts its seeding
+        window (`StepController.tick`), whose end is due `window_s` later."""
         st = self.step_in_flight
         for inst in self.fleet.reserved():
             inst.version, inst.paused = step, False
-        st.seed_start_s = self.clock.now
-        if not math.isinf(st.window_s):
-            self.clock.at(self.clock.now + st.window_s, "seed_end", step)
+        if not math.isinf(st.control.window_s):
+            self.clock.at(self.clock.now + st.control.window_s, "seed_end", step)
 
-    def on_seed_end(self, step: int) -> None:
-        st = self.step_in_flight
-        if st.step != step or st.seeded_out:
-            return
-        for inst in self.fleet.reserved():
-            self.requests.release(inst, len(inst.engine.running), "seed")
-        self.step_aside(st)
+    def on_seed_end(self, _: object) -> None:
+        """The seeding window's end is due: the tick after this event ends it
+        (`StepController.tick`)."""
 
     def step_aside(self, st: StepState) -> None:
         """The reserved engines stop generating; the node switches to training."""
         for inst in self.fleet.reserved():
             inst.paused = True
-        st.seeded_out, st.seed_end_s = True, self.clock.now
         self.totals.reserved_switch_s += self.sc.switch_s
         self.clock.at(self.clock.now + self.sc.switch_s, "trainer_ready", st.step)
 
     def group_done(self, st: StepState, prompt: int) -> None:
         st.ready_groups.append(prompt)
         if st.table.complete:
-            st.rollout_end_s = self.clock.now
-            if not st.seeded_out:
-                self.step_aside(st)  # the reserved node generated to the end (co-located)
+            self.end_rollout(st)
         if self.system.max_staleness and self.reserved_generating() and self.oldest_rolled_out():
             self.step_aside_async()
         self.train_next()
+
+    def end_rollout(self, st: StepState) -> None:
+        """The step's last group is complete: the controller's `end` gives its times, and
+        ends the seeding window if it never closed (the reserved node generated to the end,
+        co-located): the node steps aside then."""
+        ended = st.control.end(self.clock.now, self.clock.now)
+        st.times = ended.times
+        if ended.seed_end is not None:
+            self.step_aside(st)
 
     def step_aside_async(self) -> None:
         """Asynchronous RL, after a recall: the oldest step's rollout is complete, so the
@@ -441,37 +484,24 @@ class Simulation:
         """Version step+1 is in the weight store: adapt T_seed (Algorithm 1), start the next
         (with k > 0: step+1+k; the instances swap to the new version in the background)."""
         st = self.inflight[step]
-        rollout_end_s = st.rollout_end_s
-        assert rollout_end_s is not None, "the last group completed before the trainer took it"
+        assert st.times is not None, "the last group completed before the trainer took it"
         self.clock.version = step + 1
         self.totals.trained += st.trained_tokens
-        update = after_step(
-            self.seeding,
-            StepTimes(
-                n_preemptible=st.n_preemptible,
-                n_reserved=len(self.fleet.reserved()),
-                started=st.started_s,
-                seed_end=st.seed_end_s,
-                rollout_end=rollout_end_s,
-                committed=self.clock.now,
-                train_compute_s=st.train_s,
-                train_wait_s=st.train_wait_s,
-            ),
-            adapt=self.system.seeding == "adaptive",
-        )
+        times = self.trained_times(st.times, st)
+        update = after_step(self.seeding, times, adapt=self.system.seeding == "adaptive")
         if self.system.max_staleness:
             update = replace(update, n_prem_recommended=self.n_prem_async(st))
         self.records.append(
             StepRecord(
                 step=step,
-                start_s=st.started_s,
+                start_s=times.started,
                 end_s=self.clock.now,
-                rollout_s=rollout_end_s - st.started_s,
+                rollout_s=times.rollout_end - times.started,
                 tokens=st.trained_tokens,
                 prompt_tokens=st.trained_prompt_tokens,
                 train_s=st.train_s,
-                t_seed_s=st.window_s,
-                spot_instances=st.n_preemptible,
+                t_seed_s=st.control.window_s,
+                spot_instances=times.n_preemptible,
                 train_wait_s=st.train_wait_s,
                 remote_wait_s=update.t_remote_wait_s,
                 n_prem_recommended=update.n_prem_recommended,
@@ -493,6 +523,20 @@ class Simulation:
                 self.cur.optimize_waiting = False
                 self.optimize(self.cur)
             self.train_next()  # the next step's groups may be waiting
+
+    def trained_times(self, times: StepTimes, st: StepState) -> StepTimes:
+        """The controller's times of the step (`end`) with the trainer's, now it committed.
+        A window that never closed ended with the rollout: the node switched to training
+        then, so it seeded until the rollout's end (as the coordinator's metrics row reads it,
+        `record.rollout_row`; the controller's own times say None)."""
+        seed_end = times.seed_end if times.seed_end is not None else times.rollout_end
+        return replace(
+            times,
+            seed_end=seed_end,
+            committed=self.clock.now,
+            train_compute_s=st.train_s,
+            train_wait_s=st.train_wait_s,
+        )
 
     def n_prem_async(self, st: StepState) -> float:
         """Asynchronous RL: steps overlap, so a step's own rollout time says little. N_prem

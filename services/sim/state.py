@@ -8,9 +8,11 @@ from typing import Literal
 from services.contracts.messages import Job, Pool
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
+from services.core.seeding import StepTimes
 from services.core.step_controller import StepController
 from services.sim.engine import SimEngine
 
+RUN_ID = "sim"  # the one run a simulation holds: its tables' and its heartbeats'
 InstanceState = Literal["booting", "pulling", "up", "noticed", "gone"]
 
 
@@ -45,21 +47,17 @@ class Instance:
 
 @dataclass
 class StepState:
-    """One RL step in flight."""
+    """One RL step in flight: the coordinator's step controller, which decides it (its table,
+    seeding window, recall, times), and what the simulation models around it."""
 
     step: int
-    control: StepController  # the coordinator's own: its request table, rules and cooldown
+    # the coordinator's own: its request table, rules, cooldown, pools, seeding window and times
+    control: StepController
     lengths: dict[str, int]  # request -> length at which it stops (physics, never scheduling)
     prompt_tokens: list[int]
     queue: deque[Job]
-    started_s: float
-    window_s: float
-    n_preemptible: int  # at the start of the step, as the coordinator counts it
-    seed_start_s: float | None = None
-    seeded_out: bool = False
-    recalled: bool = False  # the reserved engines resumed: no preemptible instance was left
-    seed_end_s: float | None = None
-    rollout_end_s: float | None = None
+    recalled: bool = False  # the reserved engines were called back to the step (they read it)
+    times: StepTimes | None = None  # the controller's at the rollout's end (`end`)
     ready_groups: deque[int] = field(default_factory=deque)
     trainer_ready_s: float | None = None
     training: bool = False
@@ -78,6 +76,11 @@ class StepState:
     @property
     def table(self) -> RequestTable:
         return self.control.table
+
+    @property
+    def rollout_end_s(self) -> float | None:
+        """When the step's last group was complete (None: it is rolling out)."""
+        return None if self.times is None else self.times.rollout_end
 
     def stop_at(self, rid: str) -> int:
         """The response offset at which the job of `rid` that starts now stops (physics): the

@@ -14,7 +14,7 @@ requests' component's (requests.py: `turns_ended`, `on_env_answer`).
 from services.contracts.sampling import SamplingParams
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable, request_id
-from services.sim.state import Totals
+from services.sim.state import RUN_ID, Totals
 from services.sim.workload import ResponseLengthModel, StepWorkload
 
 
@@ -40,9 +40,9 @@ def step_table(
     sampling = SamplingParams(max_new_tokens=workload.max_response_tokens)
     n = workload.group_size
     if workload.turns == 1:
-        return RequestTable("sim", step, prompts, n, sampling, seed, [])
+        return RequestTable(RUN_ID, step, prompts, n, sampling, seed, [])
     return SimEpisodeTable(
-        "sim", step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
+        RUN_ID, step, prompts, n, sampling, seed, [], max_turns=workload.turns, totals=totals
     )
 
 

@@ -172,6 +172,8 @@ def test_the_reserved_pool_steps_aside_only_for_a_pool_that_can_take_over():
     assert not seeding_over(104.0, 100.0, 5.0, 1, 2)  # its window runs
     assert seeding_over(105.0, 100.0, 5.0, 1, 2)
     assert not seeding_over(200.0, 100.0, 5.0, 1, 0)  # nobody to take over
+    assert seeding_over(200.0, 100.0, 5.0, 1, 0, alone=True)  # recalled at once (simulator)
+    assert seeding_over(0.1 + 0.7, 0.1, 0.7, 1, 2)  # at seed_start + window_s to the last bit
 
 
 def test_a_read_splits_by_the_step_of_each_request_deltas_before_releases():

@@ -7,6 +7,7 @@ import math
 
 from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
 from services.core.balancer import ReleaseGate, WorkerLoad
+from services.core.seeding import SeedingController
 from services.core.stall import Action, StallTracker
 from services.core.step_controller import (
     Lead,
@@ -93,6 +94,42 @@ def test_with_no_preemptible_worker_left_the_reserved_pool_is_recalled_once():
     out = tick(c, 1.0, 4, beats, {}, 0)
     assert actions_of(out) == [("r-1", "resume")] and out.recalled and out.resumed == 1
     assert not tick(c, 2.0, 4, beats, {}, 0).recalled
+
+
+def test_a_reserved_pool_that_starts_aside_with_no_window_never_seeds():
+    """The simulator's node trains between steps (`starts_aside`): a zero window (T_seed 0, or
+    asynchronous RL) ends seeding at the open, with no order (nobody to pause)."""
+
+    def zero_window(starts_aside: bool) -> StepController:
+        table = factories.table(8, 2, 4, run_id=RUN, step=STEP, seed=1)
+        lead = Lead(seeding=SeedingController(t_seed_s=0.0))
+        return StepController(table, lead=lead, starts_aside=starts_aside)
+
+    c = zero_window(starts_aside=True)
+    beats = {
+        "r-1": beat("r-1", "reserved", version=STEP - 1, paused=True),
+        "p-1": beat("p-1", "preemptible"),
+    }
+    out = c.open(beats, 0.0, 2.0, queued_at=1.0)
+    assert out.seed_end == 2.0 and out.orders == [] and c.seeded_out and c.window_s == 0.0
+    plain = zero_window(starts_aside=False)  # the services': it seeds until a tick pauses it
+    assert plain.open(beats, 0.0, 2.0, queued_at=1.0).seed_end is None and not plain.seeded_out
+
+
+def test_a_pool_that_steps_aside_alone_is_recalled_in_the_same_tick_and_balances_nothing():
+    """The simulator's rules (`aside_alone`, `balances` off): at its window's end the reserved
+    pool steps aside with no preemptible worker left and is called back at once; the tick
+    orders no release (the simulator balances through `balance`)."""
+    c = control(window_s=5.0)
+    c.aside_alone, c.balances = True, False
+    beats = {"r-1": beat("r-1", "reserved")}
+    start(c, beats, seed_done=False, now=0.0)
+    tick(c, 1.0, 16, beats, {}, 0)
+    out = tick(c, 6.0, 16, beats, {}, 0)
+    assert actions_of(out) == [("r-1", "pause"), ("r-1", "resume")]
+    assert out.seed_end == 6.0 and out.recalled
+    crowded = {"p-1": beat("p-1", "preemptible"), "p-2": beat("p-2", "preemptible")}
+    assert tick(c, 7.0, 6, crowded, {"p-1": 6}, 6).released == {}
 
 
 def test_read_cap_is_an_equal_share_of_the_unfinished_requests_among_serving_workers():
