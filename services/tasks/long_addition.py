@@ -37,7 +37,8 @@ def number_of(rng: random.Random, digits: int) -> int:
 def scratchpad(a: int, b: int, leading_zero: bool = False) -> str:
     """The response that adds `a` and `b` column by column (the module's docstring shows one);
     `leading_zero`: the sum written as the corpus's noisy answers are."""
-    lines, carry, found = [], 0, ""
+    lines: list[str] = []
+    carry, found = 0, ""
     while a or b or carry or not lines:
         lines.append(f"{a}+{b}+{carry}|{found}")
         column = a % 10 + b % 10 + carry
