@@ -20,11 +20,11 @@ def tiny_model(tmp_path_factory):
     import torch
 
     from services.trainer.init_model import InitModelSpec, init_model
+    from tests.harness.models import SPECS
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("models") / "tiny"
-    spec = InitModelSpec(hidden_size=64, layers=2, heads=2, pretrain_steps=40, batch_size=64)
-    return init_model(out, spec)
+    return init_model(out, InitModelSpec(**SPECS["tiny"]))
 
 
 def require_vllm():

@@ -52,15 +52,15 @@ class LongAdditionRows:
     """A PromptSource of generated long additions; each row is {"prompt", "answer", "a", "b"},
     the answer being the whole scratchpad."""
 
-    def _example(self, rng: random.Random) -> tuple[Example, int, int]:
+    def _example(self, rng: random.Random) -> Example:
         a = number_of(rng, digits_drawn(rng))
         b = number_of(rng, digits_drawn(rng))
         prompt, answer = f"{a}+{b}=", scratchpad(a, b)
-        return Example(prompt, answer, {"prompt": prompt, "answer": answer, "a": a, "b": b}), a, b
+        return Example(prompt, answer, {"prompt": prompt, "answer": answer, "a": a, "b": b})
 
     def examples(self, seed: int, step: int, count: int) -> list[Example]:
         rng = random.Random(f"long_addition:{seed}:{step}")
-        return [self._example(rng)[0] for _ in range(count)]
+        return [self._example(rng) for _ in range(count)]
 
     def corpus(self, seed: int, count: int, label_noise: float) -> list[str]:
         """Prompt + scratchpad texts, the sum written with a leading zero with probability
@@ -68,6 +68,7 @@ class LongAdditionRows:
         rng = random.Random(f"long_addition-corpus:{seed}")
         texts = []
         for _ in range(count):
-            ex, a, b = self._example(rng)
-            texts.append(ex.prompt + scratchpad(a, b, leading_zero=rng.random() < label_noise))
+            ex = self._example(rng)
+            noisy = scratchpad(ex.row["a"], ex.row["b"], leading_zero=rng.random() < label_noise)
+            texts.append(ex.prompt + noisy)
         return texts
