@@ -143,6 +143,11 @@ class DeltaItem(Message, frozen=True, kw_only=True):
     logprobs: list[float]  # logprob of each sampled token under the sampling distribution
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # speculative decoding behind these tokens: forward passes that verified a draft, the
+    # draft tokens they verified, and how many of those were kept (the engine's own draws)
+    draft_forwards: NonNegative = 0
+    drafted: NonNegative = 0
+    accepted: NonNegative = 0
 
 
 class RequestLease(Message, frozen=True, kw_only=True):

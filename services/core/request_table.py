@@ -71,6 +71,9 @@ class RequestTable:
         self.tokens_received = 0  # every token delivered in a delta, stale or repeated included
         self.tokens_discarded = 0  # collected tokens thrown away by restarts (migration off)
         self.migrations: dict[str, int] = {}  # by cause
+        # speculative decoding behind the tokens appended (`DeltaItem.drafted`): forward
+        # passes that verified a draft, draft tokens verified, of them kept
+        self.draft_forwards = self.drafted = self.accepted = 0
 
     def requests_of_shard(self, shard: int) -> int:
         """The requests of the step that coordinator shard `shard` holds (its prompts' groups)."""
@@ -200,6 +203,10 @@ class RequestTable:
                 tokens.extend(new_tokens)
                 r.logprobs.extend(new_logprobs)
                 appended += n
+                if item.draft_forwards:  # counted once, with the tokens they made
+                    self.draft_forwards += item.draft_forwards
+                    self.drafted += item.drafted
+                    self.accepted += item.accepted
             if item.finished or n >= room:
                 outcome(self._ended(r, item.finish_reason or "length"))
             else:

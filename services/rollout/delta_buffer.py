@@ -39,6 +39,8 @@ class Token(Protocol):
     token_id: int
     logprob: float
     finish_reason: FinishReason | None  # set on the request's last token
+    drafted: int  # draft tokens verified by the forward pass that made it (its first token)
+    accepted: int  # of them, kept
 
 
 @dataclass
@@ -52,6 +54,10 @@ class Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # speculative decoding behind the pending tokens (`TokenEvent.drafted`): sent with them
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def running(self) -> bool:
@@ -131,6 +137,10 @@ class DeltaBuffer:
                 continue
             p.tokens.append(t.token_id)
             p.logprobs.append(t.logprob)
+            if t.drafted:
+                p.draft_forwards += 1
+                p.drafted += t.drafted
+                p.accepted += t.accepted
             if t.finish_reason is not None:
                 p.finish_reason = t.finish_reason
                 finished += 1
@@ -182,6 +192,9 @@ class DeltaBuffer:
             if carried > 0:
                 del p.tokens[:carried], p.logprobs[:carried]
                 p.offset += carried
+            p.draft_forwards -= item.draft_forwards  # those recorded since stay pending
+            p.drafted -= item.drafted
+            p.accepted -= item.accepted
         for rid in flush.done:
             self.pending.pop(rid, None)
             self.entry_of.pop(rid, None)
@@ -197,4 +210,7 @@ def _item(request_id: str, p: Pending) -> DeltaItem:
         logprobs=list(p.logprobs),
         finished=not p.running,
         finish_reason=p.finish_reason,
+        draft_forwards=p.draft_forwards,
+        drafted=p.drafted,
+        accepted=p.accepted,
     )

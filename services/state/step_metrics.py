@@ -71,6 +71,13 @@ class StepRow(msgspec.Struct, kw_only=True):
     environment_s: float | None = None
     observed_tokens: int | None = None
     stream_lengths: dict[str, int] | None = None  # entries of the run's streams, by name
+    # speculative decoding (steps where a draft was verified): draft tokens verified, of them
+    # kept (the engine's own draws), the rest (wasted compute), and kept per forward pass that
+    # verified a draft (each pass also draws one token of its own: tokens per pass = this + 1)
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    wasted_tokens: int | None = None
+    accepted_per_forward: float | None = None
 
     # ---- seeding: the coordinator, once the version trained on the step is committed ----
     t_remote_wait_s: float | None = None  # time the trainer waited on the preemptible pool

@@ -16,6 +16,8 @@ class Tok:
     token_id: int
     logprob: float = -0.5
     finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
 
 
 def buffer(flush_steps=4, flush_ms=100, now_s=0.0) -> DeltaBuffer:
@@ -194,3 +196,19 @@ def test_clear_forgets_everything():
     buf.record_step([Tok("a", 5)])
     buf.clear()
     assert buf.pending == {} and buf.entry_of == {} and buf.take(0.0, version=0) is None
+
+
+def test_speculation_counts_travel_with_their_tokens_and_stay_pending_until_sent():
+    buf = started("a")
+    buf.record_step([Tok("a", 5, drafted=4, accepted=2), Tok("a", 6), Tok("a", 7)])
+    first = buf.take(1.0, version=0)
+    item = first.batch.items[0]
+    assert (item.draft_forwards, item.drafted, item.accepted) == (1, 4, 2)
+    buf.record_step([Tok("a", 8, drafted=4, accepted=0)])  # before the first flush is sent
+    retry = buf.take(2.0, version=0)  # the first flush failed: its counts are carried again
+    item = retry.batch.items[0]
+    assert (item.draft_forwards, item.drafted, item.accepted) == (2, 8, 2)
+    buf.sent(retry)
+    buf.record_step([Tok("a", 9)])
+    item = buf.take(3.0, version=0).batch.items[0]
+    assert (item.token_ids, item.draft_forwards, item.drafted, item.accepted) == ([9], 0, 0, 0)

@@ -201,6 +201,7 @@ function renderSummary(run, rows, tl) {
   $("s-migr").textContent = String(migrated);
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
   renderEpisodes(rows);
+  renderDrafts(rows);
   renderErrors(run);
   const mem = tl.pool.filter((s) => s.redis_mem_mib !== undefined).pop();
   $("s-redis").textContent = mem
@@ -218,6 +219,18 @@ function renderEpisodes(rows) {
   const calls = episodic.reduce((n, r) => n + (r.tool_calls || 0), 0);
   const envS = episodic.reduce((n, r) => n + (r.environment_s || 0), 0);
   $("s-episodes").textContent = `${fmt(last.turns_mean, 2)} / ${calls} / ${fmt(envS, 1)} s`;
+}
+
+// speculative decoding (steps where a draft was verified): the run's accepted and drafted
+// tokens, and the last such step's accepted tokens per forward pass; hidden when none was
+function renderDrafts(rows) {
+  const drafted = rows.filter((r) => r.drafted_tokens !== undefined && r.drafted_tokens !== null);
+  $("c-drafts").hidden = drafted.length === 0;
+  if (!drafted.length) return;
+  const accepted = drafted.reduce((n, r) => n + r.accepted_tokens, 0);
+  const all = drafted.reduce((n, r) => n + r.drafted_tokens, 0);
+  const last = drafted[drafted.length - 1];
+  $("s-drafts").textContent = `${accepted} / ${all}, ${fmt(last.accepted_per_forward, 2)}`;
 }
 
 // failed calls of the run's user code by kind (environment step(), reward): failed/calls and

@@ -79,6 +79,10 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
     reward_calls: int = 0  # reward calls made (single-turn runs)
     first_errors: dict[str, str] = {}  # the first failure of each kind (`core.call_errors`)
     max_turns: int = 0  # the most model turns of an episode (multi-turn runs)
+    # speculative decoding (`RequestTable.drafted`)
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @classmethod
     def of(
@@ -110,6 +114,7 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             reward_calls=reward_calls,
             first_errors=dict(first_errors or {}),
             max_turns=table.max_turns if isinstance(table, EpisodeTable) else 0,
+            **{name: getattr(table, name) for name in DRAFT_COUNTS},
         )
 
     @classmethod
@@ -133,6 +138,7 @@ class ShardSummary(msgspec.Struct, frozen=True, kw_only=True):
             reward_calls=sum(p.reward_calls for p in parts),
             first_errors={k: v for p in reversed(parts) for k, v in p.first_errors.items()},
             max_turns=max((p.max_turns for p in parts), default=0),
+            **{name: sum(getattr(p, name) for p in parts) for name in DRAFT_COUNTS},
         )
 
     @property
@@ -160,6 +166,8 @@ EPISODE_COUNTS = (
     "environment_s",
 )
 
+DRAFT_COUNTS = ("draft_forwards", "drafted", "accepted")
+
 
 def _episode_counts(stats: EpisodeStats) -> dict:
     return {
@@ -186,6 +194,19 @@ def episode_fields(summary: ShardSummary) -> dict:
         "max_turns": summary.max_turns,
         "environment_s": summary.environment_s,
         "observed_tokens": summary.observed_tokens,
+    }
+
+
+def draft_fields(summary: ShardSummary) -> dict:
+    """A step's speculative decoding fields of its metrics row (none where nothing was
+    drafted: speculation off, or an engine without it)."""
+    if not summary.draft_forwards:
+        return {}
+    return {
+        "drafted_tokens": summary.drafted,
+        "accepted_tokens": summary.accepted,
+        "wasted_tokens": summary.drafted - summary.accepted,
+        "accepted_per_forward": summary.accepted / summary.draft_forwards,
     }
 
 
@@ -226,6 +247,7 @@ def rollout_row(
         redis_mem_mib=round(redis_mem_mib, 1),
         stream_lengths=lengths,
         **episode_fields(summary),
+        **draft_fields(summary),
     )
 
 

@@ -28,6 +28,10 @@ class TokenEvent:
     # and top-p (renormalised over the tokens they keep)
     logprob: float
     finish_reason: FinishReason | None  # set on the request's last token
+    # speculative decoding (the first token a forward pass kept for a drafted request): the
+    # draft tokens that pass verified, and how many of them were the engine's own draws
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass

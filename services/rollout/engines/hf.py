@@ -315,6 +315,9 @@ class HFEngine:
                 self._longest = None
                 break
         accepted = sum(1 for (t, _), d in zip(tokens[:n], draft, strict=False) if t == d)
+        if draft and n:
+            first = events[-n]
+            first.drafted, first.accepted = len(draft), accepted
         for stats in (self.spec_stats, self.request_stats[rid]):
             stats.add(len(draft), accepted, n)
         if rid not in self.seqs:
