@@ -144,6 +144,8 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "step_quarantined": ("cR", "c", False),
     "seed_done": ("ctR", "c", False),
     "seeding_over": ("ctR", "c", False),
+    "draft_history": ("cR", "c", False),
+    "draft_history_order": ("cR", "c", False),
     "read_cap": ("cRw", "c", False),
     "jobs_stream": ("cRw", "cw", False),  # XREADGROUP and XACK read and write
     "deltas_stream": ("cR", "cw", False),

@@ -123,6 +123,19 @@ def seeding_over(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:seeding:over"
 
 
+def draft_history(run_id: str) -> str:
+    """Hash: prompt digest -> the last responses to that prompt in the run (msgpack token
+    lists, oldest first), which its later jobs draft from (`coordinator.step.history`);
+    bounded by prompts (`draft_history_order`), responses and tokens."""
+    return f"{PREFIX}:run:{run_id}:drafts:history"
+
+
+def draft_history_order(run_id: str) -> str:
+    """Sorted set: prompt digest -> the step that last wrote its `draft_history`; the prompts
+    written longest ago are trimmed past the bound, with their history."""
+    return f"{PREFIX}:run:{run_id}:drafts:order"
+
+
 def read_cap(run_id: str, step: int) -> str:
     """String: the most requests of the step one worker should hold (`core.balancer.read_cap`),
     kept current by the coordinator; absent: a worker reads up to its plateau."""
