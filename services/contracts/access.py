@@ -83,6 +83,7 @@ WORKER_COMMANDS: dict[str, tuple[str, ...]] = {
     "ACTIVE_RUN": ("get",),
     "run_version": ("get",),
     "run_staleness": ("get",),
+    "run_drafts": ("get",),
     "version_announced": ("xrevrange", "xread"),  # waiting for a version (run_state)
     "run_manifests": ("hget",),
     "run_digests": ("hget",),
@@ -130,6 +131,7 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "run": ("ctR", "ct", False),  # the trainer fails a run (run_record.finish)
     "run_version": ("ctRw", "ct", False),
     "run_staleness": ("cRw", "c", False),
+    "run_drafts": ("cRw", "c", False),
     "version_announced": ("cRw", "ct", False),
     "run_manifests": ("cRw", "ct", False),
     "run_digests": ("ctRw", "ct", False),

@@ -32,6 +32,13 @@ def run_staleness(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:staleness"
 
 
+def run_drafts(run_id: str) -> str:
+    """String "history", written with the run when its spec's rollout.drafts is (absent: off):
+    a worker shares a finished response with its running siblings as drafts only then (it may
+    not read the spec itself)."""
+    return f"{PREFIX}:run:{run_id}:drafts"
+
+
 def version_announced(run_id: str) -> str:
     """Stream of one entry: the trainer adds one as it announces a version (in the transaction
     that sets `run_version`), so a service waiting for a version blocks on it rather than

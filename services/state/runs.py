@@ -72,6 +72,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.draft_history_order(run_id),
             keys.version_announced(run_id),
             keys.run_staleness(run_id),
+            keys.run_drafts(run_id),
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
             keys.weight_holders(run_id, WILD_NUMBER),
@@ -140,6 +141,8 @@ class RunStore:
         async with self.r.pipeline(transaction=True) as pipe:
             run_record.stage_create(pipe, record)
             pipe.set(keys.run_staleness(run_id), spec.rollout.max_staleness)
+            if spec.rollout.drafts != "off":
+                pipe.set(keys.run_drafts(run_id), spec.rollout.drafts)
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
             await pipe.execute()
