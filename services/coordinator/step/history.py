@@ -28,9 +28,13 @@ from services.contracts import keys
 from services.contracts.shards import shard_of_prompt
 from services.core.request_table import latest_within
 
+# at most 2048 x 2048 tokens in all (~4M: ~8-12 MB as msgpack where token ids pass 127; a
+# long-addition prompt keeps its 4 responses of up to ~300 tokens). A prompt's history rides in
+# each of its group's jobs (`Job.drafts`), so it is kept short: the group's own siblings are the
+# best drafts anyway, and they come on top of it as they finish
 HISTORY_PROMPTS = 2048
-HISTORY_RESPONSES = 8
-HISTORY_TOKENS = 4096
+HISTORY_RESPONSES = 4
+HISTORY_TOKENS = 2048
 # keys: the history, its order; args: the bound on prompts. Pops the prompts written longest
 # ago (lowest step) past the bound, and their responses with them.
 _TRIM = """
