@@ -90,6 +90,11 @@ class RequestTable:
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(mine)
+        # each group's requests by sample index, and the drafts from its history (made once)
+        self._groups = {
+            p: [self.requests[request_id(step, p, s)] for s in range(group_size)] for p in mine
+        }
+        self._earlier: dict[int, list[list[int]]] = {}
         self.groups = len(mine)  # the groups of this table's shard
         self.unfinished_count = len(self.requests)  # len(unfinished()), kept up to date
         self.quarantined: set[int] = set()  # groups dropped from the step (poison requests)
@@ -127,10 +132,14 @@ class RequestTable:
     def draft_references(self, r: RequestState) -> list[list[int]]:
         """What `r`'s job drafts from: its prompt's history, then its group's finished
         siblings (by sample index), the latest within the job's bounds."""
-        siblings = (
-            m.token_ids for m in self.group(r.prompt_index) if m is not r and m.done and m.token_ids
-        )
-        return latest_within([*self.history.get(r.prompt_index, ()), *siblings])
+        earlier = self._earlier.get(r.prompt_index)
+        if earlier is None:  # shared by the group's jobs: a step's first jobs are many
+            earlier = self._earlier[r.prompt_index] = latest_within(
+                self.history.get(r.prompt_index, ())
+            )
+        group = self._groups[r.prompt_index]
+        siblings = [m.token_ids for m in group if m is not r and m.done and m.token_ids]
+        return latest_within([*earlier, *siblings]) if siblings else earlier
 
     def expected_length(self, prompt_index: int) -> float | None:
         """The mean length of the prompt's earlier responses; None without history."""
@@ -279,9 +288,7 @@ class RequestTable:
             self.unfinished_count -= 1
 
     def group(self, prompt_index: int) -> list[RequestState]:
-        return [
-            self.requests[request_id(self.step, prompt_index, s)] for s in range(self.group_size)
-        ]
+        return list(self._groups[prompt_index])
 
     def group_done(self, prompt_index: int) -> bool:
         return all(r.done for r in self.group(prompt_index))
@@ -370,8 +377,8 @@ def latest_within(
     for ref in reversed(references):
         if len(kept) == max_references or room <= 0:
             break
-        if ref:
-            kept.append(list(ref[:room]))
+        if ref:  # a list that fits is kept as it is: the jobs of a group share their drafts
+            kept.append(ref if isinstance(ref, list) and len(ref) <= room else list(ref[:room]))
             room -= len(kept[-1])
     kept.reverse()
     return kept
