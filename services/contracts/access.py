@@ -83,6 +83,7 @@ WORKER_COMMANDS: dict[str, tuple[str, ...]] = {
     "ACTIVE_RUN": ("get",),
     "run_version": ("get",),
     "run_staleness": ("get",),
+    "run_drafts": ("get",),
     "version_announced": ("xrevrange", "xread"),  # waiting for a version (run_state)
     "run_manifests": ("hget",),
     "run_digests": ("hget",),
@@ -130,6 +131,7 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "run": ("ctR", "ct", False),  # the trainer fails a run (run_record.finish)
     "run_version": ("ctRw", "ct", False),
     "run_staleness": ("cRw", "c", False),
+    "run_drafts": ("cRw", "c", False),
     "version_announced": ("cRw", "ct", False),
     "run_manifests": ("cRw", "ct", False),
     "run_digests": ("ctRw", "ct", False),
@@ -144,6 +146,8 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "step_quarantined": ("cR", "c", False),
     "seed_done": ("ctR", "c", False),
     "seeding_over": ("ctR", "c", False),
+    "draft_history": ("cR", "c", False),
+    "draft_history_order": ("cR", "c", False),
     "read_cap": ("cRw", "c", False),
     "jobs_stream": ("cRw", "cw", False),  # XREADGROUP and XACK read and write
     "deltas_stream": ("cR", "cw", False),

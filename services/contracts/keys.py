@@ -32,6 +32,13 @@ def run_staleness(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:staleness"
 
 
+def run_drafts(run_id: str) -> str:
+    """String "history", written with the run when its spec's rollout.drafts is (absent: off):
+    a worker shares a finished response with its running siblings as drafts only then (it may
+    not read the spec itself)."""
+    return f"{PREFIX}:run:{run_id}:drafts"
+
+
 def version_announced(run_id: str) -> str:
     """Stream of one entry: the trainer adds one as it announces a version (in the transaction
     that sets `run_version`), so a service waiting for a version blocks on it rather than
@@ -121,6 +128,19 @@ def seeding_over(run_id: str) -> str:
     """Stream of one entry: the coordinator adds one as it sets a step's `seed_done` (in one
     transaction), so the trainer waiting for it blocks on it rather than polling."""
     return f"{PREFIX}:run:{run_id}:seeding:over"
+
+
+def draft_history(run_id: str) -> str:
+    """Hash: prompt digest -> the last responses to that prompt in the run (msgpack token
+    lists, oldest first), which its later jobs draft from (`coordinator.step.history`);
+    bounded by prompts (`draft_history_order`), responses and tokens."""
+    return f"{PREFIX}:run:{run_id}:drafts:history"
+
+
+def draft_history_order(run_id: str) -> str:
+    """Sorted set: prompt digest -> the step that last wrote its `draft_history`; the prompts
+    written longest ago are trimmed past the bound, with their history."""
+    return f"{PREFIX}:run:{run_id}:drafts:order"
 
 
 def read_cap(run_id: str, step: int) -> str:

@@ -15,15 +15,35 @@ Rules it enforces:
 - a request that was running when a worker crashed is a suspect: its jobs run isolated (alone on
   a worker) from then on; a group that was quarantined (dropped from the step) is complete and
   none of its requests moves again.
+
+Drafts (`drafts` on): every job, the first and each continuation, carries as references the
+earlier responses to its prompt in the run (`history`, by prompt index, oldest first; the
+coordinator reads them from `coordinator.step.history` when the step opens) and then its group's
+finished siblings, newest last, the latest of them within `MAX_DRAFT_REFERENCES` and
+`JOB_DRAFT_TOKENS`. With `length_aware`, the step's first jobs go longest expected response first
+(`expected_length`: the mean length of the prompt's history). Off, jobs are what they were before
+either existed.
 """
 
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 
-from services.contracts.messages import DeltaItem, FinishReason, Group, Job, Response
+from services.contracts.messages import (
+    MAX_DRAFT_REFERENCES,
+    DeltaItem,
+    FinishReason,
+    Group,
+    Job,
+    Response,
+)
 from services.contracts.sampling import SamplingParams
 from services.contracts.shards import shard_of_prompt
 from services.core.request_state import Applied, RequestState, request_id
 from services.core.request_state import step_of as step_of  # re-exported
+
+# the draft tokens one job carries at most (`Job.drafts` allows more): siblings and history of a
+# long-response task fill it, and every job of a step is on its stream until the step is trained
+JOB_DRAFT_TOKENS = 8192
 
 
 class RequestTable:
@@ -38,10 +58,17 @@ class RequestTable:
         stop_token_ids: list[int],
         shard: int = 0,
         shards: int = 1,
+        *,
+        drafts: bool = False,
+        history: Mapping[int, list[list[int]]] | None = None,
+        length_aware: bool = False,
     ) -> None:
         """The requests of the prompts of `shard` of `shards` (`contracts.shards`): all of them
         with one shard; `prompts` are always the step's all, by index. Each response gets
-        `sampling.max_new_tokens` tokens at most."""
+        `sampling.max_new_tokens` tokens at most. `history`: earlier responses to the prompts
+        (prompt index -> token lists, oldest first), for `drafts` and `length_aware`."""
+        self.drafts, self.length_aware = drafts, length_aware
+        self.history: Mapping[int, list[list[int]]] = history or {}
         self.run_id, self.step = run_id, step
         self.shard, self.shards = shard, shards
         self.group_size = group_size
@@ -63,6 +90,11 @@ class RequestTable:
                     seed=zlib.crc32(f"{seed}:{step}:{p}:{s}".encode()),
                 )
         self.pending_groups = set(mine)
+        # each group's requests by sample index, and the drafts from its history (made once)
+        self._groups = {
+            p: [self.requests[request_id(step, p, s)] for s in range(group_size)] for p in mine
+        }
+        self._earlier: dict[int, list[list[int]]] = {}
         self.groups = len(mine)  # the groups of this table's shard
         self.unfinished_count = len(self.requests)  # len(unfinished()), kept up to date
         self.quarantined: set[int] = set()  # groups dropped from the step (poison requests)
@@ -97,10 +129,42 @@ class RequestTable:
             stop_token_ids=self.stop_token_ids,
             isolate=bool(r.crashed_on),
             shards=self.shards,
+            drafts=self.draft_references(r) if self.drafts else [],
         )
 
+    def draft_references(self, r: RequestState) -> list[list[int]]:
+        """What `r`'s job drafts from: its prompt's history, then its group's finished
+        siblings (by sample index), the latest within the job's bounds."""
+        earlier = self._earlier.get(r.prompt_index)
+        if earlier is None:  # shared by the group's jobs: a step's first jobs are many
+            earlier = self._earlier[r.prompt_index] = latest_within(
+                self.history.get(r.prompt_index, ())
+            )
+        group = self._groups[r.prompt_index]
+        siblings = [m.token_ids for m in group if m is not r and m.done and m.token_ids]
+        return latest_within([*earlier, *siblings]) if siblings else earlier
+
+    def expected_length(self, prompt_index: int) -> float | None:
+        """The mean length of the prompt's earlier responses; None without history."""
+        earlier = self.history.get(prompt_index)
+        return sum(map(len, earlier)) / len(earlier) if earlier else None
+
     def initial_jobs(self) -> list[Job]:
-        return [self.job(rid) for rid in self.requests]
+        """Every request's first job; with `length_aware`, groups by expected length, longest
+        first (prompts without history first of all: any of them may be the longest), each
+        group's requests together, the prompt order kept among equals."""
+        rids: Iterable[str] = self.requests
+        if self.length_aware:
+            expected = {
+                p: self.expected_length(p) for p in {r.prompt_index for r in self.requests.values()}
+            }
+
+            def rank(rid: str) -> tuple[int, float]:
+                length = expected[self.requests[rid].prompt_index]
+                return (0, 0.0) if length is None else (1, -length)
+
+            rids = sorted(self.requests, key=rank)
+        return [self.job(rid) for rid in rids]
 
     def migrate(
         self, rid: str, cause: str, keep_tokens: bool = True, lease: int | None = None
@@ -231,9 +295,7 @@ class RequestTable:
             self.unfinished_count -= 1
 
     def group(self, prompt_index: int) -> list[RequestState]:
-        return [
-            self.requests[request_id(self.step, prompt_index, s)] for s in range(self.group_size)
-        ]
+        return list(self._groups[prompt_index])
 
     def group_done(self, prompt_index: int) -> bool:
         return all(r.done for r in self.group(prompt_index))
@@ -308,6 +370,25 @@ class RequestTable:
     @property
     def response_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests.values())
+
+
+def latest_within(
+    references: Sequence[Sequence[int]],
+    max_references: int = MAX_DRAFT_REFERENCES,
+    max_tokens: int = JOB_DRAFT_TOKENS,
+) -> list[list[int]]:
+    """The latest of `references` within `max_references` and `max_tokens` tokens in all (the
+    one that would pass the token bound cut to its head), oldest first; empty ones dropped."""
+    kept: list[list[int]] = []
+    room = max_tokens
+    for ref in reversed(references):
+        if len(kept) == max_references or room <= 0:
+            break
+        if ref:  # a list that fits is kept as it is: the jobs of a group share their drafts
+            kept.append(ref if isinstance(ref, list) and len(ref) <= room else list(ref[:room]))
+            room -= len(kept[-1])
+    kept.reverse()
+    return kept
 
 
 def _scored(r: RequestState) -> float:

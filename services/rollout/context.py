@@ -81,6 +81,9 @@ class WorkerContext:
     state: WorkerState = "starting"
     crashed: str = ""  # the error a task died of; the worker is on its way out
     tokens_generated: int = 0
+    # the run's spec has drafts on (`keys.run_drafts`): a response finished here becomes a
+    # draft of its running siblings (`sibling_drafts`)
+    share_drafts: bool = False
     # the consumer name it reads its jobs as: its id, or the secret name the coordinator gave
     # it at registration (`contracts.consumers.jobs_consumer`)
     consumer: str = ""

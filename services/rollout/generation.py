@@ -2,8 +2,10 @@
 the jobs read; then it runs one engine step, keeps the tokens in the `DeltaBuffer` and flushes
 when the buffer says a flush is due.
 
-A job marked `isolate` (it was running when a worker crashed) runs with nothing beside it. The
-task does not read streams or load weights (the jobs task does) and decides no flush itself.
+A job marked `isolate` (it was running when a worker crashed) runs with nothing beside it. In a
+run with drafts on, a response that finishes here becomes a draft of its siblings running here
+(`sibling_drafts`). The task does not read streams or load weights (the jobs task does) and
+decides no flush itself.
 """
 
 import asyncio
@@ -16,6 +18,7 @@ from services.rollout.context import WorkerContext
 from services.rollout.control import Control
 from services.rollout.engines.base import TokenEvent
 from services.rollout.flusher import Flusher
+from services.rollout.sibling_drafts import SiblingDrafts
 
 IDLE_S = 0.005  # an idle engine looks for work this often
 TOKENS = Counter("spotrl_rollout_tokens_total", "Tokens generated", ["worker", "pool"])
@@ -29,6 +32,9 @@ class Generator:
         self.flusher = flusher
         pattern = ctx.s.fault_crash_requests
         self.fault = re.compile(pattern) if pattern else None
+        # an engine that drafts: its requests draft from siblings that finish here too
+        set_drafts = getattr(ctx.engine, "set_drafts", None)
+        self.siblings = SiblingDrafts(set_drafts) if set_drafts is not None else None
 
     async def run_forever(self) -> None:
         while True:
@@ -75,7 +81,15 @@ class Generator:
                 continue
             ctx.engine.add(job)
             ctx.buffer.start(job, entry_id)
+            if self.siblings is not None and ctx.share_drafts:
+                self.siblings.started(job, self._holds)
         ctx.inbox.put_back(waiting)
+
+    def _holds(self, request_id: str, lease: int) -> bool:
+        """Whether `request_id` still generates here under `lease` (not finished, aborted or
+        released)."""
+        p = self.ctx.buffer.pending.get(request_id)
+        return p is not None and p.lease == lease and p.running
 
     def _inject_fault(self) -> None:
         """Fault injection for tests (`fault_crash_requests`): a decode step that holds a
@@ -90,5 +104,7 @@ class Generator:
         ctx = self.ctx
         if ctx.buffer.record_step(events):
             ctx.slot_freed.set()
+        if self.siblings is not None and ctx.share_drafts:
+            self.siblings.record(events, self._holds)
         ctx.tokens_generated += len(events)
         TOKENS.labels(ctx.s.worker_id, ctx.s.pool).inc(len(events))

@@ -103,11 +103,17 @@ class JobIntake:
         ctx.run_id, ctx.version, ctx.paused_version = run_id, None, None
         self.earlier_pending = True
         self.staleness = await self._staleness(run_id) if run_id is not None else 0
+        ctx.share_drafts = run_id is not None and await self._drafts(run_id)
 
     async def _staleness(self, run_id: str) -> int:
         """The run's max_staleness (keys.run_staleness; 0 where it is not there)."""
         raw = await with_reconnect(lambda: self.ctx.r.get(keys.run_staleness(run_id)), "staleness")
         return int(raw) if raw is not None and raw.isdigit() else 0
+
+    async def _drafts(self, run_id: str) -> bool:
+        """Whether the run's spec has drafts on (keys.run_drafts; off where it is not there)."""
+        raw = await with_reconnect(lambda: self.ctx.r.get(keys.run_drafts(run_id)), "drafts")
+        return raw is not None
 
     async def _read_jobs(self, run_id: str, version: int) -> None:
         """Read as many jobs as there are free slots, up to the plateau and to each step's read

@@ -8,12 +8,12 @@ it is live, never out of a final state.
 A finished run keeps its record, not its scratch (`release_run`). Kept: the run hash and version,
 the metrics rows, the events and pool timelines, the trainer's state, the workers' load records
 and parked messages. Deleted at once: the jobs stream of every version, the per-step request
-tables (requests, tokens, logprobs, versions, published and quarantined groups, step meta) and
-the seeding flags. The groups and deltas streams, which audits read after a run, stay for
-`audit_ttl_s` after a success or a failure and go at once after a cancel. Anything still reading
-a run when its keys go (a worker, the trainer, the step loop) sees an absent stream, which
-the stream helpers read as empty; the scheduler releases them again once the step loop has
-stopped, for what it wrote in between.
+tables (requests, tokens, logprobs, versions, published and quarantined groups, step meta), the
+seeding flags and the responses kept by prompt for drafts. The groups and deltas streams, which
+audits read after a run, stay for `audit_ttl_s` after a success or a failure and go at once after
+a cancel. Anything still reading a run when its keys go (a worker, the trainer, the step loop)
+sees an absent stream, which the stream helpers read as empty; the scheduler releases them again
+once the step loop has stopped, for what it wrote in between.
 """
 
 import logging
@@ -68,8 +68,11 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.shard_metrics(run_id),
             keys.seed_done(run_id, WILD_NUMBER),
             keys.read_cap(run_id, WILD_NUMBER),
+            keys.draft_history(run_id),
+            keys.draft_history_order(run_id),
             keys.version_announced(run_id),
             keys.run_staleness(run_id),
+            keys.run_drafts(run_id),
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
             keys.weight_holders(run_id, WILD_NUMBER),
@@ -138,6 +141,8 @@ class RunStore:
         async with self.r.pipeline(transaction=True) as pipe:
             run_record.stage_create(pipe, record)
             pipe.set(keys.run_staleness(run_id), spec.rollout.max_staleness)
+            if spec.rollout.drafts != "off":
+                pipe.set(keys.run_drafts(run_id), spec.rollout.drafts)
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
             await pipe.execute()

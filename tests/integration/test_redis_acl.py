@@ -15,6 +15,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from services.cli import procs
 from services.contracts import access, keys
+from services.coordinator.step.history import DraftHistory
 from services.infra import redis_users
 from services.infra.redis_streams import read_group
 from services.state import run_record
@@ -76,6 +77,7 @@ def seed(c: redis.Redis, run_id: str = RUN) -> None:
     c.hset(keys.run_digests(run_id), "1", "d" * 64)
     c.hset(keys.run_manifests(run_id), "1", "{}")
     c.set(keys.read_cap(run_id, 1), 4)
+    c.set(keys.run_drafts(run_id), "history")
     for stream, group in (
         (keys.jobs_stream(run_id, 1), keys.WORKERS_GROUP),
         (keys.deltas_stream(run_id), keys.COORDINATOR_GROUP),
@@ -128,6 +130,10 @@ def test_coordinator_runs_what_the_coordinator_runs(server):
             pipe.xadd(keys.worker_control("w2"), {"m": "release"})
             pipe.hset(keys.step_meta(RUN, 2, 1), "queued", 1)
             pipe.execute()
+        with c.pipeline(transaction=True) as pipe:  # a group's responses kept, trimmed (EVAL)
+            DraftHistory(c, RUN, max_prompts=1).stage(pipe, 2, [[1], [2]], {}, {0: [[3]], 1: [[4]]})
+            pipe.execute()
+        assert c.hlen(keys.draft_history(RUN)) == 1 == c.zcard(keys.draft_history_order(RUN))
         assert c.info("memory")["used_memory"] > 0
         assert list(c.scan_iter(match=f"{keys.run(RUN)}:step:2:*"))
         c.unlink(keys.step_log(RUN, 2))
@@ -236,6 +242,7 @@ def test_a_minted_worker_runs_what_a_worker_runs(server):
     assert w.hget(keys.run_digests(RUN), "1") == b"d" * 64
     assert w.hget(keys.run_manifests(RUN), "1") == b"{}"
     assert w.get(keys.read_cap(RUN, 1)) == b"4"
+    assert w.get(keys.run_drafts(RUN)) == b"history"
     holders = keys.weight_holders(RUN, 1)
     with w.pipeline(transaction=False) as pipe:
         pipe.hset(holders, "w1", '{"url": "http://x", "blocks": "all"}')

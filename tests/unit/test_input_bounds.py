@@ -227,6 +227,9 @@ def test_a_finished_run_drops_its_scratch_keys_only():
         keys.seed_done(run_id, 3),
         keys.version_announced(run_id),
         keys.seeding_over(run_id),
+        keys.draft_history(run_id),  # the responses kept by prompt: drafts of later steps
+        keys.draft_history_order(run_id),
+        keys.run_drafts(run_id),
     ]
     kept = [
         keys.run(run_id),

@@ -134,6 +134,7 @@ def test_every_field_is_in_exactly_one_section():
         "rollout": (
             *("migration", "max_staleness", "coordinator_shards", "fair_reads"),
             *("seeding_wait_share", "seeding_backoff", "pool_headroom"),
+            *("drafts", "length_aware"),
         ),
         "faults": ("stall_timeout_s", "max_request_crashes", "on_poison", "max_error_share"),
         "episode": ("environment", "max_turns", "tool_format", "environment_timeout_s"),
@@ -141,8 +142,8 @@ def test_every_field_is_in_exactly_one_section():
     assert wanted == SECTIONS
     every = [field for fields in SECTIONS.values() for field in fields]
     # the 57 fields of the flat spec but name, model and seed; the 4 of multi-turn episodes;
-    # faults.max_error_share
-    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1
+    # faults.max_error_share; rollout.drafts and rollout.length_aware (issue 50)
+    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1 + 2
     assert set(FLAT_FIELDS) == {"name", "model", "seed", *every}
     assert place_of("top_p") == ("sampling", "top_p") and place_of("model") == ("model",)
     assert RunSpec.model_json_schema()["additionalProperties"] is False

@@ -59,6 +59,20 @@ class RolloutSection(Section):
         "(`preemptible_wanted` in the run's status): N_prem, the size past which the step gets "
         "no shorter (mean of the last 3 steps), times this, rounded up.",
     )
+    drafts: Literal["history", "off"] = Field(
+        "history",
+        description="Draft references a job carries for exact speculative decoding: its "
+        "group's finished siblings and the last responses to the same prompt earlier in the "
+        "run ('history'; the engine verifies every draft against its own seeded draws, so the "
+        "tokens are those plain decoding makes), or none ('off': jobs as without speculation).",
+    )
+    length_aware: bool = Field(
+        True,
+        description="Queue a step's first jobs longest expected response first (the mean "
+        "length of the same prompt's earlier responses in the run; prompts without history "
+        "keep their order, after those with), so that the tail starts early (False: prompt "
+        "order).",
+    )
 
 
 class FaultsSection(Section):

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -43,6 +44,7 @@ from services.coordinator.scoring.episodes import EpisodeShell, open_environment
 from services.coordinator.scoring.rewards import open_runner
 from services.coordinator.settings import CoordinatorSettings, EnvironmentLimits
 from services.coordinator.step.deltas import DeltaCollector, LiveStep, tell
+from services.coordinator.step.history import DraftHistory
 from services.coordinator.step.memory import MemoryGate
 from services.coordinator.step.record import ShardSummary, adapt, record_rollout
 from services.coordinator.step.store import CLAIMER, ShardView, StepStore, loaded_workers
@@ -360,6 +362,9 @@ class StepLoop:
         self.reward_modules, self.reward_processes = reward_modules, reward_processes
         self.limits = limits or DatasetLimits()
         self.live: dict[int, LiveStep] = {}  # the steps in flight, by step
+        # the responses kept by prompt, for drafts and length-aware dispatch (None: both off)
+        on = spec.rollout.drafts != "off" or spec.rollout.length_aware
+        self.history = DraftHistory(r, run_id) if on else None
         self.committed = 0  # the newest version the trainer committed, as last seen
 
     def _load(self, tools: list[dict] | None) -> tuple[Task, PromptEncoder]:
@@ -481,8 +486,9 @@ class StepLoop:
         if self.episodes is not None:  # each episode's opening, from the environment
             texts = await self.episodes.openings(examples)
         prompt_ids = await asyncio.to_thread(self.prompts.encode, texts)
-        table = self._table(step, prompt_ids)
-        store = StepStore(self.r, self.run_id, step, self.shard)
+        history = self.history and await self.history.read(prompt_ids, self.shard, self.shards)
+        table = self._table(step, prompt_ids, history or {})
+        store = StepStore(self.r, self.run_id, step, self.shard, self.history)
         live = LiveStep(self._controller(table), store, examples)
         beats = await heartbeats(self.r)
         began = await live.store.restore(table)
@@ -562,17 +568,23 @@ class StepLoop:
         await self._check_running()
         return False
 
-    def _table(self, step: int, prompt_ids: list[list[int]]) -> RequestTable:
-        """The step's request table (of episodes, in a run with an environment)."""
-        spec = self.spec
+    def _table(
+        self, step: int, prompt_ids: list[list[int]], history: dict[int, list[list[int]]]
+    ) -> RequestTable:
+        """The step's request table (of episodes, in a run with an environment); its jobs
+        draft from `history` and order by it as the spec says."""
+        spec, rollout = self.spec, self.spec.rollout
         stops = [] if spec.sampling.ignore_eos else self.stop_ids
         args = (self.run_id, step, prompt_ids, spec.training.group_size, spec.sampling)
-        if self.episodes is not None:
-            turns = self.episodes.max_turns
-            return EpisodeTable(
-                *args, spec.seed, stops, shard=self.shard, shards=self.shards, max_turns=turns
-            )
-        return RequestTable(*args, spec.seed, stops, shard=self.shard, shards=self.shards)
+        table = (
+            partial(EpisodeTable, max_turns=self.episodes.max_turns)
+            if self.episodes is not None
+            else RequestTable
+        )
+        return table(
+            *args, spec.seed, stops, shard=self.shard, shards=self.shards, history=history,
+            drafts=rollout.drafts == "history", length_aware=rollout.length_aware,
+        )  # fmt: skip
 
     def _controller(self, table: RequestTable) -> StepController:
         """The step's controller, with the run's rules for moving requests and for reads (on

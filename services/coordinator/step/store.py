@@ -39,6 +39,7 @@ from services.contracts import keys
 from services.contracts.consumers import consumer_worker
 from services.contracts.messages import Job, MalformedMessage, RequestLease, WorkerControl
 from services.contracts.records import StepMeta
+from services.coordinator.step.history import DraftHistory
 from services.coordinator.step.record import ShardSummary
 from services.core.episodes import Episode, EpisodeTable
 from services.core.request_table import RequestTable
@@ -158,9 +159,18 @@ Claimed = list[tuple[bytes, dict[bytes, bytes] | None]]
 
 
 class StepStore:
-    def __init__(self, r: aioredis.Redis, run_id: str, step: int, shard: int = 0) -> None:
-        """The copy of coordinator shard `shard`'s table (`contracts.shards`)."""
-        self.r = r
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        run_id: str,
+        step: int,
+        shard: int = 0,
+        history: DraftHistory | None = None,
+    ) -> None:
+        """The copy of coordinator shard `shard`'s table (`contracts.shards`); with `history`,
+        the responses of each group published are kept for its prompt's next turn
+        (`step.history`), in the MULTI that publishes it."""
+        self.r, self.history = r, history
         self.jobs = keys.jobs_stream(run_id, step)
         self.meta = keys.step_meta(run_id, step, shard)
         self.state = keys.step_requests(run_id, step, shard)
@@ -367,6 +377,9 @@ class StepStore:
         for p in effects.publish:
             pipe.xadd(groups_stream, table.group_message(p).fields())
             self.stage_published(pipe, p)
+        if self.history is not None and effects.publish:
+            responses = {p: [m.token_ids for m in table.group(p)] for p in effects.publish}
+            self.history.stage(pipe, self.step, table.prompts, table.history, responses)
         for p in effects.dropped:
             pipe.xadd(groups_stream, table.dropped_group(p).fields())
             self.stage_quarantined(pipe, p)
