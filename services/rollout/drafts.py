@@ -18,26 +18,12 @@ Pure: no torch, no I/O.
 from collections.abc import Sequence
 
 from services.contracts.messages import MAX_DRAFT_REFERENCES, MAX_DRAFT_TOKENS
+from services.core.request_table import latest_within
 
 MAX_REFERENCES = MAX_DRAFT_REFERENCES + 1  # a job's drafts and its prompt
 MAX_REFERENCE_TOKENS = 2 * MAX_DRAFT_TOKENS
 MAX_NGRAM = 8
 MAX_CANDIDATES = 64  # occurrences of the context's last token looked at per call, latest first
-
-
-def bounded(references: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-    """The latest references within `MAX_REFERENCES` and `MAX_REFERENCE_TOKENS` (the one that
-    would pass the token bound cut to its head), oldest first; empty ones dropped."""
-    kept: list[tuple[int, ...]] = []
-    room = MAX_REFERENCE_TOKENS
-    for ref in reversed(references):
-        if len(kept) == MAX_REFERENCES or room == 0:
-            break
-        if ref:
-            kept.append(tuple(ref[:room]))
-            room -= len(kept[-1])
-    kept.reverse()
-    return kept
 
 
 class DraftIndex:
@@ -48,7 +34,7 @@ class DraftIndex:
         if max_ngram < 1:
             raise ValueError(f"max_ngram must be >= 1, not {max_ngram}")
         self.max_ngram = max_ngram
-        self.references = bounded(references)
+        self.references = latest_within(references, MAX_REFERENCES, MAX_REFERENCE_TOKENS)
         self._at: dict[int, list[tuple[int, int]]] = {}
         for r, ref in enumerate(self.references):
             for pos in range(len(ref) - 1):
@@ -80,7 +66,7 @@ class DraftIndex:
         r, pos = best
         return list(self.references[r][pos + 1 : pos + 1 + k])
 
-    def _match_length(self, context: Sequence[int], ref: tuple[int, ...], pos: int) -> int:
+    def _match_length(self, context: Sequence[int], ref: Sequence[int], pos: int) -> int:
         """How many tokens, up to `max_ngram`, `context` and `ref[: pos + 1]` end with alike."""
         n = 1
         limit = min(self.max_ngram, len(context), pos + 1)

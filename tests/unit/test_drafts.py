@@ -9,7 +9,7 @@ from services.contracts.messages import (
     Job,
     MalformedMessage,
 )
-from services.rollout.drafts import MAX_REFERENCE_TOKENS, MAX_REFERENCES, DraftIndex, bounded
+from services.rollout.drafts import MAX_REFERENCE_TOKENS, MAX_REFERENCES, DraftIndex
 from tests.factories import job
 
 
@@ -44,10 +44,10 @@ def test_equal_matches_prefer_the_requests_own_position():
 
 def test_references_are_bounded_latest_kept():
     many = [[i, i + 1] for i in range(MAX_REFERENCES + 5)]
-    assert bounded(many) == [tuple(r) for r in many[-MAX_REFERENCES:]]
+    assert DraftIndex(many).references == many[-MAX_REFERENCES:]
     big = [[1] * MAX_REFERENCE_TOKENS, [2] * 10, []]
-    kept = bounded(big)
-    assert kept[-1] == (2,) * 10 and len(kept[0]) == MAX_REFERENCE_TOKENS - 10
+    kept = DraftIndex(big).references
+    assert kept[-1] == [2] * 10 and len(kept[0]) == MAX_REFERENCE_TOKENS - 10
     assert sum(len(r) for r in kept) == MAX_REFERENCE_TOKENS
     assert not DraftIndex([[], [4]])  # nothing to draft from: no token has one after it
 
