@@ -53,6 +53,15 @@ class RolloutSettings(CommonSettings):
         "job carries references to draft from (speculative decoding, exact: the same tokens as "
         "without it); 0: off.",
     )
+    draft_column_cost: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        description="hf engine: what one more fed token per row costs, as a share of a plain "
+        "decode step; a step drafts only when its drafts are expected to add more tokens than "
+        "that costs (engines/speculation.DraftGate). None: the device's (cpu 0.165, else "
+        "0.03); 0: every draft is verified.",
+    )
     flush_tokens: int = Field(4, ge=1, le=4096, description="Flush deltas every N decode steps.")
     flush_ms: int = Field(100, ge=1, le=60000, description="...or after this many milliseconds.")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="Heartbeat period.")

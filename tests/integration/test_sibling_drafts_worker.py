@@ -32,7 +32,7 @@ async def generate(redis_url: str, model: str, drafts: str) -> tuple[dict, int]:
     assert spec.rollout.drafts == drafts
     run_id = await RunStore(r).submit(spec)
     assert await r.exists(keys.run_drafts(run_id)) == (drafts == "history")
-    engine = HFEngine(draft_tokens=4)
+    engine = HFEngine(draft_tokens=4, column_cost=0.0)
     engine.load_weights(model)
     worker = RolloutWorker(RolloutSettings(worker_id=f"w-{drafts}", redis_url=redis_url), r, engine)
     await worker.intake._switch_run(run_id)

@@ -18,7 +18,7 @@ PROMPT, BUDGET = [5, 6, 7, 8], 16
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    e = HFEngine(draft_tokens=4)
+    e = HFEngine(draft_tokens=4, column_cost=0.0)
     e.load_weights(tiny_model)
     return e
 

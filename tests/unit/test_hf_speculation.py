@@ -6,6 +6,7 @@ import pytest
 
 from services.contracts.sampling import SamplingParams
 from services.rollout.engines.hf import HFEngine
+from services.rollout.engines.speculation import DraftGate
 from tests.factories import job
 
 SAMPLINGS = {
@@ -20,7 +21,7 @@ BUDGET = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    e = HFEngine(draft_tokens=5)
+    e = HFEngine(draft_tokens=5, column_cost=0.0)  # every draft verified
     e.load_weights(tiny_model)
     return e
 
@@ -182,3 +183,29 @@ def test_rejected_positions_widen_the_cache_by_a_bounded_share(engine):
             widest = max(widest, extra)
     assert widest > 4  # holes were left, then compacted
     assert {r: tokens(e) for r, e in out.items()} == {r: tokens(e) for r, e in plain.items()}
+
+
+def test_the_gate_drafts_only_where_drafts_pay_and_probes_again():
+    gate = DraftGate(column_cost=0.2, acceptance=0.9)
+    assert gate.drafts(drafted_tokens=4 * 8, rows=8, width=5)  # 3.6 tokens a row for 0.8
+    for _ in range(10):
+        gate.observe(drafted=32, accepted=0)  # every draft rejected: acceptance falls
+    assert gate.acceptance < 0.1
+    gated = [gate.drafts(drafted_tokens=32, rows=8, width=5) for _ in range(gate.probe_every + 1)]
+    assert gated == [False] * gate.probe_every + [True]  # off, then one probe
+    gate.observe(drafted=32, accepted=32)
+    gate.observe(drafted=32, accepted=32)
+    assert gate.drafts(drafted_tokens=32, rows=8, width=5)  # paying again: on
+
+
+def test_a_gated_engine_keeps_the_plain_tokens_and_drafts_less(tiny_model):
+    plain_engine, gated = HFEngine(draft_tokens=0), HFEngine(draft_tokens=5, column_cost=5.0)
+    for e in (plain_engine, gated):
+        e.load_weights(tiny_model)
+    jobs = group(SAMPLINGS["t1"])
+    plain = run(plain_engine, jobs)
+    wrong = [[(t + 1) % 200 for t in tokens(plain[j.request_id])] for j in jobs]
+    spec = run(gated, [j.replace(drafts=[w]) for j, w in zip(jobs, wrong, strict=True)])
+    same_as(plain, spec)
+    steps = max(len(v) for v in plain.values())
+    assert 0 < gated.spec_stats.drafted <= 5 * N * (1 + steps // gated.gate.probe_every)

@@ -17,7 +17,7 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    e = HFEngine(draft_tokens=5)
+    e = HFEngine(draft_tokens=5, column_cost=0.0)
     e.load_weights(tiny_model)
     return e
 

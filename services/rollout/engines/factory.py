@@ -18,5 +18,9 @@ def make_engine(settings: "RolloutSettings") -> Engine:
     from services.rollout.engines.hf import HFEngine
 
     return HFEngine(
-        settings.device, settings.slots, settings.kv_cache_tokens, settings.draft_tokens
+        settings.device,
+        settings.slots,
+        settings.kv_cache_tokens,
+        settings.draft_tokens,
+        settings.draft_column_cost,
     )

@@ -33,7 +33,11 @@ separate verify pass for the drafted rows would need a cache apart from the runn
 pass with padded rows keeps the batch whole. Rows without a draft take a plain step in
 the same pass; with no draft in the step, the step is the plain one. Stop tokens and the token
 budget end a request at the token where plain decoding ends it (a draft never passes the budget).
-`spec_stats` counts drafted and accepted tokens and forward passes.
+`spec_stats` counts drafted and accepted tokens and forward passes. A wider pass costs more (on
+CPU, compute): `gate` (`speculation.DraftGate`) lets a step draft only when its drafts are
+expected to add more tokens than widening every row costs, from the share of drafted tokens
+kept so far, so drafts that keep missing (4-token answers, an untrained model) stop slowing
+decoding and come back once they pay.
 
 The model runs on the process's compute thread (`step`, `load`; services/infra/compute.py), so
 the event loop stays free; only the task that drives the engine calls it.
@@ -51,6 +55,9 @@ from services.rollout.drafts import DraftIndex
 from services.rollout.engines.base import Sequence, TokenEvent
 from services.rollout.engines.sampling import sample_rows
 from services.rollout.engines.speculation import (
+    COLUMN_COST,
+    COLUMN_COST_ACCELERATOR,
+    DraftGate,
     SpecStats,
     compact,
     draws_at,
@@ -93,6 +100,7 @@ class HFEngine:
         slots: int = 64,
         kv_cache_tokens: int | None = None,
         draft_tokens: int = DRAFT_TOKENS,
+        column_cost: float | None = None,
     ):
         if not 0 <= draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be within 0..64, not {draft_tokens}")
@@ -114,6 +122,11 @@ class HFEngine:
         # one index per distinct (prompt, references): a group's requests share theirs
         self._indexes: WeakValueDictionary[tuple, DraftIndex] = WeakValueDictionary()
         self.spec_stats = SpecStats()  # the engine's, since it was built
+        # whether a step drafts: `column_cost` None takes the device's (0: always)
+        cost = (
+            COLUMN_COST.get(device, COLUMN_COST_ACCELERATOR) if column_cost is None else column_cost
+        )
+        self.gate = DraftGate(cost)
         self.request_stats: dict[str, SpecStats] = {}  # each running request's
 
     # ---- the Engine interface ----
@@ -254,8 +267,9 @@ class HFEngine:
         if joining and not self._appendable:  # a cache whose rows cannot be padded and joined
             running, self._cache, self._cache_ids = [], None, []
             joining = list(self.seqs)
-        drafts = {rid: self._propose(rid) for rid in running}
+        drafts = self._drafts_of(running)
         width = 1 + max((len(d) for d in drafts.values()), default=0)
+        counted = self.spec_stats.drafted, self.spec_stats.accepted
         if not running:
             ids, logits = joining, self._prefill(joining)
         elif not joining:
@@ -278,7 +292,19 @@ class HFEngine:
             at += len(row)
         if running:
             self._settle(kept[: len(running)], width)
+        stats = self.spec_stats
+        self.gate.observe(stats.drafted - counted[0], stats.accepted - counted[1])
         return events
+
+    def _drafts_of(self, running: list[str]) -> dict[str, list[int]]:
+        """The running requests' drafts for this step, none where the gate says drafting
+        would not pay."""
+        drafts = {rid: d for rid in running if (d := self._propose(rid))}
+        if not drafts:
+            return drafts
+        width = 1 + max(len(d) for d in drafts.values())
+        drafted = sum(len(d) for d in drafts.values())
+        return drafts if self.gate.drafts(drafted, len(running), width) else {}
 
     def _propose(self, rid: str) -> list[int]:
         """A running request's draft for this step: [] without references, and never more

@@ -38,6 +38,44 @@ class SpecStats:
         self.tokens += tokens
 
 
+# what one more fed token per row costs, as a share of a plain step, by device: on CPU the
+# wider pass is compute (32 rows of a 3-layer, 128-wide model, one thread: a 5-wide pass 1.66x a
+# plain one, bench/long_tail.py); on a GPU decoding is memory-bound and a few more tokens per
+# row cost little
+COLUMN_COST = {"cpu": 0.165}
+COLUMN_COST_ACCELERATOR = 0.03
+
+
+@dataclass
+class DraftGate:
+    """Whether a decode step drafts at all: the tokens its drafts are expected to add against
+    what feeding every row `width` tokens costs. A step of `rows` rows yields `rows` tokens
+    plain; drafted, it yields `acceptance` of its draft tokens more, at `1 + column_cost *
+    (width - 1)` the cost: it pays when the expected extra tokens per row pass `column_cost *
+    (width - 1)`. `acceptance` is the moving share of drafted tokens kept; a step gated off
+    still drafts every `probe_every` steps, so a run whose drafts start paying (a later epoch,
+    siblings finishing) turns speculation back on. Drafts the gate stops change how fast a step
+    goes, never its tokens."""
+
+    column_cost: float
+    acceptance: float = 0.5  # a prior, moved by every drafted step
+    weight: float = 0.2
+    probe_every: int = 16
+    skipped: int = 0  # steps gated off since the last drafted one
+
+    def drafts(self, drafted_tokens: int, rows: int, width: int) -> bool:
+        gain = self.acceptance * drafted_tokens / max(1, rows)
+        if gain > self.column_cost * (width - 1) or self.skipped >= self.probe_every:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance += self.weight * (accepted / drafted - self.acceptance)
+
+
 def draws_at(seq: Sequence, draft: list[int]) -> list[Draw]:
     """The draws at a request's next position and at each of its draft tokens' positions: what
     plain decoding draws there once the tokens before them are the draft's."""
