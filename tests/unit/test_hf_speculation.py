@@ -193,6 +193,11 @@ def test_the_gate_drafts_only_where_drafts_pay_and_probes_again():
     assert gate.acceptance < 0.1
     gated = [gate.drafts(drafted_tokens=32, rows=8, width=5) for _ in range(gate.probe_every + 1)]
     assert gated == [False] * gate.probe_every + [True]  # off, then one probe
+    gate.observe(drafted=32, accepted=0)  # the probe missed: the next comes twice as late
+    gated = [
+        gate.drafts(drafted_tokens=32, rows=8, width=5) for _ in range(2 * gate.probe_every + 1)
+    ]
+    assert gated == [False] * 2 * gate.probe_every + [True]
     gate.observe(drafted=32, accepted=32)
     gate.observe(drafted=32, accepted=32)
     assert gate.drafts(drafted_tokens=32, rows=8, width=5)  # paying again: on

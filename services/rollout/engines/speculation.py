@@ -44,6 +44,7 @@ class SpecStats:
 # row cost little
 COLUMN_COST = {"cpu": 0.165}
 COLUMN_COST_ACCELERATOR = 0.03
+MAX_PROBE_EVERY = 256  # steps between probes of a gate whose drafts keep missing, at most
 
 
 @dataclass
@@ -53,20 +54,26 @@ class DraftGate:
     plain; drafted, it yields `acceptance` of its draft tokens more, at `1 + column_cost *
     (width - 1)` the cost: it pays when the expected extra tokens per row pass `column_cost *
     (width - 1)`. `acceptance` is the moving share of drafted tokens kept; a step gated off
-    still drafts every `probe_every` steps, so a run whose drafts start paying (a later epoch,
-    siblings finishing) turns speculation back on. Drafts the gate stops change how fast a step
-    goes, never its tokens."""
+    still drafts after `interval` steps (a probe), so a run whose drafts start paying (a later
+    epoch, siblings finishing) turns speculation back on; each probe that finds it still does
+    not pay doubles the interval, up to `MAX_PROBE_EVERY` (short answers that never match cost
+    a probe in hundreds of steps). Drafts the gate stops change how fast a step goes, never its
+    tokens."""
 
     column_cost: float
     acceptance: float = 0.5  # a prior, moved by every drafted step
     weight: float = 0.2
     probe_every: int = 16
+    interval: int = 16  # steps gated off before the next probe
     skipped: int = 0  # steps gated off since the last drafted one
 
     def drafts(self, drafted_tokens: int, rows: int, width: int) -> bool:
         gain = self.acceptance * drafted_tokens / max(1, rows)
-        if gain > self.column_cost * (width - 1) or self.skipped >= self.probe_every:
-            self.skipped = 0
+        if gain > self.column_cost * (width - 1):
+            self.skipped, self.interval = 0, self.probe_every
+            return True
+        if self.skipped >= self.interval:
+            self.skipped, self.interval = 0, min(MAX_PROBE_EVERY, 2 * self.interval)
             return True
         self.skipped += 1
         return False
