@@ -7,7 +7,10 @@ to the trainer (`Simulation.group_done`); a multi-turn episode's ended turns go 
 environment, whose answer (an event) the controller takes (`on_answers`, then `stored`): the
 next turn queued or the episode over (turns.py holds the episodes' table and physics); a dead
 instance's jobs are reclaimed by the controller (`on_claimed`). The component is
-`RequestFlow`, held as `sim.requests`.
+`RequestFlow`, held as `sim.requests`. With the long tail's options (tail.py) a job with a
+draft runs at its acceptance's speed (`draft_speed`), a group's first finished response gives
+its running siblings a draft (`sibling_finished`), and length-aware dispatch keeps a step's
+queue longest expected first and deals it in turn (`order_queue`, `deal`).
 """
 
 from collections import deque
