@@ -21,7 +21,8 @@ Verifying costs more than a plain step: a drafting row feeds k + 1 tokens. With
 `verify_cost` None (the default) the engine profile prices it: the step reads the same
 weights and KV cache and computes k more tokens a drafting row (`profile.step_s` at the batch
 plus k per drafting row, the KV bytes kept), so memory-bound decode on a GPU costs ~1.0-1.1x
-at a tail's few rows and ~1.4x at a full 14B batch on 2xH100 (the roofline's compute term).
+at a tail's few rows and ~1.5x at the 112 rows of 6K context a 14B engine on 2xH100 holds
+(the roofline's compute term grows, its memory term does not).
 A number instead sets the factor of a step where every row drafts (rows without a draft take
 a plain step in the same pass: the factor scales with the drafting share). CPU, measured:
 the transformers engine's drafted step costs ~1.6x a plain one at k = 4 and 16-64 rows
