@@ -6,6 +6,9 @@ pool, with ablations. docs/simulation.md explains the models and the results.
         [--hours H] [--start-hours S] [--max-spot N] [--scenario paper-14b|artifact-8b]
         [--notice-s S] [--profile FILE.json] [--seed K] [--plot OUT.png]
         [--turns T] [--env-latency-s S] [--observation-tokens N] [--turn-tokens N]
+        [--speculation [--spec-alpha A] [--spec-draft-tokens K] [--spec-verify-cost F]
+         [--spec-alpha-concentration C]] [--length-aware [--length-noise-sigma S]]
+        [--epoch-steps E] [--systems NAME,NAME,...]
 
 Prints a table, then as its LAST line a JSON object: `systems` (name -> throughput_tok_s,
 tokens_per_dollar, mean_step_s, idle fractions, token accounting, ...),
@@ -17,7 +20,12 @@ response is a multi-turn episode of T model turns (the environment answers each 
 is `--turn-tokens`, by default the single-turn median split among the turns); the JSON then
 also has `turns`, `env_latency_s`, `observation_tokens`, `turn_median_tokens`, and each
 system's episode figures (`env_answers`, `episodes`, `turns_per_episode`, `turns_discarded`,
-`mean_env_s`).
+`mean_env_s`). `ceiling_throughput_tok_s` is the trace's ceiling (services/sim/ceiling.py) and
+each system's `ceiling_share` its throughput's share of it. `--speculation` and
+`--length-aware` (services/sim/tail.py; off by default) model the long tail's remedies, with
+history from step `--epoch-steps` on (the dataset's prompts / prompts a step; default none:
+drafts come only from finished siblings); the JSON then also has `speculation`,
+`length_aware`, `epoch_steps`, `length_noise_sigma`. `--systems` runs only those named.
 """
 
 import argparse
@@ -32,6 +40,8 @@ from services.sim.compare import compare
 from services.sim.plot import plot_throughput
 from services.sim.profile import EngineProfile
 from services.sim.scenario import SCENARIOS
+from services.sim.systems import SYSTEMS, SystemSpec
+from services.sim.tail import SpeculationModel, TailPolicy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--turn-tokens", type=float, default=None, help="a turn's median tokens (default: split)"
     )
+    tail_args(p)
     args = p.parse_args(argv)
     if args.hours <= 0 or args.max_spot < 0 or args.start_hours < 0:
         p.error("--hours must be > 0, --max-spot and --start-hours >= 0")
@@ -63,6 +74,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.turn_tokens is not None and args.turn_tokens < 1:
         p.error("--turn-tokens must be >= 1")
     return args
+
+
+def tail_args(p: argparse.ArgumentParser) -> None:
+    """The long tail's options (services/sim/tail.py), off by default."""
+    defaults = SpeculationModel()
+    p.add_argument("--speculation", action="store_true", help="drafts from history and siblings")
+    p.add_argument("--spec-alpha", type=float, default=defaults.alpha, help="mean acceptance")
+    p.add_argument("--spec-draft-tokens", type=int, default=defaults.draft_tokens, help="k")
+    p.add_argument(
+        "--spec-verify-cost",
+        type=float,
+        default=None,
+        help="a step with every row drafting / a plain one (default: priced by the profile)",
+    )
+    p.add_argument(
+        "--spec-alpha-concentration",
+        type=float,
+        default=defaults.alpha_concentration,
+        help="Beta concentration of the requests' acceptances around the mean",
+    )
+    p.add_argument("--length-aware", action="store_true", help="longest expected first")
+    p.add_argument("--length-noise-sigma", type=float, default=TailPolicy().length_noise_sigma)
+    p.add_argument("--epoch-steps", type=int, default=None, help="steps an epoch (history)")
+    p.add_argument("--systems", default=None, help="comma-separated names (default: all)")
+
+
+def tail_policy(args: argparse.Namespace) -> TailPolicy:
+    spec = None
+    if args.speculation:
+        spec = SpeculationModel(
+            draft_tokens=args.spec_draft_tokens,
+            alpha=args.spec_alpha,
+            alpha_concentration=args.spec_alpha_concentration,
+            verify_cost=args.spec_verify_cost,
+        )
+    return TailPolicy(
+        speculation=spec,
+        length_aware=args.length_aware,
+        epoch_steps=args.epoch_steps,
+        length_noise_sigma=args.length_noise_sigma,
+    )
+
+
+def chosen_systems(names: str | None) -> tuple[SystemSpec, ...]:
+    if names is None:
+        return SYSTEMS
+    known = {s.name: s for s in SYSTEMS}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"simulate: unknown systems {unknown}; known: {sorted(known)}")
+    return tuple(known[n] for n in wanted)
 
 
 def multi_turn(args: argparse.Namespace) -> dict:
@@ -87,6 +150,9 @@ def print_table(result: dict) -> None:
             f"{s['mean_step_s'] or 0:7.0f} {s['cost_per_h']:7.1f} {s['steps']:5d} "
             f"{s['mean_pool_instances']:5.1f} {'-' if idle is None else f'{idle:5.2f}':>5s}"
         )
+    top = result["ceiling_throughput_tok_s"]
+    shares = ", ".join(f"{n} {s['ceiling_share']:.2f}" for n, s in result["systems"].items())
+    print(f"ceiling of the trace: {top:.0f} tok/s; shares: {shares}")
     for k in (1, 2):
         ratio = result[f"async_k{k}_vs_hybrid_throughput"]
         cost = result[f"async_k{k}_vs_hybrid_cost_efficiency"]
@@ -106,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         scenario = replace(scenario, cloud=replace(scenario.cloud, notice_s=args.notice_s))
     if args.profile:
         scenario = replace(scenario, spot_engine=EngineProfile.load(args.profile))
-    scenario = scenario.with_workload(**multi_turn(args))
+    scenario = replace(scenario.with_workload(**multi_turn(args)), tail=tail_policy(args))
     targets = worker_targets(trace, 1.0, args.max_spot, args.hours, args.start_hours * 3600)
     began = time.monotonic()
-    comparison = compare(scenario, targets, args.hours * 3600, args.seed)
+    systems = chosen_systems(args.systems)
+    comparison = compare(scenario, targets, args.hours * 3600, args.seed, systems)
     result = comparison.result()
     result |= {
         "trace": args.trace.name,

@@ -1,14 +1,16 @@
 """Run every system on the same scenario, trace and seed, and summarise: effective throughput
 (response tokens trained per second), cost efficiency (tokens per dollar), step time, idle
-fractions, and the token accounting that must balance.
+fractions, and the token accounting that must balance; and the trace's ceiling (ceiling.py)
+with each system's share of it (`ceiling_share`).
 
 Every figure is taken at the commit of the last complete step, so no system is charged for, or
 credited with, a step it had not finished when the trace window closed.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from services.sim.ceiling import Ceiling, ceiling
 from services.sim.scenario import Scenario
 from services.sim.simulation import Simulation
 from services.sim.state import finite_or_none
@@ -82,6 +84,7 @@ class Comparison:
     sims: dict[str, Simulation]
     summaries: dict[str, dict]
     disagg_instances: int
+    ceiling: Ceiling | None = None  # the trace's (ceiling.py)
 
     def ratio(self, a: str, b: str, key: str) -> float | None:
         x, y = self.summaries.get(a, {}).get(key), self.summaries.get(b, {}).get(key)
@@ -123,6 +126,20 @@ class Comparison:
             "hybrid_balance_migrations_per_step": self.summaries.get("hybrid", {}).get(
                 "balance_migrations_per_step"
             ),
+            "ceiling_throughput_tok_s": self.ceiling.throughput_tok_s if self.ceiling else None,
+        } | self.tail()
+
+    def tail(self) -> dict:
+        """The long tail's options (services/sim/tail.py), where any is on."""
+        tail = self.scenario.tail
+        if not tail.active:
+            return {}
+        spec = tail.speculation
+        return {
+            "speculation": None if spec is None else asdict(spec),
+            "length_aware": tail.length_aware,
+            "epoch_steps": tail.epoch_steps,
+            "length_noise_sigma": tail.length_noise_sigma,
         }
 
 
@@ -153,4 +170,7 @@ def compare(
         spec = system.sized(disagg) if system == DISAGG_BAL else system
         sims[system.name] = Simulation(scenario, spec, targets, seed, horizon_s).run()
     summaries = {name: summarize(sim) for name, sim in sims.items()}
-    return Comparison(scenario, sims, summaries, disagg)
+    top = ceiling(scenario, targets, horizon_s, seed)
+    for summary in summaries.values():  # each system's share of what the trace allows
+        summary["ceiling_share"] = summary["throughput_tok_s"] / top.throughput_tok_s
+    return Comparison(scenario, sims, summaries, disagg, top)

@@ -19,6 +19,7 @@ from services.sim.requests import RequestFlow
 from services.sim.scenario import Route, Scenario
 from services.sim.state import RUN_ID, Instance, Totals
 from services.sim.systems import SystemSpec
+from services.sim.tail import verify_step
 
 REMOTE_SUFFIX = "@remote"  # ends the name of a spot instance in the remote region
 
@@ -29,7 +30,7 @@ def reserved_instances(sc: Scenario, system: SystemSpec) -> dict[str, Instance]:
         f"reserved-{i}": Instance(
             f"reserved-{i}",
             "reserved",
-            SimEngine(sc.reserved_engine),
+            SimEngine(sc.reserved_engine, verify_step(sc.reserved_engine, sc.tail.speculation)),
             0.0,
             0.0,
             state="up",
@@ -95,9 +96,9 @@ class Fleet:
             price = self.sc.cloud.spot_instance_per_h
             if self.system.pool == "fixed":
                 price = self.sc.cloud.ondemand_instance_per_h
-            self.instances[name] = Instance(
-                name, "preemptible", SimEngine(self.sc.spot_engine), price, self.clock.now
-            )
+            profile = self.sc.spot_engine
+            engine = SimEngine(profile, verify_step(profile, self.sc.tail.speculation))
+            self.instances[name] = Instance(name, "preemptible", engine, price, self.clock.now)
             self.clock.at(self.clock.now + self.sc.cloud.startup_s, "booted", name)
         excess = max(0, len(live) - count)
         if not scale_in:

@@ -7,9 +7,13 @@ to the trainer (`Simulation.group_done`); a multi-turn episode's ended turns go 
 environment, whose answer (an event) the controller takes (`on_answers`, then `stored`): the
 next turn queued or the episode over (turns.py holds the episodes' table and physics); a dead
 instance's jobs are reclaimed by the controller (`on_claimed`). The component is
-`RequestFlow`, held as `sim.requests`.
+`RequestFlow`, held as `sim.requests`. With the long tail's options (tail.py) a job with a
+draft runs at its acceptance's speed (`draft_speed`), a group's first finished response gives
+its running siblings a draft (`sibling_finished`), and length-aware dispatch keeps a step's
+queue longest expected first and deals it in turn (`order_queue`, `deal`).
 """
 
+from collections import deque
 from collections.abc import Callable
 from typing import Final, TypeVar
 
@@ -105,6 +109,9 @@ class RequestFlow:
         takers = sorted(self.takers(st), key=lambda i: (i.engine.batch, i.name))
         held = {i.name: self.held(i, st) for i in takers}
         cap = read_cap(len(st.queue) + sum(held.values()), self.serving(st))
+        if st.expected:  # length-aware: one job at a time in turn, the long ones spread
+            self.deal(st, takers, held, cap)
+            return
         for inst in takers:
             room = inst.slots() - inst.engine.batch
             if self.system.fair_reads:
@@ -113,6 +120,31 @@ class RequestFlow:
                 if not st.queue:
                     return
                 self.start_job(inst, st.queue.popleft())
+
+    def deal(self, st: StepState, takers: list[Instance], held: dict[str, int], cap: int) -> None:
+        """Length-aware dispatch: the queue, longest expected first, dealt one job at a time
+        to each instance in turn, each up to its room (as `dispatch_step`)."""
+        rooms = {}
+        for inst in takers:
+            room = inst.slots() - inst.engine.batch
+            if self.system.fair_reads:
+                room = min(room, cap - held[inst.name])
+            rooms[inst.name] = room
+        active = [i for i in takers if rooms[i.name] > 0]
+        while st.queue and active:
+            for inst in list(active):
+                if not st.queue:
+                    return
+                self.start_job(inst, st.queue.popleft())
+                rooms[inst.name] -= 1
+                if rooms[inst.name] <= 0:
+                    active.remove(inst)
+
+    def order_queue(self, st: StepState) -> None:
+        """Length-aware dispatch: the step's queue, longest expected remainder first."""
+        if st.expected:
+            key = lambda job: len(job.prefix_ids) - st.expected[job.request_id]  # noqa: E731
+            st.queue = deque(sorted(st.queue, key=key))
 
     def serving(self, st: StepState) -> int:
         """The instances serving the step's version or loading it, as the coordinator counts
@@ -130,9 +162,35 @@ class RequestFlow:
         self.max_lag = max(self.max_lag, st.step - inst.version)
         tokens = st.stop_at(job.request_id) - len(job.prefix_ids)
         context = len(job.prompt_ids) + len(job.prefix_ids)
+        speed = self.draft_speed(st, job.request_id, tokens)
         inst.engine.add(
-            job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.clock.now
+            job.request_id, job.lease, context, len(job.prefix_ids), tokens, self.clock.now, speed
         )
+
+    def draft_speed(self, st: StepState, rid: str, tokens: float) -> float | None:
+        """Speculation (tail.py): tokens a step over the next `tokens` of `rid`, when it has a
+        draft (an earlier epoch's response to its prompt, or a finished sibling's); None: plain."""
+        spec = self.sc.tail.speculation
+        if spec is None or not (
+            self.sc.tail.has_history(st.step) or prompt_of(rid) in st.drafted_groups
+        ):
+            return None
+        return spec.speed(round(tokens), st.alphas[rid], st.spec_rng)
+
+    def sibling_finished(self, st: StepState, rid: str) -> None:
+        """A response is over: its group's others have a draft from now on (the first time,
+        when the step has no history): the running ones speed up where they run."""
+        prompt = prompt_of(rid)
+        if prompt in st.drafted_groups or self.sc.tail.has_history(st.step):
+            return
+        st.drafted_groups.add(prompt)
+        for inst in self.instances.values():
+            for other, run in list(inst.engine.running.items()):
+                if other in st.lengths and prompt_of(other) == prompt:
+                    left = run.tokens - run.at(inst.engine.level)
+                    speed = self.draft_speed(st, other, left)
+                    if speed is not None and left >= 1:
+                        inst.engine.set_speed(other, speed)
 
     def balance(self) -> None:
         """Algorithm 2 over the instances that serve some step in flight, with the cooldown of
@@ -216,6 +274,10 @@ class RequestFlow:
         effects = st.control.on_deltas([batch])
         self.totals.discarded += st.table.tokens_discarded - before
         self.queue_jobs(st, effects.jobs, effects.migrated)
+        if self.sc.tail.speculation is not None:
+            for item in batch.items:
+                if item.finished and st.table.requests[item.request_id].done:
+                    self.sibling_finished(st, item.request_id)
         if effects.turns:  # multi-turn: for the environment (turns.py)
             self.turns_ended(st, effects.turns)
         st.control.stored(effects)
@@ -225,6 +287,8 @@ class RequestFlow:
     def queue_jobs(self, st: StepState, jobs: list[Job], migrated: dict[str, int]) -> None:
         """The controller's jobs queued, the requests moved counted by cause."""
         st.queue.extend(jobs)
+        if jobs and st.expected:
+            self.order_queue(st)
         for cause, n in migrated.items():
             if n:
                 self.totals.migrations[cause] = self.totals.migrations.get(cause, 0) + n
@@ -232,7 +296,7 @@ class RequestFlow:
     def finish_request(self, inst: Instance, rid: str) -> None:
         st = self.step_of(rid)
         run, _ = inst.engine.remove(rid)
-        tokens = round(run.stop_level - run.join_level)
+        tokens = run.tokens
         self.totals.generated += tokens
         item = self.delta(st, rid, run.lease, run.offset, tokens, finished=True)
         self.collect(
@@ -280,3 +344,8 @@ def grant_of(st: StepState, rid: str, lease: int) -> str:
     the request's (a delta under an older one is stale whatever it carries)."""
     r = st.table.requests[rid]
     return r.grant if r.lease == lease else ""
+
+
+def prompt_of(rid: str) -> int:
+    """The prompt index a request id names (`core.request_state.request_id`)."""
+    return int(rid.split(":")[1])

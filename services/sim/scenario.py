@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from services.sim.profile import QWEN3_8B, QWEN3_14B, EngineProfile, ModelShape, roofline
+from services.sim.tail import TailPolicy
 from services.sim.workload import ResponseLengthModel
 
 # One free constant, fitted once: the share of HBM bandwidth a serving engine reaches, chosen so
@@ -192,6 +193,8 @@ class Scenario:
     flush_tokens: int = 16  # tokens between a worker's flushes: a kill loses at most these
     initial_t_seed_s: float = 30.0
     seeding_eta: float = 2.0
+    # the long tail: speculation, length-aware dispatch (tail.py); off by default
+    tail: TailPolicy = field(default_factory=TailPolicy)
 
     def with_workload(self, **changes) -> "Scenario":
         return replace(self, workload=replace(self.workload, **changes))

@@ -43,6 +43,7 @@ the `Clock` (clock.py): the time, the latest committed version and the events to
 """
 
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -67,6 +68,7 @@ from services.sim.requests import RequestFlow
 from services.sim.scenario import Scenario
 from services.sim.state import Instance, StepRecord, StepState, Totals
 from services.sim.systems import SystemSpec
+from services.sim.tail import expected_lengths
 from services.sim.turns import step_table, turn_physics
 
 QUANTUM_S = 5.0  # the longest an engine runs at one step rate (contexts grow meanwhile)
@@ -335,6 +337,8 @@ class Simulation:
         opened = control.open(self.fleet.beats(), started=now, now=now, queued_at=now)
         st = StepState(step, control, lengths, work.prompt_tokens, deque(opened.jobs))
         st.turn_tokens, st.env_latency_s = turn_physics(step, work)
+        if sc.tail.active:
+            self.tail_step(st, work.prompt_log_median)
         self.inflight[step] = st
         if self.cur is None or self.cur.step not in self.inflight:
             self.cur = st
@@ -347,6 +351,28 @@ class Simulation:
         else:  # it switches to rollout for the window
             self.totals.reserved_switch_s += sc.resume_s
             self.clock.at(now + sc.resume_s, "reserved_ready", step)
+
+    def tail_step(self, st: StepState, prompt_log_median: list[float]) -> None:
+        """The step's long-tail state (tail.py), drawn from (seed, step) alone so that every
+        system sees the same: each request's acceptance; from the second epoch, each
+        request's expected length, and its queue longest expected first."""
+        tail, wl = self.sc.tail, self.sc.workload
+        if tail.speculation is not None:
+            rng = random.Random(f"{self.seed}:{st.step}:acceptance")
+            st.alphas = {rid: tail.speculation.request_alpha(rng) for rid in st.lengths}
+            st.spec_rng = random.Random(f"{self.seed}:{st.step}:steps")
+        if tail.length_aware and tail.has_history(st.step):
+            rng = random.Random(f"{self.seed}:{st.step}:history")
+            cap = wl.max_response_tokens
+            draws = expected_lengths(
+                prompt_log_median, wl.group_size, wl.sigma_sample, cap, tail.length_noise_sigma, rng
+            )
+            st.expected = {
+                request_id(st.step, p, s): n
+                for p, group in enumerate(draws)
+                for s, n in enumerate(group)
+            }
+            self.requests.order_queue(st)
 
     def on_reserved_ready(self, step: int) -> None:
         """The reserved engines hold the step's weights: the next tick starts its seeding

@@ -1,6 +1,7 @@
 """The state a simulation keeps: instances, the current step, and what it reports."""
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -72,6 +73,12 @@ class StepState:
     # seconds the environment takes to answer each turn
     turn_tokens: dict[str, list[int]] = field(default_factory=dict)
     env_latency_s: dict[str, list[float]] = field(default_factory=dict)
+    # the long tail (tail.py; empty when off): each request's acceptance, the groups with a
+    # finished sibling (their drafts), each request's expected length (length-aware dispatch)
+    alphas: dict[str, float] = field(default_factory=dict)
+    drafted_groups: set[int] = field(default_factory=set)
+    expected: dict[str, float] = field(default_factory=dict)
+    spec_rng: random.Random = field(default_factory=random.Random)
 
     @property
     def table(self) -> RequestTable:

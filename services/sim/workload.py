@@ -37,6 +37,9 @@ class StepWorkload:
     # generates before the budget's cut, and the seconds the environment takes to answer it
     turn_tokens: list[list[list[int]]] = field(default_factory=list)
     env_latency_s: list[list[list[float]]] = field(default_factory=list)
+    # per prompt: the log of its median response length (its factor; what a previous epoch's
+    # response to the same prompt shares with this one: services/sim/tail.py)
+    prompt_log_median: list[float] = field(default_factory=list)
 
     @property
     def total_response_tokens(self) -> int:
@@ -69,10 +72,11 @@ class ResponseLengthModel:
         rng = random.Random(f"{seed}:{step}")
         turn_rng = random.Random(f"{seed}:{step}:turns")  # multi-turn draws: a stream apart
         mu = math.log(self.median_response_tokens)
-        prompts, responses, turn_tokens, latencies = [], [], [], []
+        prompts, responses, turn_tokens, latencies, medians = [], [], [], [], []
         for _ in range(self.prompts_per_step):
             prompts.append(rng.randint(self.min_prompt_tokens, self.max_prompt_tokens))
             prompt_mu = mu + rng.gauss(0.0, self.sigma_prompt)
+            medians.append(prompt_mu)
             raw = [
                 math.exp(prompt_mu + e)
                 for e in (rng.gauss(0.0, self.sigma_sample) for _ in range(self.group_size))
@@ -84,7 +88,7 @@ class ResponseLengthModel:
             turn_tokens.append([tokens for tokens, _ in group])
             latencies.append([seconds for _, seconds in group])
             responses.append([sum(tokens) for tokens, _ in group])
-        return StepWorkload(prompts, responses, turn_tokens, latencies)
+        return StepWorkload(prompts, responses, turn_tokens, latencies, medians)
 
     def episode(self, length: float, rng: random.Random) -> tuple[list[int], list[float]]:
         """One episode of a response of uncapped `length`: the tokens each turn generates under
