@@ -64,6 +64,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             worker_env=worker_env,
             secure=not args.open,
             tls=args.tls,
+            rebuild_other=not args.model,  # its own folder holds the task's model as specified
         )
     except KeyboardInterrupt:
         print(json.dumps({"state": "interrupted"}))

@@ -88,8 +88,8 @@ def _add_up(sub: Subparsers) -> None:
     p.add_argument(
         "--pretrain-steps",
         type=int,
-        default=EMBEDDED_PRETRAIN_STEPS,
-        help="pre-training steps of the base model built when --model names none",
+        help="pre-training steps of the base model built when --model names none (default: "
+        f"the task's; arithmetic {EMBEDDED_PRETRAIN_STEPS})",
     )
     p.add_argument(
         "--port", type=int, help="coordinator port (API and dashboard; default: a free port)"
@@ -148,7 +148,12 @@ def _add_init_model(sub: Subparsers) -> None:
     task = FLAT_FIELDS["task"]
     p.add_argument("--task", default=task.default, choices=get_args(task.annotation))
     p.add_argument("--task-path")
-    p.add_argument("--pretrain-steps", type=int, default=EMBEDDED_PRETRAIN_STEPS)
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        help=f"default: the task's (arithmetic {EMBEDDED_PRETRAIN_STEPS}; "
+        "services/trainer/init_model.py TASK_MODEL_DEFAULTS)",
+    )
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_init_model)
 

@@ -2,8 +2,9 @@
 after it whatever its section (`--prompts-per-step` sets `training.prompts_per_step`: the flat
 names of `FLAT_FIELDS`, which RunSpec takes as they are), its help the field's description, its
 choices those of a `Literal`, its default the embedded preset (`EMBEDDED_DEFAULTS`) over the
-field's own. Values are checked by `RunSpec` itself (`spec_from_args`), so `spotrl up` refuses
-exactly what the REST API refuses, and an error names the flag and the field.
+field's own; with `--task NAME`, that task's preset (`TASK_PRESETS`) over the embedded one for
+the flags not given. Values are checked by `RunSpec` itself (`spec_from_args`), so `spotrl up`
+refuses exactly what the REST API refuses, and an error names the flag and the field.
 
 Not here: options that are not part of a run (workers, ports, the trace replay): `main.py`.
 """
@@ -16,12 +17,36 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from services.contracts.runspec import EMBEDDED_DEFAULTS, FLAT_FIELDS, SECTION_OF, RunSpec
+from services.contracts.runspec import (
+    EMBEDDED_DEFAULTS,
+    FLAT_FIELDS,
+    SECTION_OF,
+    TASK_PRESETS,
+    RunSpec,
+)
 
 # Fields `spotrl up` sets itself: the model folder (it builds one when none is named).
 NOT_FLAGS = frozenset({"model"})
 # Fields where 0 also means "unset", as `spotrl up` documented before "none" was accepted.
 ZERO_IS_NONE = frozenset({"stall_timeout_s"})
+
+
+class TaskDefault:
+    """The default of a flag that a task's preset sets: `value` (the embedded preset's or the
+    field's) unless the run's task has its own (`spec_from_args`)."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        self.name, self.value = name, value
+
+    def for_task(self, task: str) -> Any:
+        return TASK_PRESETS.get(task, {}).get(self.name, self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def task_preset_fields() -> frozenset[str]:
+    return frozenset(name for preset in TASK_PRESETS.values() for name in preset)
 
 
 def flag(field: str) -> str:
@@ -47,6 +72,9 @@ def _help(name: str, info: FieldInfo, default: Any, optional: bool) -> str:
         notes.append(f"default {default!r}, the embedded preset; a spec's own: {info.default!r}")
     else:
         notes.append(f"default {default!r}")
+    tasks = [f"{task} {preset[name]!r}" for task, preset in TASK_PRESETS.items() if name in preset]
+    if tasks:
+        notes.append(f"with --task: {', '.join(tasks)}")
     return f"{text} ({'; '.join(notes)})"
 
 
@@ -92,16 +120,24 @@ def add_spec_flags(
         + ", ".join(f"{k}={v!r}" for k, v in preset.items()).replace("%", "%%")
         + "), else the spec's own.",
     )
+    task_fields = task_preset_fields()
     for name, info in FLAT_FIELDS.items():
         if name in NOT_FLAGS:
             continue
         default = preset.get(name, info.default)
-        group.add_argument(flag(name), **flag_options(name, info, default))
+        options = flag_options(name, info, default)
+        if name in task_fields:
+            options["default"] = TaskDefault(name, default)
+        group.add_argument(flag(name), **options)
 
 
 def spec_from_args(args: argparse.Namespace, **fields: Any) -> RunSpec:
-    """The RunSpec the flags ask for, with `fields` (the model) on top; raises ValidationError."""
+    """The RunSpec the flags ask for (a flag not given: its task's preset, else the embedded
+    one, else the field's default), with `fields` (the model) on top; raises ValidationError."""
     values = {name: getattr(args, name) for name in FLAT_FIELDS if name not in NOT_FLAGS}
+    for name, value in values.items():
+        if isinstance(value, TaskDefault):
+            values[name] = value.for_task(values["task"])
     for name in ZERO_IS_NONE:
         if values.get(name) == 0:
             values[name] = None

@@ -25,12 +25,43 @@ from services.cli.up_summary import aborted_summary, finished_summary
 from services.contracts.runspec import RunSpec
 
 
-def ensure_model(model: Path, task: str, task_path: str | None, pretrain_steps: int) -> Path:
-    if (model / "config.json").is_file():
-        return model
-    from services.trainer.init_model import InitModelSpec, init_model
+def base_model_spec(task: str, task_path: str | None, pretrain_steps: int | None):
+    """The base model `spotrl up` and `spotrl init-model` build for `task`: its defaults
+    (`InitModelSpec`'s, the task's over them), `pretrain_steps` over both when given."""
+    from services.trainer.init_model import InitModelSpec
 
-    spec = InitModelSpec(task=task, task_path=task_path, pretrain_steps=pretrain_steps)
+    given = {} if pretrain_steps is None else {"pretrain_steps": pretrain_steps}
+    return InitModelSpec(task=task, task_path=task_path, **given)
+
+
+def built_with(model: Path):
+    """The spec the model in `model` was built with (spotrl-init.json), or None."""
+    from pydantic import ValidationError
+
+    from services.trainer.init_model import InitModelSpec
+
+    try:
+        return InitModelSpec.model_validate_json((model / "spotrl-init.json").read_text())
+    except (OSError, ValidationError):
+        return None
+
+
+def ensure_model(
+    model: Path,
+    task: str,
+    task_path: str | None,
+    pretrain_steps: int | None,
+    rebuild_other: bool = False,
+) -> Path:
+    """The model in `model`, built first when there is none, or with `rebuild_other` (the
+    folder `spotrl up` names itself) when the one there was built with another spec."""
+    spec = base_model_spec(task, task_path, pretrain_steps)
+    if (model / "config.json").is_file():
+        if not rebuild_other or built_with(model) == spec:
+            return model
+        console.print(f"{model} was built with another spec: building it again", soft_wrap=True)
+    from services.trainer.init_model import init_model
+
     with progress_bar("pre-training base model") as bar:
         task_id = bar.add_task("init-model", total=spec.pretrain_steps, info="")
         init_model(
@@ -107,7 +138,7 @@ def up(
     spec: RunSpec,
     reserved: int,
     preemptible: int,
-    pretrain_steps: int,
+    pretrain_steps: int | None,
     chaos: ChaosOptions | None = None,
     weightstores: int = 1,
     engine: str = "hf",
@@ -116,11 +147,15 @@ def up(
     worker_env: dict[str, str] | None = None,
     secure: bool = True,
     tls: bool = False,
+    rebuild_other: bool = False,
 ) -> dict:
-    """Run `spec` on a local deployment (its model folder is built first when missing); the
-    summary that `spotrl up` prints."""
+    """Run `spec` on a local deployment (its model folder is built first when missing, or
+    built with another spec and `rebuild_other`: `ensure_model`); the summary that `spotrl up`
+    prints."""
     started = time.monotonic()
-    ensure_model(Path(spec.model), spec.data.task, spec.data.task_path, pretrain_steps)
+    ensure_model(
+        Path(spec.model), spec.data.task, spec.data.task_path, pretrain_steps, rebuild_other
+    )
     run_dir = new_run_dir(work_dir)
     targets = chaos.targets(preemptible) if chaos else []
     if targets:

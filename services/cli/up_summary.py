@@ -38,6 +38,8 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
     rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
     tps = [row["tokens_per_s"] for row in rows if "tokens_per_s" in row]
     step_s = [row["step_s"] for row in rows if "step_s" in row]
+    rollout_s = [row["rollout_s"] for row in rows if "rollout_s" in row]
+    lengths = [row["response_len_mean"] for row in rows if "response_len_mean" in row]
     return {
         "run_id": run["id"],
         "state": run["state"],
@@ -45,11 +47,16 @@ def summarize(run: dict, rows: list[dict], wall_s: float) -> dict:
         "steps": run["step"],
         "reward_first": rounded(rewards[0] if rewards else None, 4),
         "reward_last": rounded(rewards[-1] if rewards else None, 4),
+        # whether the run learned, less noisy than one step against another
+        "reward_first10_mean": rounded(mean(rewards[:10]), 4),
+        "reward_last10_mean": rounded(mean(rewards[-10:]), 4),
         "groups_incomplete": run["groups_incomplete"],
         "reward_errors": sum(row.get("reward_errors") or 0 for row in rows),
         "errors": run.get("errors") or {},
         "tokens_per_s_mean": rounded(mean(tps), 1),  # rollout windows only
         "step_s_mean": rounded(mean(step_s), 2),  # whole steps
+        "rollout_s_mean": rounded(mean(rollout_s), 2),  # a step's first job to its last token
+        "response_len_mean": rounded(mean(lengths), 1),  # tokens, over the steps' means
         "migrations": migration_totals(rows),
         "t_seed_s_last": rounded(
             next((r["t_seed_s"] for r in reversed(rows) if r.get("t_seed_s") is not None), None),

@@ -9,19 +9,27 @@ sum found so far; the next line drops one digit of each number and adds one digi
 A line is mostly a copy of the one before it (a small model learns that quickly), and a response
 grows with the square of the numbers' length. The numbers have 2 to 12 digits, short ones far
 more often: most responses are a few dozen tokens, a few are hundreds, the tail rollout waits
-for. The reward is the built-in exact match against the whole reference: a response is right
-when every line and the sum are.
+for. A run draws its prompts from a fixed pool, in shuffled epochs, so each comes back (the
+history speculation drafts from). The reward is the built-in exact match against the whole
+reference: a response is right when every line and the sum are.
 
 The pre-training corpus writes the sum with a leading zero (`=01801`) with probability
 `label_noise`, as the arithmetic task does: the base model keeps the habit and RL removes it.
 """
 
 import random
+from functools import lru_cache
 
 from services.tasks.base import Example
+from services.tasks.dataset import DatasetRows
 
 MIN_DIGITS, MAX_DIGITS = 2, 12
 LINE_END, SUM_MARK = ";", "="
+# A run's prompts: this many sums drawn from its seed, each step taking the next of them in a
+# shuffled order, shuffled again on each pass (an epoch), so a prompt comes back every
+# POOL_SIZE / prompts_per_step steps, as a dataset's rows do: what history-based speculation
+# and length prediction need. `spotrl up`'s preset for the task sees it at least 3 times.
+POOL_SIZE = 256
 
 
 def digits_drawn(rng: random.Random) -> int:
@@ -48,19 +56,30 @@ def scratchpad(a: int, b: int, leading_zero: bool = False) -> str:
     return LINE_END.join(lines) + LINE_END + SUM_MARK + total
 
 
-class LongAdditionRows:
-    """A PromptSource of generated long additions; each row is {"prompt", "answer", "a", "b"},
-    the answer being the whole scratchpad."""
+def example_drawn(rng: random.Random) -> Example:
+    """A sum of two numbers of `digits_drawn` lengths; its row is {"prompt", "answer", "a",
+    "b"}, the answer being the whole scratchpad."""
+    a = number_of(rng, digits_drawn(rng))
+    b = number_of(rng, digits_drawn(rng))
+    prompt, answer = f"{a}+{b}=", scratchpad(a, b)
+    return Example(prompt, answer, {"prompt": prompt, "answer": answer, "a": a, "b": b})
 
-    def _example(self, rng: random.Random) -> Example:
-        a = number_of(rng, digits_drawn(rng))
-        b = number_of(rng, digits_drawn(rng))
-        prompt, answer = f"{a}+{b}=", scratchpad(a, b)
-        return Example(prompt, answer, {"prompt": prompt, "answer": answer, "a": a, "b": b})
+
+class LongAdditionRows:
+    """A PromptSource of long additions: a run's pool of `pool_size` sums drawn from its seed,
+    taken in shuffled epochs (`DatasetRows`); the pre-training corpus is drawn apart."""
+
+    def __init__(self, pool_size: int = POOL_SIZE) -> None:
+        self.pool_size = pool_size
+        self._pool = lru_cache(maxsize=4)(self._pool_of)
+
+    def _pool_of(self, seed: int) -> DatasetRows:
+        rng = random.Random(f"long_addition:{seed}")
+        pool = tuple(example_drawn(rng) for _ in range(self.pool_size))
+        return DatasetRows(pool, shuffle=True, key="long_addition")
 
     def examples(self, seed: int, step: int, count: int) -> list[Example]:
-        rng = random.Random(f"long_addition:{seed}:{step}")
-        return [self._example(rng) for _ in range(count)]
+        return self._pool(seed).examples(seed, step, count)
 
     def corpus(self, seed: int, count: int, label_noise: float) -> list[str]:
         """Prompt + scratchpad texts, the sum written with a leading zero with probability
@@ -68,7 +87,7 @@ class LongAdditionRows:
         rng = random.Random(f"long_addition-corpus:{seed}")
         texts = []
         for _ in range(count):
-            ex = self._example(rng)
+            ex = example_drawn(rng)
             noisy = scratchpad(ex.row["a"], ex.row["b"], leading_zero=rng.random() < label_noise)
             texts.append(ex.prompt + noisy)
         return texts

@@ -1,5 +1,6 @@
 """The long-response task (issue 50): its scratchpad, its exactness and its long tail."""
 
+import random
 import re
 import statistics
 
@@ -7,7 +8,14 @@ import pytest
 
 from services.contracts.runspec import RunSpec
 from services.tasks import TaskError, load_task
-from services.tasks.long_addition import MAX_DIGITS, MIN_DIGITS, scratchpad
+from services.tasks.long_addition import (
+    MAX_DIGITS,
+    MIN_DIGITS,
+    POOL_SIZE,
+    LongAdditionRows,
+    example_drawn,
+    scratchpad,
+)
 from services.tasks.registry import task_for_spec
 
 LINE = re.compile(r"(\d+)\+(\d+)\+([01])\|(\d*)")
@@ -50,15 +58,35 @@ def test_the_reward_is_exact_on_the_whole_scratchpad():
     assert task.reward("", ex) == 0.0
 
 
+def test_a_run_draws_its_prompts_from_a_pool_in_shuffled_epochs():
+    """Each prompt of the run's pool once per pass, in another order each pass, so it comes
+    back (what history-based speculation needs); the pool is the seed's."""
+    source = LongAdditionRows(pool_size=12)
+    steps = [source.examples(7, step, 4) for step in range(6)]  # 2 passes of 3 steps
+    first = [ex for step in steps[:3] for ex in step]
+    second = [ex for step in steps[3:] for ex in step]
+    assert len({ex.prompt for ex in first}) == 12
+    assert sorted(ex.prompt for ex in first) == sorted(ex.prompt for ex in second)
+    assert [ex.prompt for ex in first] != [ex.prompt for ex in second]
+    assert source.examples(7, 1, 4) == LongAdditionRows(pool_size=12).examples(7, 1, 4)
+    other = {ex.prompt for ex in source.examples(8, 0, 12)}
+    assert len(other & {ex.prompt for ex in first}) < 6  # short sums may repeat across seeds
+    assert len({ex.prompt for ex in load_task("long_addition").examples(0, 0, 1000)}) <= POOL_SIZE
+
+
 def test_lengths_have_a_long_tail():
     """Numbers of 2 to 12 digits, most short: the responses' p99 is several times their median
-    (characters; the tokenizer splits digits one by one, so tokens are close to characters)."""
-    examples = load_task("long_addition").examples(0, 0, 2000)
+    (characters; the tokenizer splits digits one by one, so tokens are close to characters),
+    in what the task draws and in a run's pool."""
+    rng = random.Random(0)
+    examples = [example_drawn(rng) for _ in range(2000)]
     digits = [len(str(ex.row["a"])) for ex in examples]
     assert min(digits) == MIN_DIGITS and max(digits) == MAX_DIGITS
     lengths = sorted(len(ex.answer) for ex in examples)
     p50, p99 = statistics.median(lengths), lengths[int(0.99 * len(lengths))]
-    assert lengths[0] >= 15 and 40 <= p50 <= 90 and p99 >= 3.5 * p50 and lengths[-1] <= 400
+    assert lengths[0] >= 15 and 40 <= p50 <= 90 and p99 >= 3 * p50 and lengths[-1] <= 400
+    pool = sorted(len(ex.answer) for ex in load_task("long_addition").examples(0, 0, POOL_SIZE))
+    assert pool[int(0.99 * POOL_SIZE)] >= 3 * statistics.median(pool)
 
 
 def test_the_corpus_writes_a_leading_zero_at_the_noise_rate():

@@ -9,7 +9,7 @@ import pytest
 
 from services.cli.main import build_parser, main
 from services.cli.spec_flags import NOT_FLAGS, flag, spec_from_args
-from services.contracts.runspec import EMBEDDED_DEFAULTS, FLAT_FIELDS, RunSpec
+from services.contracts.runspec import EMBEDDED_DEFAULTS, FLAT_FIELDS, TASK_PRESETS, RunSpec
 from services.infra.settings import CommonSettings, env_name, settings_env
 from services.rollout.settings import RolloutSettings
 
@@ -148,3 +148,35 @@ def test_settings_env_is_named_by_the_settings_class(monkeypatch):
     assert env_name(CommonSettings, "api_token") == "SPOTRL_API_TOKEN"
     with pytest.raises(KeyError, match="RolloutSettings has no setting 'slot'"):
         settings_env(RolloutSettings, slot=1)
+
+
+def test_a_task_preset_fills_the_flags_not_given():
+    """`spotrl up --task long_addition` runs that task's preset over the embedded one; a flag
+    given wins, and another task keeps the embedded preset."""
+    preset = TASK_PRESETS["long_addition"]
+    spec = spec_from_args(up_args("--task", "long_addition"), model="/m")
+    assert spec == RunSpec(model="/m", **(EMBEDDED_DEFAULTS | preset | {"task": "long_addition"}))
+    assert spec.sampling.max_new_tokens >= 300 and spec.training.steps >= 60
+    given = spec_from_args(up_args("--task", "long_addition", "--steps", "5"), model="/m")
+    assert (given.training.steps, given.training.group_size) == (5, preset["group_size"])
+    math = spec_from_args(up_args("--task", "math", "--task-path", "q.jsonl"), model="/m")
+    assert (math.training.steps, math.sampling.max_new_tokens) == (40, 6)
+
+
+def test_the_long_task_preset_sees_each_prompt_of_its_pool_three_times():
+    """History-based speculation drafts from earlier responses to the same prompt: the
+    preset's run passes over the task's pool at least 3 times."""
+    from services.tasks.long_addition import POOL_SIZE
+
+    preset = TASK_PRESETS["long_addition"]
+    assert preset["steps"] * preset["prompts_per_step"] >= 3 * POOL_SIZE
+
+
+def test_task_presets_name_run_spec_fields_with_valid_values(capsys):
+    for task, preset in TASK_PRESETS.items():
+        assert set(preset) <= set(FLAT_FIELDS) - NOT_FLAGS
+        RunSpec(model="/m", task=task, **(EMBEDDED_DEFAULTS | preset))
+    with pytest.raises(SystemExit):
+        main(["up", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "with --task: long_addition 60" in shown

@@ -169,3 +169,41 @@ def test_the_final_summary_prints_figures_rounded_and_the_runs_health():
     assert (summary["t_seed_s_last"], summary["n_prem_recommended"]) == (0.12, 2.33)
     assert summary["health"] == "degraded" and summary["errors"] == run["errors"]
     assert "0.3976562500000006" not in json.dumps(summary)
+
+
+def test_the_summary_says_whether_the_run_learned_and_where_its_steps_went():
+    """The means of the first and the last 10 steps' rewards, of rollout and of whole steps:
+    what the long-response task's run is judged by (rollout most of the step)."""
+    run = {"id": "r1", "state": "succeeded", "step": 25, "groups_incomplete": 0}
+    rows = [
+        {"reward_mean": k / 100, "rollout_s": 2.0 + k % 2, "step_s": 4.0, "response_len_mean": 60}
+        for k in range(25)
+    ]
+    summary = summarize(run, rows, wall_s=100.0)
+    assert (summary["reward_first10_mean"], summary["reward_last10_mean"]) == (0.045, 0.195)
+    assert (summary["rollout_s_mean"], summary["step_s_mean"]) == (2.48, 4.0)
+    assert summary["response_len_mean"] == 60.0
+    few = summarize(run | {"step": 3}, rows[:3], wall_s=1.0)
+    assert few["reward_first10_mean"] == few["reward_last10_mean"] == 0.01
+
+
+def test_the_base_model_up_builds_is_the_tasks_and_rebuilt_when_its_spec_changed(tmp_path):
+    """`spotrl up` and `init-model` build arithmetic's model as ever (1000 steps), a task's
+    own defaults for long_addition; its own folder is rebuilt when the spec recorded there is
+    another (a model built before the task's defaults changed), a folder the user names never."""
+    from services.cli.up import base_model_spec, built_with
+    from services.trainer.init_model import TASK_MODEL_DEFAULTS, InitModelSpec
+
+    assert base_model_spec("arithmetic", None, None) == InitModelSpec(pretrain_steps=1000)
+    long = base_model_spec("long_addition", None, None)
+    assert long.model_dump(include=set(TASK_MODEL_DEFAULTS["long_addition"])) == dict(
+        TASK_MODEL_DEFAULTS["long_addition"]
+    )
+    assert base_model_spec("long_addition", None, 7).pretrain_steps == 7
+    assert built_with(tmp_path) is None
+    (tmp_path / "spotrl-init.json").write_text(long.model_dump_json())
+    assert built_with(tmp_path) == long != base_model_spec("long_addition", None, 7)
+    # a spec recorded before a field existed reads as that field's default
+    old = InitModelSpec(pretrain_steps=1000).model_dump(exclude={"group_by_length"})
+    (tmp_path / "spotrl-init.json").write_text(json.dumps(old))
+    assert built_with(tmp_path) == base_model_spec("arithmetic", None, None)

@@ -30,6 +30,7 @@ from services.contracts.runspec.spec import (
     FLAT_FIELDS,
     SECTION_OF,
     SECTIONS,
+    TASK_PRESETS,
     RunSpec,
     place_of,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "SECTIONS",
     "SECTION_OF",
+    "TASK_PRESETS",
     "USER_ENVIRONMENT",
     "USER_REWARD",
     "DataSection",

@@ -256,6 +256,23 @@ EMBEDDED_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "stall_timeout_s": 300.0,
     }
 )
+# `spotrl up --task NAME`: the embedded preset with these on top, for the flags not given.
+# long_addition: a step of 16 prompts x 8 responses of up to 330 tokens, so rollout is most of
+# the step; 60 steps take 960 prompts, 3.75 passes over the task's pool of 256 (its
+# POOL_SIZE), each prompt coming back about every 16 steps (TUNING NOTE).
+TASK_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "long_addition": MappingProxyType(
+            {
+                "steps": 60,
+                "prompts_per_step": 16,
+                "group_size": 8,
+                "max_new_tokens": 330,
+                "learning_rate": 3e-4,
+            }
+        ),
+    }
+)
 # Pre-training steps of the base model that `spotrl up` and `spotrl init-model` build when no
 # model folder is named (about two minutes on 2 CPU cores).
 EMBEDDED_PRETRAIN_STEPS = 1000
