@@ -1,12 +1,16 @@
 """Long addition with a written scratchpad, `1234+567=` -> one line per column, then the sum: a
 task whose responses run from ~20 to ~300 tokens with a long tail (issue 50), scored exactly.
 
-Each line of the scratchpad is what is left of both numbers, the carry, and the digits of the
-sum found so far; the next line drops one digit of each number and adds one digit to the sum:
+Each line of the scratchpad works one column: what is left of both numbers, the column's two
+digits (the numbers' last) and the carry in, their two-digit sum (its tens digit the next
+line's carry), and the digits of the sum found so far (the new one in front):
 
-    1234+567=1234+567+0|;123+56+1|1;12+5+1|01;1+0+0|801;=1801
+    1234+567=1234+567|4+7+0=11|1;123+56|3+6+1=10|01;12+5|2+5+1=08|801;1+0|1+0+0=01|1801;=1801
 
-A line is mostly a copy of the one before it (a small model learns that quickly), and a response
+Every step is local, what a small model learns in minutes: a copy of the line before it less a
+digit of each number, the digits just before `+` and `|`, a sum of three digits just written,
+and a copy of the found digits behind the new one (the first layout, without the column's own
+sum, asked a small model to add digits a line apart: it never got a sum right). A response
 grows with the square of the numbers' length. The numbers have 2 to 12 digits, short ones far
 more often: most responses are a few dozen tokens, a few are hundreds, the tail rollout waits
 for. A run draws its prompts from a fixed pool, in shuffled epochs, so each comes back (the
@@ -33,9 +37,9 @@ POOL_SIZE = 256
 
 
 def digits_drawn(rng: random.Random) -> int:
-    """A number's length: 2 to 12 digits, the cube of a uniform draw skewing it short (the
-    median 3, one in ten 10 or more): responses' median ~64 characters, p99 ~250."""
-    return MIN_DIGITS + int((MAX_DIGITS - MIN_DIGITS + 1) * rng.random() ** 3)
+    """A number's length: 2 to 12 digits, the fourth power of a uniform draw skewing it short
+    (half of them 2, one in ten 9 or more): responses' median ~80 characters, p99 ~330."""
+    return MIN_DIGITS + int((MAX_DIGITS - MIN_DIGITS + 1) * rng.random() ** 4)
 
 
 def number_of(rng: random.Random, digits: int) -> int:
@@ -48,9 +52,9 @@ def scratchpad(a: int, b: int, leading_zero: bool = False) -> str:
     lines: list[str] = []
     carry, found = 0, ""
     while a or b or carry or not lines:
-        lines.append(f"{a}+{b}+{carry}|{found}")
         column = a % 10 + b % 10 + carry
         found = str(column % 10) + found
+        lines.append(f"{a}+{b}|{a % 10}+{b % 10}+{carry}={column:02d}|{found}")
         a, b, carry = a // 10, b // 10, column // 10
     total = ("0" if leading_zero else "") + str(int(found))
     return LINE_END.join(lines) + LINE_END + SUM_MARK + total

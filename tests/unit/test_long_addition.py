@@ -18,12 +18,14 @@ from services.tasks.long_addition import (
 )
 from services.tasks.registry import task_for_spec
 
-LINE = re.compile(r"(\d+)\+(\d+)\+([01])\|(\d*)")
+LINE = re.compile(r"(\d+)\+(\d+)\|(\d)\+(\d)\+([01])=(\d\d)\|(\d+)")
 
 
 def test_the_scratchpad_adds_column_by_column():
-    assert scratchpad(1234, 567) == "1234+567+0|;123+56+1|1;12+5+1|01;1+0+0|801;=1801"
-    assert scratchpad(99, 1) == "99+1+0|;9+0+1|0;0+0+1|00;=100"
+    assert scratchpad(1234, 567) == (
+        "1234+567|4+7+0=11|1;123+56|3+6+1=10|01;12+5|2+5+1=08|801;1+0|1+0+0=01|1801;=1801"
+    )
+    assert scratchpad(99, 1) == "99+1|9+1+0=10|0;9+0|9+0+1=10|00;0+0|0+0+1=01|100;=100"
     assert scratchpad(12, 34, leading_zero=True).endswith(";=046")
 
 
@@ -34,10 +36,13 @@ def test_every_line_follows_from_the_one_before_and_the_sum_is_right(seed):
         *lines, total = ex.answer.split(";")
         assert total == f"={a + b}"
         for k, line in enumerate(lines):
-            left_a, left_b, carry, found = LINE.fullmatch(line).groups()
+            left_a, left_b, da, db, carry, column, found = LINE.fullmatch(line).groups()
             assert (int(left_a), int(left_b)) == (a // 10**k, b // 10**k)
+            assert (int(da), int(db)) == (int(left_a) % 10, int(left_b) % 10)
             low = (a % 10**k) + (b % 10**k)
-            assert int(carry) == low // 10**k and found == (str(low % 10**k).zfill(k) if k else "")
+            assert int(carry) == low // 10**k and int(column) == int(da) + int(db) + int(carry)
+            k1 = k + 1
+            assert found == str((a % 10**k1) + (b % 10**k1)).zfill(k1)[-k1:]
 
 
 def test_examples_are_deterministic_per_seed_and_step():
@@ -84,7 +89,7 @@ def test_lengths_have_a_long_tail():
     assert min(digits) == MIN_DIGITS and max(digits) == MAX_DIGITS
     lengths = sorted(len(ex.answer) for ex in examples)
     p50, p99 = statistics.median(lengths), lengths[int(0.99 * len(lengths))]
-    assert lengths[0] >= 15 and 40 <= p50 <= 90 and p99 >= 3 * p50 and lengths[-1] <= 400
+    assert lengths[0] >= 30 and 50 <= p50 <= 110 and p99 >= 3 * p50 and lengths[-1] <= 420
     pool = sorted(len(ex.answer) for ex in load_task("long_addition").examples(0, 0, POOL_SIZE))
     assert pool[int(0.99 * POOL_SIZE)] >= 3 * statistics.median(pool)
 
