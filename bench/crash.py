@@ -10,6 +10,10 @@ Prints progress to stderr and, as its LAST line, one JSON object with lost, dupl
 restarts (by service), steps_trained, wall_s.
 
     .venv/bin/python bench/crash.py [--steps 15] [--prompts-per-step 16] [--no-crash]
+    .venv/bin/python bench/crash.py --task long_addition --max-new-tokens 420 --step-delay-ms 0
+
+Jobs carry drafts (`rollout.drafts`, history by default): the audit then also says that drafts
+made across every kill no token lost or doubled.
 """
 
 import argparse
@@ -76,18 +80,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--model", default=".spotrl/models/arithmetic-base")
+    parser.add_argument("--task", default="arithmetic", help="task registry name")
+    parser.add_argument("--model", default=None, help="default: .spotrl/models/TASK-base")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the spec's")
+    parser.add_argument(
+        "--drafts", default="history", choices=("history", "off"), help="rollout.drafts"
+    )
     parser.add_argument("--step-delay-ms", type=float, default=40.0)
     parser.add_argument(
         "--no-crash", action="store_true", help="the same run undisturbed, for the baseline"
     )
     args = parser.parse_args()
-    model = ensure_model(Path(args.model), "arithmetic", None, 1000)
+    model = ensure_model(
+        Path(args.model or f".spotrl/models/{args.task}-base"), args.task, None, None
+    )
+    given = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     spec = RunSpec(
         model=str(model.resolve()),
+        task=args.task,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
+        drafts=args.drafts,
+        **given,
     )
     restarts = dict.fromkeys(ORDER, 0)
     with tempfile.TemporaryDirectory(prefix="spotrl-crash-") as work:
@@ -126,6 +141,8 @@ def main() -> None:
         json.dumps(
             {
                 "state": run["state"],
+                "task": args.task,
+                "drafts": spec.rollout.drafts,
                 "steps": spec.training.steps,
                 "steps_trained": trained,
                 "lost": audit["lost"],
