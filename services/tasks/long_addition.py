@@ -33,7 +33,7 @@ LINE_END, SUM_MARK = ";", "="
 # shuffled order, shuffled again on each pass (an epoch), so a prompt comes back every
 # POOL_SIZE / prompts_per_step steps, as a dataset's rows do: what history-based speculation
 # and length prediction need. `spotrl up`'s preset for the task sees it at least 3 times.
-POOL_SIZE = 256
+POOL_SIZE = 192
 
 
 def digits_drawn(rng: random.Random) -> int:
