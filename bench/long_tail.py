@@ -10,7 +10,9 @@ at most `--slots` requests at once. Epoch 1 runs plain; from epoch 2 on each epo
   epoch (handed to the running requests as they finish, as the coordinator does: Seer's
   grouped speculation);
 - `spec_length_aware`: `spec`, with the longest expected requests dispatched first (expected:
-  the previous epoch's mean length of the prompt's responses; RhymeRL's HistoPipe).
+  the previous epoch's mean length of the prompt's responses; RhymeRL's HistoPipe);
+- `oracle` (with `--oracle`): each request drafted from its own plain response, every draft
+  right: the ceiling of speculation in this engine on this machine.
 
 The variants alternate `--rounds` times each, the best wall time of each kept (other work on
 the machine only slows a run). Measured over the epochs from 2 on: `identical_frac` (share of
@@ -53,6 +55,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-siblings", action="store_true", help="draft from history only")
+    p.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also a variant drafted from each request's own plain response: the ceiling of "
+        "speculation in this engine on this machine (every draft right)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="timed runs of each variant (best)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -110,8 +118,9 @@ class Rollout:
     """One variant's run of an epoch's jobs: each response's tokens and when it finished
     (seconds from the start), and the wall time."""
 
-    def __init__(self, engine, jobs, history, siblings: bool) -> None:
+    def __init__(self, engine, jobs, history, siblings: bool, oracle=None) -> None:
         self.engine, self.jobs, self.history, self.siblings = engine, jobs, history, siblings
+        self.oracle: dict[str, list[int]] | None = oracle  # request -> its own plain tokens
         self.out: dict[str, list[int]] = {}
         self.finished_s: dict[str, float] = {}
         self.wall_s = 0.0
@@ -131,7 +140,9 @@ class Rollout:
         while waiting or engine.active:
             while waiting and engine.active < engine.capacity:
                 job = waiting.pop(0)
-                if self.history is not None:
+                if self.oracle is not None:
+                    job = job.replace(drafts=[self.oracle[job.request_id]])
+                elif self.history is not None:
                     job = job.replace(drafts=self.drafts(prompt_of(job.request_id), done))
                 engine.add(job)
             for ev in engine.decode():
@@ -189,6 +200,10 @@ def run_epoch(args, engine, jobs, history) -> dict[str, Rollout]:
             run = Rollout(engine, ordered, drafts_from, siblings).run()
             if name not in best or run.wall_s < best[name].wall_s:
                 best[name] = run
+        if args.oracle:
+            run = Rollout(engine, jobs, None, False, oracle=best["plain"].out).run()
+            if "oracle" not in best or run.wall_s < best["oracle"].wall_s:
+                best["oracle"] = run
     return best
 
 
@@ -246,6 +261,20 @@ def summary_of(args, rows: list[dict[str, Any]], lengths: list[int]) -> dict[str
         "per_epoch_tokens_per_forward": [
             round(r["spec"]["tokens"] / max(1, r["spec"]["forwards"]), 3) for r in later
         ],
+        **(oracle_figures(later, total) if args.oracle else {}),
+    }
+
+
+def oracle_figures(later: list[dict[str, Any]], total) -> dict[str, Any]:
+    """Every request drafted from its own plain response: what speculation yields here when
+    every draft is right."""
+    responses = sum(r["responses"] for r in later)
+    return {
+        "oracle_identical_frac": round(total("oracle", "identical") / max(1, responses), 4),
+        "oracle_tokens_per_forward": round(
+            total("oracle", "tokens") / max(1, total("oracle", "forwards")), 3
+        ),
+        "oracle_speedup": round(total("plain", "wall_s") / total("oracle", "wall_s"), 3),
     }
 
 
