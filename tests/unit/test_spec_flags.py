@@ -156,7 +156,8 @@ def test_a_task_preset_fills_the_flags_not_given():
     preset = TASK_PRESETS["long_addition"]
     spec = spec_from_args(up_args("--task", "long_addition"), model="/m")
     assert spec == RunSpec(model="/m", **(EMBEDDED_DEFAULTS | preset | {"task": "long_addition"}))
-    assert spec.sampling.max_new_tokens >= 400 and spec.training.steps >= 30  # first and last 10 apart
+    # the longest scratchpad fits, and the first and the last 10 steps do not overlap
+    assert spec.sampling.max_new_tokens >= 400 and spec.training.steps >= 30
     given = spec_from_args(up_args("--task", "long_addition", "--steps", "5"), model="/m")
     assert (given.training.steps, given.training.group_size) == (5, preset["group_size"])
     math = spec_from_args(up_args("--task", "math", "--task-path", "q.jsonl"), model="/m")
