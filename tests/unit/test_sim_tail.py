@@ -125,7 +125,7 @@ def test_length_aware_queue_is_longest_expected_first():
     "tail", [TailPolicy(), TailPolicy(speculation=SpeculationModel(alpha=0.8), epoch_steps=1)]
 )
 def test_the_ceiling_bounds_every_system(tail):
-    out = compare(small_scenario(tail), CHURN, horizon_s=900, seed=1).result()
+    out = compare(small_scenario(tail), CHURN, horizon_s=300, seed=1).result()
     top = out["ceiling_throughput_tok_s"]
     assert top > 0
     for name, system in out["systems"].items():
