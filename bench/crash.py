@@ -133,6 +133,7 @@ def main() -> None:
                 turn += 1
             wait_final(client, run_id)  # the API's answer may trail Redis by a refresh
             run = client.run(run_id)
+            rows = client.metrics(run_id)
             wall_s = time.monotonic() - started
             trained = int(r.hget(keys.trainer_state(run_id), "steps_trained") or 0)
             r.close()
@@ -150,6 +151,9 @@ def main() -> None:
                 "expected_responses": audit["expected_responses"],
                 "restarts": restarts,
                 "restarts_total": sum(restarts.values()),
+                # tokens checked as drafts and kept (the engine drafts only where it pays)
+                "drafted_tokens": sum(row.get("drafted_tokens") or 0 for row in rows),
+                "accepted_tokens": sum(row.get("accepted_tokens") or 0 for row in rows),
                 "wall_s": round(wall_s, 1),
             }
         )
