@@ -60,14 +60,16 @@ class RolloutSection(Section):
         "no shorter (mean of the last 3 steps), times this, rounded up.",
     )
     drafts: Literal["history", "off"] = Field(
-        "history",
-        description="Draft references a job carries for exact speculative decoding: its "
+        "off",
+        description="Draft references a job carries for exact speculative decoding (off by "
+        "default until its cost on short answers is understood: a fresh-clone CI with it on "
+        "ran the Compose run's steps ~5x slower; issue 50): its "
         "group's finished siblings and the last responses to the same prompt earlier in the "
         "run ('history'; the engine verifies every draft against its own seeded draws, so the "
         "tokens are those plain decoding makes), or none ('off': jobs as without speculation).",
     )
     length_aware: bool = Field(
-        True,
+        False,
         description="Queue a step's first jobs longest expected response first (the mean "
         "length of the same prompt's earlier responses in the run; prompts without history "
         "keep their order, after those with), so that the tail starts early (False: prompt "
