@@ -62,8 +62,8 @@ class RolloutSection(Section):
     drafts: Literal["history", "off"] = Field(
         "off",
         description="Draft references a job carries for exact speculative decoding (off by "
-        "default until its cost on short answers is understood: a fresh-clone CI with it on "
-        "ran the Compose run's steps ~5x slower; issue 50): its "
+        "default until a fresh-clone CI with it on passes: one had two failures not yet "
+        "found; issue 50): its "
         "group's finished siblings and the last responses to the same prompt earlier in the "
         "run ('history'; the engine verifies every draft against its own seeded draws, so the "
         "tokens are those plain decoding makes), or none ('off': jobs as without speculation).",
