@@ -237,7 +237,8 @@ def files(root: Path) -> list[str]:
 
 def test_c_a_worker_can_generate_and_nothing_more(deployment, client, operator, intruder, tokens):
     r, _ = intruder
-    run_id = client.runs()[0]["id"]
+    # the run of the test before; the API's list follows Redis by a refresh
+    run_id = wait_until(client.runs, "the finished run in the API's list", 30)[0]["id"]
     other_worker = next(p.name for p in deployment.workers())
     for proc in deployment.workers():  # nothing beats or writes while the snapshots are taken
         proc.stop()
