@@ -32,7 +32,13 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def ngram_engine(loop, tiny_model):
+def preload_before():
+    """This process's LD_PRELOAD before the module's engine starts."""
+    return os.environ.get("LD_PRELOAD")
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(loop, tiny_model, preload_before):
     require_vllm()
     from services.rollout.engines.vllm import VLLMEngine, VLLMOptions
 
@@ -40,9 +46,7 @@ def ngram_engine(loop, tiny_model):
     options = VLLMOptions.from_settings(settings)
     options.dtype, options.kv_cache_gib, options.slots = "float32", 0.25, 8
     engine = VLLMEngine(options)
-    preload_before = os.environ.get("LD_PRELOAD")
     loop.run_until_complete(engine.load(tiny_model))
-    engine.preload_before = preload_before  # type: ignore[attr-defined]
     yield engine
     loop.run_until_complete(engine.close())
 
@@ -53,10 +57,10 @@ def test_the_settings_build_vllm_with_the_ngram_proposer(ngram_engine):
     assert spec.num_speculative_tokens == 3
 
 
-def test_processes_started_after_the_engine_get_no_openmp_preloaded(ngram_engine):
+def test_processes_started_after_the_engine_get_no_openmp_preloaded(ngram_engine, preload_before):
     """Intel's OpenMP is preloaded for vLLM's own processes only: a preload left in this
     process's environment reached every service a test session started later."""
-    assert os.environ.get("LD_PRELOAD") == ngram_engine.preload_before
+    assert os.environ.get("LD_PRELOAD") == preload_before
 
 
 @pytest.mark.parametrize(

