@@ -124,15 +124,32 @@ class RunTrainer:
         ckpt = self.ckpts.latest()
         if ckpt is not None:
             await compute(policy.restore, ckpt.folder)
-        if ckpt is not None and ckpt.step == version + 1:
-            # step `version` was trained and checkpointed; its version was never announced (a
-            # commit of it before the crash is taken only with the digest recorded for it)
+        checkpointed = ckpt is not None and ckpt.step == version + 1
+        trained = await trainer_state.read(self.r, run_id, "steps_trained")
+        # the crash came after step `version`'s version was committed and its groups retired,
+        # before the announcement: those groups are gone, the version is in the store
+        retired = trained is not None and trained.steps_trained > version
+        if checkpointed or retired:
+            # step `version` was trained; its version was never announced. A commit of it
+            # before the crash is taken, only with the digest recorded for it: the weights
+            # the workers will pull (a checkpoint of an earlier step holds other weights)
             await self.versions.commit(run_id, policy, version + 1)
             await self._ack_pending(version)
             await record_step(self.r, run_id, version, StepRow(trainer_resumed=True))
             await trainer_state.set_steps_trained(self.r, run_id, version + 1)
             await self.versions.announce(run_id, version + 1)
-            log.info("run %s: resumed after step %d from its checkpoint", run_id, version)
+            if checkpointed:
+                log.info("run %s: resumed after step %d from its checkpoint", run_id, version)
+            else:
+                if isinstance(policy, ScheduledPolicy):
+                    policy.schedule_at(version + 1)
+                log.warning(
+                    "run %s: resumed after step %d from the weight store (its version was "
+                    "committed, not announced; optimizer state from %s)",
+                    run_id,
+                    version,
+                    "none" if ckpt is None else f"step {ckpt.step}",
+                )
             return version + 1
         if ckpt is None or ckpt.step < version:
             # behind the announced version: take that version's weights, what workers hold
