@@ -44,7 +44,12 @@ from services.contracts.runspec.task_files import (
     shorten_path,
     template_fields,
 )
-from services.contracts.runspec.training import LossSection, OptimizerSection, TrainingSection
+from services.contracts.runspec.training import (
+    LoraSection,
+    LossSection,
+    OptimizerSection,
+    TrainingSection,
+)
 from services.contracts.sampling import SamplingParams
 
 __all__ = [
@@ -66,6 +71,7 @@ __all__ = [
     "DataSection",
     "EpisodeSection",
     "FaultsSection",
+    "LoraSection",
     "LossSection",
     "ModelFolderError",
     "OptimizerSection",

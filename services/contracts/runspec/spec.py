@@ -28,7 +28,12 @@ from services.contracts.runspec.task_files import (
     check_text_file,
     no_nul,
 )
-from services.contracts.runspec.training import LossSection, OptimizerSection, TrainingSection
+from services.contracts.runspec.training import (
+    LoraSection,
+    LossSection,
+    OptimizerSection,
+    TrainingSection,
+)
 from services.contracts.sampling import SamplingParams
 
 # Fields that only a `dataset` run reads: a built-in task has its own and refuses others.
@@ -81,6 +86,10 @@ class RunSpec(BaseModel):
     episode: EpisodeSection = Field(
         default_factory=EpisodeSection,
         description="Multi-turn episodes with an environment (none: single-turn responses).",
+    )
+    lora: LoraSection = Field(
+        default_factory=LoraSection,
+        description="LoRA on the policy (peft): an adapter trained instead of every weight.",
     )
 
     @model_validator(mode="before")

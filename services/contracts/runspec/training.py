@@ -7,7 +7,7 @@ Not here: the rule between lr_scheduler_type and warmup_steps (`spec.RunSpec`).
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from services.contracts.runspec.base import Section
 
@@ -146,3 +146,60 @@ class LossSection(Section):
         if isinstance(value, bool):
             return "group" if value else "none"
         return value
+
+
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+class LoraSection(Section):
+    """LoRA on the policy (peft), named as TRL's `ModelConfig` names it (peft's own names are
+    accepted too: r, target_modules). Off by default: every weight is trained."""
+
+    use_peft: bool = Field(
+        False,
+        description="Train a LoRA adapter (peft) instead of every weight; on when any lora_ "
+        "field is given. The KL term's reference is the base with the adapter disabled.",
+    )
+    lora_r: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        validation_alias=AliasChoices("lora_r", "r"),
+        description="LoRA rank (peft's r).",
+    )
+    lora_alpha: int = Field(32, ge=1, le=1 << 16, description="LoRA scaling: alpha / r.")
+    lora_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input while training (0: the trainer's logprobs "
+        "are the rollout's, for the same weights).",
+    )
+    lora_target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        validation_alias=AliasChoices("lora_target_modules", "target_modules"),
+        description='Module names the adapter wraps (peft\'s target_modules), or "all-linear": '
+        "every linear layer but the output head.",
+    )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _named_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list):
+            if not 1 <= len(value) <= 64:
+                raise ValueError("lora_target_modules names 1 to 64 modules")
+            for name in value:
+                if not name or len(name) > 200 or not name.replace("_", "").replace(".", "").isalnum():
+                    raise ValueError(f"not a module name: {name[:40]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _on_when_given(self) -> "LoraSection":
+        given = [name for name in LORA_FIELDS if name in self.model_fields_set]
+        if "use_peft" not in self.model_fields_set:
+            self.use_peft = bool(given)
+        elif not self.use_peft:
+            changed = [n for n in given if getattr(self, n) != LoraSection.model_fields[n].default]
+            if changed:
+                raise ValueError(f"lora.{changed[0]} is only used with lora.use_peft true")
+        return self
