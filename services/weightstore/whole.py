@@ -12,7 +12,8 @@ makes a file whole from its delta.
 - A whole file asked for later is made again from the nearest full version and the deltas
   after it, written aside and renamed into place, checked against the manifest's sha256.
 - Retention keeps the newest versions and every version their deltas go back through, down to
-  a full one.
+  a full one, and the base a kept version names in its metadata (`base_version`: the version
+  0 of a LoRA run, whose later versions are adapters of it).
 
 Blocking file work: the API runs it in threads; one lock orders the materialisations.
 """
@@ -54,8 +55,10 @@ def is_full(manifest: Manifest, full_every: int) -> bool:
 
 
 def kept_versions(versions: list[int], keep: int, manifest: Callable[[int], Manifest]) -> set[int]:
-    """The newest `keep` of `versions` and every version the deltas of those go back through,
-    down to full ones (or to bases that are gone already)."""
+    """The newest `keep` of `versions`, every version the deltas of those go back through,
+    down to full ones (or to bases that are gone already), and the version each kept one
+    names as its `base_version` (an int in its metadata: the base model a LoRA adapter is
+    merged into, kept while any kept adapter uses it)."""
     held = set(versions)
     kept: set[int] = set()
     todo = list(versions[-keep:])
@@ -67,6 +70,9 @@ def kept_versions(versions: list[int], keep: int, manifest: Callable[[int], Mani
         shown = manifest(version)
         if not shown.full:
             todo += [f.delta.base for f in shown.files if f.delta is not None]
+        base = shown.metadata.get("base_version")
+        if isinstance(base, int) and not isinstance(base, bool):
+            todo.append(base)
     return kept
 
 

@@ -232,6 +232,36 @@ def test_kept_versions_follow_each_newest_chain_down_to_a_full_one():
     assert whole.kept_versions([3, 4], 1, held.__getitem__) == {3, 4}
 
 
+def test_kept_versions_keep_the_base_a_kept_adapter_names():
+    """A LoRA run's adapters name its version 0 as their base: it stays while one is kept."""
+
+    def shown(version: int, metadata: dict, delta_of: int | None = None) -> Manifest:
+        ref = None
+        if delta_of is not None:
+            ref = DeltaRef(base=delta_of, name="x.delta", size=1, sha256="0" * 64)
+        entry = FileEntry(name="x", size=1, sha256="1" * 64, delta=ref)
+        return Manifest(version=version, files=[entry], metadata=metadata, full=ref is None)
+
+    lora = {"run_id": "r", "base_version": 0}
+    held = {0: shown(0, {"run_id": "r"})} | {v: shown(v, lora) for v in (1, 2, 3)}
+    held[4] = shown(4, lora, delta_of=3)  # an adapter sent as a delta of the one before
+    assert whole.kept_versions(sorted(held), 2, held.__getitem__) == {0, 3, 4}
+    assert whole.kept_versions([1, 2, 3, 4], 1, held.__getitem__) == {3, 4}  # 0 is gone
+    # only an int names a base: not a bool, a string or a float
+    for odd in (True, "0", 0.0):
+        held[4] = shown(4, {"base_version": odd})
+        assert whole.kept_versions(sorted(held), 1, held.__getitem__) == {4}
+
+
+def test_the_store_keeps_a_lora_runs_base_through_retention(tmp_path):
+    store = WeightStorage(tmp_path, keep=2, block_bytes=BLOCK, full_every=100)
+    commit_whole(store, 0, weights(0))
+    for v in (1, 2, 3):
+        entry = put(store, "m", v, W, weights(v))
+        store.commit("m", v, Manifest(files=[entry], metadata={"base_version": 0}))
+    assert dirs(tmp_path) == ["v00000000", "v00000002", "v00000003"]
+
+
 # ---- the API ----
 def test_the_api_serves_deltas_and_makes_versions_whole(tmp_path):
     settings = WeightStoreSettings(
