@@ -3,6 +3,24 @@ announced (by digest) from the weight store, then, under the engine lock, drop w
 and load. Nothing half-pulled or unannounced is ever loaded; a version that cannot be pulled
 yet leaves the worker with none, to try again.
 
+LoRA runs (issue 51): a version folder that holds a PEFT adapter (services.weights.adapter) is
+served merged into the run's base, its version 0 (`BASE_VERSION`), a whole Hugging Face folder.
+- The base is pulled like any version, by the digest recorded in `keys.run_digests`: only
+  content the trainer announced is ever loaded, the base included (it is most of the weights).
+  That hash keeps the newest two versions' digests, so the trainer keeps version 0's digest
+  there for the whole run (it never drops it); a worker that finds none refuses the adapter
+  and tries again, as for any version announced without a digest. (Asking the store for the
+  base's digest, `WeightClient.stored_digest`, would load whatever the store serves.)
+- The base's folder stays on the worker while it serves the run (later versions do not remove
+  it); it goes once a version of another run is loaded.
+- The merged weights (base + scaling * B @ A, computed on the compute thread) are written as
+  one safetensors file into a scratch folder beside the version's, with the base tensors of
+  every layer they touch (an engine that fuses a layer's tensors, vLLM's, loads whole layers),
+  and loaded in place with `changed` naming them. That folder is no whole model: it is handed
+  only to an engine that holds the base, so one that holds nothing yet (a fresh engine, a new
+  run) or may have dropped its weights (paused: vLLM's sleep) loads the base folder whole
+  first. The scratch folder goes once loaded.
+
 It does not choose which version to load (the intake does) and never talks to the coordinator.
 """
 
@@ -11,6 +29,7 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter, Histogram
@@ -19,10 +38,13 @@ from pydantic import ValidationError
 from services.contracts import keys
 from services.contracts.messages import ReleaseReason, RequestLease
 from services.core.request_table import step_of
+from services.infra.compute import compute
 from services.infra.redis_streams import text
 from services.infra.retry import brief
 from services.rollout.context import WorkerContext
+from services.rollout.engines.tensors import read_tensors, tensor_files, whole_layers
 from services.rollout.peers import Peers
+from services.weights.adapter import is_adapter, merged_tensors
 from services.weights.contract import Manifest
 from services.weights.transfer import (
     PullResult,
@@ -33,6 +55,8 @@ from services.weights.transfer import (
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # after a version could not be pulled
+BASE_VERSION = 0  # of a LoRA run: the whole model its adapter versions are merged into
+MERGED_FILE = "model.safetensors"  # in a merged scratch folder: the tensors loaded in place
 PULL_S = Histogram(
     "spotrl_rollout_weight_pull_seconds",
     "Weight pull + load time",
@@ -56,6 +80,63 @@ def announced_manifest(raw: bytes | None) -> Manifest | None:
         return None
 
 
+@dataclass(frozen=True)
+class Merged:
+    """An adapter version merged into its base, written for an in-place load."""
+
+    folder: Path  # the scratch folder: one safetensors file, no whole model
+    changed: frozenset[str]  # the tensors that differ from what the engine holds
+    tensors: int  # written: `changed` and the rest of their layers
+    bytes: int  # of the file written
+
+
+def write_merged(base: Path, adapter: Path, dest: Path, held_merged: frozenset[str]) -> Merged:
+    """Merge `adapter` into `base` and write into `dest` what an engine that holds the base,
+    with the tensors `held_merged` merged from an earlier adapter, must load: the merged
+    tensors, the base's of those held merged that this adapter does not wrap (back to the
+    base), and the base's rest of every layer they belong to. Blocking: the compute thread's."""
+    from safetensors.torch import save_file
+
+    merged = merged_tensors(base, adapter)
+    changed = frozenset(merged) | held_merged
+    rest = whole_layers(changed, tensor_files(base)) - merged.keys()
+    tensors = merged | dict(read_tensors(base, rest))
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, dest / MERGED_FILE)
+    return Merged(dest, changed, len(tensors), (dest / MERGED_FILE).stat().st_size)
+
+
+def report(
+    run_id: str, result: PullResult, merge: tuple[PullResult, Merged] | None, took_s: float
+) -> None:
+    """The metrics and the log line of a version loaded: the bytes pulled (the base's too,
+    where it was pulled for an adapter) and how it was made and loaded."""
+    pulled, from_peers, how = result.bytes, result.from_peers, "in full"
+    if result.deltas:
+        how = f"made from the deltas of {result.deltas} versions"
+    if merge is not None:
+        base, merged = merge
+        pulled, from_peers = pulled + base.bytes, from_peers + base.from_peers
+        how += (
+            f", an adapter merged into v{BASE_VERSION} ({base.bytes} bytes of them the base's):"
+            f" {len(merged.changed)} tensors loaded in place"
+            f" ({merged.tensors} written, {merged.bytes} bytes)"
+        )
+    PULL_S.observe(took_s)
+    PULL_BYTES.inc(pulled)
+    PEER_BYTES.inc(from_peers)
+    log.info(
+        "loaded %s v%d (%d bytes, %d of them from peers) in %.2fs, %s",
+        run_id,
+        result.version,
+        pulled,
+        from_peers,
+        took_s,
+        how,
+    )
+
+
 Release = Callable[[list[RequestLease], ReleaseReason], Awaitable[int]]
 Held = Callable[[], list[RequestLease]]
 
@@ -73,6 +154,8 @@ class VersionLoader:
         )
         self.held, self.release = held, release  # the flusher's: requests handed back
         self.peers = Peers(ctx.s) if ctx.s.p2p else None
+        self.base_run: str | None = None  # the LoRA run whose base folder is kept
+        self.held_merged: frozenset[str] = frozenset()  # tensors the engine holds merged
 
     async def load(self, run_id: str, version: int) -> None:
         ctx = self.ctx
@@ -80,6 +163,11 @@ class VersionLoader:
         started = time.monotonic()
         previous = ctx.version  # its folder lends the new version the files they share
         result = await self._pull(run_id, version, previous)
+        merge = None
+        if result is not None and is_adapter(result.folder):
+            merge = await self._merge(run_id, result, previous)
+            if merge is None:
+                result = None
         if result is None:
             ctx.version = None
             await asyncio.sleep(RETRY_S)
@@ -95,28 +183,63 @@ class VersionLoader:
                 if live:
                     await self.release(live, "swap")
             ctx.drop_held()
-            # a version made from deltas of the one the engine holds says what changed: only
-            # that is loaded, in place
-            await ctx.engine.load(result.folder, result.changed if previous is not None else None)
+            if merge is not None:
+                await self._load_merged(*merge, previous)
+            else:
+                # a version made from deltas of the one the engine holds says what changed:
+                # only that is loaded, in place (all of it where the engine holds merged
+                # tensors: the deltas were of the adapter's files)
+                whole = previous is None or self.held_merged
+                await ctx.engine.load(result.folder, None if whole else result.changed)
+                self.held_merged = frozenset()
             ctx.version = version
+        if merge is not None:
+            await asyncio.to_thread(shutil.rmtree, merge[1].folder, True)
         await ctx.r.sadd(keys.worker_loads(run_id, ctx.s.worker_id), version)
-        took_s = time.monotonic() - started
-        PULL_S.observe(took_s)
-        PULL_BYTES.inc(result.bytes)
-        PEER_BYTES.inc(result.from_peers)
-        log.info(
-            "loaded %s v%d (%d bytes, %d of them from peers) in %.2fs, %s",
-            run_id,
-            version,
-            result.bytes,
-            result.from_peers,
-            took_s,
-            f"made from the deltas of {result.deltas} versions" if result.deltas else "in full",
-        )
-        if previous is not None and previous != version:
+        report(run_id, result, merge, time.monotonic() - started)
+        await self._forget(run_id, version, previous, adapter=merge is not None)
+
+    async def _merge(
+        self, run_id: str, adapter: PullResult, previous: int | None
+    ) -> tuple[PullResult, Merged] | None:
+        """The run's base, pulled (or found pulled), and the adapter merged into it, written
+        beside the version's folder; None when the base cannot be pulled (yet) or the adapter
+        cannot be merged into it."""
+        base = await self._pull(run_id, BASE_VERSION, None)
+        if base is None:
+            log.warning("%s v%d is an adapter, its base is not here yet", run_id, adapter.version)
+            return None
+        dest = adapter.folder.with_name(f"{adapter.folder.name}-merged")
+        held = self.held_merged if previous is not None else frozenset()
+        try:
+            merged = await compute(write_merged, base.folder, adapter.folder, dest, held)
+        except ValueError as exc:
+            log.error("refusing %s v%d: %s; not loading it", run_id, adapter.version, exc)
+            return None
+        return base, merged
+
+    async def _load_merged(self, base: PullResult, merged: Merged, previous: int | None) -> None:
+        """Load the merged tensors in place, into the base loaded whole first where the engine
+        may hold no base: nothing loaded for this run yet, or paused since its last load
+        (vLLM's sleep drops the weights)."""
+        engine = self.ctx.engine
+        if previous is None or self.ctx.paused_version == previous:
+            await engine.load(base.folder, None)
+        await engine.load(merged.folder, merged.changed)
+        self.held_merged = merged.changed
+
+    async def _forget(self, run_id: str, version: int, previous: int | None, adapter: bool) -> None:
+        """Remove the folders no longer needed once `version` is served: the version served
+        before, and a base kept for adapters, unless it is the base of this adapter."""
+        held = {(run_id, previous)} if previous is not None else set()
+        if self.base_run is not None:
+            held.add((self.base_run, BASE_VERSION))
+        needed = {(run_id, version)} | ({(run_id, BASE_VERSION)} if adapter else set())
+        self.base_run = run_id if adapter else None
+        for run, old in sorted(held - needed):
             if self.peers is not None:
-                await self.peers.forget(ctx.r, run_id, previous)
-            await asyncio.to_thread(shutil.rmtree, self._folder(run_id, previous), True)
+                await self.peers.forget(self.ctx.r, run, old)
+            await asyncio.to_thread(shutil.rmtree, self._folder(run, old), True)
 
     async def _pull(self, run_id: str, version: int, previous: int | None) -> PullResult | None:
         """The pulled version, or None when it cannot be loaded (yet)."""

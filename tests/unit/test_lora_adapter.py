@@ -17,24 +17,9 @@ from services.weights.adapter import (
     merged_tensors,
     read_adapter,
 )
+from tests.harness.lora import logits, lora_of, tiny_qwen2
 
-peft = pytest.importorskip("peft")
-
-
-def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    return Qwen2ForCausalLM(config).eval()
+pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +28,8 @@ def saved(tmp_path_factory):
     lora_B weights are random, so that the adapter changes every weight it wraps."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("lora")
-    model = tiny_qwen2()
-    model.save_pretrained(root / "base")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    wrapped = peft.get_peft_model(model, config).eval()
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)
+    tiny_qwen2().save_pretrained(root / "base")
+    wrapped = lora_of(root / "base", seed=1)
     wrapped.save_pretrained(root / "adapter", safe_serialization=True)
     return root / "base", root / "adapter", wrapped
 
@@ -62,21 +41,19 @@ def test_merged_tensors_are_peft_merge_and_unload(saved):
     # every Linear of the decoder layers is wrapped (all-linear leaves out lm_head)
     assert len(merged) == 2 * 7 and all(n.startswith("model.layers.") for n in merged)
     base_state = load_file(base / "model.safetensors")
-    ids = torch.tensor([[1, 5, 9, 2, 33, 17, 4]])
+    expected = logits(wrapped)
+    reference = tiny_qwen2(seed=5)
+    reference.load_state_dict(base_state)
+    state = reference.state_dict()
     with torch.no_grad():
-        expected_logits = wrapped(input_ids=ids).logits
-        reference = tiny_qwen2()
-        reference.load_state_dict(base_state)
-        state = reference.state_dict()
         for name, tensor in merged.items():
             assert tensor.dtype == base_state[name].dtype
             assert not torch.equal(tensor, base_state[name]), name
             state[name].copy_(tensor)
-        logits = reference(input_ids=ids).logits
-        peft_merged = wrapped.merge_and_unload().state_dict()  # changes `wrapped`: last
+    peft_merged = wrapped.merge_and_unload().state_dict()  # changes `wrapped`: last
     for name, tensor in merged.items():
         assert torch.allclose(tensor, peft_merged[name], atol=1e-6), name
-    assert torch.allclose(logits, expected_logits, atol=1e-5)
+    assert torch.allclose(logits(reference), expected, atol=1e-5)
 
 
 def test_a_sharded_base_is_read_by_its_index(saved, tmp_path):

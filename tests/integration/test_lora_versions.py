@@ -1,0 +1,101 @@
+"""A LoRA run's versions through a real weight store and Redis into a real HF engine (issue 51):
+version 0 the base, later versions peft adapters of it. A worker that joins at an adapter
+version pulls the base first, serves base + adapter merged (peft's own logits), moves to the
+next adapter in place, and keeps the base's folder while it serves the run (and no longer);
+without the base's announced digest it loads nothing."""
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from services.contracts import keys
+from services.core.plateau import PlateauEstimator
+from services.rollout.context import WorkerContext, new_buffer
+from services.rollout.engines.hf import HFEngine
+from services.rollout.settings import RolloutSettings
+from services.rollout.weight_loader import VersionLoader
+from services.weights.contract import manifest_digest
+from services.weights.transfer import WeightClient
+from tests.harness.lora import logits, lora_of, tiny_qwen2
+from tests.integration.conftest import start_store
+
+pytest.importorskip("peft")
+RUN = "lora-run"
+
+
+def worker(tmp_path, name: str, redis_url: str, store_url: str) -> VersionLoader:
+    settings = RolloutSettings(
+        worker_id=name, redis_url=redis_url, weightstore_url=store_url, cache_dir=tmp_path / "cache"
+    )
+    ctx = WorkerContext(
+        s=settings,
+        r=aioredis.Redis.from_url(redis_url),
+        engine=HFEngine("cpu", slots=4),
+        buffer=new_buffer(settings),
+        plateau=PlateauEstimator(settings.slots),
+    )
+    return VersionLoader(ctx)
+
+
+async def publish(r: aioredis.Redis, store_url: str, tmp_path) -> dict[int, torch.Tensor]:
+    """Versions 0 (the base), 1 and 2 (adapters) committed with their digests recorded, as the
+    trainer does; the logits peft gives for each adapter."""
+    client = WeightClient([store_url])
+    tiny_qwen2().save_pretrained(tmp_path / "v0")
+    expected = {}
+    for version in (0, 1, 2):
+        folder = tmp_path / f"v{version}"
+        metadata: dict = {"run_id": RUN}
+        if version > 0:
+            wrapped = lora_of(tmp_path / "v0", seed=version)
+            wrapped.save_pretrained(folder, safe_serialization=True)
+            expected[version] = logits(wrapped)
+            metadata["base_version"] = 0
+        manifest = await client.upload_folder(folder, RUN, version, metadata)
+        await r.hset(keys.run_digests(RUN), str(version), manifest_digest(manifest))
+    return expected
+
+
+def test_a_worker_serves_adapters_merged_into_the_base(tmp_path, empty_redis_url):
+    torch.set_num_threads(1)
+    store = start_store(tmp_path / "store")
+    try:
+        asyncio.run(scenario(tmp_path, empty_redis_url, store.url))
+    finally:
+        store.stop()
+
+
+async def scenario(tmp_path, redis_url: str, store_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    expected = await publish(r, store_url, tmp_path / "published")
+    loader = worker(tmp_path, "w1", redis_url, store_url)
+    ctx = loader.ctx
+    await loader.load(RUN, 1)  # joins at an adapter: the base is pulled and loaded first
+    assert ctx.version == 1
+    assert torch.allclose(logits(ctx.engine.model), expected[1], atol=1e-5)
+    await loader.load(RUN, 2)  # the next adapter, merged in place
+    assert ctx.version == 2
+    assert torch.allclose(logits(ctx.engine.model), expected[2], atol=1e-5)
+    held = sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir())
+    assert held == ["v0", "v2"]  # the base stays, v1 and the merged scratch folders went
+    # the worker moves to a full-weight run (the intake forgets the version): loaded whole,
+    # the LoRA run's base goes, and the full run's versions replace each other as always
+    client, full = WeightClient([store_url]), tmp_path / "full"
+    for version in (0, 1):
+        tiny_qwen2(seed=10 + version).save_pretrained(full / f"v{version}")
+        manifest = await client.upload_folder(full / f"v{version}", "full-run", version)
+        await r.hset(keys.run_digests("full-run"), str(version), manifest_digest(manifest))
+    ctx.version = None
+    for version in (0, 1):
+        await loader.load("full-run", version)
+    assert torch.equal(logits(ctx.engine.model), logits(tiny_qwen2(seed=11)))
+    assert sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir()) == ["v2"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "w1" / "full-run").iterdir()) == ["v1"]
+    # a worker that finds no digest announced for the base loads nothing
+    await r.hdel(keys.run_digests(RUN), "0")
+    late = worker(tmp_path, "w2", redis_url, store_url)
+    await late.load(RUN, 2)
+    assert late.ctx.version is None and late.ctx.engine.model is None
+    await r.aclose()
