@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from services.contracts.runspec import (
     EMBEDDED_DEFAULTS,
     FLAT_FIELDS,
+    LORA_FIELDS,
     SECTION_OF,
     TASK_PRESETS,
     RunSpec,
@@ -29,6 +30,9 @@ from services.contracts.runspec import (
 NOT_FLAGS = frozenset({"model"})
 # Fields where 0 also means "unset", as `spotrl up` documented before "none" was accepted.
 ZERO_IS_NONE = frozenset({"stall_timeout_s"})
+# Fields passed to the spec only when they differ from its own default: the lora section turns
+# on when one of them is given (`--lora-r 8`), and a flag's default gives none.
+GIVEN_ONLY = frozenset({"use_peft", *LORA_FIELDS})
 
 
 class TaskDefault:
@@ -63,6 +67,16 @@ def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_optional
 
 
+def _names_or(words: tuple[str, ...]) -> Callable[[str], Any]:
+    """A parser of a comma-separated list of names, or of one of `words` as it is."""
+
+    def names(text: str) -> Any:
+        text = text.strip()
+        return text if text in words else [n.strip() for n in text.split(",") if n.strip()]
+
+    return names
+
+
 def _help(name: str, info: FieldInfo, default: Any, optional: bool) -> str:
     text = (info.description or name).replace("%", "%%")
     notes = []
@@ -85,6 +99,15 @@ def flag_options(name: str, info: FieldInfo, default: Any) -> dict[str, Any]:
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         optional = len(args) < len(get_args(annotation))
+        if list[str] in args and len(args) == 2:  # names, or a word that stands for a set
+            word = next(a for a in args if a != list[str])
+            return {
+                "dest": name,
+                "default": default,
+                "help": _help(name, info, default, optional)
+                + f"; a comma-separated list, or {' or '.join(map(repr, get_args(word)))}",
+                "type": _names_or(get_args(word)),
+            }
         if len(args) != 1:
             raise TypeError(f"RunSpec.{name}: no flag for a union of {args}")
         annotation = args[0]
@@ -141,6 +164,9 @@ def spec_from_args(args: argparse.Namespace, **fields: Any) -> RunSpec:
     for name in ZERO_IS_NONE:
         if values.get(name) == 0:
             values[name] = None
+    for name in GIVEN_ONLY:
+        if values.get(name) == FLAT_FIELDS[name].default:
+            del values[name]
     return RunSpec(**(values | fields))
 
 

@@ -181,3 +181,14 @@ def test_task_presets_name_run_spec_fields_with_valid_values(capsys):
         main(["up", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert "with --task: long_addition 40" in shown
+
+
+def test_lora_flags_turn_lora_on_and_their_defaults_do_not():
+    off = spec_from_args(up_args(), model="m")
+    assert not off.lora.use_peft
+    on = spec_from_args(up_args("--lora-r", "8"), model="m")
+    assert on.lora.use_peft and on.lora.lora_r == 8
+    named = spec_from_args(up_args("--lora-target-modules", "q_proj, v_proj"), model="m")
+    assert named.lora.lora_target_modules == ["q_proj", "v_proj"]
+    every = spec_from_args(up_args("--use-peft"), model="m")
+    assert every.lora.use_peft and every.lora.lora_target_modules == "all-linear"
