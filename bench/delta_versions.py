@@ -57,10 +57,10 @@ class VersionMaker:
     def versions(self, count: int) -> Iterator[dict[str, bytes]]:
         """Version 0 (the weights as they are), then `count` more, one step apart: each
         version's files as the trainer exports them."""
-        yield self.policy.export_files()
-        for _ in range(count):
+        yield self.policy.export_files(0)
+        for version in range(1, count + 1):
             self.step()
-            yield self.policy.export_files()
+            yield self.policy.export_files(version)
 
 
 def weight_names(files: dict[str, bytes]) -> list[str]:

@@ -380,7 +380,7 @@ class NullPolicy:
     def load_weights(self, folder: Path) -> None:
         self.steps = int(load_file(Path(folder) / WEIGHTS_FILE)["step"][0])
 
-    def export_files(self) -> dict[str, bytes]:
+    def export_files(self, version: int) -> dict[str, bytes]:
         weights = torch.full((4,), float(self.steps))
         files = {WEIGHTS_FILE: save({"step": weights}, metadata={"format": "pt"})}
         for name in ("config.json", "tokenizer.json"):

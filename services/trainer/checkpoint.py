@@ -197,10 +197,12 @@ def training_state(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> di
 
 
 def load_training_state(
-    state: dict, model: torch.nn.Module, optimizer: Any, scheduler: Any
+    state: dict, model: torch.nn.Module | None, optimizer: Any, scheduler: Any
 ) -> None:
-    """Put back a state `training_state` took."""
-    model.load_state_dict(state["model"])
+    """Put back a state `training_state` took (its weights into `model`, unless None: the
+    caller put them back)."""
+    if model is not None:
+        model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if "scheduler" in state:  # a checkpoint from before schedules: the schedule's start
         scheduler.load_state_dict(state["scheduler"])

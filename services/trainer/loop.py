@@ -25,7 +25,7 @@ from services.trainer.checkpoint import Checkpoints
 from services.trainer.protocol import TrainablePolicy
 from services.trainer.run_trainer import RunTrainer
 from services.trainer.settings import TrainerSettings
-from services.trainer.versions import VersionPublisher
+from services.trainer.versions import VersionPublisher, fail_run
 from services.weights.transfer import WeightClient
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ def default_policy(model_dir: Path, spec: RunSpec, device: str) -> TrainablePoli
     from services.trainer import ranks
 
     if ranks.world_size() > 1:
+        if spec.lora.use_peft:
+            raise ValueError("LoRA is not supported on several trainer ranks yet (trainer_ranks 1)")
         return ranks.lead(model_dir, spec, device)
     from services.trainer.policy import Policy
 
@@ -100,7 +102,12 @@ class TrainerLoop:
             raise RunStopped("deleted")
         spec = run.run_spec()
         self.between_runs = {"run_id": run_id, "step": 0, "state": "loading"}
-        policy = await compute(self.policy_factory, Path(spec.model), spec, self.settings.device)
+        try:
+            policy = await compute(
+                self.policy_factory, Path(spec.model), spec, self.settings.device
+            )
+        except ValueError as exc:  # the run asks what this trainer cannot do: it fails, said why
+            await fail_run(self.r, run_id, f"its policy could not be built: {exc}")
         groups_stream = keys.groups_stream(run_id)
         await ensure_group(self.r, groups_stream, keys.TRAINER_GROUP)
         # first the groups read before a restart and never acknowledged, then new ones

@@ -70,6 +70,7 @@ from services.trainer.export import (
     write_files,
 )
 from services.trainer.grpo import LossParts, StepSize, batch_scale, group_advantages, grpo_loss
+from services.trainer.lora import Adapter
 from services.trainer.optim import build_optimizer, build_scheduler, set_schedule
 from services.trainer.scorer import ResponseScorer, compile_layers, score
 from services.trainer.stats import PassStats, step_row
@@ -87,6 +88,8 @@ class Policy:
         if getattr(model.config, "tie_word_embeddings", False):
             raise ValueError("models with tied embeddings are not supported; untie them first")
         model = model.to(device)  # type: ignore[arg-type]  # transformers wraps `to`
+        # LoRA: the adapter's layers go into the model in place; only they train
+        self.adapter = Adapter(model, spec.lora) if spec.lora.use_peft else None
         model.train()
         if spec.training.gradient_checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -95,7 +98,7 @@ class Policy:
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.ref = None
         self.ref_scorer = None
-        if spec.loss.beta > 0:
+        if spec.loss.beta > 0 and self.adapter is None:  # LoRA's reference: adapter disabled
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
             if spec.training.torch_compile:
                 compile_layers(self.ref)
@@ -208,6 +211,9 @@ class Policy:
         if self.ref_scorer is not None:
             with torch.no_grad():
                 ref_logp = score(self.ref_scorer, batch, self.device, self.autocast)
+        elif self.adapter is not None and self.spec.loss.beta > 0:
+            with torch.no_grad(), self.adapter.disabled():
+                ref_logp = score(self.scorer, batch, self.device, self.autocast)
         return grpo_loss(
             logp,
             batch.old_logprobs.to(self.device),
@@ -284,8 +290,12 @@ class Policy:
 
     def state(self) -> dict:
         """Everything a resumed trainer needs besides the data position: weights (fp32),
-        optimizer moments, the LR schedule's position and the RNG."""
-        return training_state(self.model, self.optimizer, self.scheduler)
+        optimizer moments, the LR schedule's position and the RNG. With LoRA, of the weights
+        only the adapter's: the base never changes."""
+        state = training_state(self.model, self.optimizer, self.scheduler)
+        if self.adapter is not None:
+            state["model"] = self.adapter.trainable_state()
+        return state
 
     def snapshot(self, folder: Path) -> Callable[[], None]:
         """Take a copy of the state now, for a checkpoint in `folder` (an empty scratch folder);
@@ -297,7 +307,10 @@ class Policy:
         self.load_state(read_state(folder))
 
     def load_state(self, state: dict) -> None:
-        load_training_state(state, self.model, self.optimizer, self.scheduler)
+        if self.adapter is not None:
+            self.adapter.load_trainable_state(state["model"])
+        model = None if self.adapter is not None else self.model
+        load_training_state(state, model, self.optimizer, self.scheduler)
 
     def schedule_at(self, version: int) -> None:
         """Put the learning-rate schedule where it is after `version` RL steps (a trainer that
@@ -305,21 +318,28 @@ class Policy:
         set_schedule(self.optimizer, self.scheduler, version * self.spec.training.num_iterations)
 
     def load_weights(self, folder: Path) -> None:
-        """Take the weights of a committed version (a folder `export` wrote)."""
-        read_weights(self.model, folder)
+        """Take the weights of a committed version (a folder `export` wrote; with LoRA, its
+        adapter)."""
+        if self.adapter is not None:
+            self.adapter.load(folder)
+        else:
+            read_weights(self.model, folder)
 
-    def export_files(self) -> dict[str, bytes]:
-        """The current weights as the files of a Hugging Face folder (safetensors shards in the
-        published dtype, and the model folder's config and tokenizer), in memory."""
+    def export_files(self, version: int) -> dict[str, bytes]:
+        """The files of weight version `version`, in memory: the current weights as a Hugging
+        Face folder (safetensors shards in the published dtype, and the model folder's config
+        and tokenizer). With LoRA, version 0 is that folder of the base, and every later one
+        the adapter alone (lora.py)."""
+        if self.adapter is not None and version > 0:
+            return self.adapter.files()
         dtype = DTYPES[self.weight_dtype]
-        tensors = {
-            k: v.detach().to("cpu", dtype).contiguous() for k, v in self.model.state_dict().items()
-        }
+        state = self.adapter.base_tensors() if self.adapter else self.model.state_dict()
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         return weight_files(tensors) | self._companions
 
-    def export(self, folder: Path) -> Path:
-        """Write the current weights as a Hugging Face folder (safetensors shards + config)."""
-        return write_files(self.export_files(), folder)
+    def export(self, folder: Path, version: int = 0) -> Path:
+        """Write the files of `version` (export_files) as a folder."""
+        return write_files(self.export_files(version), folder)
 
 
 def auto_dtype(choice: str, device: str) -> str:

@@ -39,8 +39,8 @@ class TrainablePolicy(Protocol):
         """Take the weights of a committed version."""
         ...
 
-    def export_files(self) -> dict[str, bytes]:
-        """The current weights as the files of a version (file name -> content)."""
+    def export_files(self, version: int) -> dict[str, bytes]:
+        """The current weights as the files of version `version` (file name -> content)."""
         ...
 
 

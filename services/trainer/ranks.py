@@ -106,8 +106,8 @@ class Leader:
     def load_weights(self, folder: Path) -> None:
         self._call("load_weights", folder)
 
-    def export_files(self) -> dict[str, bytes]:
-        return self._call("export_files")
+    def export_files(self, version: int) -> dict[str, bytes]:
+        return self._call("export_files", version)
 
     def schedule_at(self, version: int) -> None:
         self._call("schedule_at", version)

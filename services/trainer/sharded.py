@@ -102,7 +102,7 @@ class ShardedPolicy(Policy):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, tensors, options=options)
 
-    def export_files(self) -> dict[str, bytes]:
+    def export_files(self, version: int) -> dict[str, bytes]:
         """The full weights, gathered to rank 0, as a version's files; {} on the other ranks."""
         full: dict[str, Any] = get_model_state_dict(self.model, options=FULL)
         if self.rank != 0:

@@ -23,6 +23,7 @@ from services.infra.redis_streams import text
 from services.infra.retry import retry
 from services.state import run_record
 from services.state.run_state import RunStopped
+from services.weights.adapter import ADAPTER_CONFIG
 from services.weights.contract import Manifest, WeightConflict, WeightTransferError
 from services.weights.files import hash_files
 from services.weights.transfer import WeightClient
@@ -47,13 +48,19 @@ class VersionPublisher:
         self.r, self.weights, self.work_dir = r, weights, work_dir
         self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
         self.manifest: Manifest | None = None  # what the store answered that commit with
+        self.keeps_base = False  # whether the newest commit is an adapter of version 0 (LoRA)
 
     async def commit(self, run_id: str, policy: Any, version: int) -> float:
         """Commit the policy's weights as `version`, recording their digest first; a version
         already in the store is ours only with that digest, else the run fails. The seconds
         it took."""
         t0 = time.monotonic()
-        local = await hash_files(await compute(policy.export_files))
+        files = await compute(policy.export_files, version)
+        local = await hash_files(files)
+        # an adapter's base is the run's version 0: the store keeps it while the adapter stays,
+        # and its digest stays for workers that join later
+        adapter = ADAPTER_CONFIG in files
+        self.keeps_base = adapter
         earlier = text(await self.r.hget(keys.run_digests(run_id), version))
         # an attempt before a restart exported other weights as this version: if that commit
         # landed, train on from exactly what the workers will pull (versions are immutable)
@@ -69,7 +76,8 @@ class VersionPublisher:
         async def upload() -> WeightConflict | Manifest:
             """One attempt; a conflict is returned, not raised: trying again cannot fix it."""
             try:
-                return await self.weights.upload(local, run_id, version, {"run_id": run_id})
+                meta: dict = {"run_id": run_id} | ({"base_version": 0} if adapter else {})
+                return await self.weights.upload(local, run_id, version, meta)
             except WeightConflict as exc:
                 return exc
 
@@ -113,7 +121,8 @@ class VersionPublisher:
                 keys.version_announced(run_id), {"version": version}, maxlen=1, approximate=False
             )
             if version >= 2:
-                pipe.hdel(keys.run_digests(run_id), version - 2)
+                if version > 2 or not self.keeps_base:
+                    pipe.hdel(keys.run_digests(run_id), version - 2)
                 pipe.hdel(keys.run_manifests(run_id), version - 2)
             await pipe.execute()
         VERSION.set(version)

@@ -88,7 +88,7 @@ def test_a_version_committed_and_retired_but_not_announced_is_announced_on_resum
         assert await committed_version(r, run_id) == 1
         assert await r.xlen(keys.version_announced(run_id)) == 1
         # it trains on from the very weights the workers pull as v1
-        local = await hash_files(second.policy.export_files())
+        local = await hash_files(second.policy.export_files(1))
         assert local.digest == stored
         await r.aclose()
 

@@ -220,7 +220,7 @@ class WeightsOnly:
     def __init__(self, payload: bytes) -> None:
         self.payload, self.loaded = payload, None
 
-    def export_files(self) -> dict[str, bytes]:
+    def export_files(self, version: int = 0) -> dict[str, bytes]:
         return {"model.safetensors": self.payload}
 
     def export(self, folder):

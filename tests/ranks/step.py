@@ -56,7 +56,7 @@ def run(policy_of, model: Path, out: Path, spec: RunSpec) -> None:
     policy.accumulate(first[:3])  # as groups arrive: a part, then the rest
     policy.accumulate(first[3:])
     row = policy.optimizer_step()
-    write_files(policy.export_files(), out / "step1")
+    write_files(policy.export_files(1), out / "step1")
     (out / "row1.json").write_bytes(msgspec.json.encode(row))
     scratch = out / "ckpt"
     scratch.mkdir()
@@ -65,7 +65,7 @@ def run(policy_of, model: Path, out: Path, spec: RunSpec) -> None:
     policy.restore(scratch)
     policy.accumulate(groups(spec, 1))
     row = policy.optimizer_step()
-    write_files(policy.export_files(), out / "step2")
+    write_files(policy.export_files(2), out / "step2")
     (out / "row2.json").write_bytes(msgspec.json.encode(row))
 
 

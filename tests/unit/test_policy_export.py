@@ -47,7 +47,7 @@ def test_weights_exported_in_memory_are_the_folder_a_loader_reads(tiny_model, tm
     from services.weights.files import hash_files, scan_folder
 
     policy = Policy(tiny_model, RunSpec(model=str(tiny_model)))
-    files = policy.export_files()
+    files = policy.export_files(0)
     folder = policy.export(tmp_path / "v")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
     assert asyncio.run(hash_files(files)).digest == asyncio.run(scan_folder(folder)).digest

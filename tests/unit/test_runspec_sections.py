@@ -138,12 +138,13 @@ def test_every_field_is_in_exactly_one_section():
         ),
         "faults": ("stall_timeout_s", "max_request_crashes", "on_poison", "max_error_share"),
         "episode": ("environment", "max_turns", "tool_format", "environment_timeout_s"),
+        "lora": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     }
     assert wanted == SECTIONS
     every = [field for fields in SECTIONS.values() for field in fields]
     # the 57 fields of the flat spec but name, model and seed; the 4 of multi-turn episodes;
-    # faults.max_error_share; rollout.drafts and rollout.length_aware (issue 50)
-    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1 + 2
+    # faults.max_error_share; rollout.drafts and rollout.length_aware (issue 50); the 5 of lora
+    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1 + 2 + 5
     assert set(FLAT_FIELDS) == {"name", "model", "seed", *every}
     assert place_of("top_p") == ("sampling", "top_p") and place_of("model") == ("model",)
     assert RunSpec.model_json_schema()["additionalProperties"] is False
@@ -188,3 +189,23 @@ def test_sampling_params_are_validated_by_pydantic_on_their_own():
     with pytest.raises(ValidationError):
         SamplingParams(temprature=1.0)  # type: ignore[call-arg]
     assert SamplingParams().plain and not SamplingParams(top_k=5).plain
+
+
+def test_the_lora_section_turns_on_when_one_of_its_fields_is_given():
+    assert not RunSpec(model="m").lora.use_peft
+    spec = RunSpec.model_validate({"model": "m", "lora_r": 8})
+    assert spec.lora.use_peft and spec.lora.lora_r == 8
+    # peft's own names, in the section
+    peft = RunSpec.model_validate({"model": "m", "lora": {"r": 4, "target_modules": ["q_proj"]}})
+    assert (peft.lora.use_peft, peft.lora.lora_r, peft.lora.lora_target_modules) == (
+        True,
+        4,
+        ["q_proj"],
+    )
+    # what is stored reads back the same, on or off
+    for stored in (spec, RunSpec(model="m")):
+        assert RunSpec.model_validate_json(stored.model_dump_json()).lora == stored.lora
+    with pytest.raises(ValidationError, match="only used with lora.use_peft"):
+        RunSpec.model_validate({"model": "m", "use_peft": False, "lora_r": 4})
+    with pytest.raises(ValidationError, match="not a module name"):
+        RunSpec.model_validate({"model": "m", "lora_target_modules": ["q_proj;rm"]})

@@ -45,6 +45,7 @@ from services.contracts.runspec.task_files import (
     template_fields,
 )
 from services.contracts.runspec.training import (
+    LORA_FIELDS,
     LoraSection,
     LossSection,
     OptimizerSection,
@@ -61,6 +62,7 @@ __all__ = [
     "FINAL_STATES",
     "FLAT_FIELDS",
     "LIVE_STATES",
+    "LORA_FIELDS",
     "MAX_PATH_CHARS",
     "MAX_TEXT_CHARS",
     "SECTIONS",

@@ -189,7 +189,11 @@ class LoraSection(Section):
             if not 1 <= len(value) <= 64:
                 raise ValueError("lora_target_modules names 1 to 64 modules")
             for name in value:
-                if not name or len(name) > 200 or not name.replace("_", "").replace(".", "").isalnum():
+                if (
+                    not name
+                    or len(name) > 200
+                    or not name.replace("_", "").replace(".", "").isalnum()
+                ):
                     raise ValueError(f"not a module name: {name[:40]!r}")
         return value
 
