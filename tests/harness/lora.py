@@ -1,6 +1,6 @@
 """LoRA runs' weights for tests (issue 51): a tiny Qwen2 base and peft adapters of it whose
 lora_B weights are random, so that an adapter changes every weight it wraps (peft starts
-lora_B at zero). Building them needs peft; the tests that do skip without it."""
+lora_B at zero). peft builds them."""
 
 from pathlib import Path
 from typing import Any

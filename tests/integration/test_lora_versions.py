@@ -6,7 +6,6 @@ without the base's announced digest it loads nothing."""
 
 import asyncio
 
-import pytest
 import redis.asyncio as aioredis
 import torch
 
@@ -21,7 +20,6 @@ from services.weights.transfer import WeightClient
 from tests.harness.lora import logits, lora_of, tiny_qwen2
 from tests.integration.conftest import start_store
 
-pytest.importorskip("peft")
 RUN = "lora-run"
 
 

@@ -19,8 +19,6 @@ from services.weights.adapter import (
 )
 from tests.harness.lora import logits, lora_of, tiny_qwen2
 
-pytest.importorskip("peft")
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
