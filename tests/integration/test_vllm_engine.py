@@ -241,3 +241,31 @@ def test_loading_only_the_changed_tensors_equals_a_full_reload(loop, tiny_model,
     print(f"reload_weights of the whole folder {full_s:.3f} s, changed tensors {changed_s:.3f} s")
     assert after == reloaded == unchanged == hf_run(sparse_weights, jobs)[0]
     assert after != before
+
+
+def test_an_adapter_merged_by_the_worker_serves_peft_s_merged_model(
+    loop, vllm_engine, tiny_model, tmp_path
+):
+    """LoRA (issue 51): the tensors a worker merges from an adapter version (every linear layer
+    wrapped, so vLLM's fused qkv and gate-up layers are rebuilt from the base's rest), loaded in
+    place into the engine that holds the base, give the greedy output and logprobs of the
+    transformers engine on peft's own merge_and_unload."""
+    from services.rollout.weight_loader import write_merged
+    from tests.harness.lora import lora_of
+
+    peft_model = lora_of(tiny_model, seed=7)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = write_merged(tiny_model, tmp_path / "adapter", tmp_path / "merged", frozenset())
+    whole = tmp_path / "whole"
+    peft_model.merge_and_unload().save_pretrained(whole)
+    jobs = [job("a", PROMPTS["a"], 10), job("c", PROMPTS["c"], 10), job("d", PROMPTS["d"], 10)]
+    try:
+        loop.run_until_complete(vllm_engine.load(merged.folder, merged.changed))
+        out, logprobs, _ = loop.run_until_complete(run_to_end(vllm_engine, jobs))
+    finally:
+        loop.run_until_complete(vllm_engine.load(tiny_model))  # the base, for the tests after
+    ref, ref_logprobs = hf_run(whole, jobs)
+    base, _ = hf_run(tiny_model, jobs)
+    assert out == ref and out != base
+    for rid in ref:
+        assert logprobs[rid] == pytest.approx(ref_logprobs[rid], abs=2e-3), rid
