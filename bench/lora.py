@@ -1,0 +1,348 @@
+"""LoRA versions vs full-weight versions, side by side (issue 51): the bytes a version moves and
+the time from its commit until a worker serves it.
+
+For each model of `--models` (bench/delta_share.py's `embedded` and `qwen2-236m`, or a local
+Hugging Face folder; nothing is downloaded) it trains two runs of the same model with the
+trainer's own code, one version per RL step on delta_share's synthetic groups (`Policy`: its
+GRPO loss, AdamW at `--lr`, bf16 exports), `--versions` versions after version 0:
+- `full`: the full-weight spec; every version is the whole model (`Policy.export_files`),
+  committed by a `WeightClient(deltas=True)` as the trainer's default is;
+- `lora`: the same spec with `lora_r` (`--lora-r`), lora_alpha 16, target all-linear; version 0
+  is the base's whole folder, every later one the PEFT adapter alone (base_version 0).
+Each version is committed and announced by the trainer's `VersionPublisher` (digest recorded,
+uploaded with its metadata, the store's manifest announced) to one weight store whose block
+server's egress is capped at `--store-mbps` (default 1000: 1 Gbit/s), with one Redis.
+
+The worker's side is the real `VersionLoader` over a `WorkerContext` built as
+tests/integration/test_lora_versions.py builds it (no worker process, no coordinator; one worker
+per side, so peer-to-peer is off) with a real `HFEngine` on CPU. Each worker joins at version 0
+(not measured) and then holds the version before each one it loads (steady state): the `full`
+worker pulls by sparse deltas (`weight_deltas`, the worker's default) and loads the tensors that
+changed in place; a `full_nodelta` worker (`--no-nodelta` leaves it out) pulls the same versions
+with deltas off and reloads the whole model; the `lora` worker pulls the adapter (the base v0 it
+holds), merges it into the base (`write_merged`) and loads the merged layers in place.
+
+Measured per version v >= 1 (means over the versions):
+- serve_s: from the commit's return (upload done) until `VersionLoader.load` returns with v
+  served: the announce + the load (pull, merge, engine load, the loader's cleanup). Of it:
+  pull_s (the worker's `WeightClient.pull` calls), engine_s (`engine.load` calls), rest_s (the
+  rest: the LoRA merge written to its scratch folder, the announce, the folders removed);
+- bytes: pulled by the worker (`PullResult.bytes`: the adapter, the deltas or whole files; files
+  the version held already has are linked, not pulled);
+- version_bytes: the version's files as committed (the store's manifest); commit_s, the
+  trainer's commit (export, hash, upload).
+adapter_bytes_ratio: a LoRA version's files (v >= 1) / version 0's files (the whole model
+folder). serve_speedup: serve_s of `full` / serve_s of `lora` (`serve_speedup_nodelta` against
+`full_nodelta`). The issue's bars (qwen2-236m, r=8): ratio <= 0.02, speedup >= 5.
+
+The work folder (store, worker caches, merged scratch folders) is in /dev/shm where there is
+room, so neither side measures a disk's write-back. The trainer's steps and the engines' loads
+share the process's compute thread (services/infra/compute.py), one at a time.
+
+Prints progress to stderr and one JSON object as its LAST line: per model, both sides' means and
+the ratios; top-level adapter_bytes_ratio and serve_speedup of qwen2-236m (else of the last
+model), and the regime.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/lora.py [--models embedded,qwen2-236m]
+        [--versions 3] [--lora-r 8] [--store-mbps 1000] [--lr 1e-6] [--no-nodelta]
+"""
+
+import argparse
+import asyncio
+import gc
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import repo_root  # noqa: F401  (the repository root on sys.path)
+from delta_share import STEP_SIZES, groups
+from delta_versions import model_folder
+from weight_pull import start_capped_store
+
+from services.cli import procs
+from services.infra.compute import compute
+from services.rollout.engines.hf import HFEngine
+from services.weights.pull import PullResult
+from services.weights.transfer import WeightClient
+
+LORA_ALPHA = 16
+REAL_MODEL = "qwen2-236m"  # the real architecture: its ratios are the top-level ones
+SHM_ROOM_BYTES = 8e9  # /dev/shm is the work folder when it has this much free
+
+
+def log(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+class TimedEngine(HFEngine):
+    """The HF engine on CPU, adding up the seconds its loads take."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", slots=4)
+        self.load_s = 0.0
+
+    async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
+        started = time.perf_counter()
+        await super().load(folder, changed)
+        self.load_s += time.perf_counter() - started
+
+
+class CountingClient(WeightClient):
+    """A worker's WeightClient, adding up the seconds and the bytes of its pulls."""
+
+    def __init__(self, store_url: str, deltas: bool) -> None:
+        super().__init__([store_url], deltas=deltas)
+        self.pull_s, self.bytes = 0.0, 0
+
+    async def pull(self, *args, **kwargs) -> PullResult:
+        started = time.perf_counter()
+        result = await super().pull(*args, **kwargs)
+        self.pull_s += time.perf_counter() - started
+        self.bytes += result.bytes
+        return result
+
+
+class Worker:
+    """One rollout worker's weight loading: the real VersionLoader, a real HF engine."""
+
+    def __init__(self, name: str, work: Path, redis_url: str, store_url: str, deltas: bool):
+        from services.core.plateau import PlateauEstimator
+        from services.rollout.context import WorkerContext, new_buffer
+        from services.rollout.settings import RolloutSettings
+        from services.rollout.weight_loader import VersionLoader
+
+        settings = RolloutSettings(
+            worker_id=name,
+            redis_url=redis_url,
+            weightstore_url=store_url,
+            cache_dir=work / "cache",
+            p2p=False,
+            weight_deltas=deltas,
+        )
+        self.name, self.engine = name, TimedEngine()
+        ctx = WorkerContext(
+            s=settings,
+            r=aioredis.Redis.from_url(redis_url),
+            engine=self.engine,
+            buffer=new_buffer(settings),
+            plateau=PlateauEstimator(settings.slots),
+        )
+        self.loader = VersionLoader(ctx)
+        self.client = self.loader.weights = CountingClient(store_url, deltas)
+
+    async def serve(self, run_id: str, version: int) -> dict:
+        """Load `version` as the worker does; what it pulled and how long each part took."""
+        self.client.pull_s, self.client.bytes, self.engine.load_s = 0.0, 0, 0.0
+        started = time.perf_counter()
+        await self.loader.load(run_id, version)
+        load_s = time.perf_counter() - started
+        if self.loader.ctx.version != version:
+            raise RuntimeError(f"{self.name} did not load {run_id} v{version} (see the log)")
+        return {
+            "bytes": self.client.bytes,
+            "pull_s": self.client.pull_s,
+            "engine_s": self.engine.load_s,
+            "load_s": load_s,
+        }
+
+    async def close(self) -> None:
+        await self.loader.ctx.r.aclose()
+
+
+class Trainer:
+    """One run's trainer: the trainer's Policy stepping on synthetic groups, and its
+    VersionPublisher committing and announcing each version."""
+
+    def __init__(self, run_id: str, folder: Path, lora: dict, args, r, store_url: str, work: Path):
+        from services.contracts.runspec import RunSpec
+        from services.trainer.policy import Policy
+        from services.trainer.versions import VersionPublisher
+
+        self.run_id = run_id
+        self.sizes = STEP_SIZES["embedded" if folder.name == "embedded" else "qwen"]
+        spec = RunSpec(
+            model=str(folder),
+            prompts_per_step=self.sizes[0],
+            group_size=self.sizes[1],
+            max_new_tokens=self.sizes[2],
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            weight_dtype="bfloat16",
+            **lora,
+        )
+        self.policy = Policy(folder, spec, "cpu")
+        self.publisher = VersionPublisher(r, WeightClient([store_url], deltas=True), work)
+        self.steps = 0
+
+    def _step(self) -> None:
+        vocab = self.policy.model.config.vocab_size
+        self.policy.accumulate(groups(vocab, self.sizes, seed=self.steps))
+        self.policy.optimizer_step()
+        self.steps += 1
+
+    async def commit(self, version: int) -> dict:
+        """A step (after version 0), then the version committed: its bytes, the seconds."""
+        if version > 0:
+            await compute(self._step)
+        commit_s = await self.publisher.commit(self.run_id, self.policy, version)
+        manifest = self.publisher.manifest
+        assert manifest is not None
+        if self.policy.adapter is not None and version > 0:
+            assert manifest.metadata.get("base_version") == 0, manifest.metadata
+        return {"version_bytes": manifest.total_bytes(), "commit_s": commit_s}
+
+    async def announce(self, version: int) -> float:
+        started = time.perf_counter()
+        await self.publisher.announce(self.run_id, version)
+        return time.perf_counter() - started
+
+
+async def run_side(
+    side: str, folder: Path, args, r, urls: tuple[str, str], work: Path
+) -> dict[str, list[dict]]:
+    """One run (`side`: "full" or "lora") trained, committed and served version by version; the
+    rows per worker (the full run's: with deltas and, unless left out, without)."""
+    redis_url, store_url = urls
+    lora = {"lora_r": args.lora_r, "lora_alpha": LORA_ALPHA, "lora_target_modules": "all-linear"}
+    run_id = f"{folder.name}-{side}"
+    trainer = Trainer(run_id, folder, lora if side == "lora" else {}, args, r, store_url, work)
+    workers = [Worker(side, work, redis_url, store_url, deltas=True)]
+    if side == "full" and args.nodelta:
+        workers.append(Worker("full_nodelta", work, redis_url, store_url, deltas=False))
+    rows: dict[str, list[dict]] = {w.name: [] for w in workers}
+    try:
+        for version in range(args.versions + 1):
+            committed = await trainer.commit(version)
+            announce_s = await trainer.announce(version)
+            order = workers if version % 2 else workers[::-1]  # alternately first
+            for worker in order:
+                row = committed | await worker.serve(run_id, version)
+                row["serve_s"] = announce_s + row["load_s"]
+                row["rest_s"] = row["serve_s"] - row["pull_s"] - row["engine_s"]
+                log(f"{run_id} v{version} {worker.name}:", json.dumps(rounded(row)))
+                rows[worker.name].append(row)
+        if len(workers) == 2:
+            log(f"{run_id}: the two full workers' engines equal:", same_state(workers))
+    finally:
+        for worker in workers:
+            await worker.close()
+    return rows
+
+
+def same_state(workers: list[Worker]) -> bool:
+    import torch
+
+    a, b = (w.engine.model.state_dict() for w in workers)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rounded(row: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def side_summary(rows: list[dict]) -> dict:
+    """Means over the versions after 0 (each loaded by a worker holding the one before)."""
+    later = rows[1:]
+    keys = ("serve_s", "pull_s", "engine_s", "rest_s", "commit_s")
+    return {
+        "bytes_per_version": round(mean(later, "bytes")),
+        "version_bytes": round(mean(later, "version_bytes")),
+        **{k: round(mean(later, k), 4) for k in keys},
+        "v0_bytes": rows[0]["version_bytes"],
+    }
+
+
+async def measure_model(name: str, args, r, urls: tuple[str, str], work: Path) -> dict:
+    folder = model_folder(name, work / "model")
+    sides: dict[str, dict] = {}
+    for side in ("full", "lora"):
+        for worker, rows in (await run_side(side, folder, args, r, urls, work)).items():
+            sides[worker] = side_summary(rows)
+        gc.collect()  # one side's policy and engines gone before the next side's
+    full, lora = sides["full"], sides["lora"]
+    out = {
+        "adapter_bytes_ratio": round(lora["version_bytes"] / lora["v0_bytes"], 5),
+        "serve_s_full": full["serve_s"],
+        "serve_s_lora": lora["serve_s"],
+        "serve_speedup": round(full["serve_s"] / lora["serve_s"], 3),
+        "bytes_per_version_full": full["bytes_per_version"],
+        "bytes_per_version_lora": lora["bytes_per_version"],
+        "model_bytes": lora["v0_bytes"],
+    }
+    if "full_nodelta" in sides:
+        nodelta = sides["full_nodelta"]
+        out |= {
+            "serve_s_full_nodelta": nodelta["serve_s"],
+            "serve_speedup_nodelta": round(nodelta["serve_s"] / lora["serve_s"], 3),
+            "bytes_per_version_full_nodelta": nodelta["bytes_per_version"],
+        }
+    return out | {"sides": sides}
+
+
+async def bench(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    shm = Path("/dev/shm")
+    in_memory = shm.is_dir() and shutil.disk_usage(shm).free > SHM_ROOM_BYTES
+    work = Path(tempfile.mkdtemp(prefix="spotrl-bench-lora-", dir=shm if in_memory else None))
+    redis_proc, redis_url = procs.start_redis(work / "redis-log", work / "redis")
+    store = start_capped_store(work, args.store_mbps)
+    r = aioredis.Redis.from_url(redis_url)
+    models = {}
+    try:
+        for name in args.models.split(","):
+            models[name] = await measure_model(name, args, r, (redis_url, store.url), work)
+            log(name, json.dumps(models[name]))
+    finally:
+        await r.aclose()
+        store.stop()
+        redis_proc.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    of_model = REAL_MODEL if REAL_MODEL in models else list(models)[-1]
+    top = models[of_model]
+    where = "in memory (/dev/shm)" if in_memory else "on disk"
+    return {
+        "adapter_bytes_ratio": top["adapter_bytes_ratio"],
+        "serve_speedup": top["serve_speedup"],
+        "of_model": of_model,
+        "regime": f"CPU ({args.threads} torch threads), loopback, store egress capped at "
+        f"{args.store_mbps:g} Mbit/s, work folder {where}",
+        "lora_r": args.lora_r,
+        "lora_alpha": LORA_ALPHA,
+        "lr": args.lr,
+        "versions": args.versions,
+        "models": models,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=f"embedded,{REAL_MODEL}")
+    parser.add_argument("--versions", type=int, default=3, help="versions after version 0")
+    parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--store-mbps", type=float, default=1000.0, help="store egress cap")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate, both runs")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--no-nodelta",
+        dest="nodelta",
+        action="store_false",
+        help="leave out the full-weight worker that pulls with deltas off",
+    )
+    args = parser.parse_args()
+    if args.versions < 1:
+        parser.error("--versions: at least 1")
+    print(json.dumps(asyncio.run(bench(args))))
+
+
+if __name__ == "__main__":
+    main()
