@@ -19,6 +19,9 @@ from services.weights.adapter import (
 )
 from tests.harness.lora import logits, lora_of, tiny_qwen2
 
+# peft's import alone takes seconds: in `make test`, not in `make test-fast`
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -5,6 +5,7 @@ exactly, and an adapter version loads back into another trainer."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load
 
@@ -13,6 +14,9 @@ from services.trainer.export import write_files
 from services.trainer.policy import Policy
 from services.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from tests.unit.test_policy_knobs import knobs, make_groups
+
+# peft's import alone takes seconds: in `make test`, not in `make test-fast`
+pytestmark = pytest.mark.slow
 
 
 def lora_spec(tiny_model, **over) -> RunSpec:
