@@ -38,6 +38,7 @@ def run(system, targets, steps=8, **cloud):
     return Simulation(small_scenario(**cloud), system, targets, seed=3, max_steps=steps).run()
 
 
+@pytest.mark.slow  # ~13 s of simulation: in `make test`, not in `make test-fast`
 def test_same_seed_same_result_and_another_seed_differs():
     a = compare(small_scenario(), CHURN, horizon_s=600, seed=1).result()
     b = compare(small_scenario(), CHURN, horizon_s=600, seed=1).result()
@@ -90,6 +91,7 @@ def test_seeding_window_adapts_with_spot_instances():
     assert sim.totals.migrations.get("seed", 0) > 0
 
 
+@pytest.mark.slow  # ~13 s of simulation: in `make test`, not in `make test-fast`
 def test_spot_instances_speed_up_and_cost_is_billed():
     out = compare(small_scenario(), [(0.0, 4)], horizon_s=1800, seed=0).result()
     systems = out["systems"]
