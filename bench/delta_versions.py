@@ -28,9 +28,9 @@ def model_folder(name: str, work: Path, pretrain_steps: int = 50) -> Path:
 
 class VersionMaker:
     """Versions of the model in `folder` trained by the trainer's Policy at `lr`, exported in
-    `dtype`."""
+    `dtype` (`spec_over`: more run spec fields, e.g. LoRA's)."""
 
-    def __init__(self, folder: Path, lr: float, dtype: str = "bfloat16") -> None:
+    def __init__(self, folder: Path, lr: float, dtype: str = "bfloat16", **spec_over) -> None:
         from services.contracts.runspec import RunSpec
         from services.trainer.policy import Policy
 
@@ -43,6 +43,7 @@ class VersionMaker:
             learning_rate=lr,
             lr_scheduler_type="constant",
             weight_dtype=dtype,
+            **spec_over,
         )
         self.policy = Policy(folder, spec, "cpu")
         self.steps = 0

@@ -59,8 +59,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import repo_root  # noqa: F401  (the repository root on sys.path)
-from delta_share import STEP_SIZES, groups
-from delta_versions import model_folder
+from delta_versions import VersionMaker, model_folder
 from weight_pull import start_capped_store
 
 from services.cli import procs
@@ -158,36 +157,17 @@ class Trainer:
     VersionPublisher committing and announcing each version."""
 
     def __init__(self, run_id: str, folder: Path, lora: dict, args, r, store_url: str, work: Path):
-        from services.contracts.runspec import RunSpec
-        from services.trainer.policy import Policy
         from services.trainer.versions import VersionPublisher
 
         self.run_id = run_id
-        self.sizes = STEP_SIZES["embedded" if folder.name == "embedded" else "qwen"]
-        spec = RunSpec(
-            model=str(folder),
-            prompts_per_step=self.sizes[0],
-            group_size=self.sizes[1],
-            max_new_tokens=self.sizes[2],
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            weight_dtype="bfloat16",
-            **lora,
-        )
-        self.policy = Policy(folder, spec, "cpu")
+        self.maker = VersionMaker(folder, args.lr, "bfloat16", **lora)
+        self.policy = self.maker.policy
         self.publisher = VersionPublisher(r, WeightClient([store_url], deltas=True), work)
-        self.steps = 0
-
-    def _step(self) -> None:
-        vocab = self.policy.model.config.vocab_size
-        self.policy.accumulate(groups(vocab, self.sizes, seed=self.steps))
-        self.policy.optimizer_step()
-        self.steps += 1
 
     async def commit(self, version: int) -> dict:
         """A step (after version 0), then the version committed: its bytes, the seconds."""
         if version > 0:
-            await compute(self._step)
+            await compute(self.maker.step)
         commit_s = await self.publisher.commit(self.run_id, self.policy, version)
         manifest = self.publisher.manifest
         assert manifest is not None
