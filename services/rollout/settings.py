@@ -47,6 +47,23 @@ class RolloutSettings(CommonSettings):
         "0.32.0 breaks both under drafts). off: plain decoding.",
     )
     slots: int = Field(64, ge=1, le=4096, description="Most requests generated at once.")
+    max_loras: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="LoRA runs: most adapter versions the engine holds at once, each request "
+        "generating with its own (vLLM's max_loras). A LoRA run needs at least its "
+        "max_staleness + 1: a worker with fewer refuses the run's versions and says so. 0: "
+        "the engine holds none, and each adapter version is merged into the base on the worker "
+        "and loaded as whole weights (slower to serve, as fast to generate).",
+    )
+    max_lora_rank: int = Field(
+        64,
+        ge=1,
+        le=512,
+        description="vLLM engine: the largest adapter rank it serves (vLLM's max_lora_rank; "
+        "its LoRA buffers are sized by it). A larger adapter is refused.",
+    )
     kv_cache_tokens: int | None = Field(
         None,
         ge=1,

@@ -6,6 +6,10 @@ generated since the last call, aborts requests whose lease moved on, loads each 
 version from the folder it pulled, and pauses the engine (freeing its memory where the platform
 can) when a reserved worker steps aside for training.
 
+LoRA: an engine with `max_adapters` > 0 holds adapters beside its base (`load_adapter`) and
+applies each request's own, several versions in one batch; the worker's `weight_loader` loads
+an adapter version so, and merges it into the base for an engine that cannot.
+
 Backends: `hf.HFEngine` (transformers, exact and simple) and `vllm.VLLMEngine`; `factory`
 builds the one the settings name. This module holds only the interface and the types every
 backend shares: it imports no backend, and no model library.
@@ -55,6 +59,9 @@ class Sequence:
 class Engine(Protocol):
     name: str
     capacity: int  # most requests generated at once
+    # LoRA (issue 51): the most adapter versions held at once (`load_adapter`); 0: the engine
+    # applies no adapter itself (a worker then merges each adapter into the base and loads that)
+    max_adapters: int
 
     @property
     def active(self) -> int: ...
@@ -69,7 +76,18 @@ class Engine(Protocol):
         weights held now, so only those need loading; None: unknown, load them all (the first
         call always loads all). An empty set still aborts and drops caches: the version moved."""
 
-    def add(self, job: Job) -> None: ...
+    async def load_adapter(self, version: int, folder: Path) -> None:
+        """Hold the LoRA adapter in `folder` (PEFT format: adapter_config.json and
+        adapter_model.safetensors) as `version`'s, applied on the base weights held (the last
+        whole `load`), without reloading them; requests added from now on generate with it
+        unless `add` names another. Requests running keep the adapter they were added with.
+        One more than `max_adapters` drops the oldest that no running request uses; a
+        ValueError where every one is in use, or the adapter does not fit the base (it names
+        what). A whole `load` drops every adapter."""
+
+    def add(self, job: Job, adapter: int | None = None) -> None:
+        """Start `job`; under the adapter of version `adapter` (one held: a ValueError
+        otherwise), None: the newest loaded since the last whole load (none: the base)."""
 
     def fits(self, job: Job) -> bool:
         """Whether `job` can start now without the engine outgrowing its memory bound (it
