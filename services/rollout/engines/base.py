@@ -42,6 +42,7 @@ class TokenEvent:
 class Sequence:
     job: Job
     generated: list[int] = field(default_factory=list)
+    adapter: int | None = None  # the version of the LoRA adapter it generates with (None: none)
 
     @property
     def context(self) -> list[int]:

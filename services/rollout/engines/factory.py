@@ -23,4 +23,5 @@ def make_engine(settings: "RolloutSettings") -> Engine:
         settings.kv_cache_tokens,
         settings.draft_tokens,
         settings.draft_column_cost,
+        settings.max_loras,
     )

@@ -43,6 +43,7 @@ The model runs on the process's compute thread (`step`, `load`; services/infra/c
 the event loop stays free; only the task that drives the engine calls it.
 """
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from weakref import WeakValueDictionary
@@ -53,6 +54,7 @@ from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
 from services.rollout.drafts import DraftIndex
 from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.lora_rows import RowAdapters
 from services.rollout.engines.sampling import sample_rows
 from services.rollout.engines.speculation import (
     COLUMN_COST,
@@ -101,11 +103,14 @@ class HFEngine:
         kv_cache_tokens: int | None = None,
         draft_tokens: int = DRAFT_TOKENS,
         column_cost: float | None = None,
+        max_adapters: int = 4,
     ):
         if not 0 <= draft_tokens <= 64:
             raise ValueError(f"draft_tokens must be within 0..64, not {draft_tokens}")
         self.device = device
         self.capacity = slots
+        self.max_adapters = max_adapters  # LoRA adapter versions held at once (lora_rows)
+        self.adapters: RowAdapters | None = None  # once the model is loaded
         # the KV cache's bound in token positions: rows x the longest context (left-padded)
         self.kv_cache_tokens = kv_cache_tokens
         self._longest: int | None = None  # the running set's longest cache_tokens (None: stale)
@@ -133,6 +138,9 @@ class HFEngine:
     async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
         await compute(self.load_weights, folder, changed)
 
+    async def load_adapter(self, version: int, folder: Path) -> None:
+        await compute(self.hold_adapter, version, folder)
+
     async def step(self) -> list[TokenEvent]:
         return await compute(self.decode) if self.seqs else []
 
@@ -159,11 +167,24 @@ class HFEngine:
 
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             self.model.to(self.device).eval()
+            self.adapters = RowAdapters(self.model, self.max_adapters, self.device)
         elif changed is None:
             self._load_all(folder)
         else:
             self._load_changed(folder, changed)
         self.abort_all()
+        if self.adapters is not None:
+            self.adapters.clear()  # adapters of the weights held before
+
+    def hold_adapter(self, version: int, folder: Path) -> None:
+        """Hold the LoRA adapter in `folder` as `version`'s (`lora_rows.RowAdapters`): the
+        requests added from now on generate with it, the running ones keep theirs."""
+        if self.adapters is None:
+            raise RuntimeError("no weights loaded: an adapter needs its base first")
+        if not self.max_adapters:
+            raise ValueError("this engine holds no adapters (SPOTRL_MAX_LORAS is 0)")
+        in_use = {s.adapter for s in self.seqs.values() if s.adapter is not None}
+        self.adapters.load(version, Path(folder), in_use)
 
     def _load_all(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -209,12 +230,16 @@ class HFEngine:
         longest = max(self._longest, cache_tokens(job))
         return (len(self.seqs) + 1) * longest <= self.kv_cache_tokens
 
-    def add(self, job: Job) -> None:
-        if self.model is None:
+    def add(self, job: Job, adapter: int | None = None) -> None:
+        if self.model is None or self.adapters is None:
             raise RuntimeError("no weights loaded")
+        if adapter is None:
+            adapter = self.adapters.newest
+        elif adapter not in self.adapters.held:
+            raise ValueError(f"{job.request_id}: no adapter held for version {adapter}")
         if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone
             self._cache_ids = [LEFT if r == job.request_id else r for r in self._cache_ids]
-        self.seqs[job.request_id] = Sequence(job)
+        self.seqs[job.request_id] = Sequence(job, adapter=adapter)
         self.request_stats[job.request_id] = SpecStats()
         self.set_drafts(job.request_id, job.drafts)
         if self._longest is not None:
@@ -353,9 +378,12 @@ class HFEngine:
     def _prefill(self, ids: list[str]) -> torch.Tensor:
         """Prefill the running set: each distinct context once (a GRPO group's n samples share
         their prompt), its cache rows then copied to every request that holds it."""
-        rows_of: dict[tuple[int, ...], int] = {}
-        row = [rows_of.setdefault(tuple(self.seqs[rid].context), len(rows_of)) for rid in ids]
-        contexts = list(rows_of)
+        rows_of: dict[tuple[int | None, tuple[int, ...]], int] = {}
+        row = [
+            rows_of.setdefault((self.seqs[rid].adapter, tuple(self.seqs[rid].context)), len(rows_of))
+            for rid in ids
+        ]
+        contexts = [context for _, context in rows_of]
         width = max(len(c) for c in contexts)
         pad = self.model.config.pad_token_id or 0
         input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
@@ -368,13 +396,14 @@ class HFEngine:
         from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attn.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with self._adapters_of([adapter for adapter, _ in rows_of]):
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attn.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
         cache, index = out.past_key_values, torch.tensor(row)
         on_device = index.to(self.device)
         if len(contexts) < len(ids):
@@ -414,18 +443,25 @@ class HFEngine:
             valid[i, : len(tokens)] = 1
         self._attn = torch.cat([self._attn, valid], dim=1)
         positions = self._positions.unsqueeze(1) + torch.arange(1, width + 1)
-        out = self.model(
-            input_ids=fed.to(self.device),
-            attention_mask=self._attn.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        with self._adapters_of([self.seqs[rid].adapter for rid in ids]):
+            out = self.model(
+                input_ids=fed.to(self.device),
+                attention_mask=self._attn.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=self._cache,
+                use_cache=True,
+            )
         self._cache = out.past_key_values
         if width == 1:
             return out.logits[:, -1]
         row, col = valid.nonzero(as_tuple=True)  # row-major: each row's positions in order
         return out.logits[row.to(self.device), col.to(self.device)]
+
+    def _adapters_of(self, versions: list[int | None]):
+        """The model's forward passes within apply row i's adapter, `versions[i]`'s."""
+        if self.adapters is None or not self.adapters.held:
+            return nullcontext()
+        return self.adapters.rows(versions)
 
     def _settle(self, kept: list[int], width: int) -> None:
         """After a step that fed the running rows (the cache's first rows) `width` tokens each:
