@@ -103,6 +103,8 @@ class InstantEngine:
 
     name = "instant"
 
+    max_adapters = 0  # no LoRA adapters held: a worker merges them into the weights
+
     def __init__(self, slots: int) -> None:
         self.capacity = slots
         self.seqs: dict[str, Sequence] = {}
@@ -121,7 +123,7 @@ class InstantEngine:
     def fits(self, job: Job) -> bool:
         return True  # no memory to run out of
 
-    def add(self, job: Job) -> None:
+    def add(self, job: Job, adapter: int | None = None) -> None:
         if self.folder is None:
             raise RuntimeError("no weights loaded")
         self.seqs[job.request_id] = Sequence(job)

@@ -20,7 +20,15 @@ per side, so peer-to-peer is off) with a real `HFEngine` on CPU. Each worker joi
 worker pulls by sparse deltas (`weight_deltas`, the worker's default) and loads the tensors that
 changed in place; a `full_nodelta` worker (`--no-nodelta` leaves it out) pulls the same versions
 with deltas off and reloads the whole model; the `lora` worker pulls the adapter (the base v0 it
-holds), merges it into the base (`write_merged`) and loads the merged layers in place.
+holds) and hands it to its engine, which applies it per request on the base it holds
+(`engines/lora_rows.py`, the worker's default `max_loras` 4); the `lora_merged` worker
+(`max_loras` 0) merges each adapter into the base (`write_merged`) and loads the merged layers
+in place.
+
+Then the two LoRA workers' engines, holding the last version, generate the same
+`GEN_REQUESTS` greedy requests of `--gen-tokens` tokens: `lora_vs_merged_tok_s` is the
+adapter-applying engine's decode tokens/s over the merged one's (best of two, alternately
+first): what serving LoRA unmerged costs in generation, against what it saves in loading.
 
 Measured per version v >= 1 (means over the versions):
 - serve_s: from the commit's return (upload done) until `VersionLoader.load` returns with v
@@ -33,7 +41,8 @@ Measured per version v >= 1 (means over the versions):
   trainer's commit (export, hash, upload).
 adapter_bytes_ratio: a LoRA version's files (v >= 1) / version 0's files (the whole model
 folder). serve_speedup: serve_s of `full` / serve_s of `lora` (`serve_speedup_nodelta` against
-`full_nodelta`). The issue's bars (qwen2-236m, r=8): ratio <= 0.02, speedup >= 5.
+`full_nodelta`; `serve_speedup_merged`: `full` / `lora_merged`). The issue's bars (qwen2-236m,
+r=8): ratio <= 0.02, speedup >= 5.
 
 The work folder (store, worker caches, merged scratch folders) is in /dev/shm where there is
 room, so neither side measures a disk's write-back. The trainer's steps and the engines' loads
@@ -45,6 +54,7 @@ model), and the regime.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/lora.py [--models embedded,qwen2-236m]
         [--versions 3] [--lora-r 8] [--store-mbps 1000] [--lr 1e-6] [--no-nodelta]
+        [--gen-tokens 32]
 """
 
 import argparse
@@ -71,6 +81,11 @@ from services.weights.transfer import WeightClient
 LORA_ALPHA = 16
 REAL_MODEL = "qwen2-236m"  # the real architecture: its ratios are the top-level ones
 SHM_ROOM_BYTES = 8e9  # /dev/shm is the work folder when it has this much free
+LORAS = 4  # adapters the `lora` worker's engine holds (the worker's default max_loras)
+GEN_REQUESTS = 16  # requests generated at once for lora_vs_merged_tok_s
+KILL_AFTER_STEP = 5  # the learning run's worker is killed mid-step, past this one
+ADAPTER_LOG = "an adapter the engine applies"  # weight_loader's line for an adapter served so
+ENGINE_ENV = "SPOTRL_ENGINE"
 
 
 def log(*parts) -> None:
@@ -78,15 +93,20 @@ def log(*parts) -> None:
 
 
 class TimedEngine(HFEngine):
-    """The HF engine on CPU, adding up the seconds its loads take."""
+    """The HF engine on CPU, adding up the seconds its loads (of weights or adapters) take."""
 
-    def __init__(self) -> None:
-        super().__init__("cpu", slots=4)
+    def __init__(self, max_adapters: int) -> None:
+        super().__init__("cpu", slots=GEN_REQUESTS, max_adapters=max_adapters)
         self.load_s = 0.0
 
     async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
         started = time.perf_counter()
         await super().load(folder, changed)
+        self.load_s += time.perf_counter() - started
+
+    async def load_adapter(self, version: int, folder: Path) -> None:
+        started = time.perf_counter()
+        await super().load_adapter(version, folder)
         self.load_s += time.perf_counter() - started
 
 
@@ -108,7 +128,9 @@ class CountingClient(WeightClient):
 class Worker:
     """One rollout worker's weight loading: the real VersionLoader, a real HF engine."""
 
-    def __init__(self, name: str, work: Path, redis_url: str, store_url: str, deltas: bool):
+    def __init__(
+        self, name: str, work: Path, redis_url: str, store_url: str, deltas: bool, loras: int = 0
+    ):
         from services.core.plateau import PlateauEstimator
         from services.rollout.context import WorkerContext, new_buffer
         from services.rollout.settings import RolloutSettings
@@ -122,7 +144,7 @@ class Worker:
             p2p=False,
             weight_deltas=deltas,
         )
-        self.name, self.engine = name, TimedEngine()
+        self.name, self.engine = name, TimedEngine(loras)
         ctx = WorkerContext(
             s=settings,
             r=aioredis.Redis.from_url(redis_url),
@@ -190,9 +212,11 @@ async def run_side(
     lora = {"lora_r": args.lora_r, "lora_alpha": LORA_ALPHA, "lora_target_modules": "all-linear"}
     run_id = f"{folder.name}-{side}"
     trainer = Trainer(run_id, folder, lora if side == "lora" else {}, args, r, store_url, work)
-    workers = [Worker(side, work, redis_url, store_url, deltas=True)]
+    workers = [Worker(side, work, redis_url, store_url, deltas=True, loras=LORAS)]
     if side == "full" and args.nodelta:
         workers.append(Worker("full_nodelta", work, redis_url, store_url, deltas=False))
+    if side == "lora":  # the same adapters merged into the base on the worker
+        workers.append(Worker("lora_merged", work, redis_url, store_url, deltas=True))
     rows: dict[str, list[dict]] = {w.name: [] for w in workers}
     try:
         for version in range(args.versions + 1):
@@ -205,12 +229,72 @@ async def run_side(
                 row["rest_s"] = row["serve_s"] - row["pull_s"] - row["engine_s"]
                 log(f"{run_id} v{version} {worker.name}:", json.dumps(rounded(row)))
                 rows[worker.name].append(row)
-        if len(workers) == 2:
+        if side == "full" and len(workers) == 2:
             log(f"{run_id}: the two full workers' engines equal:", same_state(workers))
+        if side == "lora":
+            rows["generation"] = [await generation_tok_s(workers, args.gen_tokens)]
     finally:
         for worker in workers:
             await worker.close()
     return rows
+
+
+def tokens_per_s(engine: HFEngine, tokens: int) -> tuple[float, list[list[int]]]:
+    """`engine` generating GEN_REQUESTS greedy requests of `tokens` tokens at once (one
+    prompt each, as a step's distinct prompts): tokens/s of the decode loop, and the tokens."""
+    from services.contracts.messages import Job
+    from services.contracts.sampling import SamplingParams
+
+    for i in range(GEN_REQUESTS):
+        engine.add(
+            Job(
+                run_id="gen",
+                request_id=f"0:{i}:0",
+                lease=0,
+                grant="g",
+                step=0,
+                prompt_ids=[1 + i, 7, 3 + i, 9],
+                remaining_tokens=tokens,
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=tokens),
+                seed=i,
+            )
+        )
+    out: dict[str, list[int]] = {}
+    started = time.perf_counter()
+    while engine.active:
+        for ev in engine.decode():
+            out.setdefault(ev.request_id, []).append(ev.token_id)
+    took = time.perf_counter() - started
+    return sum(map(len, out.values())) / took, [out[k] for k in sorted(out)]
+
+
+async def generation_tok_s(workers: list[Worker], tokens: int) -> dict:
+    """The LoRA worker's engine (adapter applied per row) against the merged one's, the same
+    greedy requests on the same version: tokens/s each, alternately first, twice; and whether
+    their tokens agree (float noise may part them where two logits nearly tie)."""
+    applied, merged = (w.engine for w in workers)
+    speeds: dict[str, list[float]] = {"applied": [], "merged": []}
+    same = []
+    for first in (0, 1):
+        pair = (("applied", applied), ("merged", merged))
+        results = {}
+        for name, engine in pair[first:] + pair[:first]:
+            speed, generated = await compute(tokens_per_s, engine, tokens)
+            speeds[name].append(speed)
+            results[name] = generated
+        same.append(
+            sum(a == b for a, b in zip(results["applied"], results["merged"], strict=True))
+            / GEN_REQUESTS
+        )
+    applied_s, merged_s = max(speeds["applied"]), max(speeds["merged"])
+    return {
+        "tok_s_lora": round(applied_s, 1),
+        "tok_s_merged": round(merged_s, 1),
+        "lora_vs_merged_tok_s": round(applied_s / merged_s, 3),
+        "same_tokens_frac": min(same),
+        "requests": GEN_REQUESTS,
+        "tokens": tokens,
+    }
 
 
 def same_state(workers: list[Worker]) -> bool:
@@ -243,16 +327,24 @@ def side_summary(rows: list[dict]) -> dict:
 async def measure_model(name: str, args, r, urls: tuple[str, str], work: Path) -> dict:
     folder = model_folder(name, work / "model")
     sides: dict[str, dict] = {}
+    generation: dict = {}
     for side in ("full", "lora"):
         for worker, rows in (await run_side(side, folder, args, r, urls, work)).items():
-            sides[worker] = side_summary(rows)
+            if worker == "generation":
+                generation = rows[0]
+            else:
+                sides[worker] = side_summary(rows)
         gc.collect()  # one side's policy and engines gone before the next side's
-    full, lora = sides["full"], sides["lora"]
+    full, lora, merged = sides["full"], sides["lora"], sides["lora_merged"]
     out = {
         "adapter_bytes_ratio": round(lora["version_bytes"] / lora["v0_bytes"], 5),
         "serve_s_full": full["serve_s"],
         "serve_s_lora": lora["serve_s"],
         "serve_speedup": round(full["serve_s"] / lora["serve_s"], 3),
+        "serve_s_lora_merged": merged["serve_s"],
+        "serve_speedup_merged": round(full["serve_s"] / merged["serve_s"], 3),
+        "lora_vs_merged_tok_s": generation["lora_vs_merged_tok_s"],
+        "generation": generation,
         "bytes_per_version_full": full["bytes_per_version"],
         "bytes_per_version_lora": lora["bytes_per_version"],
         "model_bytes": lora["v0_bytes"],
@@ -293,6 +385,7 @@ async def bench(args) -> dict:
     return {
         "adapter_bytes_ratio": top["adapter_bytes_ratio"],
         "serve_speedup": top["serve_speedup"],
+        "lora_vs_merged_tok_s": {"hf": top["lora_vs_merged_tok_s"]},
         "of_model": of_model,
         "regime": f"CPU ({args.threads} torch threads), loopback, store egress capped at "
         f"{args.store_mbps:g} Mbit/s, work folder {where}",
@@ -304,6 +397,87 @@ async def bench(args) -> dict:
     }
 
 
+def engines_applying(dep) -> list[str]:
+    """The engines of the workers whose logs say they served an adapter on their base."""
+    found = set()
+    for name, proc in dep.procs.items():
+        if name.startswith("rollout-") and ADAPTER_LOG in proc.log_tail(4000):
+            found.add(dep.launch[name][1].get(ENGINE_ENV, "hf"))
+    return sorted(found)
+
+
+def learning_run(args) -> dict:
+    """A LoRA run of the embedded default, every service a real process, one hf worker per pool
+    and a vLLM one (`--run-engines`), a preemptible worker SIGKILLed while it holds requests
+    mid-step (a new one joins): rewards, the audit (lost, duplicated), the engines that
+    served adapters."""
+    import redis
+
+    from services.cli.audit import audit_run
+    from services.cli.client import CoordinatorClient
+    from services.cli.up import ensure_model
+    from services.cli.up_summary import summarize
+    from services.contracts.runspec import FINAL_STATES, RunSpec
+    from tests.harness.deploy import Deployment, DeploymentConfig
+
+    model = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, None)
+    spec = RunSpec(
+        model=str(model.resolve()),
+        steps=args.run_steps,
+        lora_r=args.lora_r,
+        lora_alpha=LORA_ALPHA,
+        learning_rate=args.run_lr,
+    )
+    engines = args.run_engines.split(",")
+    with tempfile.TemporaryDirectory(prefix="spotrl-bench-lora-run-") as work:
+        config = DeploymentConfig(Path(work), reserved=1, preemptible=0)
+        with Deployment(config) as dep, CoordinatorClient(dep.coordinator_url) as client:
+            for engine in engines:
+                dep.add_worker("preemptible", engine=engine)
+            started = time.monotonic()
+            run_id = client.submit(spec.model_dump(mode="json"))
+            r = redis.Redis.from_url(dep.redis_url)
+            killed = kill_mid_step(dep, r, run_id, spec)
+            while client.run(run_id)["state"] not in FINAL_STATES:
+                time.sleep(0.5)
+            run, rows = client.run(run_id), client.metrics(run_id)
+            summary = summarize(run, rows, time.monotonic() - started)
+            r.close()
+            audit = audit_run(dep.redis_url, run_id, spec)
+            applied = engines_applying(dep)
+    return {
+        "state": summary["state"],
+        "steps": summary["steps"],
+        "reward_first10": summary["reward_first10_mean"],
+        "reward_last10": summary["reward_last10_mean"],
+        "lost": audit["lost"],
+        "duplicated": audit["duplicated"],
+        "killed": killed,
+        "engines": applied,
+        "wall_s": summary["wall_s"],
+        "step_s_mean": summary["step_s_mean"],
+    }
+
+
+def kill_mid_step(dep, r, run_id: str, spec) -> str:
+    """SIGKILL the hf preemptible worker once it holds requests of a step past the first few
+    (a new one joins in its place); the worker's name."""
+    from services.contracts import keys
+
+    victim = next(n for n in dep.procs if n.startswith("rollout-preemptible"))
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        version = int(r.get(keys.run_version(run_id)) or 0)
+        published = r.scard(keys.step_published(run_id, version))
+        if version >= KILL_AFTER_STEP and 0 < published < spec.training.prompts_per_step:
+            dep.procs[victim].kill()
+            log(f"step {version}: {victim} SIGKILLed")
+            dep.add_worker("preemptible", wait=False)
+            return victim
+        time.sleep(0.01)
+    raise TimeoutError("never caught the run mid-step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=f"embedded,{REAL_MODEL}")
@@ -313,15 +487,41 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate, both runs")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
+        "--gen-tokens", type=int, default=32, help="tokens per request, lora_vs_merged_tok_s"
+    )
+    parser.add_argument(
         "--no-nodelta",
         dest="nodelta",
         action="store_false",
         help="leave out the full-weight worker that pulls with deltas off",
     )
+    parser.add_argument(
+        "--run",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the learning run (rewards, a worker SIGKILLed, the engines)",
+    )
+    parser.add_argument("--run-steps", type=int, default=40)
+    parser.add_argument("--run-lr", type=float, default=1e-3, help="the learning run's")
+    parser.add_argument(
+        "--run-engines", default="hf,vllm", help="the learning run's preemptible workers"
+    )
     args = parser.parse_args()
     if args.versions < 1:
         parser.error("--versions: at least 1")
-    print(json.dumps(asyncio.run(bench(args))))
+    out = asyncio.run(bench(args))
+    if args.run:
+        run = learning_run(args)
+        log("learning run", json.dumps(run))
+        out = (
+            {
+                k: run[k]
+                for k in ("reward_first10", "reward_last10", "lost", "duplicated", "engines")
+            }
+            | out
+            | {"run": run}
+        )
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

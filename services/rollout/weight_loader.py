@@ -4,7 +4,9 @@ and load. Nothing half-pulled or unannounced is ever loaded; a version that cann
 yet leaves the worker with none, to try again.
 
 LoRA runs (issue 51): a version folder that holds a PEFT adapter (services.weights.adapter) is
-served merged into the run's base, its version 0 (`BASE_VERSION`), a whole Hugging Face folder.
+served on the run's base, its version 0 (`BASE_VERSION`), a whole Hugging Face folder: handed
+to the engine as it is where the engine applies adapters itself (`Engine.max_adapters` > 0:
+megabytes read, the base untouched), else merged into the base and loaded as weights.
 - The base is pulled like any version, by the digest recorded in `keys.run_digests`: only
   content the trainer announced is ever loaded, the base included (it is most of the weights).
   That hash keeps the newest two versions' digests, so the trainer keeps version 0's digest
@@ -108,13 +110,23 @@ def write_merged(base: Path, adapter: Path, dest: Path, held_merged: frozenset[s
 
 
 def report(
-    run_id: str, result: PullResult, merge: tuple[PullResult, Merged] | None, took_s: float
+    run_id: str,
+    result: PullResult,
+    merge: tuple[PullResult, Merged] | None,
+    took_s: float,
+    base: PullResult | None = None,
 ) -> None:
     """The metrics and the log line of a version loaded: the bytes pulled (the base's too,
     where it was pulled for an adapter) and how it was made and loaded."""
     pulled, from_peers, how = result.bytes, result.from_peers, "in full"
     if result.deltas:
         how = f"made from the deltas of {result.deltas} versions"
+    if base is not None:
+        pulled, from_peers = pulled + base.bytes, from_peers + base.from_peers
+        how += (
+            f", an adapter the engine applies on v{BASE_VERSION}"
+            f" ({base.bytes} bytes of them the base's)"
+        )
     if merge is not None:
         base, merged = merge
         pulled, from_peers = pulled + base.bytes, from_peers + base.from_peers
@@ -163,10 +175,13 @@ class VersionLoader:
         started = time.monotonic()
         previous = ctx.version  # its folder lends the new version the files they share
         result = await self._pull(run_id, version, previous)
-        merge = None
+        merge, base = None, None
         if result is not None and is_adapter(result.folder):
-            merge = await self._merge(run_id, result, previous)
-            if merge is None:
+            if ctx.engine.max_adapters:  # the engine applies the adapter on the base it holds
+                base = await self._base(run_id, result.version)
+            else:
+                merge = await self._merge(run_id, result, previous)
+            if merge is None and base is None:
                 result = None
         if result is None:
             ctx.version = None
@@ -183,7 +198,10 @@ class VersionLoader:
                 if live:
                     await self.release(live, "swap")
             ctx.drop_held()
-            if merge is not None:
+            served = True
+            if base is not None:
+                served = await self._load_adapter(base, result, previous)
+            elif merge is not None:
                 await self._load_merged(*merge, previous)
             else:
                 # a version made from deltas of the one the engine holds says what changed:
@@ -192,12 +210,39 @@ class VersionLoader:
                 whole = previous is None or self.held_merged
                 await ctx.engine.load(result.folder, None if whole else result.changed)
                 self.held_merged = frozenset()
-            ctx.version = version
+            ctx.version = version if served else None
+        if not served:
+            await asyncio.sleep(RETRY_S)
+            return
         if merge is not None:
             await asyncio.to_thread(shutil.rmtree, merge[1].folder, True)
         await ctx.r.sadd(keys.worker_loads(run_id, ctx.s.worker_id), version)
-        report(run_id, result, merge, time.monotonic() - started)
-        await self._forget(run_id, version, previous, adapter=merge is not None)
+        report(run_id, result, merge, time.monotonic() - started, base)
+        adapter = merge is not None or base is not None
+        await self._forget(run_id, version, previous, adapter=adapter)
+
+    async def _base(self, run_id: str, version: int) -> PullResult | None:
+        """The base of adapter `version`, pulled (or found pulled); None when it cannot be
+        pulled yet."""
+        base = await self._pull(run_id, BASE_VERSION, None)
+        if base is None:
+            log.warning("%s v%d is an adapter, its base is not here yet", run_id, version)
+        return base
+
+    async def _load_adapter(self, base: PullResult, adapter: PullResult, previous: int | None):
+        """Hand the adapter to the engine, which applies it on the base it holds: the base is
+        loaded whole first where the engine may hold none (as for a merged load). False, the
+        version refused, where the engine cannot apply it (it says why)."""
+        engine = self.ctx.engine
+        if previous is None or self.ctx.paused_version == previous or self.held_merged:
+            await engine.load(base.folder, None)
+            self.held_merged = frozenset()
+        try:
+            await engine.load_adapter(adapter.version, adapter.folder)
+        except ValueError as exc:
+            log.error("refusing %s v%d: %s; not loading it", self.ctx.run_id, adapter.version, exc)
+            return False
+        return True
 
     async def _merge(
         self, run_id: str, adapter: PullResult, previous: int | None
@@ -205,9 +250,8 @@ class VersionLoader:
         """The run's base, pulled (or found pulled), and the adapter merged into it, written
         beside the version's folder; None when the base cannot be pulled (yet) or the adapter
         cannot be merged into it."""
-        base = await self._pull(run_id, BASE_VERSION, None)
+        base = await self._base(run_id, adapter.version)
         if base is None:
-            log.warning("%s v%d is an adapter, its base is not here yet", run_id, adapter.version)
             return None
         dest = adapter.folder.with_name(f"{adapter.folder.name}-merged")
         held = self.held_merged if previous is not None else frozenset()

@@ -1,11 +1,14 @@
 """A LoRA run's versions through a real weight store and Redis into a real HF engine (issue 51):
 version 0 the base, later versions peft adapters of it. A worker that joins at an adapter
-version pulls the base first, serves base + adapter merged (peft's own logits), moves to the
-next adapter in place, and keeps the base's folder while it serves the run (and no longer);
-without the base's announced digest it loads nothing."""
+version pulls the base first, serves base + adapter (peft's own logits), moves to the next
+adapter without reloading the base, and keeps the base's folder while it serves the run (and no
+longer); without the base's announced digest it loads nothing. Both ways a worker serves an
+adapter: handed to the engine, which applies it (`max_loras` > 0), and merged into the base."""
 
 import asyncio
+from contextlib import nullcontext
 
+import pytest
 import redis.asyncio as aioredis
 import torch
 
@@ -23,14 +26,14 @@ from tests.integration.conftest import start_store
 RUN = "lora-run"
 
 
-def worker(tmp_path, name: str, redis_url: str, store_url: str) -> VersionLoader:
+def worker(tmp_path, name: str, redis_url: str, store_url: str, loras: int) -> VersionLoader:
     settings = RolloutSettings(
         worker_id=name, redis_url=redis_url, weightstore_url=store_url, cache_dir=tmp_path / "cache"
     )
     ctx = WorkerContext(
         s=settings,
         r=aioredis.Redis.from_url(redis_url),
-        engine=HFEngine("cpu", slots=4),
+        engine=HFEngine("cpu", slots=4, max_adapters=loras),
         buffer=new_buffer(settings),
         plateau=PlateauEstimator(settings.slots),
     )
@@ -56,26 +59,41 @@ async def publish(r: aioredis.Redis, store_url: str, tmp_path) -> dict[int, torc
     return expected
 
 
-def test_a_worker_serves_adapters_merged_into_the_base(tmp_path, empty_redis_url):
+def served_logits(engine: HFEngine) -> torch.Tensor:
+    """The logits a request added now is served with: the base's, and the newest adapter the
+    engine holds applied where it holds one."""
+    adapters = engine.adapters
+    held = adapters is not None and adapters.held
+    with adapters.rows([adapters.newest]) if held else nullcontext():
+        return logits(engine.model)
+
+
+@pytest.mark.parametrize("loras", [4, 0], ids=["applied-by-the-engine", "merged"])
+def test_a_worker_serves_adapters_on_the_base(tmp_path, empty_redis_url, loras):
     torch.set_num_threads(1)
     store = start_store(tmp_path / "store")
     try:
-        asyncio.run(scenario(tmp_path, empty_redis_url, store.url))
+        asyncio.run(scenario(tmp_path, empty_redis_url, store.url, loras))
     finally:
         store.stop()
 
 
-async def scenario(tmp_path, redis_url: str, store_url: str) -> None:
+async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None:
     r = aioredis.Redis.from_url(redis_url)
     expected = await publish(r, store_url, tmp_path / "published")
-    loader = worker(tmp_path, "w1", redis_url, store_url)
+    loader = worker(tmp_path, "w1", redis_url, store_url, loras)
     ctx = loader.ctx
     await loader.load(RUN, 1)  # joins at an adapter: the base is pulled and loaded first
     assert ctx.version == 1
-    assert torch.allclose(logits(ctx.engine.model), expected[1], atol=1e-5)
-    await loader.load(RUN, 2)  # the next adapter, merged in place
+    assert torch.allclose(served_logits(ctx.engine), expected[1], atol=1e-5)
+    base = ctx.engine.model.model.layers[0].mlp.down_proj.weight
+    base_before = base.clone()
+    await loader.load(RUN, 2)  # the next adapter: the base is not reloaded
     assert ctx.version == 2
-    assert torch.allclose(logits(ctx.engine.model), expected[2], atol=1e-5)
+    assert torch.allclose(served_logits(ctx.engine), expected[2], atol=1e-5)
+    if loras:  # the engine applies adapters: its base weights are never written
+        assert torch.equal(base, base_before)
+        assert list(ctx.engine.adapters.held) == [1, 2]
     held = sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir())
     assert held == ["v0", "v2"]  # the base stays, v1 and the merged scratch folders went
     # the worker moves to a full-weight run (the intake forgets the version): loaded whole,
@@ -88,12 +106,12 @@ async def scenario(tmp_path, redis_url: str, store_url: str) -> None:
     ctx.version = None
     for version in (0, 1):
         await loader.load("full-run", version)
-    assert torch.equal(logits(ctx.engine.model), logits(tiny_qwen2(seed=11)))
+    assert torch.equal(served_logits(ctx.engine), logits(tiny_qwen2(seed=11)))
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir()) == ["v2"]
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / "full-run").iterdir()) == ["v1"]
     # a worker that finds no digest announced for the base loads nothing
     await r.hdel(keys.run_digests(RUN), "0")
-    late = worker(tmp_path, "w2", redis_url, store_url)
+    late = worker(tmp_path, "w2", redis_url, store_url, loras)
     await late.load(RUN, 2)
     assert late.ctx.version is None and late.ctx.engine.model is None
     await r.aclose()

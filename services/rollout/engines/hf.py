@@ -379,10 +379,8 @@ class HFEngine:
         """Prefill the running set: each distinct context once (a GRPO group's n samples share
         their prompt), its cache rows then copied to every request that holds it."""
         rows_of: dict[tuple[int | None, tuple[int, ...]], int] = {}
-        row = [
-            rows_of.setdefault((self.seqs[rid].adapter, tuple(self.seqs[rid].context)), len(rows_of))
-            for rid in ids
-        ]
+        keys = [(self.seqs[rid].adapter, tuple(self.seqs[rid].context)) for rid in ids]
+        row = [rows_of.setdefault(key, len(rows_of)) for key in keys]
         contexts = [context for _, context in rows_of]
         width = max(len(c) for c in contexts)
         pad = self.model.config.pad_token_id or 0
