@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from services.contracts.messages import Job
 from services.core.plateau import PlateauEstimator
+from services.core.request_table import step_of
 from services.rollout.delta_buffer import DeltaBuffer
 from services.rollout.engines.base import Engine
 from services.rollout.settings import RolloutSettings
@@ -99,6 +100,16 @@ class WorkerContext:
     @property
     def paused(self) -> bool:
         return self.paused_version is not None and self.paused_version == self.version
+
+    def drop_steps_before(self, step: int) -> int:
+        """Forget the requests of steps before `step` (a new version: those were migrated
+        away, never to be finished here); those of later steps go on. How many the engine was
+        running."""
+        old = [rid for rid in self.buffer.pending if step_of(rid) < step]
+        dropped = sum(self.engine.abort(rid) for rid in old)
+        self.buffer.drop(old)
+        self.inbox.take({j.request_id for j in self.inbox.jobs() if step_of(j.request_id) < step})
+        return dropped
 
     def drop_held(self) -> int:
         """Forget every request held (a new version or run: they are no longer ours to

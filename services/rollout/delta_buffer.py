@@ -8,6 +8,9 @@ Rules it keeps:
 - a flush is due after `flush_steps` decode steps, `flush_ms` after the last flush, or as soon
   as a request finished;
 - a flush carries every request with new tokens or a finish, then the requests released;
+- tokens go in a batch of the weight version that generated them: a request keeps the version
+  it started under (a LoRA engine runs each request under its own adapter, so one flush may
+  carry requests of two versions: one batch each, the oldest first, the releases in the last);
 - a finished or released request is forgotten once the flush that said so was sent; then, and
   only then, its job entry is acknowledged (a job read but never started is acknowledged when
   it is released);
@@ -51,6 +54,7 @@ class Pending:
     grant: str  # the job's: every delta and the release echo it (`Job.grant`)
     offset: int  # index in the response of tokens[0]
     isolate: bool = False  # runs with nothing beside it
+    version: int | None = None  # the weight version generating it (None: the flush's)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -68,10 +72,20 @@ class Pending:
 class Flush:
     """What one flush sends, and what it settles once sent."""
 
-    batch: DeltaBatch
+    batches: list[DeltaBatch]  # one per weight version, the oldest first, releases in the last
     done: list[str]  # request ids forgotten once sent: finished or released
     entry_ids: list[bytes]  # their job entries, to acknowledge once sent
     entry_requests: list[str] = field(default_factory=list)  # whose entries those are
+
+    @property
+    def batch(self) -> DeltaBatch:
+        """The batch of the newest version (the only one, unless requests of an older
+        version still run here), with the releases."""
+        return self.batches[-1]
+
+    @property
+    def items(self) -> list[DeltaItem]:
+        return [item for batch in self.batches for item in batch.items]
 
 
 class DeltaBuffer:
@@ -86,10 +100,11 @@ class DeltaBuffer:
         self.last_flush_s = now_s
 
     # ---- requests ----
-    def start(self, job: Job, entry_id: bytes) -> None:
-        """A job starts generating: its tokens continue the response after its prefix."""
+    def start(self, job: Job, entry_id: bytes, version: int | None = None) -> None:
+        """A job starts generating (under weight `version`; None: whatever version a flush
+        says): its tokens continue the response after its prefix."""
         self.pending[job.request_id] = Pending(
-            job.lease, job.grant, len(job.prefix_ids), job.isolate
+            job.lease, job.grant, len(job.prefix_ids), job.isolate, version
         )
         self.entry_of[job.request_id] = entry_id
 
@@ -111,6 +126,16 @@ class DeltaBuffer:
         """Forget every request (a new version or run: they are no longer ours to finish)."""
         self.pending.clear()
         self.entry_of.clear()
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget these requests and their unsent tokens (migrated away: no longer ours)."""
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+            self.entry_of.pop(rid, None)
+
+    def versions(self) -> set[int]:
+        """The weight versions the requests still generating started under."""
+        return {p.version for p in self.pending.values() if p.running and p.version is not None}
 
     def running(self) -> list[RequestLease]:
         """The requests still generating, in the order they started."""
@@ -162,29 +187,44 @@ class DeltaBuffer:
         released: list[RequestLease] | None = None,
         reason: ReleaseReason = "preemption",
     ) -> Flush | None:
-        """The flush to send now, or None when there is nothing to say. The counts towards
-        the next flush start again either way. Nothing is forgotten until `sent`."""
+        """The flush to send now, or None when there is nothing to say: the tokens of each
+        weight version in a batch of its own (a request's: the one it started under, else
+        `version`), the releases in `version`'s. The counts towards the next flush start
+        again either way. Nothing is forgotten until `sent`."""
         self.steps_since_flush, self.finished_since_flush = 0, False
         self.last_flush_s = now_s
-        items = [_item(rid, p) for rid, p in self.pending.items() if p.tokens or not p.running]
+        by_version: dict[int, list[DeltaItem]] = {version: []}
+        for rid, p in self.pending.items():
+            if p.tokens or not p.running:
+                of = version if p.version is None else p.version
+                by_version.setdefault(of, []).append(_item(rid, p))
         released = released or []
+        items = [item for batch in by_version.values() for item in batch]
         if not items and not released:
             return None
-        batch = DeltaBatch(
-            worker_id=self.worker_id,
-            version=version,
-            items=items,
-            released=released,
-            release_reason=reason,
-        )
+        batches = [
+            DeltaBatch(worker_id=self.worker_id, version=v, items=by_version[v])
+            for v in sorted(by_version)
+            if v != version and by_version[v]
+        ]
+        if by_version[version] or released or not batches:
+            batches.append(
+                DeltaBatch(
+                    worker_id=self.worker_id,
+                    version=version,
+                    items=by_version[version],
+                    released=released,
+                    release_reason=reason,
+                )
+            )
         done = [i.request_id for i in items if i.finished] + [r.request_id for r in released]
         acked = [rid for rid in done if rid in self.entry_of]
-        return Flush(batch, done, [self.entry_of[rid] for rid in acked], acked)
+        return Flush(batches, done, [self.entry_of[rid] for rid in acked], acked)
 
     def sent(self, flush: Flush) -> None:
         """The flush reached the coordinator: drop the tokens it carried (those recorded since
         stay pending) and forget the requests it finished or released."""
-        for item in flush.batch.items:
+        for item in flush.items:
             p = self.pending.get(item.request_id)
             if p is None or p.lease != item.lease:
                 continue

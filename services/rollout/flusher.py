@@ -68,13 +68,17 @@ class Flusher:
     async def _deliver(self, run_id: str, flush: Flush) -> None:
         """Send a flush, record it as sent, acknowledge the jobs it ended."""
         ctx = self.ctx
-        by_shard = split_by_shard(flush.batch, ctx.inbox.shards)
+        entries = [
+            (shard, batch)
+            for whole in flush.batches  # one per weight version, the oldest first
+            for shard, batch in split_by_shard(whole, ctx.inbox.shards).items()
+        ]
 
         async def send() -> None:
             # NOMKSTREAM: a run that ended took its deltas streams along; a late flush adds
             # nothing. One MULTI: the flush lands whole or not at all, whatever its shards
-            async with ctx.r.pipeline(transaction=len(by_shard) > 1) as pipe:
-                for shard, batch in by_shard.items():
+            async with ctx.r.pipeline(transaction=len(entries) > 1) as pipe:
+                for shard, batch in entries:
                     stream = keys.deltas_stream(run_id, shard)
                     pipe.xadd(stream, self._entry(batch), nomkstream=True)
                 await pipe.execute()

@@ -79,8 +79,8 @@ class Generator:
             if not ctx.engine.fits(job):  # no room in the engine's memory yet
                 waiting.append((entry_id, job))
                 continue
-            ctx.engine.add(job)
-            ctx.buffer.start(job, entry_id)
+            ctx.engine.add(job)  # under the newest adapter the engine holds, in a LoRA run
+            ctx.buffer.start(job, entry_id, ctx.version)
             if self.siblings is not None and ctx.share_drafts:
                 self.siblings.started(job, self._holds)
         ctx.inbox.put_back(waiting)

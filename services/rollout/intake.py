@@ -103,6 +103,7 @@ class JobIntake:
         ctx.run_id, ctx.version, ctx.paused_version = run_id, None, None
         self.earlier_pending = True
         self.staleness = await self._staleness(run_id) if run_id is not None else 0
+        self.loader.staleness = self.staleness
         ctx.share_drafts = run_id is not None and await self._drafts(run_id)
 
     async def _staleness(self, run_id: str) -> int:

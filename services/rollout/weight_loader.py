@@ -168,6 +168,7 @@ class VersionLoader:
         self.peers = Peers(ctx.s) if ctx.s.p2p else None
         self.base_run: str | None = None  # the LoRA run whose base folder is kept
         self.held_merged: frozenset[str] = frozenset()  # tensors the engine holds merged
+        self.staleness = 0  # the run's max_staleness (the intake's): adapters needed at once
 
     async def load(self, run_id: str, version: int) -> None:
         ctx = self.ctx
@@ -179,6 +180,8 @@ class VersionLoader:
         if result is not None and is_adapter(result.folder):
             if ctx.engine.max_adapters:  # the engine applies the adapter on the base it holds
                 base = await self._base(run_id, result.version)
+                if previous is None:
+                    self._check_room()
             else:
                 merge = await self._merge(run_id, result, previous)
             if merge is None and base is None:
@@ -192,12 +195,14 @@ class VersionLoader:
             # of that step or an earlier one was migrated away (or is about to be), never to be
             # finished here. Requests of later steps (asynchronous RL) go back to the
             # coordinator with their tokens, and continue under the new weights (here or on
-            # another worker: a continuation re-reads its tokens so far as its context).
-            if self.held is not None and self.release is not None:
-                live = [lease for lease in self.held() if step_of(lease.request_id) >= version]
-                if live:
-                    await self.release(live, "swap")
-            ctx.drop_held()
+            # another worker: a continuation re-reads its tokens so far as its context), but
+            # where the engine applies adapters on the base it keeps: there they go on under
+            # the adapter they started with, as many versions as the engine holds.
+            if base is not None and self._holds_base(previous):
+                await self._keep_running(version)
+            else:
+                await self._release_later_steps(version)
+                ctx.drop_held()
             served = True
             if base is not None:
                 served = await self._load_adapter(base, result, previous)
@@ -221,6 +226,53 @@ class VersionLoader:
         adapter = merge is not None or base is not None
         await self._forget(run_id, version, previous, adapter=adapter)
 
+    def _check_room(self) -> None:
+        """Say, as a LoRA run starts here, when the engine holds fewer adapters than the run
+        can have in flight at once (max_staleness + 1): requests of the oldest are then
+        handed back at each version, as full-weight runs do, and what to set."""
+        needed, held = self.staleness + 1, self.ctx.engine.max_adapters
+        if held < needed:
+            log.warning(
+                "this engine holds %d LoRA adapters (SPOTRL_MAX_LORAS) and the run has "
+                "max_staleness %d: set SPOTRL_MAX_LORAS to at least %d so that a request goes "
+                "on under the adapter it started with; until then the oldest are handed back",
+                held,
+                self.staleness,
+                needed,
+            )
+
+    def _holds_base(self, previous: int | None) -> bool:
+        """Whether the engine holds the run's base as it was pulled, with adapters applied on
+        it, none merged into it (not a fresh engine, not asleep since)."""
+        paused = self.ctx.paused_version == previous
+        return previous is not None and not paused and not self.held_merged
+
+    async def _release_later_steps(self, version: int) -> None:
+        if self.held is not None and self.release is not None:
+            live = [lease for lease in self.held() if step_of(lease.request_id) >= version]
+            if live:
+                await self.release(live, "swap")
+
+    async def _keep_running(self, version: int) -> None:
+        """Before adapter `version` loads: the requests of later steps go on under their
+        adapters, as far as the engine has room for them beside the new one (`max_loras`);
+        those of the oldest adapters past that go back to the coordinator, as on a swap."""
+        ctx = self.ctx
+        ctx.drop_steps_before(version)
+        in_use = sorted(ctx.buffer.versions() - {BASE_VERSION})  # the base needs no adapter
+        excess = set(in_use[: max(0, len(in_use) - (ctx.engine.max_adapters - 1))])
+        if excess and self.release is not None:
+            pending = ctx.buffer.pending
+            leases = [r for r in ctx.buffer.running() if pending[r.request_id].version in excess]
+            log.warning(
+                "%d requests of adapters %s handed back: the engine holds %d adapters "
+                "(SPOTRL_MAX_LORAS); a run with max_staleness k needs k + 1",
+                len(leases),
+                sorted(excess),
+                ctx.engine.max_adapters,
+            )
+            await self.release(leases, "swap")
+
     async def _base(self, run_id: str, version: int) -> PullResult | None:
         """The base of adapter `version`, pulled (or found pulled); None when it cannot be
         pulled yet."""
@@ -234,7 +286,7 @@ class VersionLoader:
         loaded whole first where the engine may hold none (as for a merged load). False, the
         version refused, where the engine cannot apply it (it says why)."""
         engine = self.ctx.engine
-        if previous is None or self.ctx.paused_version == previous or self.held_merged:
+        if not self._holds_base(previous):
             await engine.load(base.folder, None)
             self.held_merged = frozenset()
         try:

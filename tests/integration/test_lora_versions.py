@@ -115,3 +115,75 @@ async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None
     await late.load(RUN, 2)
     assert late.ctx.version is None and late.ctx.engine.model is None
     await r.aclose()
+
+
+@pytest.mark.parametrize("loras", [2, 1], ids=["room-for-both", "room-for-one"])
+def test_requests_of_later_steps_go_on_under_their_adapter(tmp_path, empty_redis_url, loras):
+    """max_staleness 1: at version 2, a request of step 2 begun under adapter 1 goes on under
+    it (its tokens flushed in a batch of version 1, a request begun after in one of version
+    2), and one of step 1 is dropped; an engine with room for one adapter hands the request
+    of step 2 back instead."""
+    torch.set_num_threads(1)
+    store = start_store(tmp_path / "store")
+    try:
+        asyncio.run(later_steps(tmp_path, empty_redis_url, store.url, loras))
+    finally:
+        store.stop()
+
+
+async def later_steps(tmp_path, redis_url: str, store_url: str, loras: int) -> None:
+    from services.contracts.messages import FIELD, DeltaBatch
+    from services.rollout.flusher import Flusher
+    from tests.factories import job
+
+    r = aioredis.Redis.from_url(redis_url)
+    await publish(r, store_url, tmp_path / "published")
+    loader = worker(tmp_path, "w1", redis_url, store_url, loras)
+    ctx, flusher = loader.ctx, Flusher(loader.ctx)
+    loader.held, loader.release = flusher.held, flusher.release
+    ctx.run_id = RUN
+    await r.xadd(keys.deltas_stream(RUN), {"x": "0"})  # the coordinator's stream, made
+    await loader.load(RUN, 1)
+    jobs = {
+        rid: job(rid, [1, 5, 9, 2], 10, temperature=1.0, seed=i, step=int(rid[0]), run_id=RUN)
+        for i, rid in enumerate(("1:0:0", "2:0:0", "2:1:0"))
+    }
+    for rid in ("1:0:0", "2:0:0"):
+        ctx.engine.add(jobs[rid])
+        ctx.buffer.start(jobs[rid], b"0-1", ctx.version)
+    ctx.buffer.record_step(ctx.engine.decode())
+    await loader.load(RUN, 2)
+    assert ctx.version == 2 and "1:0:0" not in ctx.buffer.pending
+    if loras == 1:  # no room for adapter 1 beside 2: handed back, as on a full-weight swap
+        assert not ctx.engine.seqs and "2:0:0" not in ctx.buffer.pending
+    else:
+        assert ctx.engine.seqs["2:0:0"].adapter == 1
+        assert list(ctx.engine.adapters.held) == [1, 2]
+    ctx.engine.add(jobs["2:1:0"])
+    ctx.buffer.start(jobs["2:1:0"], b"0-2", ctx.version)
+    assert ctx.engine.seqs["2:1:0"].adapter == 2
+    while ctx.engine.active:
+        ctx.buffer.record_step(ctx.engine.decode())
+    await flusher.flush()
+    entries = (await r.xrange(keys.deltas_stream(RUN)))[1:]
+    sent = [DeltaBatch.decode(fields[FIELD]) for _, fields in entries]
+    tokens: dict[str, list[int]] = {}
+    for batch in sent:
+        for item in batch.items:
+            assert batch.version == (1 if item.request_id == "2:0:0" else 2), batch
+            tokens.setdefault(item.request_id, []).extend(item.token_ids)
+    assert "1:0:0" not in tokens
+    released = [lease.request_id for b in sent for lease in b.released]
+    assert released == (["2:0:0"] if loras == 1 else [])
+    # each request's tokens are those its version's adapter draws for it alone
+    for rid, version in (("2:0:0", 1), ("2:1:0", 2)):
+        if rid not in released:
+            alone = HFEngine(max_adapters=1)
+            alone.load_weights(tmp_path / "published" / "v0")
+            alone.hold_adapter(version, tmp_path / "published" / f"v{version}")
+            alone.add(jobs[rid])
+            drawn = []
+            while alone.active:
+                drawn += [ev.token_id for ev in alone.decode()]
+            assert tokens[rid] == drawn, rid
+    await r.aclose()

@@ -212,3 +212,26 @@ def test_speculation_counts_travel_with_their_tokens_and_stay_pending_until_sent
     buf.record_step([Tok("a", 9)])
     item = buf.take(3.0, version=0).batch.items[0]
     assert (item.token_ids, item.draft_forwards, item.drafted, item.accepted) == ([9], 0, 0, 0)
+
+
+def test_requests_of_two_versions_flush_in_a_batch_each_the_releases_in_the_newest():
+    """A LoRA engine runs a request under the adapter it started with: its tokens go in a
+    batch of that version, older first; the releases travel in the flush version's batch."""
+    buf = buffer()
+    buf.start(make_job("2:0:0", [1], 8), b"e-old", version=1)
+    buf.start(make_job("2:1:0", [1], 8), b"e-new", version=2)
+    buf.start(make_job("2:2:0", [1], 8), b"e-idle", version=2)
+    buf.record_step([Tok("2:0:0", 5), Tok("2:1:0", 6, finish_reason="stop")])
+    assert buf.versions() == {1, 2}
+    release = RequestLease(request_id="2:2:0", lease=0, grant="g")
+    flush = buf.take(0.0, version=2, released=[release])
+    assert [b.version for b in flush.batches] == [1, 2]
+    assert [i.request_id for i in flush.batches[0].items] == ["2:0:0"]
+    assert [i.request_id for i in flush.batch.items] == ["2:1:0"]
+    assert flush.batch.released == [release] and not flush.batches[0].released
+    buf.sent(flush)
+    assert buf.pending["2:0:0"].tokens == [] and buf.pending["2:0:0"].offset == 1
+    assert "2:1:0" not in buf.pending and buf.versions() == {1}
+    # only the old version has tokens now: one batch, of it
+    buf.record_step([Tok("2:0:0", 7)])
+    assert [b.version for b in buf.take(0.0, version=2).batches] == [1]
