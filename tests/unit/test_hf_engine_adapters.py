@@ -127,9 +127,7 @@ def test_requests_keep_their_adapter_as_newer_ones_load(saved):
         engine.add(job("1:5:0", PROMPTS["a"], 2), adapter=1)
 
 
-def test_an_adapter_that_does_not_fit_is_refused_and_a_whole_load_drops_adapters(
-    saved, tmp_path
-):
+def test_an_adapter_that_does_not_fit_is_refused_and_a_whole_load_drops_adapters(saved, tmp_path):
     base, folders, _ = saved
     engine = engine_with(base, folders)
     other = tmp_path / "wide"
