@@ -96,6 +96,8 @@ class StepRow(msgspec.Struct, kw_only=True):
     train_wait_s: float | None = None  # of train_s, idle waiting for groups after seeding
     seed_wait_s: float | None = None  # of train_s, waiting for the reserved pool's seeding
     publish_s: float | None = None  # exporting and committing the version to the weight store
+    # the bytes of that version's files: the whole model's, or the adapter's alone (LoRA)
+    version_bytes: int | None = None
     train_compute_s: float | None = None  # of train_s, backward passes and optimizer steps
     checkpoint_s: float | None = None  # of train_s, the step blocked on a checkpoint (copying the
     # state; the write itself runs in the background)

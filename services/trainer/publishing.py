@@ -105,7 +105,10 @@ class StepPublisher:
         await self.retire(intake.entry_ids, self._count_trained(step, intake))
         STEPS.inc()
         row = msgspec.structs.replace(
-            row, publish_s=publish_s, step_s=time.monotonic() - self.announced_at
+            row,
+            publish_s=publish_s,
+            version_bytes=self.versions.version_bytes,
+            step_s=time.monotonic() - self.announced_at,
         )
         # the row is complete before the version is announced: the coordinator reads it then
         await record_step(self.r, run_id, step, row)

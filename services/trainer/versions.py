@@ -49,6 +49,7 @@ class VersionPublisher:
         self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
         self.manifest: Manifest | None = None  # what the store answered that commit with
         self.keeps_base = False  # whether the newest commit is an adapter of version 0 (LoRA)
+        self.version_bytes = 0  # of the newest commit's files (an adapter's alone, in LoRA)
 
     async def commit(self, run_id: str, policy: Any, version: int) -> float:
         """Commit the policy's weights as `version`, recording their digest first; a version
@@ -56,6 +57,7 @@ class VersionPublisher:
         it took."""
         t0 = time.monotonic()
         files = await compute(policy.export_files, version)
+        self.version_bytes = sum(len(data) for data in files.values())
         local = await hash_files(files)
         # an adapter's base is the run's version 0: the store keeps it while the adapter stays,
         # and its digest stays for workers that join later

@@ -91,5 +91,7 @@ def test_dashboard_draws_a_run_as_it_goes(deployment, client, tiny_model, browse
     assert last["events"] >= 2 * STEPS  # rollout_done and trained per step, and more
     page = browser.page_source
     assert "worker_left" in page and "cause=notice" in page
+    # the size of the newest version the trainer committed (a full-weight run: the model's)
+    assert browser.find_element("id", "s-version").text.endswith(("kB", "MB")), page[-2000:]
     shot = screenshot(browser, tmp_path / "dashboard.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -202,6 +202,7 @@ function renderSummary(run, rows, tl) {
   $("s-tseed").textContent = run.t_seed_s === null ? "∞" : `${fmt(run.t_seed_s)} s`;
   renderEpisodes(rows);
   renderDrafts(rows);
+  renderVersionSize(run, rows);
   renderErrors(run);
   const mem = tl.pool.filter((s) => s.redis_mem_mib !== undefined).pop();
   $("s-redis").textContent = mem
@@ -223,6 +224,17 @@ function renderEpisodes(rows) {
 
 // speculative decoding (steps where a draft was verified): the run's accepted and drafted
 // tokens, and the last such step's accepted tokens per forward pass; hidden when none was
+// the bytes of the newest version the trainer committed: the whole model, or in a LoRA run the
+// adapter alone (what a worker pulls per version; the base comes once)
+function renderVersionSize(run, rows) {
+  const sized = rows.filter((r) => r.version_bytes !== undefined && r.version_bytes !== null);
+  if (!sized.length) return;
+  const bytes = sized[sized.length - 1].version_bytes;
+  const mb = bytes >= 1e6 ? `${fmt(bytes / 1e6, 1)} MB` : `${fmt(bytes / 1e3, 0)} kB`;
+  const lora = run.spec && run.spec.lora && run.spec.lora.use_peft;
+  $("s-version").textContent = lora ? `${mb} (LoRA adapter, r ${run.spec.lora.lora_r})` : mb;
+}
+
 function renderDrafts(rows) {
   const drafted = rows.filter((r) => r.drafted_tokens !== undefined && r.drafted_tokens !== null);
   $("c-drafts").hidden = drafted.length === 0;
