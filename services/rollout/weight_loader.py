@@ -275,8 +275,12 @@ class VersionLoader:
 
     async def _base(self, run_id: str, version: int) -> PullResult | None:
         """The base of adapter `version`, pulled (or found pulled); None when it cannot be
-        pulled yet."""
-        base = await self._pull(run_id, BASE_VERSION, None)
+        pulled yet. The base kept for the LoRA run served before lends it the files they
+        share (runs over the same base model: nothing pulled but what differs)."""
+        lender = None
+        if self.base_run is not None and self.base_run != run_id:
+            lender = self._folder(self.base_run, BASE_VERSION)
+        base = await self._pull(run_id, BASE_VERSION, None, lender)
         if base is None:
             log.warning("%s v%d is an adapter, its base is not here yet", run_id, version)
         return base
@@ -337,8 +341,11 @@ class VersionLoader:
                 await self.peers.forget(self.ctx.r, run, old)
             await asyncio.to_thread(shutil.rmtree, self._folder(run, old), True)
 
-    async def _pull(self, run_id: str, version: int, previous: int | None) -> PullResult | None:
-        """The pulled version, or None when it cannot be loaded (yet)."""
+    async def _pull(
+        self, run_id: str, version: int, previous: int | None, lender: Path | None = None
+    ) -> PullResult | None:
+        """The pulled version, or None when it cannot be loaded (yet). The files it shares
+        with the `previous` version's folder (or `lender`) are linked from there."""
         # Only the content the trainer announced with the version is ever loaded.
         async with self.ctx.r.pipeline(transaction=False) as pipe:
             pipe.hget(keys.run_digests(run_id), version)
@@ -349,7 +356,7 @@ class VersionLoader:
         try:
             if digest is None:
                 raise WeightConflict(run_id, version, "was announced without a digest")
-            reuse = self._folder(run_id, previous) if previous is not None else None
+            reuse = self._folder(run_id, previous) if previous is not None else lender
             return await self.weights.pull(
                 run_id,
                 version,

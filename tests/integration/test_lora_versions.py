@@ -69,13 +69,17 @@ def served_logits(engine: HFEngine) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("loras", [4, 0], ids=["applied-by-the-engine", "merged"])
-def test_a_worker_serves_adapters_on_the_base(tmp_path, empty_redis_url, loras):
+def test_a_worker_serves_adapters_on_the_base(tmp_path, empty_redis_url, loras, caplog):
     torch.set_num_threads(1)
     store = start_store(tmp_path / "store")
     try:
-        asyncio.run(scenario(tmp_path, empty_redis_url, store.url, loras))
+        with caplog.at_level("INFO", logger="services.rollout.weight_loader"):
+            asyncio.run(scenario(tmp_path, empty_redis_url, store.url, loras))
     finally:
         store.stop()
+    # the second LoRA run over the same base pulled none of it: its files came from the first's
+    second = [r.getMessage() for r in caplog.records if "loaded lora-run-2 v1" in r.getMessage()]
+    assert len(second) == 1 and "(0 bytes of them the base's)" in second[0], second
 
 
 async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None:
@@ -96,6 +100,18 @@ async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None
         assert list(ctx.engine.adapters.held) == [1, 2]
     held = sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir())
     assert held == ["v0", "v2"]  # the base stays, v1 and the merged scratch folders went
+    # another LoRA run over the same base: its base is linked from the one kept, not pulled
+    client = WeightClient([store_url])
+    for version in (0, 1):
+        folder = tmp_path / "published" / f"v{version}"
+        meta = {"run_id": "lora-run-2"} | ({"base_version": 0} if version else {})
+        manifest = await client.upload_folder(folder, "lora-run-2", version, meta)
+        await r.hset(keys.run_digests("lora-run-2"), str(version), manifest_digest(manifest))
+    ctx.version = None
+    await loader.load("lora-run-2", 1)
+    assert ctx.version == 1
+    assert torch.allclose(served_logits(ctx.engine), expected[1], atol=1e-5)
+    assert not (tmp_path / "cache" / "w1" / RUN / "v0").exists()  # the first run's base went
     # the worker moves to a full-weight run (the intake forgets the version): loaded whole,
     # the LoRA run's base goes, and the full run's versions replace each other as always
     client, full = WeightClient([store_url]), tmp_path / "full"
@@ -108,6 +124,7 @@ async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None
         await loader.load("full-run", version)
     assert torch.equal(served_logits(ctx.engine), logits(tiny_qwen2(seed=11)))
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir()) == ["v2"]
+    assert not (tmp_path / "cache" / "w1" / "lora-run-2" / "v0").exists()
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / "full-run").iterdir()) == ["v1"]
     # a worker that finds no digest announced for the base loads nothing
     await r.hdel(keys.run_digests(RUN), "0")
