@@ -38,8 +38,6 @@ def default_policy(model_dir: Path, spec: RunSpec, device: str) -> TrainablePoli
     from services.trainer import ranks
 
     if ranks.world_size() > 1:
-        if spec.lora.use_peft:
-            raise ValueError("LoRA is not supported on several trainer ranks yet (trainer_ranks 1)")
         return ranks.lead(model_dir, spec, device)
     from services.trainer.policy import Policy
 

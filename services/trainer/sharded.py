@@ -13,6 +13,13 @@ Weights leave as a full state dict gathered to rank 0 (exports); a committed ver
 on rank 0 and is broadcast; checkpoints are torch.distributed.checkpoint folders, every rank
 writing its shards in the background (`dcp.async_save` on a process group of its own, so that
 the write's collectives never meet the training's).
+
+LoRA: peft wraps the model's layers in place before they are sharded, so a decoder layer's unit
+holds its frozen base weights beside its adapter's (FSDP2 shards both; gradients flow, and are
+reduced, for the adapter's only, the optimizer's only parameters). Its versions are the files
+one process makes (lora.py): version 0 the base, gathered whole; later ones the adapter alone,
+only its tensors gathered. A checkpoint holds the adapter's shards and their optimizer state,
+as one process's holds the adapter: the base never changes.
 """
 
 import datetime
@@ -33,17 +40,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from services.contracts.runspec import RunSpec
 from services.trainer.batching import Row
 from services.trainer.checkpoint import serialize
 from services.trainer.export import DTYPES, weight_files
 from services.trainer.grpo import StepSize
+from services.trainer.lora import LORA_MARK, Adapter
 from services.trainer.policy import Policy, ResponseScorer
 from services.trainer.stats import PassStats
 
 EXTRA_FILE = "extra.pt"  # the schedule's position and rank 0's RNG, beside the DCP files
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# what rank 0 found in a LoRA version's folder, broadcast: every rank does the same with it
+BASE_FOLDER, ADAPTER_FOLDER, REFUSED_FOLDER = 0, 1, 2
 
 
 class ShardedPolicy(Policy):
@@ -92,9 +103,13 @@ class ShardedPolicy(Policy):
 
     def load_weights(self, folder: Path) -> None:
         """Rank 0 reads the version's files and broadcasts them; the other ranks' `folder` is
-        not read."""
+        not read. With LoRA, the adapter's tensors (or, for the base's folder, the adapter put
+        back at its start on every rank)."""
         from safetensors.torch import load_file
 
+        if self.adapter is not None:
+            self._load_adapter(self.adapter, folder)
+            return
         tensors: dict[str, Any] = {}
         if self.rank == 0:
             for path in sorted(Path(folder).glob("*.safetensors")):
@@ -102,11 +117,46 @@ class ShardedPolicy(Policy):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, tensors, options=options)
 
+    def _load_adapter(self, adapter: Adapter, folder: Path) -> None:
+        """Rank 0 reads the folder (`Adapter.read`) and tells the ranks what it found: an
+        adapter, broadcast into the shards of its tensors; the base's folder, the adapter reset
+        on every rank; a file that does not fit the adapter, nothing changed on any rank and
+        the ValueError raised on rank 0 (the caller's; a follower carries on)."""
+        tensors: dict[str, Any] = {}
+        refusal: ValueError | None = None
+        found = torch.tensor([BASE_FOLDER])
+        if self.rank == 0:
+            try:
+                read = adapter.read(folder)
+            except ValueError as exc:
+                refusal, found[0] = exc, REFUSED_FOLDER
+            else:
+                if read is not None:
+                    tensors, found[0] = {k: v.float() for k, v in read.items()}, ADAPTER_FOLDER
+        dist.broadcast(found, src=0)  # a CPU tensor: gloo
+        if refusal is not None:
+            raise refusal
+        if int(found) == BASE_FOLDER:
+            adapter.reset()
+        elif int(found) == ADAPTER_FOLDER:  # the base's shards are left as they are
+            options = StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=False
+            )
+            set_model_state_dict(self.model, tensors, options=options)
+
     def export_files(self, version: int) -> dict[str, bytes]:
-        """The full weights, gathered to rank 0, as a version's files; {} on the other ranks."""
+        """The full weights, gathered to rank 0, as a version's files; {} on the other ranks.
+        With LoRA, version 0 is the base's weights and every later one the adapter's files,
+        only its tensors gathered."""
+        if self.adapter is not None and version > 0:
+            state = self.adapter.trainable_state()
+            whole = {k: cast(DTensor, v).full_tensor() for k, v in state.items()}  # collective
+            return self.adapter.files_of(whole) if self.rank == 0 else {}
         full: dict[str, Any] = get_model_state_dict(self.model, options=FULL)
         if self.rank != 0:
             return {}
+        if self.adapter is not None:
+            full = self.adapter.base_of(full)
         dtype = DTYPES[self.weight_dtype]
         tensors = {k: v.to(dtype).contiguous() for k, v in full.items()}
         return weight_files(tensors) | self._companions
@@ -114,8 +164,13 @@ class ShardedPolicy(Policy):
     # checkpoints: torch.distributed.checkpoint
 
     def _sharded_state(self) -> dict:
+        """This rank's shards of what a checkpoint holds: the weights (with LoRA, the
+        adapter's alone) and the optimizer's state."""
+        model = get_model_state_dict(self.model)
+        if self.adapter is not None:
+            model = {k: v for k, v in model.items() if LORA_MARK in k}
         return {
-            "model": get_model_state_dict(self.model),
+            "model": model,
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
@@ -151,7 +206,9 @@ class ShardedPolicy(Policy):
         self.finish_writes()
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(folder), process_group=self.ckpt_group)
-        set_model_state_dict(self.model, state["model"])
+        # with LoRA, the adapter's tensors only: the base's are left as they are
+        options = StateDictOptions(strict=self.adapter is None)
+        set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         extra = torch.load(Path(folder) / EXTRA_FILE, map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])

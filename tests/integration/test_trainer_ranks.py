@@ -1,7 +1,9 @@
 """The trainer as 2 ranks (torchrun, FSDP2 on gloo, CPU): a step gives the weights that one
 process gives, within 1e-5 (fp32), and so does the next step of a policy restored from the
-ranks' torch.distributed.checkpoint; a 2-rank trainer SIGKILLed mid-step (its torchrun agent
-and both ranks) comes back from its checkpoint and the run ends exact."""
+ranks' torch.distributed.checkpoint; so does a LoRA run's adapter, its versions the files one
+process writes (version 0 the base, later ones the adapter); a 2-rank trainer SIGKILLed
+mid-step (its torchrun agent and both ranks) comes back from its checkpoint and the run ends
+exact."""
 
 import json
 import os
@@ -12,8 +14,10 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from services.cli.procs import thread_env
+from services.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from tests.harness.deploy import DeploymentConfig
 
 from .conftest import deploy_config, small_spec
@@ -31,6 +35,14 @@ SPECS = {
         "loss_type": "dapo",
         "scale_rewards": "batch",
     },
+}
+# LoRA, padded micro-batches of 3 and a KL term (its reference: the adapter disabled)
+LORA_SPEC = {
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "learning_rate": 1e-2,
+    "micro_batch_size": 3,
+    "beta": 0.04,
 }
 
 
@@ -65,6 +77,17 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, tiny_model, name):
         for key in one:
             assert torch.allclose(one[key], two[key], rtol=0, atol=1e-5), (step, key)
         assert any(not torch.equal(one[k], base[k]) for k in one)  # it did train
+    # a version loaded back into the ranks: its weights, exactly
+    for loaded, version in (("loaded1", "step1"), ("loaded0", "step0")):
+        a = load_file(tmp_path / "two" / loaded / "model.safetensors")
+        b = load_file(tmp_path / "two" / version / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in b), loaded
+    check_rows(tmp_path)
+    check_checkpoint(tmp_path / "two" / "ckpt")
+
+
+def check_rows(tmp_path) -> None:
+    """The two runs' metrics rows: the same sizes, the same measures (within 1e-5)."""
     for row in ("row1.json", "row2.json"):
         a = json.loads((tmp_path / "one" / row).read_text())
         b = json.loads((tmp_path / "two" / row).read_text())
@@ -72,9 +95,58 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, tiny_model, name):
         assert a["trained_tokens"] == b["trained_tokens"]
         for field in ("policy_loss", "kl", "clip_fraction", "grad_norm"):
             assert b[field] == pytest.approx(a[field], rel=1e-5, abs=1e-7), (row, field)
-    # the ranks' checkpoint: torch.distributed.checkpoint files of both ranks
-    names = {p.name for p in (tmp_path / "two" / "ckpt").iterdir()}
+
+
+def check_checkpoint(folder) -> list[str]:
+    """The ranks' checkpoint: torch.distributed.checkpoint files of both ranks; the names of
+    the weights it holds."""
+    names = {p.name for p in folder.iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= names
+    held = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return [k.removeprefix("model.") for k in held if k.startswith("model.")]
+
+
+def adapter_files(folder) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An adapter version's folder: its config and its tensors (nothing else in it)."""
+    assert {p.name for p in folder.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}, folder
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    return config, load_file(folder / ADAPTER_WEIGHTS)
+
+
+def test_two_ranks_train_the_lora_adapter_one_process_trains(tmp_path, tiny_model):
+    train(tiny_model, tmp_path / "one", LORA_SPEC, ranks=1)
+    train(tiny_model, tmp_path / "two", LORA_SPEC, ranks=2)
+    one, two = tmp_path / "one", tmp_path / "two"
+    # version 0: the base's own folder, whole and exact (the ranks' shards gathered)
+    v0 = {p.name: p.read_bytes() for p in (one / "step0").iterdir()}
+    assert v0 == {p.name: p.read_bytes() for p in (two / "step0").iterdir()}
+    base = load_file(tiny_model / "model.safetensors")
+    v0_weights = load_file(two / "step0" / "model.safetensors")
+    assert v0_weights.keys() == base.keys()
+    assert all(torch.equal(v0_weights[k], base[k]) for k in base)
+    # later versions: the adapter alone, its PEFT files as one process writes them
+    adapters = {}
+    for version in ("step1", "step2", "loaded1", "loaded0"):
+        config_one, a = adapter_files(one / version)
+        config_two, b = adapter_files(two / version)
+        assert config_one == config_two and config_one["r"] == 4, version
+        assert a.keys() == b.keys() and a, version
+        for key in a:
+            assert torch.allclose(a[key], b[key], rtol=0, atol=1e-5), (version, key)
+        adapters[version] = b
+    trained = [k for k in adapters["step1"] if ".lora_B." in k]
+    assert trained and any(adapters["step1"][k].abs().sum() > 0 for k in trained)
+    # an adapter version loaded back (over step 2's): exactly; then the base's folder: the
+    # adapter at its start (B zero, A as loaded)
+    assert any(not torch.equal(adapters["step2"][k], v) for k, v in adapters["step1"].items())
+    assert all(torch.equal(adapters["loaded1"][k], v) for k, v in adapters["step1"].items())
+    for key, value in adapters["loaded0"].items():
+        expected = torch.zeros_like(value) if ".lora_B." in key else adapters["step1"][key]
+        assert torch.equal(value, expected), key
+    check_rows(tmp_path)
+    # the checkpoint (step2 above resumed from it) holds the adapter's shards, not the base
+    held = check_checkpoint(two / "ckpt")
+    assert held and all(".lora_" in k for k in held), held[:3]
 
 
 @pytest.fixture(scope="module")

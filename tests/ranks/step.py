@@ -2,10 +2,12 @@
 `python -m tests.ranks.step MODEL OUT SPEC_JSON` in one process, or under
 `torch.distributed.run --nproc-per-node N` as N ranks through ranks.py's leader and followers.
 
-Rank 0 (or the one process) writes to OUT: `step1/` (the weights after a step on the seeded
-groups below, as a version's files), `row1.json` (the step's metrics row), a checkpoint of that
-state in `ckpt/`, and `step2/` + `row2.json` after a second step taken by a policy restored
-from the checkpoint.
+Rank 0 (or the one process) writes to OUT: `step0/` (version 0's files, before training),
+`step1/` (the weights after a step on the seeded groups below, as a version's files),
+`row1.json` (the step's metrics row), a checkpoint of that state in `ckpt/`, `step2/` +
+`row2.json` after a second step taken by a policy restored from the checkpoint, then
+`loaded1/` and `loaded0/`: the files of a further version after `step1/`, then `step0/`, was
+loaded back into it (a committed version taken by a trainer).
 """
 
 import json
@@ -52,6 +54,7 @@ def groups(spec: RunSpec, step: int) -> list[Group]:
 
 def run(policy_of, model: Path, out: Path, spec: RunSpec) -> None:
     policy = policy_of(model, spec)
+    write_files(policy.export_files(0), out / "step0")
     first = groups(spec, 0)
     policy.accumulate(first[:3])  # as groups arrive: a part, then the rest
     policy.accumulate(first[3:])
@@ -67,6 +70,9 @@ def run(policy_of, model: Path, out: Path, spec: RunSpec) -> None:
     row = policy.optimizer_step()
     write_files(policy.export_files(2), out / "step2")
     (out / "row2.json").write_bytes(msgspec.json.encode(row))
+    for version in (1, 0):
+        policy.load_weights(out / f"step{version}")
+        write_files(policy.export_files(3), out / f"loaded{version}")
 
 
 def main() -> None:
