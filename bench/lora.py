@@ -232,33 +232,46 @@ async def run_side(
         if side == "full" and len(workers) == 2:
             log(f"{run_id}: the two full workers' engines equal:", same_state(workers))
         if side == "lora":
-            rows["generation"] = [await generation_tok_s(workers, args.gen_tokens)]
+            generation = await generation_tok_s(workers, args.gen_tokens)
+            if folder.name in args.vllm_models.split(","):
+                cache = workers[0].loader.ctx.s.cache_dir / workers[0].name / run_id
+                generation["vllm"] = await vllm_generation_tok_s(
+                    cache / "v0", cache / f"v{args.versions}", work / "vllm-merged", args.gen_tokens
+                )
+            rows["generation"] = [generation]
     finally:
         for worker in workers:
             await worker.close()
     return rows
 
 
-def tokens_per_s(engine: HFEngine, tokens: int) -> tuple[float, list[list[int]]]:
-    """`engine` generating GEN_REQUESTS greedy requests of `tokens` tokens at once (one
-    prompt each, as a step's distinct prompts): tokens/s of the decode loop, and the tokens."""
+def generation_jobs(tokens: int, tag: str = "") -> list:
+    """GEN_REQUESTS greedy jobs of `tokens` tokens, one prompt each (a step's distinct
+    prompts)."""
     from services.contracts.messages import Job
     from services.contracts.sampling import SamplingParams
 
-    for i in range(GEN_REQUESTS):
-        engine.add(
-            Job(
-                run_id="gen",
-                request_id=f"0:{i}:0",
-                lease=0,
-                grant="g",
-                step=0,
-                prompt_ids=[1 + i, 7, 3 + i, 9],
-                remaining_tokens=tokens,
-                sampling=SamplingParams(temperature=0.0, max_new_tokens=tokens),
-                seed=i,
-            )
+    return [
+        Job(
+            run_id="gen",
+            request_id=f"0:{i}:{tag}",
+            lease=0,
+            grant="g",
+            step=0,
+            prompt_ids=[1 + i, 7, 3 + i, 9],
+            remaining_tokens=tokens,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=tokens),
+            seed=i,
         )
+        for i in range(GEN_REQUESTS)
+    ]
+
+
+def tokens_per_s(engine: HFEngine, tokens: int) -> tuple[float, list[list[int]]]:
+    """`engine` generating the `generation_jobs` at once: tokens/s of the decode loop, and the
+    tokens."""
+    for job in generation_jobs(tokens):
+        engine.add(job)
     out: dict[str, list[int]] = {}
     started = time.perf_counter()
     while engine.active:
@@ -294,6 +307,54 @@ async def generation_tok_s(workers: list[Worker], tokens: int) -> dict:
         "same_tokens_frac": min(same),
         "requests": GEN_REQUESTS,
         "tokens": tokens,
+    }
+
+
+async def vllm_tokens_per_s(engine, tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+    """`tokens_per_s` for the vLLM engine (its own step loop)."""
+    for job in generation_jobs(tokens, tag):
+        engine.add(job)
+    out: dict[str, list[int]] = {}
+    started = time.perf_counter()
+    while engine.active:
+        for ev in await engine.step():
+            out.setdefault(ev.request_id, []).append(ev.token_id)
+    took = time.perf_counter() - started
+    return sum(map(len, out.values())) / took, [out[k] for k in sorted(out)]
+
+
+async def vllm_generation_tok_s(base: Path, adapter: Path, scratch: Path, tokens: int) -> dict:
+    """vLLM serving the adapter unmerged (its LoRA support: the engine restarted with it at
+    the first adapter) against a plain vLLM engine serving it merged into the base (the
+    worker's `write_merged`, loaded in place): the `generation_jobs`, tokens/s (best of two,
+    after a warm-up batch), and whether the tokens agree."""
+    from services.rollout.engines.vllm import VLLMEngine, VLLMOptions
+    from services.rollout.weight_loader import write_merged
+
+    merged = await asyncio.to_thread(write_merged, base, adapter, scratch, frozenset())
+    speeds: dict[str, float] = {}
+    tokens_of: dict[str, list[list[int]]] = {}
+    for name in ("merged", "lora"):
+        engine = VLLMEngine(VLLMOptions(slots=GEN_REQUESTS, kv_cache_gib=0.25))
+        try:
+            await engine.load(base)
+            started = time.perf_counter()
+            if name == "merged":
+                await engine.load(merged.folder, merged.changed)
+            else:
+                await engine.load_adapter(1, adapter)
+            log(f"vllm {name}: loaded in {time.perf_counter() - started:.1f}s")
+            await vllm_tokens_per_s(engine, tokens, "warm")
+            runs = [await vllm_tokens_per_s(engine, tokens, str(k)) for k in range(2)]
+            speeds[name], tokens_of[name] = max(r[0] for r in runs), runs[-1][1]
+        finally:
+            await engine.close()
+    same = sum(a == b for a, b in zip(tokens_of["lora"], tokens_of["merged"], strict=True))
+    return {
+        "tok_s_lora": round(speeds["lora"], 1),
+        "tok_s_merged": round(speeds["merged"], 1),
+        "lora_vs_merged_tok_s": round(speeds["lora"] / speeds["merged"], 3),
+        "same_tokens_frac": same / GEN_REQUESTS,
     }
 
 
@@ -382,10 +443,14 @@ async def bench(args) -> dict:
     of_model = REAL_MODEL if REAL_MODEL in models else list(models)[-1]
     top = models[of_model]
     where = "in memory (/dev/shm)" if in_memory else "on disk"
+    # vLLM's figure: of the real architecture where it was measured on it, else of the first
+    measured = [m["generation"]["vllm"] for m in models.values() if "vllm" in m["generation"]]
+    on_vllm = top["generation"].get("vllm") or (measured[0] if measured else None)
     return {
         "adapter_bytes_ratio": top["adapter_bytes_ratio"],
         "serve_speedup": top["serve_speedup"],
-        "lora_vs_merged_tok_s": {"hf": top["lora_vs_merged_tok_s"]},
+        "lora_vs_merged_tok_s": {"hf": top["lora_vs_merged_tok_s"]}
+        | ({"vllm": on_vllm["lora_vs_merged_tok_s"]} if on_vllm else {}),
         "of_model": of_model,
         "regime": f"CPU ({args.threads} torch threads), loopback, store egress capped at "
         f"{args.store_mbps:g} Mbit/s, work folder {where}",
@@ -488,6 +553,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--gen-tokens", type=int, default=32, help="tokens per request, lora_vs_merged_tok_s"
+    )
+    parser.add_argument(
+        "--vllm-models",
+        default="embedded",
+        help="models whose lora_vs_merged_tok_s is also measured on vLLM ('' : none)",
     )
     parser.add_argument(
         "--no-nodelta",
