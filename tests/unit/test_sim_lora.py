@@ -129,3 +129,22 @@ def test_the_fleet_runs_lora_beside_full_weights_and_deltas():
         LoraAdapters(decode_factor=0.5),
     )["systems"]["hybrid-lora"]  # fmt: skip
     assert slow["throughput_tok_s"] < lora["throughput_tok_s"]
+
+
+def test_cli_takes_the_lora_settings_and_refuses_bad_ones():
+    from bench.sim_fleet import parse_args
+
+    args = parse_args(["--trace", "t.csv", "--systems", "hybrid-lora,hybrid-p2p-lora"])
+    assert args.lora == LoraAdapters() and [fs.lora for fs in args.systems] == [True, True]
+    args = parse_args(
+        ["--trace", "t.csv", "--adapter-share", "0.01", "--lora-decode-factor", "0.9"]
+    )
+    assert args.lora == LoraAdapters(0.01, 0.9)
+    for bad in (
+        ["--adapter-share", "0"],
+        ["--adapter-share", "1.5"],
+        ["--lora-decode-factor", "0"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--trace", "t.csv", *bad])
+        assert exc.value.code == 2
