@@ -25,6 +25,10 @@ instances in another region than the weight store, reached through one shared li
 (`CrossRegion`, `TransferModel`), and may pull each version as a sparse delta of the one
 before; the link's bytes are billed per GB on top of the instances and nodes.
 
+LoRA (issue 51): a system may train an adapter over a frozen base (`LoraAdapters`): an instance
+pulls the base once, at its boot, and then each version's adapter only, whatever it missed
+(`TransferModel.pull_parts`); its engines decode at `decode_factor` of the merged speed.
+
 Not modelled: the reserved nodes' interconnect, the gradient reduction, and any limit of the
 coordinator or of Redis at 32K requests a step.
 """
@@ -81,13 +85,19 @@ class FleetShape:
 @dataclass(frozen=True)
 class FleetSystem:
     """A system of the comparison: the switches of a `SystemSpec` plus the transfer mode:
-    peer-to-peer fan-out, a pool partly in another region (`CrossRegion`), sparse deltas."""
+    peer-to-peer fan-out, a pool partly in another region (`CrossRegion`), and versions as
+    sparse deltas or as LoRA adapters over a base (`LoraAdapters`), one or the other."""
 
     name: str
     system: SystemSpec
     p2p: bool = False
     cross_region: bool = False
     deltas: bool = False
+    lora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.deltas and self.lora:
+            raise ValueError(f"{self.name}: a version is a delta or an adapter, not both")
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,23 @@ class CrossRegion:
         return changes
 
 
+@dataclass(frozen=True)
+class LoraAdapters:
+    """What the LoRA systems run with (issue 51)."""
+
+    # an adapter's bytes over the model's: r 8 on every linear layer of qwen2-236m, the adapter
+    # in fp32 (bench/lora.py; docs/benchmarks.md, "LoRA"); it scales with r / the hidden size,
+    # so a wider model's is smaller
+    adapter_share: float = 0.0187
+    # decode speed serving the adapter unmerged over merged (bench/lora.py's
+    # lora_vs_merged_tok_s once measured); 1.0: as fast, a worker that merges every adapter
+    decode_factor: float = 1.0
+
+    def apply(self, sc: Scenario) -> Scenario:
+        """`sc` trained as LoRA with these adapters (`Scenario.with_lora`)."""
+        return sc.with_lora(self.adapter_share, self.decode_factor)
+
+
 FLEET_SYSTEMS = (
     FleetSystem("reserved-only", RESERVED_ONLY),
     FleetSystem("hybrid", HYBRID),
@@ -125,11 +152,16 @@ FLEET_SYSTEM_CHOICES = {
         *FLEET_SYSTEMS,
         FleetSystem("hybrid-all-spot", HYBRID_ALL_SPOT),
         FleetSystem("hybrid-all-spot-p2p", HYBRID_ALL_SPOT, p2p=True),
+        FleetSystem("hybrid-delta", HYBRID, deltas=True),
         FleetSystem("hybrid-p2p-delta", HYBRID, p2p=True, deltas=True),
+        FleetSystem("hybrid-lora", HYBRID, lora=True),
+        FleetSystem("hybrid-p2p-lora", HYBRID, p2p=True, lora=True),
         FleetSystem("hybrid-xr", HYBRID, cross_region=True),
         FleetSystem("hybrid-xr-delta", HYBRID, cross_region=True, deltas=True),
         FleetSystem("hybrid-p2p-xr", HYBRID, p2p=True, cross_region=True),
         FleetSystem("hybrid-p2p-xr-delta", HYBRID, p2p=True, cross_region=True, deltas=True),
+        FleetSystem("hybrid-xr-lora", HYBRID, cross_region=True, lora=True),
+        FleetSystem("hybrid-p2p-xr-lora", HYBRID, p2p=True, cross_region=True, lora=True),
     )
 }
 
@@ -182,6 +214,7 @@ def summarize_fleet(sim: Simulation, replicas: int) -> dict:
     last_s = sim.sc.trainer.optimizer_s + sim.sc.trainer.publish_s
     out |= {
         "pulls": totals.pulls * replicas,
+        "pulled_gb": totals.pulled_bytes * replicas / 1e9,
         "mean_pull_s": totals.pull_s / totals.pulls if totals.pulls else None,
         "max_pull_s": totals.max_pull_s if totals.pulls else None,
         # the trainer's busy time a step: its floor when rollout and pulls hide under it
@@ -221,15 +254,18 @@ def run_fleet(
     systems: tuple[FleetSystem, ...] = FLEET_SYSTEMS,
     max_steps: int | None = None,
     cross_region: CrossRegion | None = None,
+    lora: LoraAdapters | None = None,
 ) -> dict:
     """Every system on the fleet; each against the first (reserved-only by default).
-    `cross_region`: what the systems with a remote pool or deltas run with (default its
-    defaults)."""
-    cross_region = cross_region or CrossRegion()
+    `cross_region`: what the systems with a remote pool or deltas run with; `lora`: what the
+    LoRA systems run with (default their defaults)."""
+    cross_region, lora = cross_region or CrossRegion(), lora or LoraAdapters()
     targets = fleet_targets(trace, shape.shard_instances, hours, start_s)
     summaries = {}
     for fs in systems:
         sc = fleet_scenario(base, shape, fs.p2p, **cross_region.transfer_changes(fs))
+        if fs.lora:
+            sc = lora.apply(sc)
         spec = replace(fs.system, reserved_nodes=fs.system.reserved_nodes * shape.shard_nodes)
         sim = Simulation(sc, spec, targets, seed, hours * 3600, max_steps).run()
         summaries[fs.name] = summarize_fleet(sim, shape.replicas)

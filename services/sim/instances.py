@@ -16,7 +16,7 @@ from services.contracts.messages import DeltaBatch, Heartbeat
 from services.sim.clock import Clock
 from services.sim.engine import SimEngine
 from services.sim.requests import RequestFlow
-from services.sim.scenario import Route, Scenario
+from services.sim.scenario import Payload, Route, Scenario
 from services.sim.state import RUN_ID, Instance, Totals
 from services.sim.systems import SystemSpec
 from services.sim.tail import verify_step
@@ -70,7 +70,8 @@ class Fleet:
         self._names = itertools.count()
         # bytes this shard's pulls carried over the cross-region link (`TransferModel.link_bytes`)
         self.cross_region_bytes = 0.0
-        self.carried = (-1, -1)  # the latest version carried over it whole, as a delta
+        # the latest version each payload crossed it in (the base's: 0, once a run)
+        self.carried: dict[Payload, int] = {}
 
     def on_target(self, count: int) -> None:
         """The trace: the cloud now offers `count` instances. An instance it takes back is
@@ -133,42 +134,55 @@ class Fleet:
     def pull_s(self, inst: Instance) -> float:
         """A pull by `inst` started now: its region's source (the weight store's egress, or
         the cross-region link) is shared by every pull of that region under way (with
-        peer-to-peer fan-out, the pullers serve each other: `TransferModel`). It moves the
-        delta if `inst` holds the version before (a boot holds none: a whole version)."""
+        peer-to-peer fan-out, the pullers serve each other: `TransferModel`). What it moves
+        follows from what `inst` holds (`TransferModel.pull_parts`): the delta if it holds the
+        version before; under LoRA the adapter if it holds any version, else the base first
+        (a boot holds nothing: a whole version, or the base)."""
         remote, transfer = is_remote(inst), self.sc.transfer
         pulling = sum(
             1
             for i in self.instances.values()
             if (i.state == "pulling" or (i.fetching and i.state == "up")) and is_remote(i) == remote
         )
-        holds_previous = inst.version is not None and inst.version == self.clock.version - 1
-        route: Route = "link" if remote else "store"
-        if remote and transfer.p2p and self.region_holds_latest():
-            route = "peers"
-        seconds = transfer.pull_s(pulling, holds_previous, route)
-        if route == "link":
-            self.cross_region_bytes += transfer.link_bytes(
-                holds_previous, self.carry(holds_previous)
-            )
+        holds_base = inst.version is not None
+        holds_previous = holds_base and inst.version == self.clock.version - 1
+        moves = []
+        for payload, size in transfer.pull_parts(holds_previous, holds_base):
+            route = self.route(remote, payload)
+            moves.append(transfer.move_s(pulling, size, route))
+            self.totals.pulled_bytes += size
+            if route == "link":
+                self.cross_region_bytes += transfer.link_bytes(size, self.carry(payload))
+        seconds = sum(moves) + transfer.load_s
         self.totals.pulls += 1
         self.totals.pull_s += seconds
         self.totals.max_pull_s = max(self.totals.max_pull_s, seconds)
         return seconds
 
-    def carry(self, holds_previous: bool) -> bool:
-        """A remote pull of the latest version starts: whether it is the first of that version
-        (whole, or its delta) over the link."""
-        whole, delta = self.carried
-        if holds_previous and self.sc.transfer.delta_share is not None:
-            first, self.carried = delta < self.clock.version, (whole, self.clock.version)
-        else:
-            first, self.carried = whole < self.clock.version, (self.clock.version, delta)
+    def route(self, remote: bool, payload: Payload) -> Route:
+        """Where a pull's `payload` comes from: the store, for an instance of its region; for a
+        remote one the link, or with P2P its region's peers when one serves it already."""
+        if not remote:
+            return "store"
+        if self.sc.transfer.p2p and self.region_holds(payload):
+            return "peers"
+        return "link"
+
+    def carry(self, payload: Payload) -> bool:
+        """A remote pull starts moving `payload` of the latest version over the link: whether
+        it is the first to (the base: the first of the run, every version applies to it)."""
+        version = 0 if payload == "base" else self.clock.version
+        first = self.carried.get(payload, -1) < version
+        self.carried[payload] = version
         return first
 
-    def region_holds_latest(self) -> bool:
-        """Whether an instance of the remote region serves the latest version already."""
+    def region_holds(self, payload: Payload) -> bool:
+        """Whether an instance of the remote region serves `payload` already: the base, with
+        any version; anything else, with the latest."""
         return any(
-            is_remote(i) and i.state == "up" and i.version == self.clock.version
+            is_remote(i)
+            and i.state == "up"
+            and (payload == "base" or i.version == self.clock.version)
             for i in self.instances.values()
         )
 

@@ -17,7 +17,7 @@ attention FLOPs of very long contexts, speculative decoding, CUDA-graph batch bu
 
 import bisect
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 BATCH_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -89,6 +89,17 @@ class EngineProfile:
 
     def with_kv_capacity(self, tokens: int) -> "EngineProfile":
         return EngineProfile(**{**asdict(self), "kv_capacity_tokens": tokens})
+
+    def decoding_at(self, factor: float) -> "EngineProfile":
+        """This engine with every decode step taking 1 / `factor` as long (a LoRA adapter
+        applied unmerged decodes at `factor` of the merged speed); prefill and limits as they
+        are. A factor of 1 is this profile itself."""
+        if factor == 1.0:
+            return self
+        if factor <= 0:
+            raise ValueError(f"decode factor {factor}: must be > 0")
+        step_ms = tuple(tuple(ms / factor for ms in row) for row in self.step_ms)
+        return replace(self, name=f"{self.name}@decode-x{factor:g}", step_ms=step_ms)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))

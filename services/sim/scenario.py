@@ -21,6 +21,9 @@ BANDWIDTH_EFFICIENCY = 0.75
 # where a pull's bytes come from: the store (its region), the cross-region link, or the remote
 # region's peers that already hold the version (P2P)
 Route = Literal["store", "link", "peers"]
+# what a pull moves: a whole version, its sparse delta, or under LoRA the base model (the frozen
+# weights every adapter applies to) and a version's adapter
+Payload = Literal["whole", "delta", "base", "adapter"]
 
 
 @dataclass(frozen=True)
@@ -81,17 +84,25 @@ class TransferModel:
     moves the whole version (the store keeps every version whole besides its delta, so no chain
     of deltas is replayed). Every formula above then runs with that size in place of W.
 
+    LoRA versions (issue 51, `adapter_share` set): a version is the base model, which never
+    changes, plus an adapter of `adapter_share` W, whole by itself. A puller that holds no
+    version (a boot: a new instance holds nothing) moves the base, then the adapter; one that
+    holds any version has the base and moves only the adapter, whether or not it missed a
+    version. Each part is timed as above with its size, one after the other, and loaded once.
+
     A cross-region pool (issue 42, `remote_share` > 0): that share of the spot instances starts
     in another region than the store, which it reaches through one link of
     `cross_region_bytes_per_s` shared by every pull of that region (all shards). A remote pull
     is timed as above with the link in place of the store's egress, min(link, egress), and n
     counting the remote pulls only; a home pull counts the home pulls only (the link's stream,
     a few Gbit/s, is not taken from the store's egress). With P2P the remote pullers form their
-    own swarm, so the link carries each version (whole, or its delta) once: the first remote
-    pull of it carries its bytes, the later ones take them from their peers; and a remote pull
-    of a version its region already holds (a joiner) takes it from the peers that hold it
-    (the source is a peer's upload, nothing crosses the link). Without P2P every remote pull
-    crosses the link with its bytes. `egress_usd_per_gb` prices the bytes that cross.
+    own swarm, so the link carries each version (whole, its delta, its adapter) once: the first
+    remote pull of it carries its bytes, the later ones take them from their peers; and a
+    remote pull of a version its region already holds (a joiner) takes it from the peers that
+    hold it (the source is a peer's upload, nothing crosses the link). The LoRA base crosses
+    once a run, and a joiner takes it from any peer of its region (every version has it).
+    Without P2P every remote pull crosses the link with its bytes. `egress_usd_per_gb` prices
+    the bytes that cross.
     """
 
     weight_bytes: float
@@ -103,23 +114,50 @@ class TransferModel:
     block_bytes: float = 64e6  # the unit a peer relays once it has verified it
     replicas: int = 1  # identical shards pulling from this store at the same moments
     delta_share: float | None = None  # a delta's bytes over the version's; None: no deltas
+    adapter_share: float | None = None  # LoRA: an adapter's bytes over W; None: full weights
     remote_share: float = 0.0  # share of the spot instances started in the remote region
     cross_region_bytes_per_s: float = 2e9 / 8  # the link to the remote region: 2 Gbit/s
     egress_usd_per_gb: float = 0.02  # what a GB over the link is billed (AWS inter-region)
 
-    def pull_bytes(self, holds_previous: bool) -> float:
-        """What a pull moves: the delta if it holds the version before and deltas are on."""
+    def __post_init__(self) -> None:
+        if self.delta_share is not None and self.adapter_share is not None:
+            raise ValueError("a version is a delta or an adapter: set delta_share or adapter_share")
+
+    def pull_parts(
+        self, holds_previous: bool, holds_base: bool = False
+    ) -> tuple[tuple[Payload, float], ...]:
+        """What a pull moves, part by part, (payload, bytes): under LoRA the base if the puller
+        holds no version (`holds_base` False), then the adapter; with deltas on, the delta if
+        it holds the version before; else the whole version."""
+        w = self.weight_bytes
+        if self.adapter_share is not None:
+            adapter: tuple[Payload, float] = ("adapter", self.adapter_share * w)
+            return (adapter,) if holds_base else (("base", w), adapter)
         if holds_previous and self.delta_share is not None:
-            return self.delta_share * self.weight_bytes
-        return self.weight_bytes
+            return (("delta", self.delta_share * w),)
+        return (("whole", w),)
+
+    def pull_bytes(self, holds_previous: bool, holds_base: bool = False) -> float:
+        """What a pull moves in all (`pull_parts`)."""
+        return sum(size for _, size in self.pull_parts(holds_previous, holds_base))
 
     def pull_s(
-        self, concurrent: int, holds_previous: bool = False, route: Route = "store"
+        self,
+        concurrent: int,
+        holds_previous: bool = False,
+        route: Route = "store",
+        holds_base: bool = False,
     ) -> float:
         """The k-th pull under way (k = `concurrent`, counting the pulls of its region) by
-        `route`: from the store's region, over the link, or from the remote region's peers."""
+        `route`: from the store's region, over the link, or from the remote region's peers;
+        every part by that route, then the load."""
+        parts = self.pull_parts(holds_previous, holds_base)
+        return sum(self.move_s(concurrent, size, route) for _, size in parts) + self.load_s
+
+    def move_s(self, concurrent: int, size: float, route: Route = "store") -> float:
+        """Seconds the k-th pull under way (k = `concurrent`) takes to move `size` bytes by
+        `route`, without the load."""
         n = max(1, concurrent * self.replicas)
-        size = self.pull_bytes(holds_previous)
         source = self.store_egress_bytes_per_s
         if route == "link":
             source = min(self.cross_region_bytes_per_s, source)
@@ -129,7 +167,7 @@ class TransferModel:
         seconds = size / rate
         if self.p2p:
             seconds = min(seconds, self.swarm_s(n, size, source))
-        return seconds + self.load_s
+        return seconds
 
     def swarm_s(self, n: int, size: float | None = None, source: float | None = None) -> float:
         """Seconds for n concurrent pullers to receive `size` bytes (default W) by peer-to-peer
@@ -148,11 +186,11 @@ class TransferModel:
             return self.nic_bytes_per_s
         return self.peer_upload_bytes_per_s
 
-    def link_bytes(self, holds_previous: bool, first: bool) -> float:
-        """What a remote pull carries over the link, in one shard: without P2P its bytes; with
-        it, the `first` remote pull of a version (whole, or its delta) carries it for every
-        shard (a `replicas`-th of it each), the later ones take it from their peers."""
-        size = self.pull_bytes(holds_previous)
+    def link_bytes(self, size: float, first: bool) -> float:
+        """What a remote pull's part of `size` bytes carries over the link, in one shard:
+        without P2P its bytes; with it, the `first` remote pull of that part (a version whole,
+        its delta, its adapter; the base) carries it for every shard (a `replicas`-th of it
+        each), the later ones take it from their peers."""
         if not self.p2p:
             return size
         return size / self.replicas if first else 0.0
@@ -198,6 +236,18 @@ class Scenario:
 
     def with_workload(self, **changes) -> "Scenario":
         return replace(self, workload=replace(self.workload, **changes))
+
+    def with_lora(self, adapter_share: float, decode_factor: float = 1.0) -> "Scenario":
+        """This run trained as LoRA: each version an adapter of `adapter_share` of the model's
+        bytes over a base pulled once an instance (`TransferModel`), and every engine, spot and
+        reserved, serving it unmerged at `decode_factor` of the merged decode speed (a rollout
+        worker's `max_loras` > 0; 1.0: as fast, a worker that merges each adapter)."""
+        return replace(
+            self,
+            transfer=replace(self.transfer, adapter_share=adapter_share),
+            spot_engine=self.spot_engine.decoding_at(decode_factor),
+            reserved_engine=self.reserved_engine.decoding_at(decode_factor),
+        )
 
 
 def from_model(name: str, model: ModelShape, workload: ResponseLengthModel) -> Scenario:

@@ -136,6 +136,7 @@ class Totals:
     pulls: int = 0  # weight pulls started (at a boot, a step's start, a background swap)
     pull_s: float = 0.0  # their durations, as the transfer model timed them at the start
     max_pull_s: float = 0.0
+    pulled_bytes: float = 0.0  # what those pulls moved (`TransferModel.pull_parts`)
     env_answers: int = 0  # multi-turn: turns the environment answered
     episodes: int = 0  # multi-turn: episodes over
     env_s: float = 0.0  # multi-turn: seconds turns waited for the environment, summed

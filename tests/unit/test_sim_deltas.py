@@ -64,11 +64,12 @@ def test_the_remote_pulls_share_the_link_and_p2p_carries_a_version_once():
     # a region that holds the version already serves it at a peer's NIC
     assert P2P.pull_s(1, route="peers") == P2P.pull_s(1, route="store")
     # the bytes over the link: every pull without P2P; with it, the first, for every shard
-    assert [STORE.link_bytes(False, first) for first in (True, False)] == [29.6e9, 29.6e9]
+    assert [STORE.link_bytes(29.6e9, first) for first in (True, False)] == [29.6e9, 29.6e9]
     shards = replace(P2P, replicas=4, delta_share=0.05)
-    assert shards.link_bytes(True, first=True) == pytest.approx(0.05 * 29.6e9 / 4)
-    assert shards.link_bytes(False, first=True) == 29.6e9 / 4
-    assert shards.link_bytes(False, first=False) == 0.0
+    delta = shards.pull_bytes(holds_previous=True)
+    assert shards.link_bytes(delta, first=True) == pytest.approx(0.05 * 29.6e9 / 4)
+    assert shards.link_bytes(29.6e9, first=True) == 29.6e9 / 4
+    assert shards.link_bytes(29.6e9, first=False) == 0.0
 
 
 def test_the_remote_share_spreads_over_the_starts():
