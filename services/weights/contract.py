@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,6 +97,13 @@ class ManifestCommit(Manifest):
         "of the model, where it has the same name, size and sha256 (a new version rarely "
         "changes the config or the tokenizer).",
     )
+    reuse_content: bool = Field(
+        False,
+        description="A listed file neither uploaded nor taken from reuse_version is taken from "
+        "any committed version of any model in the store with the same size and sha256: runs "
+        "over the same base model store its files once (linked), kept while any version "
+        "holds them. POST /v1/content/have says which files the store holds.",
+    )
 
 
 def delta_name(name: str) -> str:
@@ -134,3 +142,18 @@ class WeightConflict(WeightTransferError):
         self.model, self.version, self.stored, self.expected = model, version, stored, expected
         digests = f" (digest {stored[:16]} != {expected_as} {expected[:16]})" if stored else ""
         super().__init__(f"weight version {version} of {model} {what}{digests}")
+
+
+MAX_CONTENT_QUERY = 4096  # most sha256s one content query names
+
+
+class ContentQuery(BaseModel):
+    """Which of these file contents (sha256, hex) does the store hold committed?"""
+
+    sha256: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(
+        max_length=MAX_CONTENT_QUERY
+    )
+
+
+class ContentHeld(BaseModel):
+    sha256: list[str]  # those of the query the store holds, in the query's order

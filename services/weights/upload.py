@@ -14,6 +14,8 @@ from pydantic import ValidationError
 from services.infra.retry import brief
 from services.weights.answers import parse_answer, read_manifest
 from services.weights.contract import (
+    MAX_CONTENT_QUERY,
+    ContentHeld,
     FileEntry,
     Manifest,
     ManifestCommit,
@@ -58,20 +60,48 @@ async def put_files(
     return entries
 
 
+async def held_content(
+    http: httpx.AsyncClient, base: str, local: VersionFiles, names: list[str]
+) -> set[str]:
+    """Which of the files `names` the replica at `base` holds committed already, by content
+    (another run's version over the same base model); none where it cannot say (an older
+    store, an error: they are uploaded)."""
+    shas = sorted({local.sha256[n] for n in names})[:MAX_CONTENT_QUERY]
+    if not shas:
+        return set()
+    try:
+        resp = await http.post(f"{base}/v1/content/have", json={"sha256": shas})
+    except httpx.HTTPError:
+        return set()
+    if resp.status_code != 200:
+        return set()
+    try:
+        held = set(parse_answer(ContentHeld, resp, "content held").sha256)
+    except WeightTransferError:
+        return set()
+    return {n for n in names if local.sha256[n] in held}
+
+
 async def post_commit(
     http: httpx.AsyncClient,
     prefix: str,
     entries: list[FileEntry],
     metadata: dict,
     reuse: int | None,
+    reuse_content: bool = False,
 ) -> httpx.Response:
     """Commit the version's manifest (naming, with `reuse`, the version the replica takes the
-    files not sent from)."""
+    files not sent from; with `reuse_content`, it takes them from any version that has them)."""
     try:
-        commit = ManifestCommit(files=entries, metadata=metadata, reuse_version=reuse)
+        commit = ManifestCommit(
+            files=entries, metadata=metadata, reuse_version=reuse, reuse_content=reuse_content
+        )
     except ValidationError as exc:
         raise WeightTransferError(f"commit {prefix}: {brief(exc)}") from exc
-    body = commit.model_dump(mode="json", include={"files", "metadata", "reuse_version"})
+    fields = {"files", "metadata", "reuse_version"}
+    if reuse_content:  # named only when asked: a store older than it refuses the field
+        fields.add("reuse_content")
+    body = commit.model_dump(mode="json", include=fields)
     return await http.post(f"{prefix}/commit", json=body)
 
 
@@ -122,8 +152,9 @@ async def upload_to(
     """Upload version `name` (model, version) to the replica at `base` and commit it: the
     files it holds already in `earlier` (the version this client committed to it last) are
     named, not sent; with `deltas` against that version, the files they make are sent as
-    their deltas. A replica that refuses that commit (it lost the version, or a delta does
-    not apply) gets every file whole."""
+    their deltas. With no `earlier`, the files the replica holds by content (another run over
+    the same base model) are named, not sent. A replica that refuses that commit (it lost the
+    version, or a delta does not apply) gets every file whole."""
     model, version = name
     prefix = f"{base}/v1/models/{model}/versions/{version}"
     reuse = earlier[0] if earlier is not None else None
@@ -134,15 +165,19 @@ async def upload_to(
     entries: dict[str, FileEntry] = {
         n: FileEntry(name=n, size=local.size(n), sha256=local.sha256[n]) for n in unchanged
     }
-    whole = [n for n in local.content if n not in unchanged and n not in by_delta]
+    rest = [n for n in local.content if n not in unchanged and n not in by_delta]
+    shared = await held_content(http, base, local, rest) if earlier is None else set()
+    entries |= {n: FileEntry(name=n, size=local.size(n), sha256=local.sha256[n]) for n in shared}
+    whole = [n for n in rest if n not in shared]
     sent = await put_files(http, prefix, local, whole)
     sent_deltas = await send_deltas(http, prefix, local, deltas, by_delta)
     if sent is None or sent_deltas is None:
         return await already_committed(http, prefix, local, model, version)
     entries |= sent | sent_deltas
-    resp = await post_commit(http, prefix, [entries[n] for n in local.content], metadata, reuse)
-    if resp.status_code == 400 and (unchanged or by_delta):
-        sent = await put_files(http, prefix, local, [*unchanged, *by_delta])
+    listed = [entries[n] for n in local.content]
+    resp = await post_commit(http, prefix, listed, metadata, reuse, bool(shared))
+    if resp.status_code == 400 and (unchanged or by_delta or shared):
+        sent = await put_files(http, prefix, local, [*unchanged, *by_delta, *shared])
         if sent is None:
             return await already_committed(http, prefix, local, model, version)
         entries |= sent

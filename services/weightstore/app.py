@@ -26,7 +26,14 @@ from services.infra.service import (
     tokens_of,
 )
 from services.weights.block_server import BlockServer
-from services.weights.contract import MAX_VERSION, FileEntry, Manifest, ManifestCommit
+from services.weights.contract import (
+    MAX_VERSION,
+    ContentHeld,
+    ContentQuery,
+    FileEntry,
+    Manifest,
+    ManifestCommit,
+)
 from services.weightstore.settings import WeightStoreSettings
 from services.weightstore.storage import NotFound, StorageError, WeightStorage
 
@@ -180,7 +187,12 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
         # a file sent as a delta is made whole and checked here: seconds for a big one
         committed = await asyncio.to_thread(
-            storage.commit, model, version, manifest, manifest.reuse_version
+            storage.commit,
+            model,
+            version,
+            manifest,
+            manifest.reuse_version,
+            manifest.reuse_content,
         )
         COMMITS.inc()
         discard_staging(storage, settings, model)
@@ -192,6 +204,13 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
             committed.total_bytes(),
         )
         return committed
+
+    @app.post("/v1/content/have", response_model=ContentHeld, **write)
+    async def content_held(query: ContentQuery) -> ContentHeld:
+        """Which of these file contents the store holds committed (a commit with
+        `reuse_content` takes them without an upload)."""
+        held = await asyncio.to_thread(storage.content, set(query.sha256))
+        return ContentHeld(sha256=[sha for sha in query.sha256 if sha in held])
 
     @app.get("/v1/blocks", response_model=BlockPort, **read)
     async def block_port() -> BlockPort:

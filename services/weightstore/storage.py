@@ -132,10 +132,16 @@ class WeightStorage:
         )
 
     def commit(
-        self, model: str, version: int, manifest: Manifest, reuse_version: int | None = None
+        self,
+        model: str,
+        version: int,
+        manifest: Manifest,
+        reuse_version: int | None = None,
+        reuse_content: bool = False,
     ) -> Manifest:
         """Make a version visible, all or nothing. Listed files not uploaded are taken from
-        committed `reuse_version` where it holds them with the same content."""
+        committed `reuse_version` where it holds them with the same content, and, with
+        `reuse_content`, from any committed version of any model that does."""
         if self.is_committed(model, version):
             raise Conflict(f"{model} version {version} is already committed")
         staging = self._staging(model, version)
@@ -143,6 +149,8 @@ class WeightStorage:
         # or, for a file taken from `reuse_version`, for that version): a version's content
         # digest is computed from them; block hashes always come from the store too
         known = self._take_unchanged(model, reuse_version, staging, manifest)
+        if reuse_content:
+            known |= self._take_content(staging, manifest)
         made, problems = whole.make_whole(self, model, staging, manifest)
         known |= made
         files = []
@@ -213,6 +221,45 @@ class WeightStorage:
             try:
                 link_or_copy(self.committed_dir(model, reuse_version) / entry.name, path)
             except OSError:  # retention took that version meanwhile: the file stays missing
+                continue
+            taken[entry.name] = (old.sha256, old.block_sha256 or [], old.block_size)
+        return taken
+
+    def content(self, wanted: set[str] | None = None) -> dict[str, tuple[Path, FileEntry]]:
+        """Committed file contents by sha256 (those of `wanted`; None: all): where one is kept
+        whole and its manifest entry. Read from the committed manifests, so what retention
+        removed is gone from it; a file kept as its delta only is not offered."""
+        found: dict[str, tuple[Path, FileEntry]] = {}
+        for model in self.models():
+            for version in self.versions(model):
+                try:
+                    entries = self.manifest(model, version).files
+                except (NotFound, OSError, ValueError):
+                    continue  # retention took it meanwhile
+                folder = self.committed_dir(model, version)
+                for entry in entries:
+                    if wanted is not None and entry.sha256 not in wanted:
+                        continue
+                    if entry.sha256 not in found and (folder / entry.name).is_file():
+                        found[entry.sha256] = (folder / entry.name, entry)
+        return found
+
+    def _take_content(self, staging: Path, manifest: Manifest) -> dict[str, Hashes]:
+        """Link into `staging` each listed file it lacks that a committed version of any model
+        holds with the same size and sha256 (one copy on disk, kept while any version links
+        it); the hashes of each file linked, as its manifest lists them."""
+        missing = [e for e in manifest.files if not (staging / e.name).exists()]
+        held = self.content({e.sha256 for e in missing}) if missing else {}
+        taken: dict[str, Hashes] = {}
+        for entry in missing:
+            source = held.get(entry.sha256)
+            if source is None or source[1].size != entry.size:
+                continue
+            path, old = source
+            staging.mkdir(parents=True, exist_ok=True)
+            try:
+                link_or_copy(path, staging / entry.name)
+            except OSError:  # retention took it meanwhile: the file stays missing
                 continue
             taken[entry.name] = (old.sha256, old.block_sha256 or [], old.block_size)
         return taken

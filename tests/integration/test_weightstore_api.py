@@ -143,27 +143,29 @@ def received(url: str) -> float:
 def test_an_upload_sends_only_what_changed_since_the_clients_last_commit(store, tmp_path):
     """The second version's config is the first's: only the weights travel, the commit names
     v0 for the rest. A replica that cannot take them from there (here: one told of a version
-    it never had) gets every file after all; both versions pull whole."""
+    it never had) gets every file after all; both versions pull whole. (Contents no other test
+    of the module's store uploads: a store holding them committed takes them from there.)"""
     url, _ = store
     client = WeightClient([url], TOKEN)
     src = tmp_path / "src"
     src.mkdir()
-    (src / "config.json").write_text('{"same": true}')
-    for version, weights in ((0, b"a" * 5000), (1, b"b" * 7000)):
+    config = '{"same": true, "test": "sends only what changed"}'
+    (src / "config.json").write_text(config)
+    for version, weights in ((0, b"a" * 5001), (1, b"b" * 7001)):
         (src / "model.safetensors").write_bytes(weights)
         before = received(url)
         asyncio.run(client.upload_folder(src, "m6", version))
-        assert received(url) - before == len(weights) + (14 if version == 0 else 0)
+        assert received(url) - before == len(weights) + (len(config) if version == 0 else 0)
     pulled = asyncio.run(client.pull("m6", 1, tmp_path / "v1"))
-    assert (pulled.folder / "config.json").read_text() == '{"same": true}'
-    assert (pulled.folder / "model.safetensors").read_bytes() == b"b" * 7000
+    assert (pulled.folder / "config.json").read_text() == config
+    assert (pulled.folder / "model.safetensors").read_bytes() == b"b" * 7001
     fresh = WeightClient([url], TOKEN)
-    fresh._uploaded[url, "m7"] = (0, {"config.json": hashlib.sha256(b'{"same": true}').hexdigest()})
+    fresh._uploaded[url, "m7"] = (0, {"config.json": hashlib.sha256(config.encode()).hexdigest()})
     before = received(url)
     asyncio.run(fresh.upload_folder(src, "m7", 1))  # m7 has no v0 to take the config from
-    assert received(url) - before == 7000 + 14
+    assert received(url) - before == 7001 + len(config)
     pulled = asyncio.run(fresh.pull("m7", 1, tmp_path / "m7"))
-    assert (pulled.folder / "config.json").read_text() == '{"same": true}'
+    assert (pulled.folder / "config.json").read_text() == config
 
 
 def test_a_store_with_protected_reads_serves_its_files_to_the_token_only(tmp_path):
