@@ -99,6 +99,7 @@ class ManifestCommit(Manifest):
     )
     reuse_content: bool = Field(
         False,
+        strict=True,  # JSON's true or false, not 0 or "yes"
         description="A listed file neither uploaded nor taken from reuse_version is taken from "
         "any committed version of any model in the store with the same size and sha256: runs "
         "over the same base model store its files once (linked), kept while any version "
@@ -144,7 +145,8 @@ class WeightConflict(WeightTransferError):
         super().__init__(f"weight version {version} of {model} {what}{digests}")
 
 
-MAX_CONTENT_QUERY = 4096  # most sha256s one content query names
+# most sha256s one content query names: its body stays within the store's 64 KiB per request
+MAX_CONTENT_QUERY = 512
 
 
 class ContentQuery(BaseModel):

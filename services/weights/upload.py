@@ -66,19 +66,17 @@ async def held_content(
     """Which of the files `names` the replica at `base` holds committed already, by content
     (another run's version over the same base model); none where it cannot say (an older
     store, an error: they are uploaded)."""
-    shas = sorted({local.sha256[n] for n in names})[:MAX_CONTENT_QUERY]
-    if not shas:
-        return set()
-    try:
-        resp = await http.post(f"{base}/v1/content/have", json={"sha256": shas})
-    except httpx.HTTPError:
-        return set()
-    if resp.status_code != 200:
-        return set()
-    try:
-        held = set(parse_answer(ContentHeld, resp, "content held").sha256)
-    except WeightTransferError:
-        return set()
+    shas = sorted({local.sha256[n] for n in names})
+    held: set[str] = set()
+    for at in range(0, len(shas), MAX_CONTENT_QUERY):
+        query = {"sha256": shas[at : at + MAX_CONTENT_QUERY]}
+        try:
+            resp = await http.post(f"{base}/v1/content/have", json=query)
+            if resp.status_code != 200:
+                return set()
+            held |= set(parse_answer(ContentHeld, resp, "content held").sha256)
+        except (httpx.HTTPError, WeightTransferError):
+            return set()
     return {n for n in names if local.sha256[n] in held}
 
 
