@@ -86,6 +86,7 @@ GEN_REQUESTS = 16  # requests generated at once for lora_vs_merged_tok_s
 KILL_AFTER_STEP = 5  # the learning run's worker is killed mid-step, past this one
 ADAPTER_LOG = "an adapter the engine applies"  # weight_loader's line for an adapter served so
 ENGINE_ENV = "SPOTRL_ENGINE"
+VLLM_LORA_LOG = "vLLM restarted with LoRA"  # the vLLM engine's line once its LoRA layers are on
 
 
 def log(*parts) -> None:
@@ -486,19 +487,25 @@ def learning_run(args) -> dict:
     from tests.harness.deploy import Deployment, DeploymentConfig
 
     model = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, None)
-    spec = RunSpec(
-        model=str(model.resolve()),
-        steps=args.run_steps,
-        lora_r=args.lora_r,
-        lora_alpha=LORA_ALPHA,
-        learning_rate=args.run_lr,
-    )
+
+    def spec_of(steps: int) -> RunSpec:
+        return RunSpec(
+            model=str(model.resolve()),
+            steps=steps,
+            lora_r=args.lora_r,
+            lora_alpha=LORA_ALPHA,
+            learning_rate=args.run_lr,
+        )
+
+    spec = spec_of(args.run_steps)
     engines = args.run_engines.split(",")
     with tempfile.TemporaryDirectory(prefix="spotrl-bench-lora-run-") as work:
         config = DeploymentConfig(Path(work), reserved=1, preemptible=0)
         with Deployment(config) as dep, CoordinatorClient(dep.coordinator_url) as client:
             for engine in engines:
                 dep.add_worker("preemptible", engine=engine)
+            if "vllm" in engines:
+                warm_up_vllm(dep, client, spec_of(1000))
             started = time.monotonic()
             run_id = client.submit(spec.model_dump(mode="json"))
             r = redis.Redis.from_url(dep.redis_url)
@@ -510,6 +517,13 @@ def learning_run(args) -> dict:
             r.close()
             audit = audit_run(dep.redis_url, run_id, spec)
             applied = engines_applying(dep)
+            for name, proc in dep.procs.items():  # say why an engine served no adapter
+                if not name.startswith("rollout-"):
+                    continue
+                engine = dep.launch[name][1].get(ENGINE_ENV, "hf")
+                if engine not in applied:
+                    log(f"{name} ({engine}) served no adapter; its log ends:")
+                    log(proc.log_tail(3000))
     return {
         "state": summary["state"],
         "steps": summary["steps"],
@@ -524,12 +538,34 @@ def learning_run(args) -> dict:
     }
 
 
+def warm_up_vllm(dep, client, spec, timeout_s: float = 600) -> None:
+    """`spec` (a LoRA run of many steps), cancelled once every vLLM worker has started vLLM
+    with its LoRA layers (vLLM starts plain; its first adapter restarts it with them, a minute
+    or two on CPU): the measured run then finds them ready, as a fleet that served LoRA runs
+    is."""
+    from services.contracts.runspec import FINAL_STATES
+
+    names = [n for n in dep.procs if dep.launch.get(n, ("", {}))[1].get(ENGINE_ENV) == "vllm"]
+    run_id = client.submit(spec.model_dump(mode="json"))
+    deadline = time.monotonic() + timeout_s
+    ready = lambda n: VLLM_LORA_LOG in dep.procs[n].log_tail(200_000)  # noqa: E731
+    while not all(ready(n) for n in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM workers {names} never started with LoRA")
+        time.sleep(1)
+    client.cancel(run_id)
+    while client.run(run_id)["state"] not in FINAL_STATES:
+        time.sleep(0.2)
+    log(f"warm-up run {run_id}: vLLM workers {names} ready with LoRA")
+
+
 def kill_mid_step(dep, r, run_id: str, spec) -> str:
-    """SIGKILL the hf preemptible worker once it holds requests of a step past the first few
-    (a new one joins in its place); the worker's name."""
+    """SIGKILL the first preemptible worker (hf) once it holds requests of a step past the
+    first few (a new one of its engine joins in its place); the worker's name."""
     from services.contracts import keys
 
     victim = next(n for n in dep.procs if n.startswith("rollout-preemptible"))
+    engine = dep.launch[victim][1].get(ENGINE_ENV, "hf")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         version = int(r.get(keys.run_version(run_id)) or 0)
@@ -537,7 +573,7 @@ def kill_mid_step(dep, r, run_id: str, spec) -> str:
         if version >= KILL_AFTER_STEP and 0 < published < spec.training.prompts_per_step:
             dep.procs[victim].kill()
             log(f"step {version}: {victim} SIGKILLed")
-            dep.add_worker("preemptible", wait=False)
+            dep.add_worker("preemptible", wait=False, engine=engine)
             return victim
         time.sleep(0.01)
     raise TimeoutError("never caught the run mid-step")
