@@ -96,6 +96,9 @@ BLOCKS: dict[str, Block] = {
                 "${SPOTRL_ENGINE:-hf}", "vllm: build the image with VLLM=cpu or VLLM=cuda"
             ),
             "slots": 64,
+            "max_loras": Note(
+                "${SPOTRL_MAX_LORAS:-4}", "LoRA runs: adapters held at once (0: merged)"
+            ),
             "cache_dir": "/tmp/spotrl-rollout",
             "torch_threads": "${SPOTRL_ROLLOUT_THREADS:-2}",
             "p2p": Note("${SPOTRL_P2P:-true}", "false: every weight block from the store"),

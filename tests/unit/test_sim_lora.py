@@ -108,6 +108,7 @@ def test_the_engines_decode_at_the_factor_and_the_lora_scenario_sets_both():
         sc.spot_engine.decoding_at(0.0)
 
 
+@pytest.mark.slow  # ~2 s: in make test, not make test-fast
 def test_the_fleet_runs_lora_beside_full_weights_and_deltas():
     """One shard of 16, 5 steps: LoRA pulls the base at each boot and then an adapter, fewer
     bytes than deltas (which pull a whole version at each boot too), far fewer than full; a
