@@ -208,6 +208,7 @@ def valid_bodies(tiny_model) -> dict[tuple[str, str], dict]:
             "files": [{"name": "a.bin", "size": 1, "sha256": "0" * 64}],
             "metadata": {"k": 1.5},
         },
+        ("post", "/v1/content/have"): {"sha256": ["0" * 64]},
     }
 
 

@@ -252,6 +252,7 @@ def write_requests(deployment, run_id: str, worker_id: str, model_spec: dict):
         ("DELETE", f"{co}/v1/workers/{worker_id}", {}),
         ("PUT", f"{ws}/v1/models/m-x/versions/0/files/a.bin", {"content": b"x"}),
         ("POST", f"{ws}/v1/models/m-x/versions/0/commit", {"json": manifest}),
+        ("POST", f"{ws}/v1/content/have", {"json": {"sha256": ["0" * 64]}}),
     ]
 
 
