@@ -10,14 +10,15 @@ import torch
 INPUT_IDS = [[1, 5, 9, 2, 33, 17, 4]]  # what the tests compare logits on
 
 
-def tiny_qwen2(seed: int = 0) -> Any:
-    """An untrained Qwen2 causal LM: hidden 32, 2 layers, a vocabulary of 64, float32."""
+def tiny_qwen2(seed: int = 0, hidden_size: int = 32) -> Any:
+    """An untrained Qwen2 causal LM: hidden 32 (or `hidden_size`), 2 layers, a vocabulary of
+    64, float32."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=64,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,

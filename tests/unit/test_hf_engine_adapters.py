@@ -131,17 +131,7 @@ def test_an_adapter_that_does_not_fit_is_refused_and_a_whole_load_drops_adapters
     base, folders, _ = saved
     engine = engine_with(base, folders)
     other = tmp_path / "wide"
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "wide_base")
+    tiny_qwen2(hidden_size=48).save_pretrained(tmp_path / "wide_base")
     lora_of(tmp_path / "wide_base", seed=1).save_pretrained(other)
     with pytest.raises(ValueError, match="base shape"):
         engine.hold_adapter(3, other)
