@@ -148,6 +148,11 @@ def pulled_from_peers(worker) -> tuple[int, int]:
     return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
+def loaded(worker) -> list[str]:
+    """The versions the worker's log says it loaded, as the log says it."""
+    return re.findall(r"loaded \S+ v\d+ \([^)]*\)", worker.log_path.read_text())
+
+
 def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp_path):
     """1 store + 4 rollout workers in a real run: the second and later take most of v0's
     blocks from the workers that hold it; the store serves the first."""
@@ -156,13 +161,22 @@ def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp
         reserved=0,
         preemptible=0,
         extra_env={"SPOTRL_BLOCK_BYTES": str(64 * 1024)},
-        # decode steps of 2 s: step 0 outlasts the later workers' start, so v0 stays current
+        # decode steps of 2 s and 64 tokens a response: step 0 lasts two minutes, far longer
+        # than the later workers take to start on a loaded machine, so v0 stays current (with
+        # the task's few tokens it ended first in a CI, and they loaded v1)
         worker_env={"SPOTRL_STEP_DELAY_MS": "2000"},
     )
     with Deployment(config) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         rdb = redis.Redis.from_url(dep.redis_url)
-        spec = small_spec(tiny_model, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=64)
+        spec = small_spec(
+            tiny_model,
+            steps=2,
+            prompts_per_step=2,
+            group_size=2,
+            max_new_tokens=64,
+            ignore_eos=True,
+        )
         run_id = client.submit(spec)
         wait_until(lambda: rdb.get(keys.run_version(run_id)) is not None, "v0 announced", 120)
         first = dep.add_worker("preemptible")
@@ -174,7 +188,10 @@ def test_workers_joining_a_run_pull_their_weights_from_the_first(tiny_model, tmp
                 all(pulled_from_peers(w)[0] for w in later)
                 and [pulled_from_peers(w) for w in later]
             ),
-            "the later workers' loads of v0",
+            lambda: (
+                "the later workers' loads of v0; what they loaded: "
+                + "; ".join(f"{w.name}: {loaded(w)}" for w in later)
+            ),
             180,
         )
         for total, from_peers in loads:
