@@ -1,0 +1,98 @@
+"""The fleet's slots among runs (services/core/fleet_shares.py): weighted max-min fairness,
+tails first, whole slots that add up, clear errors; and the share error a window is judged by."""
+
+import random
+
+import pytest
+
+from services.core.fleet_shares import ClaimError, RunClaim, allot, share_error
+
+
+def claim(run_id: str, wanted: int, share: float = 1.0, tail: bool = False) -> RunClaim:
+    return RunClaim(run_id=run_id, share=share, wanted=wanted, tail=tail)
+
+
+def test_equal_shares_split_the_fleet_equally():
+    got = allot(64, [claim("a", 100), claim("b", 100), claim("c", 100), claim("d", 100)])
+    assert got == {"a": 16, "b": 16, "c": 16, "d": 16}
+
+
+def test_weights_split_it_by_weight():
+    assert allot(60, [claim("a", 100, share=2), claim("b", 100, share=1)]) == {"a": 40, "b": 20}
+
+
+def test_what_a_run_does_not_want_goes_to_the_others_by_weight():
+    # a wants 5 of its 20: the 15 it leaves go to b and c, 2:1
+    got = allot(60, [claim("a", 5), claim("b", 100, share=2), claim("c", 100)])
+    assert got == {"a": 5, "b": 37, "c": 18}
+
+
+def test_a_run_with_nothing_waiting_gets_nothing_and_idles_nothing():
+    assert allot(32, [claim("a", 0), claim("b", 100)]) == {"a": 0, "b": 32}
+
+
+def test_a_fleet_larger_than_the_demand_gives_every_run_all_it_wants():
+    assert allot(100, [claim("a", 7), claim("b", 30, share=5)]) == {"a": 7, "b": 30}
+
+
+def test_a_tail_comes_first():
+    # b's step waits on its last 3 requests: they get slots even though a's share would take all
+    got = allot(8, [claim("a", 100, share=10), claim("b", 3, tail=True)])
+    assert got == {"a": 5, "b": 3}
+
+
+def test_tails_wanting_more_than_the_fleet_share_it_by_weight():
+    got = allot(9, [claim("a", 50, tail=True, share=2), claim("b", 50, tail=True), claim("c", 9)])
+    assert got == {"a": 6, "b": 3, "c": 0}
+
+
+def test_whole_slots_go_to_the_largest_fractions_then_to_the_first_listed():
+    assert allot(10, [claim("a", 9), claim("b", 9), claim("c", 9)]) == {"a": 4, "b": 3, "c": 3}
+    assert allot(0, [claim("a", 9)]) == {"a": 0}
+
+
+def test_every_allotment_adds_up_stays_within_wants_and_is_max_min_fair():
+    rng = random.Random(7)
+    for _ in range(2000):
+        claims = [
+            claim(f"r{i}", rng.choice([0, 1, 3, 10, 50, 200]), rng.choice([0.5, 1, 2, 3]))
+            for i in range(rng.randint(1, 6))
+        ]
+        capacity = rng.randint(0, 120)
+        got = allot(capacity, claims)
+        assert set(got) == {c.run_id for c in claims}
+        assert sum(got.values()) == min(capacity, sum(c.wanted for c in claims))
+        assert all(0 <= got[c.run_id] <= c.wanted for c in claims)
+        # max-min: a run short of its want holds, per unit of share, no less than any other
+        # run holds (within one whole slot each)
+        short = [c for c in claims if got[c.run_id] < c.wanted]
+        for s in short:
+            for o in claims:
+                assert (got[s.run_id] + 1) / s.share >= (got[o.run_id] - 1) / o.share, (
+                    capacity,
+                    claims,
+                    got,
+                )
+
+
+@pytest.mark.parametrize(
+    ("capacity", "claims", "message"),
+    [
+        (-1, [claim("a", 1)], "capacity must be >= 0"),
+        (8, [claim("a", 1, share=0)], "run a: share must be a positive number"),
+        (8, [claim("a", 1, share=float("nan"))], "share must be a positive number"),
+        (8, [claim("a", -1)], "run a: wanted must be >= 0"),
+        (8, [claim("a", 1), claim("a", 2)], "run a claims twice"),
+    ],
+)
+def test_a_claim_that_cannot_be_allotted_is_refused_with_its_cause(capacity, claims, message):
+    with pytest.raises(ClaimError, match=message):
+        allot(capacity, claims)
+
+
+def test_share_error_is_the_largest_gap_between_allotted_and_used_fractions():
+    assert share_error({"a": 10, "b": 10}, {"a": 10, "b": 10}) == 0
+    assert share_error({"a": 10, "b": 10}, {"a": 6, "b": 4}) == pytest.approx(0.1)
+    # a run that used slots it was not allotted counts too
+    assert share_error({"a": 10}, {"a": 5, "b": 5}) == pytest.approx(0.5)
+    assert share_error({}, {}) == 0
