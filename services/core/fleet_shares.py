@@ -18,6 +18,15 @@ A run with nothing waiting gets nothing and takes nothing from the others: the f
 held idle for a share no one uses. The allotment says how many slots; which worker holds them
 is the read caps' and the balancer's (`balancer.read_cap`, `balancer.releases`), per run.
 
+An engine holds one model: a base model serves every LoRA run over it at once (each request
+under its run's adapter), a full-weight run's model serves that run only. `place` says which
+model each worker should hold so that every model gets the slots its runs were allotted: a
+worker stays on what it holds while its model still needs slots, and a worker whose model has
+more than it needs switches to one short of at least half a worker (a switch is a load of
+seconds to minutes: never made for a slot or two). A worker holding nothing loads whatever
+is short, and is placed first. Placement never moves a worker to a model that would then
+have more than it needs by a whole worker.
+
 `share_error` is the measure of how well a fleet kept to the allotments over a window: the
 largest gap, over runs, between the fraction of the slots a run was allotted and the fraction
 it used.
@@ -53,6 +62,45 @@ def allot(capacity: int, claims: Sequence[RunClaim]) -> dict[str, int]:
         parts.update(filled)
         left -= sum(filled.values())
     return _whole_slots(capacity, claims, parts)
+
+
+@dataclass(frozen=True)
+class FleetWorker:
+    worker_id: str
+    slots: int  # requests its engine holds at once
+    holds: str | None  # the model its engine holds now (None: none yet)
+
+
+def place(workers: Sequence[FleetWorker], need: Mapping[str, int]) -> dict[str, str | None]:
+    """The model each worker should hold, given the slots each model `need`s (the sum of its
+    runs' allotments). Workers stay where they are needed; the fewest switches fill what is
+    short; a worker no model needs keeps what it holds (None: nothing), and idles."""
+    short = dict(need)
+    placed: dict[str, str | None] = {}
+    # those that stay: the largest first, while their model still needs slots
+    for w in sorted(workers, key=lambda w: (-w.slots, w.worker_id)):
+        if w.holds is not None and short.get(w.holds, 0) > 0:
+            placed[w.worker_id] = w.holds
+            short[w.holds] -= w.slots
+    # the rest: each to the model shortest of slots, if it is short by half a worker or more
+    free = sorted(
+        (w for w in workers if w.worker_id not in placed),
+        key=lambda w: (w.holds is not None, -w.slots, w.worker_id),  # empty engines first
+    )
+    for w in free:
+        model = max(sorted(short), key=lambda m: short[m], default=None)
+        # an empty engine loads whatever is short; a loaded one switches for half a worker
+        worth = (
+            model is not None
+            and short[model] > 0
+            and (w.holds is None or 2 * short[model] >= w.slots)
+        )
+        if model is not None and worth:
+            placed[w.worker_id] = model
+            short[model] -= w.slots
+        else:  # nothing short enough: it keeps what it holds, idle for now
+            placed[w.worker_id] = w.holds
+    return placed
 
 
 def share_error(allotted: Mapping[str, float], used: Mapping[str, float]) -> float:

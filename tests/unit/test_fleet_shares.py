@@ -5,7 +5,18 @@ import random
 
 import pytest
 
-from services.core.fleet_shares import ClaimError, RunClaim, allot, share_error
+from services.core.fleet_shares import (
+    ClaimError,
+    FleetWorker,
+    RunClaim,
+    allot,
+    place,
+    share_error,
+)
+
+
+def worker(worker_id: str, holds: str | None, slots: int = 16) -> FleetWorker:
+    return FleetWorker(worker_id=worker_id, slots=slots, holds=holds)
 
 
 def claim(run_id: str, wanted: int, share: float = 1.0, tail: bool = False) -> RunClaim:
@@ -96,3 +107,65 @@ def test_share_error_is_the_largest_gap_between_allotted_and_used_fractions():
     # a run that used slots it was not allotted counts too
     assert share_error({"a": 10}, {"a": 5, "b": 5}) == pytest.approx(0.5)
     assert share_error({}, {}) == 0
+
+
+def test_workers_stay_on_the_model_they_hold_while_it_is_needed():
+    workers = [worker("w1", "base-a"), worker("w2", "base-a"), worker("w3", "base-b")]
+    assert place(workers, {"base-a": 32, "base-b": 16}) == {
+        "w1": "base-a",
+        "w2": "base-a",
+        "w3": "base-b",
+    }
+
+
+def test_a_worker_switches_when_another_model_is_short_by_half_a_worker_or_more():
+    workers = [worker("w1", "base-a"), worker("w2", "base-a"), worker("w3", "base-b")]
+    # base-a needs one worker's slots, base-b two: one of base-a's switches
+    got = place(workers, {"base-a": 16, "base-b": 32})
+    assert sorted(got.values()) == ["base-a", "base-b", "base-b"] and got["w3"] == "base-b"
+    # short by 7 of 16: not worth a load; the spare worker keeps its model and idles
+    assert place(workers, {"base-a": 16, "base-b": 23}) == {
+        "w1": "base-a",
+        "w2": "base-a",
+        "w3": "base-b",
+    }
+
+
+def test_an_empty_engine_loads_whatever_is_short_and_is_placed_first():
+    workers = [worker("w1", "base-a"), worker("new", None)]
+    assert place(workers, {"base-a": 16, "base-b": 3}) == {"w1": "base-a", "new": "base-b"}
+    # nothing short: it stays empty
+    assert place([worker("new", None)], {"base-a": 0}) == {"new": None}
+
+
+def test_every_model_short_of_slots_keeps_a_worker_it_has():
+    # base-a needs 2 slots, base-b 30: base-a keeps its worker rather than starve its runs
+    workers = [worker("w1", "base-a"), worker("w2", None)]
+    assert place(workers, {"base-a": 2, "base-b": 30}) == {"w1": "base-a", "w2": "base-b"}
+
+
+def test_placement_covers_every_need_the_fleet_can_and_oversupplies_none_by_a_worker():
+    rng = random.Random(11)
+    models = ["m0", "m1", "m2"]
+    for _ in range(1000):
+        workers = [
+            worker(f"w{i}", rng.choice([None, *models]), slots=rng.choice([4, 8, 16]))
+            for i in range(rng.randint(1, 8))
+        ]
+        need = {m: rng.choice([0, 2, 8, 16, 40]) for m in models}
+        got = place(workers, need)
+        assert set(got) == {w.worker_id for w in workers}
+        held = {m: sum(w.slots for w in workers if got[w.worker_id] == m) for m in models}
+        moved = [w for w in workers if got[w.worker_id] != w.holds]
+        assert all(got[w.worker_id] is not None for w in moved)
+        for m in models:  # switches only while the model needed them: never over by a worker
+            movers = [w.slots for w in moved if got[w.worker_id] == m]
+            if movers:
+                assert held[m] - need[m] < max(movers), (workers, need, got)
+        # a model short by half its workers' size or more has no idle worker that could go
+        idle = [w for w in workers if got[w.worker_id] not in need or need[got[w.worker_id]] == 0]
+        for m in models:
+            if idle and need[m] - held[m] > 0:
+                assert all(
+                    w.holds is not None and 2 * (need[m] - held[m]) < w.slots for w in idle
+                ), (workers, need, got)
