@@ -238,7 +238,8 @@ class RequestFlow:
     def reclaim(self, worker: str, held: list[tuple[str, int]]) -> None:
         """The coordinator reclaims the jobs a dead worker held, (request, lease) each, once its
         heartbeat expired: each step's controller decides which continue (`on_claimed`, by
-        `core.reclaim`, as `coordinator/step/loop.reclaim` calls it) and their jobs are queued."""
+        `core.reclaim`, as `coordinator/step/leadership.reclaim` calls it) and their jobs are
+        queued."""
         claimed = [(self.step_of(rid), (rid, lease)) for rid, lease in held]
         for st, pairs in self.by_step(claimed):
             jobs = [st.table.job(rid).replace(lease=lease) for rid, lease in pairs]  # as read

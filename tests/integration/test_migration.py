@@ -1,5 +1,5 @@
 """Moving requests off dead workers and fencing the ones that come back (the step controller's
-decision, carried out by `step.loop.reclaim_dead_workers` and `step/store.py`) against a real
+decision, carried out by `step.leadership.reclaim_dead_workers` and `step/store.py`) against a real
 redis-server: the jobs a worker held when its heartbeat expired are re-queued under new leases
 (continuing from the collected tokens, or from zero with migration off), acknowledged and staged
 in the step store, once; a delta under an old lease is refused and its worker told to drop the
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job, WorkerControl
 from services.coordinator.step.deltas import tell
-from services.coordinator.step.loop import reclaim_dead_workers
+from services.coordinator.step.leadership import reclaim_dead_workers
 from services.coordinator.step.store import CLAIMER, StepStore
 from services.core.collect import CollectRules
 from services.core.request_table import Applied, RequestTable

@@ -1,10 +1,11 @@
 """The recovery watch (services/cli/recovery.py) against a real redis-server and the
-coordinator's own writes: the step's durable table staged by `StepStore` and a dead worker's jobs
-reclaimed by `step.loop.reclaim_dead_workers`. It reads which requests the dead worker held from
-its pending jobs, ignores its tokens stored late and the stale ones after the migration, leaves
-out the request it had finished, and says a request generates again only once a token of the new
-lease is stored. Then with real processes: a SIGKILLed worker's requests migrate no sooner than
-its heartbeat's TTL less its period allows, a SIGTERMed one's sooner, and the run stays exact."""
+coordinator's own writes: the step's durable table staged by `StepStore` and a dead worker's
+jobs reclaimed by `step.leadership.reclaim_dead_workers`. It reads which requests the dead
+worker held from its pending jobs, ignores its tokens stored late and the stale ones after the
+migration, leaves out the request it had finished, and says a request generates again only once
+a token of the new lease is stored. Then with real processes: a SIGKILLed worker's requests
+migrate no sooner than its heartbeat's TTL less its period allows, a SIGTERMed one's sooner, and
+the run stays exact."""
 
 import asyncio
 import time
@@ -17,7 +18,7 @@ from services.cli.recovery import Recovery, RecoveryWatch, busiest_worker, held_
 from services.contracts import keys
 from services.contracts.messages import DeltaItem, Job
 from services.contracts.runspec import RunSpec
-from services.coordinator.step.loop import reclaim_dead_workers
+from services.coordinator.step.leadership import reclaim_dead_workers
 from services.coordinator.step.store import StepStore
 from services.core.step_controller import StepController
 from services.infra.redis_streams import connect

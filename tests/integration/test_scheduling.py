@@ -43,7 +43,7 @@ class SteppedClock:
 
 
 class Scheduler:
-    """A leader's step controller driven as `step.loop.Leadership` drives it (the reads of a
+    """A leader's step controller driven as `step.leadership.Leadership` drives it (the reads of a
     tick, the effects written by `StepStore`), on a clock the test moves."""
 
     def __init__(self, r, control: StepController, clock) -> None:

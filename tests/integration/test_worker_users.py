@@ -214,7 +214,7 @@ def test_a_batch_the_coordinator_hands_another_shard_is_signed_with_its_own_key(
     empty_redis_url,
 ):
     """A dead worker's releases that another coordinator shard holds are written by the
-    coordinator (`step.loop.reclaim`) in the dead worker's name: signed with the
+    coordinator (`step.leadership.reclaim`) in the dead worker's name: signed with the
     coordinator's own key, they pass every shard's check; the key is made once."""
 
     async def check() -> None:

@@ -9,13 +9,13 @@ Each step's decisions are its `StepController`'s (`core.step_controller`): every
 reader, the end) and one `Effects` value comes out, which this shell writes
 (`step/store.py`: one MULTI where it is one decision) and tells. The shell decides nothing.
 
-Shard 0 leads: its loop holds a `Leadership` (None on the followers, shards 1..K-1, child
-processes it runs: `run.shard.ShardProcesses`), which ticks each step's controller with
-every shard's unfinished requests (`step.store.ShardView`), claims the jobs of dead workers,
-writes stall state changes, records the step once every shard's groups are published (then
-fails the run on too many failed calls of user code), and after the trainer committed a step,
-writes the seeding update (`step.record.adapt`). A follower reports its part of each step to
-the leader through `ShardView`.
+Shard 0 leads: its loop holds a `Leadership` (`step/leadership.py`; None on the followers,
+shards 1..K-1, child processes it runs: `run.shard.ShardProcesses`), which ticks each step's
+controller with every shard's unfinished requests (`step.store.ShardView`), claims the jobs of
+dead workers, writes stall state changes, records the step once every shard's groups are
+published (then fails the run on too many failed calls of user code), and after the trainer
+committed a step, writes the seeding update (`step.record.adapt`). A follower reports its part
+of each step to the leader through `ShardView`.
 
 The run's task (`services.tasks`) is loaded off the event loop when the run starts; its reward
 runner (`scoring/rewards.py`) lives as long as the run. No step is queued while Redis is near its
@@ -29,43 +29,34 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 from tokenizers import Tokenizer
 
 from services.contracts import keys
-from services.contracts.consumers import consumer_worker
 from services.contracts.runspec import RunSpec
 from services.coordinator.scoring.episodes import EpisodeShell, open_environment
 from services.coordinator.scoring.rewards import open_runner
 from services.coordinator.settings import CoordinatorSettings, EnvironmentLimits
-from services.coordinator.step.deltas import DeltaCollector, LiveStep, tell
+from services.coordinator.step.deltas import DeltaCollector, LiveStep
 from services.coordinator.step.history import DraftHistory
+from services.coordinator.step.leadership import JOBS_TTL_S, Leadership, StepDone
 from services.coordinator.step.memory import MemoryGate
-from services.coordinator.step.record import ShardSummary, adapt, record_rollout
-from services.coordinator.step.store import CLAIMER, ShardView, StepStore, loaded_workers
+from services.coordinator.step.store import ShardView, StepStore
 from services.coordinator.workers.fleet import (
-    count_pools,
-    crash_reports,
     heartbeats,
-    registered_workers,
 )
 from services.coordinator.workers.keys import WorkerKeys
 from services.core.collect import CollectRules
 from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
-from services.core.seeding import PoolSizer, SeedingController, StepTimes
-from services.core.stall import Action, GoneWorker, StallTracker
-from services.core.step_controller import Effects, Lead, StepController, Tick
+from services.core.step_controller import StepController
 from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import ensure_group, with_reconnect
-from services.state import run_record, timeline
 from services.state.run_state import ensure_live, wait_for_version
-from services.state.runs import RunFailed, RunStore
 from services.tasks import DatasetLimits, Task, task_for_spec
 from services.tasks.chat import PromptEncoder
 from services.tasks.reward_choice import RewardChoice
@@ -73,22 +64,10 @@ from services.tasks.reward_choice import RewardChoice
 log = logging.getLogger(__name__)
 PENDING = Gauge("spotrl_coordinator_requests_pending", "Unfinished requests of the current step")
 T_SEED = Gauge("spotrl_coordinator_t_seed_seconds", "Seeding window of the current step")
-DEAD = Counter("spotrl_coordinator_workers_declared_dead_total", "Workers whose heartbeat expired")
-STALLS = Counter("spotrl_coordinator_run_stalls_total", "Times the active run became stalled")
 
 POLL_S = 0.05
 VERSION_WAIT_MS = 500  # a wait for the next version looks at the run this often
-JOBS_TTL_S = 600
 CHECK_S = 0.25  # period of the cancel and dead-worker checks
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """A finished rollout, as the seeding controller will need it once the step is trained."""
-
-    step: int
-    times: StepTimes  # the trainer's part is filled in by `adapt`
-    scratch: tuple[str, ...]  # the step's keys, deleted once the next version is committed
 
 
 def stop_token_ids(model_dir: Path) -> list[int]:
@@ -125,205 +104,6 @@ def build_loop(
         # when signed by the worker it names
         worker_keys=WorkerKeys(r) if settings.worker_redis_users else None,
     )
-
-
-class Leadership:
-    """The leader's part of a step loop (shard 0's): what is the whole step's. It reads what a
-    tick needs, hands it to the step's controller and writes what comes back; the decisions
-    of the whole run (seeding window, pool size, stall state) are its `policy`'s."""
-
-    def __init__(
-        self,
-        r: aioredis.Redis,
-        run_id: str,
-        spec: RunSpec,
-        stall_after_s: float = 3.0,
-    ) -> None:
-        self.r, self.run_id, self.spec = r, run_id, spec
-        self.runs = RunStore(r)
-        rollout = spec.rollout
-        self.policy = Lead(
-            SeedingController(
-                wait_share=rollout.seeding_wait_share, backoff=rollout.seeding_backoff
-            ),
-            PoolSizer(rollout.pool_headroom),
-            StallTracker(stall_after_s, spec.faults.stall_timeout_s),
-            spec.faults.max_error_share,
-        )
-
-    async def start(self) -> None:
-        """Pick up a stall from before a restart, and the workers that served the run."""
-        run = await run_record.read(self.r, self.run_id, "state", "stalled_since", "stall_reason")
-        since, reason = None, ""
-        if run is not None and run.state == "stalled" and run.stalled_since is not None:
-            since, reason = run.stalled_since, run.stall_reason
-        loaded = await loaded_workers(self.r, self.run_id, await registered_workers(self.r))
-        self.policy.restore(since, reason, loaded)
-
-    async def tick(
-        self, live: LiveStep, others: ShardView, committed: int, oldest: bool, signer
-    ) -> None:
-        """One pass over the step: what the controller's tick needs, read; what it decides,
-        written (one MULTI); the dead readers' jobs claimed and moved; the stall state."""
-        control, store = live.control, live.store
-        beats = await heartbeats(self.r)
-        count_pools({w: b for w, b in beats.items() if b.run_id == self.run_id})  # gauges
-        readers, beating = await store.readers()
-        executing, pending = await store.executing()
-        gone = await self._gone(beats) if oldest else []
-        others_unfinished = await others.unfinished(live.table)
-        tick = Tick(
-            time.monotonic(), time.time(), beats, others_unfinished, executing, pending,
-            readers, beating, committed, oldest, gone,
-        )  # fmt: skip
-        effects = control.tick(tick)
-        await store.write(live.table, effects)
-        self._log(control, effects)
-        for reader in effects.reclaim:
-            await reclaim(self.r, control, store, reader, signer)
-        await self._stall(effects)
-
-    async def end(self, live: LiveStep, others: ShardView, summary: ShardSummary) -> StepDone:
-        """Every shard's groups of the step are published: the controller's end written, the
-        step recorded (then the run fails on too many failed calls of user code)."""
-        table, store, control = live.table, live.store, live.control
-        total = ShardSummary.total([summary, *(await others.summaries())])
-        effects = control.end(time.monotonic(), time.time(), total.call_counts())
-        await store.write(table, effects)
-        self._log(control, effects)
-        await self._stall(effects)
-        assert effects.times is not None
-        await record_rollout(
-            self.r, self.run_id, table.step, table.step, total, effects.times,
-            control.window_s, control.pools,
-        )  # fmt: skip
-        if effects.fail is not None:
-            raise RunFailed(effects.fail)
-        # kept until the next version is committed (a restart before then finds the step
-        # complete); the TTL covers a coordinator that dies before it deletes them
-        await self.r.expire(store.jobs, JOBS_TTL_S)
-        await others.expire(JOBS_TTL_S)
-        scratch = (
-            *store.scratch_keys(),
-            store.jobs,
-            keys.seed_done(self.run_id, table.step),
-            keys.read_cap(self.run_id, table.step),
-            keys.step_shards(self.run_id, table.step),
-        )
-        return StepDone(table.step, effects.times, scratch)
-
-    async def retired(self, done: StepDone) -> None:
-        """The version trained on the step is committed: the seeding update."""
-        await adapt(self.r, self.run_id, self.policy, done.step, done.times)
-
-    async def _gone(self, beats) -> list[GoneWorker]:
-        """How the workers seen on the run and gone now went (a stall reason names them)."""
-        gone_ids = self.policy.gone_ids(beats)
-        reports = await crash_reports(self.r, gone_ids)
-        leaving = await self.r.mget([keys.worker_leaving(w) for w in gone_ids]) if gone_ids else []
-        gone = []
-        for worker_id, left in zip(gone_ids, leaving, strict=True):
-            report = reports.get(worker_id)
-            if report is not None and report.get("run_id") == self.run_id:
-                gone.append(GoneWorker(worker_id, "crashed", str(report.get("error", ""))))
-            else:
-                gone.append(GoneWorker(worker_id, "left" if left else "lost"))
-        return gone
-
-    async def _stall(self, effects: Effects) -> None:
-        """The run's stall state as the controller changed it; RunFailed past its timeout."""
-        decision = effects.stall
-        if decision is None:
-            return
-        if decision.action is Action.STALL:
-            STALLS.inc()
-            since = self.policy.stall.stalled_since or time.time()
-            await self.runs.mark_stalled(self.run_id, decision.reason, since)
-            log.warning("run %s stalled: %s", self.run_id, decision.reason)
-        elif decision.action is Action.UPDATE:
-            await self.runs.update_stall_reason(self.run_id, decision.reason)
-            log.warning("run %s still stalled: %s", self.run_id, decision.reason)
-        elif decision.action is Action.RESUME:
-            await self.runs.mark_running(self.run_id, effects.resumed_why)
-            log.info("run %s running again: %s", self.run_id, effects.resumed_why)
-        elif decision.action is Action.FAIL:
-            raise RunFailed(decision.reason)
-
-    @staticmethod
-    def _log(c: StepController, effects: Effects) -> None:
-        if effects.paused and c.seed_end is not None:
-            after = c.seed_end - c.started
-            log.info(
-                "step %d: seeding window over after %.2fs; %d reserved workers step aside",
-                *(c.step, after, effects.paused),
-            )
-        if effects.recalled:
-            log.warning(
-                "step %d: no preemptible worker left; %d reserved workers resume it",
-                *(c.step, effects.resumed),
-            )
-        for worker_id, count in effects.released.items():
-            log.info("step %d: %s holds %d over its cap: release ordered", c.step, worker_id, count)
-
-
-async def reclaim(
-    r: aioredis.Redis,
-    control: StepController,
-    store: StepStore,
-    reader: str,
-    signer: WorkerKeys | None = None,
-) -> Effects:
-    """Claim the jobs a dead `reader` of the step's stream holds (moved to the coordinator's
-    own consumer), hand them to the controller, write what it decides (new leases, their
-    continuation jobs, the releases handed to other shards, signed by `signer` where workers
-    sign their deltas, the claimed entries acknowledged and the reader's consumer deleted) in
-    one MULTI, and tell it. Entries claimed by a coordinator that died before that MULTI are
-    pending under its consumer and are reclaimed the same way on the next pass."""
-    table = control.table
-    ids, jobs = await store.claim(reader)
-    effects = control.on_claimed(reader, ids, jobs, CLAIMER)
-    handed = {
-        shard: await signer.entry(batch) if signer is not None else batch.fields()
-        for shard, batch in effects.handed.items()
-    }
-    await store.write(table, effects, handed)
-    await tell(r, table, effects)
-    moved = len(effects.jobs)
-    handed_count = sum(len(batch.released) for batch in effects.handed.values())
-    if effects.dead_worker is None:
-        log.warning(
-            "re-queued %d jobs claimed before a coordinator restart (%d to other shards)",
-            moved,
-            handed_count,
-        )
-        return effects
-    DEAD.inc()
-    worker = consumer_worker(effects.dead_worker)
-    await timeline.emit(
-        r, table.run_id, "worker_reclaimed", worker=worker, jobs=len(ids), step=table.step
-    )
-    log.warning(
-        "worker %s missed its heartbeat: migrated %d of its %d jobs (%d by other shards)",
-        worker,
-        moved,
-        len(ids),
-        handed_count,
-    )
-    return effects
-
-
-async def reclaim_dead_workers(
-    r: aioredis.Redis, control: StepController, store: StepStore, signer: WorkerKeys | None = None
-) -> list[str]:
-    """The reclaim of a tick alone: the jobs of every reader of the step's stream that the
-    controller finds dead, moved; the workers declared dead."""
-    readers, beating = await store.readers()
-    dead = []
-    for reader in control.dead_readers(readers, beating):
-        effects = await reclaim(r, control, store, reader, signer)
-        if effects.dead_worker is not None:
-            dead.append(consumer_worker(effects.dead_worker))
-    return dead
 
 
 class StepLoop:
