@@ -38,6 +38,9 @@ class DeploymentConfig:
     engine: str = "hf"  # rollout backend: hf or vllm
     flush_tokens: int = 4
     trainer_threads: int = 1
+    # trainers in the pool: "trainer", then "trainer-2", ...; several runs share the fleet
+    # when the coordinator's max_active_runs is set too (SPOTRL_MAX_ACTIVE_RUNS in extra_env)
+    trainers: int = 1
     trainer_ranks: int | None = None  # N ranks (torchrun, FSDP2); None: SPOTRL_TRAINER_RANKS
     worker_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
@@ -159,7 +162,8 @@ class LocalDeployment:
             self.start_redis()
         ws_ports = [procs.free_port() for _ in range(self.config.weightstores)]
         co_port = self.config.coordinator_port or procs.free_port()
-        tr_port = procs.free_port()
+        tr_ports = [procs.free_port() for _ in range(self.config.trainers)]
+        tr_port = tr_ports[0]
         local = f"{self.scheme}://127.0.0.1"
         self.weightstore_url = ",".join(f"{local}:{p}" for p in ws_ports)
         self.coordinator_url = f"{local}:{co_port}"
@@ -178,22 +182,25 @@ class LocalDeployment:
         )
         co_env |= self.security_env("coordinator")
         self._service("coordinator", "services.coordinator.main", env | co_env, co_port)
-        tr_env = settings_env(
-            TrainerSettings,
-            port=tr_port,
-            work_dir=self.work_dir / "trainer",
-            rollouts_dir=self.rollouts_dir if self.config.dump_rollouts else None,
-            trainer_ranks=self.config.trainer_ranks,
-        )
-        self._service(
-            "trainer",
-            "services.trainer.main",
-            env
-            | procs.thread_env(self.config.trainer_threads)
-            | tr_env
-            | self.security_env("trainer"),
-            tr_port,
-        )
+        for i, port in enumerate(tr_ports):  # one folder: a run's checkpoints are found by any
+            name = "trainer" if i == 0 else f"trainer-{i + 1}"
+            tr_env = settings_env(
+                TrainerSettings,
+                port=port,
+                trainer_id=name,
+                work_dir=self.work_dir / "trainer",
+                rollouts_dir=self.rollouts_dir if self.config.dump_rollouts else None,
+                trainer_ranks=self.config.trainer_ranks,
+            )
+            self._service(
+                name,
+                "services.trainer.main",
+                env
+                | procs.thread_env(self.config.trainer_threads)
+                | tr_env
+                | self.security_env("trainer"),
+                port,
+            )
         for _ in range(self.config.reserved):
             self.add_worker("reserved", wait=False)
         for _ in range(self.config.preemptible):

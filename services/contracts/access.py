@@ -81,6 +81,7 @@ _KEY_PREFIX: dict[Access, str] = {"r": "%R~", "w": "%W~", "rw": "~"}
 # parked) streams, which it cannot read.
 WORKER_COMMANDS: dict[str, tuple[str, ...]] = {
     "ACTIVE_RUN": ("get",),
+    "ACTIVE_RUNS": ("zrange",),
     "run_version": ("get",),
     "run_staleness": ("get",),
     "run_drafts": ("get",),
@@ -128,6 +129,8 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "RUN_QUEUE": ("cR", "c", False),
     "RUN_INDEX": ("cR", "c", False),
     "ACTIVE_RUN": ("ctRw", "c", False),
+    "ACTIVE_RUNS": ("ctRw", "c", False),
+    "TRAINERS": ("ctR", "t", False),
     "run": ("ctR", "ct", False),  # the trainer fails a run (run_record.finish)
     "run_version": ("ctRw", "ct", False),
     "run_staleness": ("cRw", "c", False),
@@ -158,6 +161,8 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "worker_loads": ("cR", "cw", True),
     "run_trained": ("ctR", "ct", False),
     "trainer_state": ("ctR", "ct", False),
+    "run_trainer_lease": ("ctR", "ct", False),  # the coordinator clears it with the run
+    "run_demand": ("cR", "c", False),
     "run_events": ("cR", "ctw", False),  # a worker says it crashed (rollout.crash)
     "run_pool": ("cR", "c", False),
     "parked_stream": ("cR", "ctw", False),

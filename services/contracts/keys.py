@@ -11,7 +11,13 @@ PREFIX = "spotrl"
 # ---- runs (owned by the coordinator) ----
 RUN_QUEUE = f"{PREFIX}:runs:queue"  # list of run ids waiting, FIFO (RPUSH / LPOP)
 RUN_INDEX = f"{PREFIX}:runs:index"  # sorted set run_id -> created_at, for listing
-ACTIVE_RUN = f"{PREFIX}:runs:active"  # string: id of the one running run, absent when idle
+ACTIVE_RUN = f"{PREFIX}:runs:active"  # string: id of the oldest active run, absent when idle
+# Sorted set run_id -> activated_at: every active run (one, unless the coordinator's
+# max_active_runs lets several share the fleet); ACTIVE_RUN is the oldest of them
+ACTIVE_RUNS = f"{PREFIX}:runs:active-set"
+# Hash: trainer id -> JSON {"run_id": the run it trains or null, "at": unix time}: each trainer
+# of the pool beats here; the coordinator activates a second run only for an idle trainer
+TRAINERS = f"{PREFIX}:trainers"
 
 
 def run(run_id: str) -> str:
@@ -199,6 +205,20 @@ def run_trained(run_id: str) -> str:
 def trainer_state(run_id: str) -> str:
     """Hash: the trainer's view of a run (steps trained, groups consumed, groups incomplete)."""
     return f"{PREFIX}:run:{run_id}:trainer"
+
+
+def run_trainer_lease(run_id: str) -> str:
+    """String with a TTL: the id of the trainer that trains the run, renewed while it does; a
+    trainer of the pool takes a run whose lease is free (or its own)."""
+    return f"{PREFIX}:run:{run_id}:trainer-lease"
+
+
+def run_demand(run_id: str) -> str:
+    """String with a TTL ("UNFINISHED TAIL"): the rollout slots the run could fill now (its
+    steps' unfinished requests) and whether its oldest step waits only on its last requests
+    (1 or 0), written by the run's step loop at each tick; what the fleet's shares are
+    allotted from when several runs are active."""
+    return f"{PREFIX}:run:{run_id}:demand"
 
 
 def run_events(run_id: str) -> str:

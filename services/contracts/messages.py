@@ -181,10 +181,11 @@ class WorkerControl(Message, frozen=True, kw_only=True):
     requests (load balancing). pause: give back everything and read no job of `version` (a
     reserved worker stepping aside after its seeding window; a newer version resumes it).
     resume: read jobs of `version` again (the reserved pool recalled: no preemptible worker is
-    left to finish the step).
+    left to finish the step). serve: serve run `run_id` from now on (the fleet's placement,
+    when several runs are active: the worker gives back what it holds of another run first).
     """
 
-    action: Literal["abort", "release", "pause", "resume"]
+    action: Literal["abort", "release", "pause", "resume", "serve"]
     run_id: str
     requests: list[RequestLease] = []
     count: int = 0

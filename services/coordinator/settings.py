@@ -23,6 +23,23 @@ class EnvironmentLimits:
 class CoordinatorSettings(CommonSettings):
     port: int = Field(8100, ge=0, le=65535, description="HTTP port.")
     scheduler_poll_s: float = Field(0.2, gt=0, le=60, description="Idle poll of the run queue.")
+    max_active_runs: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description=(
+            "Runs active at once, sharing the fleet's workers by fair shares (docs/many_runs.md);"
+            " a second and later run is activated only while a trainer of the pool is idle for"
+            " it. 1: one run at a time, the others wait in the queue."
+        ),
+    )
+    placement_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="With several runs active: how often the fleet's workers are placed among "
+        "them by fair shares.",
+    )
     observe_s: float = Field(
         2.0, gt=0, le=300, description="Period of the pool, tokens/s and queue-depth samples."
     )

@@ -50,6 +50,15 @@ class RunClaim:
     tail: bool = False  # its oldest step waits only on its last requests
 
 
+TAIL_SHARE = 0.1  # a step whose unfinished requests are this share of it or fewer is in its tail
+
+
+def in_tail(unfinished: int, step_requests: int) -> bool:
+    """Whether a step with `unfinished` of its `step_requests` requests left waits only on its
+    last ones."""
+    return 0 < unfinished <= max(1, math.floor(TAIL_SHARE * step_requests))
+
+
 def allot(capacity: int, claims: Sequence[RunClaim]) -> dict[str, int]:
     """Whole slots of the fleet's `capacity` for each claim's run (every run listed, 0 where it
     gets none); the sum is min(capacity, total wanted)."""

@@ -75,6 +75,9 @@ class WorkerContext:
     plateau: PlateauEstimator
     inbox: JobInbox = field(default_factory=JobInbox)
     engine_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # the run the fleet's placement ordered this worker to serve (several runs active); None:
+    # the oldest active run
+    placed_run: str | None = None
     slot_freed: asyncio.Event = field(default_factory=asyncio.Event)  # a request ended
     run_id: str | None = None
     version: int | None = None  # loaded and served

@@ -1,6 +1,7 @@
 """The coordinator's orders to one worker, from its control stream: abort requests whose lease
-moved on (fencing), release some requests (load balancing), or pause for the rest of a version
-(a reserved worker stepping aside for training: it gives back everything).
+moved on (fencing), release some requests (load balancing), pause for the rest of a version
+(a reserved worker stepping aside for training: it gives back everything), or serve another
+active run (the fleet's placement: the jobs task follows `placed_run`).
 
 The jobs task reads the orders (`read`); the generation task carries them out (`obey_all`)
 between decode steps, so an order never lands in the middle of one. Orders to an earlier
@@ -47,7 +48,9 @@ class Control:
         for entry in read_entries(reply):
             self.last_id = entry[0]
             order = decode_or_park(WorkerControl, entry, [])
-            if order is not None and order.run_id == self.ctx.run_id:
+            if order is not None and order.action == "serve":
+                self.ctx.placed_run = order.run_id  # the jobs task follows it
+            elif order is not None and order.run_id == self.ctx.run_id:
                 self.orders.put_nowait(order)
 
     async def obey_all(self) -> None:

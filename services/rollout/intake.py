@@ -1,4 +1,5 @@
-"""The jobs task: after registering, it follows the active run and its committed version
+"""The jobs task: after registering, it follows the active run (the oldest, or the one the
+fleet's placement ordered it to serve when several are active) and its committed version
 (loading each new version), reads the coordinator's orders, and reads token-level jobs of
 exactly the version loaded, as many as there are free slots (up to its plateau and the step's
 read cap), into the worker's inbox.
@@ -23,7 +24,7 @@ from services.infra.redis_streams import (
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
 from services.rollout.weight_loader import VersionLoader
-from services.state.run_state import active_run, committed_version, wait_for_version
+from services.state.run_state import active_runs, committed_version, wait_for_version
 
 log = logging.getLogger(__name__)
 FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version this often
@@ -60,9 +61,10 @@ class JobIntake:
             await asyncio.sleep(IDLE_S)
             return
         await self.control.read()
-        run_id = await with_reconnect(lambda: active_run(ctx.r), "active run")
+        runs = await with_reconnect(lambda: active_runs(ctx.r), "active runs")
+        run_id = ctx.placed_run if ctx.placed_run in runs else (runs[0] if runs else None)
         if run_id != ctx.run_id:
-            await self._switch_run(run_id)
+            await self._switch_run(run_id, still_active=ctx.run_id in runs)
         if run_id is None:
             ctx.state = "idle"
             await asyncio.sleep(IDLE_S)
@@ -94,9 +96,17 @@ class JobIntake:
         else:
             await self._read_jobs(run_id, latest)
 
-    async def _switch_run(self, run_id: str | None) -> None:
+    async def _switch_run(self, run_id: str | None, still_active: bool = False) -> None:
+        """Serve `run_id` from now on. What this worker holds of a run that is still active
+        (placed elsewhere by the fleet's shares) is given back to it first, so that it goes on
+        on other workers; what it holds of a run that ended is dropped."""
         ctx = self.ctx
         async with ctx.engine_lock:
+            if still_active and ctx.run_id is not None:
+                given = await self.control.flusher.release(self.control.flusher.held(), "balance")
+                log.info(
+                    "placed on run %s: gave back %d requests of run %s", run_id, given, ctx.run_id
+                )
             dropped = ctx.drop_held()
         if dropped:
             log.info("run changed: dropped %d requests", dropped)

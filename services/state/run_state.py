@@ -21,8 +21,21 @@ class RunStopped(Exception):
 
 
 async def active_run(r: aioredis.Redis) -> str | None:
-    """The run the services work on now (the run pointer), or None."""
+    """The oldest active run (the run pointer: the one run the services work on, unless
+    several share the fleet), or None."""
     return text(await r.get(keys.ACTIVE_RUN))
+
+
+async def active_runs(r: aioredis.Redis) -> list[str]:
+    """Every active run, oldest first (one, unless several share the fleet). A pointer set by
+    a release before ACTIVE_RUNS existed counts, first."""
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.get(keys.ACTIVE_RUN)
+        pipe.zrange(keys.ACTIVE_RUNS, 0, -1)
+        pointer, members = await pipe.execute()
+    runs = [x.decode() for x in members]
+    oldest = text(pointer)
+    return runs if oldest is None or oldest in runs else [oldest, *runs]
 
 
 async def ensure_live(r: aioredis.Redis, run_id: str) -> None:

@@ -1,8 +1,10 @@
 """Runs in Redis: submission into a FIFO queue, listing, cancellation, activation, metrics rows,
 and what a finished run leaves behind.
 
-A run is a hash `run(id)`; the queue is a list; at most one run is active at a time. An active
-run is running or stalled (it cannot progress, and says why); it goes between the two only while
+A run is a hash `run(id)`; the queue is a list. One run is active at a time, or up to the
+coordinator's `max_active_runs` when a trainer of the pool is idle for each (`activate_next`);
+ACTIVE_RUN names the oldest active run, ACTIVE_RUNS every one. An active run is running or
+stalled (it cannot progress, and says why); it goes between the two only while
 it is live, never out of a final state.
 
 A finished run keeps its record, not its scratch (`release_run`). Kept: the run hash and version,
@@ -28,7 +30,7 @@ from services.contracts import keys
 from services.contracts.records import RunRecord
 from services.contracts.runspec import FINAL_STATES, RunSpec, RunState
 from services.state import run_record, timeline
-from services.state.run_state import active_run, committed_version
+from services.state.run_state import active_run, active_runs, committed_version
 from services.state.step_metrics import StepRow, read_steps, row_dict
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
             keys.weight_holders(run_id, WILD_NUMBER),
+            keys.run_trainer_lease(run_id),
+            keys.run_demand(run_id),
         ]
     )
 
@@ -114,6 +118,18 @@ async def release_run(r: aioredis.Redis, run_id: str, state: str, audit_ttl_s: i
         "run %s (%s): %d keys deleted in %.2fs", run_id, state, deleted, time.monotonic() - started
     )
     return deleted
+
+
+async def deactivate(r: aioredis.Redis, run_id: str) -> None:
+    """The run is active no more: out of ACTIVE_RUNS, and ACTIVE_RUN names the oldest run
+    still active (or is gone)."""
+    await r.zrem(keys.ACTIVE_RUNS, run_id)
+    if await active_run(r) == run_id:
+        rest = cast(list[bytes], await r.zrange(keys.ACTIVE_RUNS, 0, 0))
+        if rest:
+            await r.set(keys.ACTIVE_RUN, rest[0])
+        else:
+            await r.delete(keys.ACTIVE_RUN)
 
 
 class RunNotFound(LookupError):
@@ -162,11 +178,18 @@ class RunStore:
         return [x.decode() for x in ids]
 
     async def active(self) -> str | None:
+        """The oldest active run, or None."""
         return await active_run(self.r)
 
-    async def activate_next(self) -> str | None:
-        """Pop the oldest queued run and make it active (no-op while one is active)."""
-        if await self.active():
+    async def active_runs(self) -> list[str]:
+        """Every active run, oldest first."""
+        return await active_runs(self.r)
+
+    async def activate_next(self, max_active: int = 1, idle_trainers: int = 0) -> str | None:
+        """Pop the oldest queued run and make it active; None (nothing done) while
+        `max_active` runs are active, or while one is and no trainer is idle to take another."""
+        active = await self.active_runs()
+        if len(active) >= max_active or (active and idle_trainers <= 0):
             return None
         while True:
             raw = await self.r.lpop(keys.RUN_QUEUE)
@@ -175,9 +198,12 @@ class RunStore:
             run_id = cast(bytes, raw).decode()
             if await run_record.read_state(self.r, run_id) == "queued":
                 break
+        now = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
-            run_record.stage_start(pipe, run_id, time.time())
-            pipe.set(keys.ACTIVE_RUN, run_id)
+            run_record.stage_start(pipe, run_id, now)
+            pipe.zadd(keys.ACTIVE_RUNS, {run_id: now})
+            if not active:
+                pipe.set(keys.ACTIVE_RUN, run_id)
             await pipe.execute()
         await timeline.emit(self.r, run_id, "state", state="running")
         return run_id
@@ -208,8 +234,7 @@ class RunStore:
         release what it held."""
         await run_record.finish(self.r, run_id, state, error)
         await release_run(self.r, run_id, state, self.audit_ttl_s)
-        if await self.active() == run_id:
-            await self.r.delete(keys.ACTIVE_RUN)
+        await deactivate(self.r, run_id)
 
     async def cancel(self, run_id: str) -> str:
         run = await self.get(run_id)

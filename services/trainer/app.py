@@ -24,6 +24,7 @@ def build_app(settings: TrainerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks.start("trainer", loop.forever)
+        tasks.start("pool beat", loop.beat_forever)
         yield
         await tasks.stop()  # a run's checkpoint at exit, with every rank
         ranks.release()  # uvicorn re-raises the SIGTERM once this returns: no later chance

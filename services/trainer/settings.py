@@ -23,6 +23,12 @@ class TrainerSettings(CommonSettings):
         "with device cuda, processes on gloo with cpu. Rank 0 is the service.",
     )
     poll_s: float = Field(0.1, gt=0, le=60, description="Idle poll of the active run.")
+    trainer_id: str = Field(
+        "trainer",
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="This trainer's name in the trainer pool: each trainer of a deployment "
+        "that runs several at once has its own; a restart keeps it (and so its run).",
+    )
     checkpoint_every: int = Field(
         10,
         ge=1,

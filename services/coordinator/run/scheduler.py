@@ -3,11 +3,13 @@ loop, its delta ingest and its shards) and the observer, in a process of their o
 by the control plane (`app.py`, through `run.data_plane.DataPlaneProcess`) as its child and dying
 with it.
 
-The run scheduler makes the oldest queued run active (or resumes the active one) and drives it
-(`shard.drive`) until the run ends, one run at a time. Whenever the run it drives changes (at
-start, when a run becomes active, when one ended) it sets the fleet's gauges from the run
-records (`step.record.publish_fleet`): a restarted coordinator restores them, an ended run
-clears them.
+The run scheduler makes the oldest queued run active and drives it (`shard.drive`) until the
+run ends; with the coordinator's `max_active_runs` above 1 it activates another queued run
+whenever a trainer of the pool is idle for it (`trainer_pool.idle_trainers`), drives each
+active run in a task of its own, and the fleet's placement (`workers.placement`) shares the
+workers among them. Whenever the oldest active run changes (at start, when a run becomes
+active, when one ended) it sets the fleet's gauges from the run records
+(`step.record.publish_fleet`): a restarted coordinator restores them, an ended run clears them.
 
 Nothing a client does reaches this process: the REST API, the dashboard and the metrics are
 answered by the control plane from its read model. Its own metrics are served on loopback, on a
@@ -22,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 
 from prometheus_client import Gauge, start_http_server
 
@@ -30,12 +33,15 @@ from services.coordinator.run.shard import drive
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.step.record import publish_fleet
 from services.coordinator.workers.observer import Observer
+from services.coordinator.workers.placement import FleetPlacer
 from services.infra import stack_dump
+from services.infra.cancel import cancel_and_wait
 from services.infra.child_process import handed_settings, tie_to_parent
 from services.infra.logs import setup_logging
 from services.infra.redis_streams import connect, with_reconnect
 from services.infra.service import BackgroundTasks
-from services.state.runs import RunStore
+from services.state.runs import RunStore, deactivate
+from services.state.trainer_pool import idle_trainers
 
 log = logging.getLogger(__name__)
 QUEUED = Gauge("spotrl_coordinator_runs_queued", "Runs waiting in the queue")
@@ -43,21 +49,46 @@ NOT_SHOWN = object()  # the fleet's gauges are not set yet
 
 
 async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
-    """Forever: activate the oldest queued run (or resume the active one) and drive it."""
+    """Forever: activate queued runs as the settings and the trainers allow, and drive each
+    active run (again after a Redis outage) until it ends."""
     shown: object = NOT_SHOWN  # the run the gauges were last set for (a run id or None)
-    while True:
-        run_id = await with_reconnect(store.active, "active run") or await with_reconnect(
-            store.activate_next, "activate run"
-        )
-        QUEUED.set(await with_reconnect(lambda: store.r.llen(keys.RUN_QUEUE), "run queue"))
-        if run_id != shown:
-            await with_reconnect(lambda: publish_fleet(store.r), "fleet gauges")
-            shown = run_id
-        if run_id is None:
+    driving: dict[str, asyncio.Task[None]] = {}
+    try:
+        while True:
+            for run_id, task in list(driving.items()):
+                if task.done():
+                    del driving[run_id]
+                    task.result()  # a driver that died of an error takes the scheduler down
+            active = await with_reconnect(store.active_runs, "active runs")
+            if not active or len(active) < settings.max_active_runs:
+                idle = 0
+                if active:
+                    idle = await with_reconnect(lambda: idle_trainers(store.r), "trainers")
+                activated = await with_reconnect(
+                    partial(store.activate_next, settings.max_active_runs, idle), "activate run"
+                )
+                if activated is not None:
+                    active.append(activated)
+            for run_id in active:
+                if run_id not in driving:
+                    driving[run_id] = asyncio.create_task(drive_until_over(store, run_id, settings))
+            QUEUED.set(await with_reconnect(lambda: store.r.llen(keys.RUN_QUEUE), "run queue"))
+            oldest = active[0] if active else None
+            if oldest != shown:
+                await with_reconnect(lambda: publish_fleet(store.r), "fleet gauges")
+                shown = oldest
             await asyncio.sleep(settings.scheduler_poll_s)
-            continue
-        log.info("run %s active", run_id)
-        await drive(store, run_id, settings)  # a Redis outage: driven again once it is back
+    finally:
+        await cancel_and_wait(driving.values())
+
+
+async def drive_until_over(store: RunStore, run_id: str, settings: CoordinatorSettings) -> None:
+    """Drive the run until it is over (again after each Redis outage)."""
+    log.info("run %s active", run_id)
+    while not await drive(store, run_id, settings):
+        pass
+    # over: out of the active runs even if its end was written before they existed
+    await with_reconnect(lambda: deactivate(store.r, run_id), "deactivate run")
 
 
 def serve_metrics(port_fd: int | None) -> None:
@@ -82,6 +113,8 @@ async def run(settings: CoordinatorSettings) -> None:
     tasks = BackgroundTasks()
     tasks.start("scheduler", lambda: schedule_runs(store, settings))
     tasks.start("observer", observer.forever)
+    if settings.max_active_runs > 1:
+        tasks.start("placement", FleetPlacer(r, settings.placement_s).forever)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -50,7 +50,7 @@ from services.infra.redis_streams import connect, with_reconnect
 from services.infra.retry import brief
 from services.state import run_record
 from services.state.run_state import RunStopped
-from services.state.runs import RunFailed, RunStore, release_run
+from services.state.runs import RunFailed, RunStore, deactivate, release_run
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 1000
@@ -127,8 +127,7 @@ async def ended_as(store: RunStore, run_id: str) -> str | None:
 async def settle(store: RunStore, run_id: str, state: str) -> None:
     """The step loop of a run that ended under it has stopped: drop what it wrote meanwhile."""
     await release_run(store.r, run_id, state, store.audit_ttl_s)
-    if await store.active() == run_id:
-        await store.r.delete(keys.ACTIVE_RUN)
+    await deactivate(store.r, run_id)
 
 
 async def follow(run_id: str, shard: int, settings: CoordinatorSettings) -> None:

@@ -1,9 +1,10 @@
-"""The leader's part of a run's step loop (shard 0's, `step/loop.py`): what is the whole step's.
-Each tick it reads what the step's controller needs (every worker's heartbeat, every shard's
-unfinished requests, the stream's readers), hands it over and writes what comes back; it claims
-the jobs of dead workers (`reclaim`), writes stall state changes, records the step once every
-shard's groups are published, and after the trainer committed a step writes the seeding update.
-The decisions of the whole run (seeding window, pool size, stall state) are its `Lead`'s.
+"""The leader's part of a run's step loop (shard 0's, `step/loop.py`): what is the whole
+step's. Each tick it reads what the step's controller needs (every worker's heartbeat, every
+shard's unfinished requests, the stream's readers), hands it over and writes what comes back;
+it claims the jobs of dead workers (`reclaim`), writes stall state changes, says the run's
+demand on the fleet (`workers.placement.DemandNotice`), records the step once every shard's
+groups are published, and after the trainer committed a step writes the seeding update. The
+decisions of the whole run (seeding window, pool size, stall state) are its `Lead`'s.
 """
 
 import logging
@@ -26,6 +27,7 @@ from services.coordinator.workers.fleet import (
     registered_workers,
 )
 from services.coordinator.workers.keys import WorkerKeys
+from services.coordinator.workers.placement import DemandNotice
 from services.core.seeding import PoolSizer, SeedingController, StepTimes
 from services.core.stall import Action, GoneWorker, StallTracker
 from services.core.step_controller import Effects, Lead, StepController, Tick
@@ -70,6 +72,8 @@ class Leadership:
             StallTracker(stall_after_s, spec.faults.stall_timeout_s),
             spec.faults.max_error_share,
         )
+        training = spec.training
+        self.demand = DemandNotice(r, run_id, training.prompts_per_step * training.group_size)
 
     async def start(self) -> None:
         """Pick up a stall from before a restart, and the workers that served the run."""
@@ -102,6 +106,8 @@ class Leadership:
         for reader in effects.reclaim:
             await reclaim(self.r, control, store, reader, signer)
         await self._stall(effects)
+        if oldest:
+            await self.demand.say(live.table.unfinished_count + others_unfinished)
 
     async def end(self, live: LiveStep, others: ShardView, summary: ShardSummary) -> StepDone:
         """Every shard's groups of the step are published: the controller's end written, the

@@ -1,0 +1,126 @@
+"""The fleet's placement when several runs are active: which run each worker serves.
+
+Every `every_s`, the active runs' demands (each run's step loop says it, `DemandNotice`) and
+the alive workers' heartbeats go into the fleet's shares (`core.fleet_shares`): `allot` gives
+each run its slots, `place` each worker its run. A worker's engine holds one run's full weights,
+so the run is the model placed. A worker placed on a run other than the one it serves gets a
+"serve" order on its control stream (again after ORDER_AGAIN_S if it has not followed it); it
+gives back what it holds of the other run and loads the new one's weights, and its heartbeat
+then names the new run, which is how each run's step loop counts it. With one run active this
+does nothing: every worker follows the oldest active run by itself.
+
+Workers stepped aside (paused reserved workers) and workers shutting down are left where they
+are. This shell reads and writes; what is decided is `fleet_shares`'.
+"""
+
+import asyncio
+import logging
+import time
+from typing import cast
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+
+from services.contracts import keys
+from services.contracts.messages import Heartbeat, WorkerControl
+from services.coordinator.workers.fleet import heartbeats, order
+from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place
+from services.infra.redis_streams import with_reconnect
+from services.state.run_state import active_runs
+
+log = logging.getLogger(__name__)
+ORDER_AGAIN_S = 5.0  # a serve order not followed by then is sent again
+DEMAND_TTL_S = 10  # a run's demand lapses this long after its step loop last said it
+SWITCHES = Counter(
+    "spotrl_coordinator_worker_switches_total",
+    "Serve orders that move a worker from one active run to another",
+)
+
+
+class DemandNotice:
+    """A run's demand on the fleet as its step loop says it (keys.run_demand): its oldest
+    step's unfinished requests and whether they are its tail; written when it changes, and
+    again before its TTL runs out."""
+
+    def __init__(self, r: aioredis.Redis, run_id: str, step_requests: int) -> None:
+        self.r, self.run_id, self.step_requests = r, run_id, step_requests
+        self.said, self.said_at = "", 0.0  # the demand last written, and when
+
+    async def say(self, unfinished: int) -> None:
+        tail = in_tail(unfinished, self.step_requests)
+        said = f"{unfinished} {int(tail)}"
+        now = time.monotonic()
+        if said == self.said and now - self.said_at < DEMAND_TTL_S / 2:
+            return
+        await self.r.set(keys.run_demand(self.run_id), said, ex=DEMAND_TTL_S)
+        self.said, self.said_at = said, now
+
+
+def parse_demand(raw: bytes | None) -> tuple[int, bool]:
+    """A run's demand as its step loop wrote it ("UNFINISHED TAIL"); (0, False) where it is
+    absent (the run's first step not opened yet, or its loop stopped) or not ours."""
+    try:
+        unfinished, tail = (raw or b"").split()
+        return max(0, int(unfinished)), tail == b"1"
+    except ValueError:
+        return 0, False
+
+
+def claims_of(runs: list[str], demands: list[bytes | None]) -> list[RunClaim]:
+    """The runs' claims on the fleet, each of share 1."""
+    claims = []
+    for run_id, raw in zip(runs, demands, strict=True):
+        wanted, tail = parse_demand(raw)
+        claims.append(RunClaim(run_id=run_id, share=1.0, wanted=wanted, tail=tail))
+    return claims
+
+
+def placeable(beat: Heartbeat) -> bool:
+    """A worker placement may move: alive, not shutting down, not stepped aside."""
+    return not beat.error and not beat.paused
+
+
+class FleetPlacer:
+    def __init__(self, r: aioredis.Redis, every_s: float = 1.0) -> None:
+        self.r, self.every_s = r, every_s
+        self.sent: dict[str, tuple[str, float]] = {}  # worker -> (run ordered, when)
+
+    async def forever(self) -> None:
+        while True:
+            await with_reconnect(self.place_once, "fleet placement")
+            await asyncio.sleep(self.every_s)
+
+    async def place_once(self) -> dict[str, str | None]:
+        """Place the fleet once; the run each placeable worker should serve ({} with fewer
+        than two runs active)."""
+        runs = await active_runs(self.r)
+        if len(runs) < 2:
+            self.sent.clear()
+            return {}
+        beats = {w: b for w, b in (await heartbeats(self.r)).items() if placeable(b)}
+        demands = cast(list[bytes | None], await self.r.mget([keys.run_demand(r) for r in runs]))
+        claims = claims_of(runs, demands)
+        allotted = allot(sum(b.slots for b in beats.values()), claims)
+        workers = [
+            FleetWorker(w, b.slots, b.run_id if b.run_id in runs else None)
+            for w, b in beats.items()
+        ]
+        placed = place(workers, allotted)
+        now = time.monotonic()
+        for worker_id, run_id in placed.items():
+            serving = beats[worker_id].run_id
+            if run_id is None or run_id == serving:
+                self.sent.pop(worker_id, None)
+                continue
+            last = self.sent.get(worker_id)
+            if last is not None and last[0] == run_id and now - last[1] < ORDER_AGAIN_S:
+                continue
+            await order(self.r, worker_id, WorkerControl(action="serve", run_id=run_id))
+            self.sent[worker_id] = (run_id, now)
+            if serving in runs:
+                SWITCHES.inc()
+            log.info(
+                "worker %s: serve run %s (was %s; allotted %s)", worker_id, run_id, serving,
+                allotted,
+            )  # fmt: skip
+        return placed

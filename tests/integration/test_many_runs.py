@@ -1,0 +1,75 @@
+"""Several runs on one fleet (issue 52), every service a real process: a coordinator that may
+keep three runs active, a pool of two trainers, three workers. Two runs train at once, each by
+its own trainer, the workers placed among them by the fleet's shares (each serves one run at a
+time and moves when the shares say so); a third run waits in the queue while both trainers are
+busy and runs when one is free. Every run succeeds with nothing lost or duplicated."""
+
+import json
+import time
+
+import pytest
+import redis
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
+from tests.harness.deploy import Deployment, DeploymentConfig
+from tests.integration.conftest import small_spec, wait_final, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp_path, tiny_model):
+    config = DeploymentConfig(
+        tmp_path,
+        reserved=0,
+        preemptible=3,
+        worker_slots=8,
+        trainers=2,
+        extra_env={"SPOTRL_MAX_ACTIVE_RUNS": "3", "SPOTRL_PLACEMENT_S": "0.3"},
+        # decode steps of 20 ms at least: the two runs' rollouts overlap in time
+        worker_env={"SPOTRL_STEP_DELAY_MS": "20"},
+    )
+    specs = [
+        small_spec(tiny_model, steps=4, seed=seed, learning_rate=lr)
+        for seed, lr in ((1, 1e-4), (2, 3e-4), (3, 1e-4))
+    ]
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        first, second = client.submit(specs[0]), client.submit(specs[1])
+
+        def both_running() -> bool:
+            return all(client.run(r)["state"] == "running" for r in (first, second))
+
+        wait_until(both_running, "the two runs active at once", 120)
+        rdb = redis.Redis.from_url(dep.redis_url)
+
+        def trainers_busy() -> bool:
+            said = [json.loads(v) for v in rdb.hvals(keys.TRAINERS)]
+            return sorted(s["run_id"] or "" for s in said) == sorted((first, second))
+
+        wait_until(trainers_busy, lambda: f"trainers say {rdb.hgetall(keys.TRAINERS)}", 60)
+        third = client.submit(specs[2])
+        # a third run may be active, but no trainer is idle for it: it waits (several polls)
+        for _ in range(10):
+            assert client.run(third)["state"] == "queued"
+            time.sleep(0.1)
+        served: set[tuple[str, str]] = set()
+
+        def both_served() -> bool:
+            for w in client.workers():
+                if w["alive"] and w["run_id"] in (first, second):
+                    served.add((w["id"], w["run_id"]))
+            return {run for _, run in served} == {first, second}
+
+        wait_until(both_served, lambda: f"workers served only {served}", 120)
+        runs = {r: wait_final(client, dep, r, timeout_s=300) for r in (first, second, third)}
+        for run_id, spec in zip((first, second, third), specs, strict=True):
+            assert runs[run_id]["state"] == "succeeded", runs[run_id]
+            audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+            assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+        # the two ran side by side; the third began only once one of them had ended
+        a, b, c = (runs[r] for r in (first, second, third))
+        assert max(a["started_at"], b["started_at"]) < min(a["finished_at"], b["finished_at"])
+        assert c["started_at"] >= min(a["finished_at"], b["finished_at"])
