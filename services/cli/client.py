@@ -84,6 +84,9 @@ class CoordinatorClient:
     def workers(self) -> list[dict]:
         return self._json(self._send("GET", "/v1/workers"))
 
+    def fleet(self) -> dict:
+        return self._json(self._send("GET", "/v1/fleet"))
+
     def __enter__(self) -> "CoordinatorClient":
         return self
 

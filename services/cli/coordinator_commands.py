@@ -84,7 +84,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(runs))
                 else:
-                    out.print(runs_table(runs))
+                    out.print(runs_table(runs, client.fleet()))
                 return 0
             run = client.run(args.run) if args.json else _follow(client, args.run)
             print(json.dumps(run) if args.json else json.dumps(_brief(run)))

@@ -103,9 +103,15 @@ def follow_run(
             run, before = client.run(run_id), run
 
 
-def runs_table(runs: list[dict]) -> Table:
-    table = Table("run", "state", "step", "reward", "tok/s", "T_seed (s)", "error")
+def runs_table(runs: list[dict], fleet: dict | None = None) -> Table:
+    """The runs, and for each active one its share of the fleet and the workers serving it
+    (`fleet`: GET /v1/fleet)."""
+    on_fleet = {run["id"]: run for run in (fleet or {}).get("runs", [])}
+    table = Table(
+        "run", "state", "step", "reward", "tok/s", "T_seed (s)", "share", "workers", "error"
+    )
     for run in runs:
+        share = on_fleet.get(run["id"])
         table.add_row(
             run["id"],
             run["state"],
@@ -113,6 +119,8 @@ def runs_table(runs: list[dict]) -> Table:
             _num(run["reward_mean"], 3),
             _num(run["tokens_per_s"], 0),
             _num(run["t_seed_s"], 2),
+            "-" if share is None else _num(share["share"], 1),
+            "-" if share is None else f"{share['workers']} ({share['active']}/{share['slots']})",
             (run["error"] or run.get("stall_reason") or "")[:60],
         )
     return table

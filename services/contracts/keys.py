@@ -214,10 +214,10 @@ def run_trainer_lease(run_id: str) -> str:
 
 
 def run_demand(run_id: str) -> str:
-    """String with a TTL ("UNFINISHED TAIL"): the rollout slots the run could fill now (its
-    steps' unfinished requests) and whether its oldest step waits only on its last requests
-    (1 or 0), written by the run's step loop at each tick; what the fleet's shares are
-    allotted from when several runs are active."""
+    """String with a TTL ("UNFINISHED TAIL SHARE"): the rollout slots the run could fill now
+    (its steps' unfinished requests), whether its oldest step waits only on its last requests
+    (1 or 0) and the run's share, written by the run's step loop at each tick; what the fleet's
+    shares are allotted from when several runs are active."""
     return f"{PREFIX}:run:{run_id}:demand"
 
 

@@ -35,6 +35,7 @@ def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp
         small_spec(tiny_model, steps=4, seed=seed, learning_rate=lr)
         for seed, lr in ((1, 1e-4), (2, 3e-4), (3, 1e-4))
     ]
+    specs[1]["share"] = 2.0  # the second weighs twice the first
     with Deployment(config) as dep:
         client = CoordinatorClient(dep.coordinator_url)
         first, second = client.submit(specs[0]), client.submit(specs[1])
@@ -64,6 +65,11 @@ def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp
             return {run for _, run in served} == {first, second}
 
         wait_until(both_served, lambda: f"workers served only {served}", 120)
+        # the API says each active run's share and the workers serving it
+        fleet = client.http.get("/v1/fleet").json()
+        shares = {first: 1.0, second: 2.0, third: 1.0}
+        assert fleet["runs"] and all(run["share"] == shares[run["id"]] for run in fleet["runs"])
+        assert 1 <= sum(run["workers"] for run in fleet["runs"]) <= 3, fleet
         runs = {r: wait_final(client, dep, r, timeout_s=300) for r in (first, second, third)}
         for run_id, spec in zip((first, second, third), specs, strict=True):
             assert runs[run_id]["state"] == "succeeded", runs[run_id]

@@ -1,10 +1,12 @@
 """The fleet's slots among runs (services/core/fleet_shares.py): weighted max-min fairness,
-tails first, whole slots that add up, clear errors; and the share error a window is judged by."""
+tails first, whole slots that add up, clear errors; the share error a window is judged by; the
+placement of workers; and the runs' demands as the placer reads them (workers/placement.py)."""
 
 import random
 
 import pytest
 
+from services.coordinator.workers.placement import claims_of, parse_demand
 from services.core.fleet_shares import (
     ClaimError,
     FleetWorker,
@@ -169,3 +171,12 @@ def test_placement_covers_every_need_the_fleet_can_and_oversupplies_none_by_a_wo
                 assert all(
                     w.holds is not None and 2 * (need[m] - held[m]) < w.slots for w in idle
                 ), (workers, need, got)
+
+
+def test_a_demand_is_read_as_its_step_loop_wrote_it_and_anything_else_as_none():
+    assert parse_demand(b"12 0 2.0") == (12, False, 2.0)
+    assert parse_demand(b"3 1 1.0") == (3, True, 1.0)
+    for raw in (None, b"", b"x 1 1.0", b"3 1", b"3 1 0", b"3 1 nan", b"3 1 1e9"):
+        assert parse_demand(raw) == (0, False, 1.0), raw
+    claims = claims_of(["a", "b"], [b"12 0 2.0", None])
+    assert claims == [RunClaim("a", 2.0, 12, False), RunClaim("b", 1.0, 0, False)]

@@ -6,8 +6,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from services.cli.follow import event_line, progress_info
+from services.cli.follow import event_line, progress_info, runs_table
 from services.contracts.messages import Heartbeat
 from services.coordinator.workers.observer import RateTracker, pool_rates
 from tests import factories
@@ -89,3 +90,15 @@ def test_the_progress_bar_shows_failed_calls_of_user_code_with_their_share():
         "reward": {"calls": 0, "failed": 0, "share": 0.0},
     }
     assert progress_info(run, 1).endswith("workers 1  env errors 12/96 (12.5%)")
+
+
+def test_the_runs_table_shows_each_active_runs_share_and_workers():
+    run = {"step": 1, "steps": 4, "reward_mean": 0.5, "tokens_per_s": 10.0, "t_seed_s": 1.0}
+    run |= {"error": "", "stall_reason": ""}
+    runs = [run | {"id": "a", "state": "running"}, run | {"id": "b", "state": "succeeded"}]
+    fleet = {"runs": [{"id": "a", "share": 2.0, "workers": 3, "slots": 24, "active": 7}]}
+    console = Console(width=200, record=True)
+    console.print(runs_table(runs, fleet))
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if "│" in line}
+    assert "2.0" in lines["a"] and "3 (7/24)" in lines["a"]
+    assert "(" not in lines["b"]  # an ended run holds no share

@@ -108,14 +108,35 @@ def test_the_fleet_is_the_live_runs_and_the_pool_they_want():
         "runs_active": 0,
         "preemptible_wanted": 0,
         "active_runs": [],
+        "runs": [],
     }
     ended = [record("a", "succeeded", 5), record("b", "failed", 3), record("c", "queued", None)]
     assert json.loads(fleet_doc(ended).body)["runs_active"] == 0  # a kept figure counts not
     live = [record("d", "running", 4), *ended, record("e", "stalled", 2)]
+    unused = {"id": "d", "share": 1.0, "workers": 0, "slots": 0, "active": 0}
     assert json.loads(fleet_doc(live).body) == {
         "runs_active": 2,
         "preemptible_wanted": 6,
         "active_runs": ["d", "e"],
+        "runs": [unused, unused | {"id": "e"}],
     }
     fresh = json.loads(fleet_doc([record("f", "running", None)]).body)
     assert (fresh["runs_active"], fresh["preemptible_wanted"]) == (1, 0)  # no figure yet
+
+
+def test_the_fleet_says_each_live_runs_share_and_the_workers_serving_it():
+    heavy = RunRecord(
+        id="d", state="running", spec=RunSpec(model="/m", share=2.5).model_dump_json()
+    )
+    light = RunRecord(id="e", state="running")
+    beats = {
+        "w1": factories.beat("w1", run_id="d", slots=8, active=3),
+        "w2": factories.beat("w2", run_id="d", slots=16, active=5),
+        "w3": factories.beat("w3", run_id="e", slots=8, active=1),
+        "w4": factories.beat("w4", run_id=None),
+    }
+    runs = json.loads(fleet_doc([heavy, light], beats).body)["runs"]
+    assert runs == [
+        {"id": "d", "share": 2.5, "workers": 2, "slots": 24, "active": 8},
+        {"id": "e", "share": 1.0, "workers": 1, "slots": 8, "active": 1},
+    ]

@@ -132,7 +132,7 @@ def test_every_field_is_in_exactly_one_section():
         ),
         "loss": ("beta", "epsilon", "epsilon_high", "scale_rewards", "loss_type", "behaviour_cap"),
         "rollout": (
-            *("migration", "max_staleness", "coordinator_shards", "fair_reads"),
+            *("migration", "max_staleness", "coordinator_shards", "share", "fair_reads"),
             *("seeding_wait_share", "seeding_backoff", "pool_headroom"),
             *("drafts", "length_aware"),
         ),
@@ -143,8 +143,9 @@ def test_every_field_is_in_exactly_one_section():
     assert wanted == SECTIONS
     every = [field for fields in SECTIONS.values() for field in fields]
     # the 57 fields of the flat spec but name, model and seed; the 4 of multi-turn episodes;
-    # faults.max_error_share; rollout.drafts and rollout.length_aware (issue 50); the 5 of lora
-    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1 + 2 + 5
+    # faults.max_error_share; rollout.drafts and rollout.length_aware (issue 50); the 5 of lora;
+    # rollout.share (issue 52)
+    assert len(every) == len(set(every)) == len(SECTION_OF) == 57 - 3 + 4 + 1 + 2 + 5 + 1
     assert set(FLAT_FIELDS) == {"name", "model", "seed", *every}
     assert place_of("top_p") == ("sampling", "top_p") and place_of("model") == ("model",)
     assert RunSpec.model_json_schema()["additionalProperties"] is False

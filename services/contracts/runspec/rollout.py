@@ -31,6 +31,14 @@ class RolloutSection(Section):
         "of its share of every step's prompts (prompt index mod shards), with its own deltas "
         "stream and durable request table; the first also schedules. Fixed for the run.",
     )
+    share: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="The run's weight among the active runs sharing the fleet (docs/many_runs.md):"
+        " with work waiting, it holds slots in proportion to it (max-min fair). Used only where "
+        "the coordinator keeps several runs active.",
+    )
     fair_reads: bool = Field(
         True,
         description="Each worker holds at most an equal share of a step's unfinished requests "

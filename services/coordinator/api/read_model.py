@@ -38,7 +38,7 @@ from services.contracts.fleet import fleet_figures
 from services.contracts.messages import Heartbeat, MalformedMessage
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec
-from services.coordinator.api.schemas import FleetPublic, RunPublic, WorkerPublic
+from services.coordinator.api.schemas import FleetPublic, FleetRunPublic, RunPublic, WorkerPublic
 from services.core.call_errors import run_health
 from services.infra.read_limit import etag_of
 from services.infra.redis_streams import range_entries
@@ -147,17 +147,35 @@ def run_list(docs: list[RunDocs]) -> Doc:
     return Doc.of(b"[" + b",".join(d.public.body for d in docs) + b"]")
 
 
-def fleet_doc(records: list[RunRecord]) -> Doc:
-    """GET /v1/fleet from the records of the runs held (newest first): the live ones and the
-    pool they want (`contracts.fleet.fleet_figures`)."""
+def fleet_doc(records: list[RunRecord], beats: Mapping[str, Heartbeat] | None = None) -> Doc:
+    """GET /v1/fleet from the records of the runs held (newest first) and the workers'
+    heartbeats: the live runs, the pool they want (`contracts.fleet.fleet_figures`), and each
+    live run's share and the workers serving it now."""
     live = [record for record in records if record.state in LIVE_STATES]
     figures = fleet_figures([record.preemptible_wanted for record in live])
+    alive = list((beats or {}).values())
     fleet = FleetPublic(
         runs_active=figures.runs_active,
         preemptible_wanted=figures.preemptible_wanted,
         active_runs=[record.id for record in live],
+        runs=[fleet_run(record, [b for b in alive if b.run_id == record.id]) for record in live],
     )
     return Doc.of(fleet.model_dump_json().encode())
+
+
+def fleet_run(record: RunRecord, serving: list[Heartbeat]) -> FleetRunPublic:
+    """A live run's share (1 where its spec cannot be read) and the workers serving it."""
+    try:
+        share = record.run_spec().rollout.share
+    except ValueError:
+        share = 1.0
+    return FleetRunPublic(
+        id=record.id,
+        share=share,
+        workers=len(serving),
+        slots=sum(b.slots for b in serving),
+        active=sum(b.active for b in serving),
+    )
 
 
 def worker_list(
@@ -248,6 +266,7 @@ class ReadModel:
         self.order: list[str] = []  # run ids, newest first
         self.workers: dict[bool | None, Doc] = worker_docs([])
         self.fleet: Doc = fleet_doc([])  # the active runs and the pool they want
+        self.beats: dict[str, Heartbeat] = {}  # the alive workers' heartbeats, as last read
         self.timelines: dict[str, tuple[Entries, Entries]] = {}
         self.refreshed_at: float | None = None  # clock of the last refresh, if it succeeded
         self.stale_after_s = max(2.0, 8 * refresh_s)
@@ -300,7 +319,7 @@ class ReadModel:
         self.order = [i for i in ids if i in self.runs]
         for gone in set(self.runs) - set(self.order):
             del self.runs[gone]
-        self.fleet = fleet_doc([self.runs[i].inputs.record for i in self.order])
+        self.fleet = fleet_doc([self.runs[i].inputs.record for i in self.order], self.beats)
         self.refreshed_at = time.monotonic()
 
     @property
@@ -387,6 +406,7 @@ class ReadModel:
     def _apply_workers(self, worker_ids: list[str], replies: list) -> None:
         if not worker_ids:
             self.workers = worker_docs([])
+            self.beats = {}
             return
         n = len(worker_ids)
         records = {
@@ -409,6 +429,7 @@ class ReadModel:
                 if isinstance(report, dict):
                     crashes[worker_id] = report
         self.workers = worker_docs(worker_list(records, beats, crashes))
+        self.beats = beats
 
     def _queue_timeline(self, pipe: aioredis.client.Pipeline, run_id: str) -> None:
         events, pool = self.timelines.get(run_id) or (

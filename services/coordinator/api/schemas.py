@@ -68,6 +68,16 @@ class RunPublic(BaseModel):
     )
 
 
+class FleetRunPublic(BaseModel):
+    """One active run on the fleet: its weight and what it holds."""
+
+    id: str
+    share: float = Field(description="The run's weight among the active runs (rollout.share).")
+    workers: int = Field(description="Alive workers serving the run now.")
+    slots: int = Field(description="Their slots, added up.")
+    active: int = Field(description="Requests of the run they execute now.")
+
+
 class FleetPublic(BaseModel):
     """GET /v1/fleet: what a scaler of the whole deployment reads (the same figures as the
     gauges `spotrl_coordinator_runs_active` and `spotrl_coordinator_preemptible_wanted`)."""
@@ -80,6 +90,10 @@ class FleetPublic(BaseModel):
         "without a figure yet: hold what runs)."
     )
     active_runs: list[str] = Field(description="The active runs' ids, newest first.")
+    runs: list[FleetRunPublic] = Field(
+        default_factory=list,
+        description="Each active run's share of the fleet and its use of it now, newest first.",
+    )
 
 
 class WorkerCreate(BaseModel):

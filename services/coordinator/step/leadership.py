@@ -73,7 +73,9 @@ class Leadership:
             spec.faults.max_error_share,
         )
         training = spec.training
-        self.demand = DemandNotice(r, run_id, training.prompts_per_step * training.group_size)
+        self.demand = DemandNotice(
+            r, run_id, training.prompts_per_step * training.group_size, rollout.share
+        )
 
     async def start(self) -> None:
         """Pick up a stall from before a restart, and the workers that served the run."""

@@ -29,7 +29,7 @@ from services.core.seeding import StepTimes, train_compute_s
 from services.core.step_controller import Lead
 from services.state import run_record, timeline
 from services.state.redis_figures import RedisMemory, run_streams, stream_lengths
-from services.state.run_state import active_run
+from services.state.run_state import active_runs
 from services.state.step_metrics import StepRow, read_step, record_step
 
 log = logging.getLogger(__name__)
@@ -333,10 +333,9 @@ async def adapt(
 async def publish_fleet(r: aioredis.Redis) -> FleetFigures:
     """Set the gauges of the active runs and the pool they want from their records in Redis
     (`contracts.fleet.fleet_figures`): 0 and 0 with no run."""
-    run_id = await active_run(r)
     fields = ("state", "preemptible_wanted")
-    record = await run_record.read(r, run_id, *fields) if run_id is not None else None
-    live = [record] if record is not None and record.state in LIVE_STATES else []
+    records = [await run_record.read(r, run_id, *fields) for run_id in await active_runs(r)]
+    live = [rec for rec in records if rec is not None and rec.state in LIVE_STATES]
     figures = fleet_figures([run.preemptible_wanted for run in live])
     RUNS_ACTIVE.set(figures.runs_active)
     WANTED.set(figures.preemptible_wanted)

@@ -31,6 +31,7 @@ from services.state.run_state import active_runs
 log = logging.getLogger(__name__)
 ORDER_AGAIN_S = 5.0  # a serve order not followed by then is sent again
 DEMAND_TTL_S = 10  # a run's demand lapses this long after its step loop last said it
+MAX_SHARE = 1000.0  # the most a run's share may be (RolloutSection.share)
 SWITCHES = Counter(
     "spotrl_coordinator_worker_switches_total",
     "Serve orders that move a worker from one active run to another",
@@ -42,13 +43,15 @@ class DemandNotice:
     step's unfinished requests and whether they are its tail; written when it changes, and
     again before its TTL runs out."""
 
-    def __init__(self, r: aioredis.Redis, run_id: str, step_requests: int) -> None:
-        self.r, self.run_id, self.step_requests = r, run_id, step_requests
+    def __init__(
+        self, r: aioredis.Redis, run_id: str, step_requests: int, share: float = 1.0
+    ) -> None:
+        self.r, self.run_id, self.step_requests, self.share = r, run_id, step_requests, share
         self.said, self.said_at = "", 0.0  # the demand last written, and when
 
     async def say(self, unfinished: int) -> None:
         tail = in_tail(unfinished, self.step_requests)
-        said = f"{unfinished} {int(tail)}"
+        said = f"{unfinished} {int(tail)} {self.share!r}"
         now = time.monotonic()
         if said == self.said and now - self.said_at < DEMAND_TTL_S / 2:
             return
@@ -56,22 +59,25 @@ class DemandNotice:
         self.said, self.said_at = said, now
 
 
-def parse_demand(raw: bytes | None) -> tuple[int, bool]:
-    """A run's demand as its step loop wrote it ("UNFINISHED TAIL"); (0, False) where it is
-    absent (the run's first step not opened yet, or its loop stopped) or not ours."""
+def parse_demand(raw: bytes | None) -> tuple[int, bool, float]:
+    """A run's demand as its step loop wrote it ("UNFINISHED TAIL SHARE"); (0, False, 1.0)
+    where it is absent (the run's first step not opened yet, or its loop stopped) or not ours."""
     try:
-        unfinished, tail = (raw or b"").split()
-        return max(0, int(unfinished)), tail == b"1"
+        unfinished, tail, share = (raw or b"").split()
+        weight = float(share)
+        if not (0 < weight <= MAX_SHARE):
+            raise ValueError(share)
+        return max(0, int(unfinished)), tail == b"1", weight
     except ValueError:
-        return 0, False
+        return 0, False, 1.0
 
 
 def claims_of(runs: list[str], demands: list[bytes | None]) -> list[RunClaim]:
-    """The runs' claims on the fleet, each of share 1."""
+    """The runs' claims on the fleet, each with its spec's share."""
     claims = []
     for run_id, raw in zip(runs, demands, strict=True):
-        wanted, tail = parse_demand(raw)
-        claims.append(RunClaim(run_id=run_id, share=1.0, wanted=wanted, tail=tail))
+        wanted, tail, share = parse_demand(raw)
+        claims.append(RunClaim(run_id=run_id, share=share, wanted=wanted, tail=tail))
     return claims
 
 

@@ -1,0 +1,96 @@
+"""Which runs are active, against a real redis-server (services/state/runs.py, run_state.py,
+trainer_pool.py): one at a time by default; more only up to `max_active_runs` and only for an
+idle trainer; ACTIVE_RUN names the oldest active run and moves on when it ends; a pointer left
+by a release without the active set still counts. The trainer pool's beats and leases: a run
+is trained by one trainer, its own restart takes it back, another takes it once it lapses.
+And the fleet's gauges add up every active run's pool."""
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
+from services.coordinator.step.record import publish_fleet
+from services.state import run_record, trainer_pool
+from services.state.run_state import active_run, active_runs
+from services.state.runs import RunStore
+
+
+def spec(seed: int) -> RunSpec:
+    return RunSpec(model="/m", steps=1, seed=seed)
+
+
+async def with_store(url: str, body) -> None:
+    r = aioredis.from_url(url)
+    try:
+        await body(RunStore(r), r)
+    finally:
+        await r.aclose()
+
+
+def test_one_run_at_a_time_unless_more_are_allowed_and_a_trainer_is_idle(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        a, b, c = [await store.submit(spec(i)) for i in range(3)]
+        assert await store.activate_next() == a
+        assert await store.activate_next() is None  # the default: one at a time
+        assert await store.activate_next(max_active=3, idle_trainers=0) is None  # no trainer
+        assert await store.activate_next(max_active=3, idle_trainers=1) == b
+        assert await active_runs(r) == [a, b] and await active_run(r) == a
+        assert await store.activate_next(max_active=2, idle_trainers=1) is None  # at the most
+        await store.finish(a, "succeeded")
+        assert await active_runs(r) == [b] and await active_run(r) == b  # the oldest left
+        assert await store.activate_next(max_active=2, idle_trainers=1) == c
+        await store.finish(c, "cancelled")
+        await store.finish(b, "succeeded")
+        assert await active_runs(r) == [] and await active_run(r) is None
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_a_pointer_without_the_active_set_counts_as_the_oldest_active_run(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        a, b = [await store.submit(spec(i)) for i in range(2)]
+        await r.lpop(keys.RUN_QUEUE)  # a, made active as an earlier release did: the pointer
+        await r.set(keys.ACTIVE_RUN, a)
+        assert await active_runs(r) == [a]
+        assert await store.activate_next(max_active=2, idle_trainers=0) is None
+        assert await store.activate_next(max_active=2, idle_trainers=1) == b
+        assert await active_runs(r) == [a, b] and await active_run(r) == a
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_a_run_is_trained_by_one_trainer_of_the_pool(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        run = await store.submit(spec(0))
+        assert await trainer_pool.take(r, run, "t1")
+        assert not await trainer_pool.take(r, run, "t2")  # held
+        assert await trainer_pool.take(r, run, "t1")  # its own restart takes it back
+        assert await trainer_pool.renew(r, run, "t1") and not await trainer_pool.renew(r, run, "t2")
+        await r.delete(keys.run_trainer_lease(run))  # lapsed
+        assert await trainer_pool.take(r, run, "t2")
+        assert not await trainer_pool.renew(r, run, "t1")  # t1 lost it: it stops
+
+        await trainer_pool.beat(r, "t1", None)
+        await trainer_pool.beat(r, "t2", run)
+        await r.hset(keys.TRAINERS, "t3", b"not a beat")
+        assert await trainer_pool.idle_trainers(r) == 1
+        later = time.time() + trainer_pool.ALIVE_S + 1
+        assert await trainer_pool.idle_trainers(r, now=later) == 0  # gone quiet: gone
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_the_fleet_gauges_add_up_every_active_run(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        a, b = [await store.submit(spec(i)) for i in range(2)]
+        await store.activate_next()
+        await store.activate_next(max_active=2, idle_trainers=1)
+        await run_record.set_seeding(r, a, 1.0, 3.0, 3)
+        await run_record.set_seeding(r, b, 1.0, 2.0, 2)
+        figures = await publish_fleet(r)
+        assert figures.runs_active == 2 and figures.preemptible_wanted == 5
+
+    asyncio.run(with_store(empty_redis_url, body))
