@@ -15,8 +15,8 @@ ACTIVE_RUN = f"{PREFIX}:runs:active"  # string: id of the oldest active run, abs
 # Sorted set run_id -> activated_at: every active run (one, unless the coordinator's
 # max_active_runs lets several share the fleet); ACTIVE_RUN is the oldest of them
 ACTIVE_RUNS = f"{PREFIX}:runs:active-set"
-# Hash: trainer id -> JSON {"run_id": the run it trains or null, "at": unix time}: each trainer
-# of the pool beats here; the coordinator activates a second run only for an idle trainer
+# Set of the ids of the trainers of the pool (each beats at trainer_heartbeat); the coordinator
+# activates a second run only for an idle trainer
 TRAINERS = f"{PREFIX}:trainers"
 
 
@@ -270,6 +270,12 @@ def worker_leaving(worker_id: str) -> str:
     """String set (with a TTL) by a worker that got its preemption notice and released its work:
     the coordinator tells a notice from a sudden death by it."""
     return f"{PREFIX}:worker:{worker_id}:leaving"
+
+
+def trainer_heartbeat(trainer_id: str) -> str:
+    """String (JSON {"run_id": the run it trains, or null}) with a short TTL: present while the
+    trainer of the pool is alive."""
+    return f"{PREFIX}:trainer:{trainer_id}:hb"
 
 
 # ---- consumer groups ----

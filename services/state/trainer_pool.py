@@ -1,17 +1,16 @@
 """The trainer pool in Redis: which trainer trains which active run.
 
-Each trainer beats into one hash (keys.TRAINERS: the run it trains, or none, and when it beat),
-so the coordinator knows how many are idle: it activates a second run, and more, only for an
-idle trainer (`RunStore.activate_next`). A trainer takes an active run by its lease
-(keys.run_trainer_lease): set if free, renewed while it trains and until the coordinator moves
-on from the run (the lease goes with the run's keys). A trainer that dies leaves its lease to
-lapse, and any trainer of the pool takes the run then and resumes it from its checkpoint; its
-own restart (the same id) takes it back at once. A trainer that finds it lost its lease stops
-training that run: two never train one.
+Each trainer beats into a key with a TTL (keys.trainer_heartbeat: the run it trains, or none)
+and is listed once in keys.TRAINERS, so the coordinator knows how many are idle: it activates a
+second run, and more, only for an idle trainer (`RunStore.activate_next`). A trainer takes an
+active run by its lease (keys.run_trainer_lease): set if free, renewed while it trains and until
+the coordinator moves on from the run (the lease goes with the run's keys). A trainer that dies
+leaves its lease to lapse, and any trainer of the pool takes the run then and resumes it from
+its checkpoint; its own restart (the same id) takes it back at once. A trainer that finds it
+lost its lease stops training that run: two never train one.
 """
 
 import json
-import time
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -19,7 +18,7 @@ import redis.asyncio as aioredis
 from services.contracts import keys
 
 BEAT_S = 1.0  # a trainer beats this often
-ALIVE_S = 5.0  # a trainer whose last beat is older than this counts as gone
+ALIVE_MS = 5000  # a trainer whose last beat is older than this counts as gone
 LEASE_S = 15.0  # a run's lease lapses this long after its trainer last renewed it
 
 # the lease's value is the trainer's id: renewed only by that trainer
@@ -33,20 +32,27 @@ return 0
 
 async def beat(r: aioredis.Redis, trainer_id: str, run_id: str | None) -> None:
     """The trainer is alive, training `run_id` (None: idle)."""
-    await r.hset(keys.TRAINERS, trainer_id, json.dumps({"run_id": run_id, "at": time.time()}))
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.sadd(keys.TRAINERS, trainer_id)
+        pipe.set(keys.trainer_heartbeat(trainer_id), json.dumps({"run_id": run_id}), px=ALIVE_MS)
+        await pipe.execute()
 
 
-async def idle_trainers(r: aioredis.Redis, now: float | None = None) -> int:
-    """How many trainers beat within ALIVE_S and train no run."""
-    now = time.time() if now is None else now
+async def idle_trainers(r: aioredis.Redis) -> int:
+    """How many trainers beat within ALIVE_MS and train no run."""
+    ids = sorted(x.decode() for x in cast(set[bytes], await r.smembers(keys.TRAINERS)))
+    if not ids:
+        return 0
+    beats = cast(list[bytes | None], await r.mget([keys.trainer_heartbeat(t) for t in ids]))
     idle = 0
-    for raw in cast(dict[bytes, bytes], await r.hgetall(keys.TRAINERS)).values():
+    for raw in beats:
+        if raw is None:
+            continue  # gone quiet: gone
         try:
             said = json.loads(raw)
-            alive = now - float(said["at"]) <= ALIVE_S
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             continue  # not a beat of ours: no trainer counted
-        if alive and said.get("run_id") is None:
+        if isinstance(said, dict) and said.get("run_id") is None:
             idle += 1
     return idle
 

@@ -59,7 +59,12 @@ def test_the_fleet_gauges_follow_runs_and_restarts(dep, tiny_model, tmp_path):
     client = CoordinatorClient(dep.coordinator_url)
     try:
         assert gauges(dep) == (0, 0)  # no run yet
-        assert fleet(client) == {"runs_active": 0, "preemptible_wanted": 0, "active_runs": []}
+        assert fleet(client) == {
+            "runs_active": 0,
+            "preemptible_wanted": 0,
+            "active_runs": [],
+            "runs": [],
+        }
         spec = small_spec(tiny_model, steps=100_000, prompts_per_step=4, group_size=2)
         run_id = client.submit(spec)
         wait_until(lambda: gauges(dep)[0] == 1, "runs_active never became 1", 60, 0.2)
@@ -89,11 +94,13 @@ def test_the_fleet_gauges_follow_runs_and_restarts(dep, tiny_model, tmp_path):
         )
         assert client.run(run_id)["state"] in ("running", "stalled")
         wait_until(lambda: fleet(client)["preemptible_wanted"] == wanted, "no fleet figure", 30)
-        assert fleet(client) == {
+        got = fleet(client)
+        assert {k: v for k, v in got.items() if k != "runs"} == {
             "runs_active": 1,
             "preemptible_wanted": wanted,
             "active_runs": [run_id],
         }
+        assert [(run["id"], run["share"]) for run in got["runs"]] == [(run_id, 1.0)], got
         client.cancel(run_id)
         wait_until(
             lambda: gauges(dep) == (0, 0),

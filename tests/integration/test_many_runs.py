@@ -46,11 +46,15 @@ def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp
         wait_until(both_running, "the two runs active at once", 120)
         rdb = redis.Redis.from_url(dep.redis_url)
 
-        def trainers_busy() -> bool:
-            said = [json.loads(v) for v in rdb.hvals(keys.TRAINERS)]
-            return sorted(s["run_id"] or "" for s in said) == sorted((first, second))
+        def trainers_say() -> list[str]:
+            beats = rdb.mget([keys.trainer_heartbeat(t) for t in ("trainer", "trainer-2")])
+            return sorted((json.loads(b)["run_id"] or "") if b else "" for b in beats)
 
-        wait_until(trainers_busy, lambda: f"trainers say {rdb.hgetall(keys.TRAINERS)}", 60)
+        wait_until(
+            lambda: trainers_say() == sorted((first, second)),
+            lambda: f"the trainers train {trainers_say()}",
+            60,
+        )
         third = client.submit(specs[2])
         # a third run may be active, but no trainer is idle for it: it waits (several polls)
         for _ in range(10):

@@ -6,7 +6,6 @@ is trained by one trainer, its own restart takes it back, another takes it once 
 And the fleet's gauges add up every active run's pool."""
 
 import asyncio
-import time
 
 import redis.asyncio as aioredis
 
@@ -75,10 +74,12 @@ def test_a_run_is_trained_by_one_trainer_of_the_pool(empty_redis_url):
 
         await trainer_pool.beat(r, "t1", None)
         await trainer_pool.beat(r, "t2", run)
-        await r.hset(keys.TRAINERS, "t3", b"not a beat")
+        await r.sadd(keys.TRAINERS, "t3", "t4")  # listed: t3 never beat, t4 not as we do
+        await r.set(keys.trainer_heartbeat("t4"), b"not a beat")
         assert await trainer_pool.idle_trainers(r) == 1
-        later = time.time() + trainer_pool.ALIVE_S + 1
-        assert await trainer_pool.idle_trainers(r, now=later) == 0  # gone quiet: gone
+        assert 0 < await r.pttl(keys.trainer_heartbeat("t1")) <= trainer_pool.ALIVE_MS
+        await r.delete(keys.trainer_heartbeat("t1"))  # its TTL ran out: gone quiet, gone
+        assert await trainer_pool.idle_trainers(r) == 0
 
     asyncio.run(with_store(empty_redis_url, body))
 
