@@ -27,6 +27,19 @@ def tiny_model(tmp_path_factory):
     return init_model(out, InitModelSpec(**SPECS["tiny"]))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory):
+    """Another small base model for the same task, of other shapes than `tiny_model`'s."""
+    import torch
+
+    from services.trainer.init_model import InitModelSpec, init_model
+    from tests.harness.models import SPECS
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("models") / "tiny-b"
+    return init_model(out, InitModelSpec(**SPECS["tiny-b"]))
+
+
 def require_vllm():
     """Skip where vLLM is not installed; in CI (`make test` installs it) its absence fails."""
     try:

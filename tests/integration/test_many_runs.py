@@ -5,6 +5,7 @@ time and moves when the shares say so); a third run waits in the queue while bot
 busy and runs when one is free. Every run succeeds with nothing lost or duplicated."""
 
 import json
+import re
 import time
 
 import pytest
@@ -20,17 +21,26 @@ from tests.integration.conftest import small_spec, wait_final, wait_until
 pytestmark = pytest.mark.slow
 
 
-def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp_path, tiny_model):
-    config = DeploymentConfig(
+def fleet_config(tmp_path, workers: int, max_active_runs: int) -> DeploymentConfig:
+    """Spot workers of 8 slots and two trainers under a coordinator that keeps up to
+    `max_active_runs` runs active, placing the fleet every 0.3 s."""
+    return DeploymentConfig(
         tmp_path,
         reserved=0,
-        preemptible=3,
+        preemptible=workers,
         worker_slots=8,
         trainers=2,
-        extra_env={"SPOTRL_MAX_ACTIVE_RUNS": "3", "SPOTRL_PLACEMENT_S": "0.3"},
-        # decode steps of 20 ms at least: the two runs' rollouts overlap in time
+        extra_env={
+            "SPOTRL_MAX_ACTIVE_RUNS": str(max_active_runs),
+            "SPOTRL_PLACEMENT_S": "0.3",
+        },
+        # decode steps of 20 ms at least: the runs' rollouts overlap in time
         worker_env={"SPOTRL_STEP_DELAY_MS": "20"},
     )
+
+
+def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp_path, tiny_model):
+    config = fleet_config(tmp_path, workers=3, max_active_runs=3)
     specs = [
         small_spec(tiny_model, steps=4, seed=seed, learning_rate=lr)
         for seed, lr in ((1, 1e-4), (2, 3e-4), (3, 1e-4))
@@ -83,3 +93,43 @@ def test_two_runs_train_at_once_on_one_fleet_and_a_third_waits_for_a_trainer(tmp
         a, b, c = (runs[r] for r in (first, second, third))
         assert max(a["started_at"], b["started_at"]) < min(a["finished_at"], b["finished_at"])
         assert c["started_at"] >= min(a["finished_at"], b["finished_at"])
+
+
+def test_runs_on_two_base_models_share_one_fleet(tmp_path, tiny_model, tiny_model_b):
+    """Two runs on different base models (other shapes) on one fleet of two workers: the shares
+    place a worker that holds the first base on the second run, whose engine builds that model
+    (it cannot load those weights in place), and back when a run ends; both runs succeed,
+    exact, and no worker died of the switch."""
+    config = fleet_config(tmp_path, workers=2, max_active_runs=2)
+    specs = [
+        small_spec(tiny_model, steps=4, seed=1),
+        small_spec(tiny_model_b, steps=4, seed=2),
+    ]
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        rdb = redis.Redis.from_url(dep.redis_url)
+        workers = ("rollout-preemptible-1", "rollout-preemptible-2")
+        first = client.submit(specs[0])
+
+        def loads(run_id: str) -> dict[str, set[bytes]]:
+            return {w: rdb.smembers(keys.worker_loads(run_id, w)) for w in workers}
+
+        # both workers hold the first base before the second run comes
+        wait_until(lambda: all(loads(first).values()), lambda: f"loads {loads(first)}", 120)
+        second = client.submit(specs[1])
+        runs = {r: wait_final(client, dep, r, timeout_s=300) for r in (first, second)}
+        for run_id, spec in zip((first, second), specs, strict=True):
+            assert runs[run_id]["state"] == "succeeded", runs[run_id]
+            audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+            assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+        # a worker that held the first base loaded the second run's versions: its engine
+        # built the other model, and lived on
+        switched = [w for w in workers if loads(second)[w]]
+        assert switched, loads(second)
+        for w in switched:
+            assert "weights of another model" in dep.procs[w].log_path.read_text(), w
+        dep.check_alive()
+        # the move from the first run (still active then) was the shares', and counted
+        metrics = client.http.get("/metrics").text
+        switches = re.search(r"^spotrl_coordinator_worker_switches_total (\S+)$", metrics, re.M)
+        assert switches and float(switches.group(1)) >= 1, switches

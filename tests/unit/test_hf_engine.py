@@ -6,6 +6,7 @@ import torch
 from services.contracts.sampling import SamplingParams
 from services.rollout.engines.hf import HFEngine
 from services.rollout.engines.sampling import sample_token
+from services.rollout.engines.tensors import same_model
 from tests.factories import job
 
 
@@ -344,3 +345,47 @@ def test_whole_layers_widens_a_change_to_its_layers_tensors():
     }
     assert whole_layers({"lm_head.weight"}, names) == {"lm_head.weight"}
     assert whole_layers(set(), names) == set()
+
+
+def test_weights_of_another_base_build_that_model_and_drop_the_running_requests(
+    tiny_model, versions, tmp_path
+):
+    """A worker placed on a run on another base model (issue 52) loads that model's folder: the
+    engine builds it anew (its shapes differ), and back; a version of the same model (v2) still
+    loads in place."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.hidden_size, config.intermediate_size = 32, 64
+    torch.manual_seed(3)
+    other_model = AutoModelForCausalLM.from_config(config).eval()
+    other_model.save_pretrained(tmp_path / "other")
+    engine = loaded(tiny_model)
+    held = engine.model
+    engine.add(job("a", PROMPTS["a"], 6))
+    engine.decode()
+    engine.load_weights(tmp_path / "other")
+    assert engine.model is not held and engine.model.config.hidden_size == 32
+    assert engine.active == 0  # what ran under the other model is not continued under this one
+    out = run_to_end(engine, joins={0: [job("b", PROMPTS["b"], 4)]})
+    assert out["b"] == reference(other_model, PROMPTS["b"], 4)
+    engine.load_weights(tiny_model)
+    assert engine.model.config.hidden_size == config_hidden(tiny_model)
+    in_place = engine.model
+    engine.load_weights(versions[0])  # a version of the model held: no new model
+    assert engine.model is in_place
+
+
+def config_hidden(folder):
+    import json
+
+    return json.loads((folder / "config.json").read_text())["hidden_size"]
+
+
+def test_same_model_tells_another_base_from_a_version_of_the_one_held():
+    held = {"embed.weight": (10, 4), "layer.0.w": (4, 4), "lm_head.weight": (10, 4)}
+    assert same_model(held, {"embed.weight": (10, 4), "layer.0.w": (4, 4)})  # tied: left out
+    assert same_model(held, dict(held))
+    assert not same_model(held, {"embed.weight": (10, 8), "layer.0.w": (8, 8)})  # wider
+    assert not same_model(held, {"embed.weight": (10, 4)})  # a layer fewer
+    assert not same_model(held, held | {"layer.1.w": (4, 4)})  # a layer more

@@ -43,6 +43,7 @@ The model runs on the process's compute thread (`step`, `load`; services/infra/c
 the event loop stays free; only the task that drives the engine calls it.
 """
 
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ from services.rollout.engines.speculation import (
     holes,
     kept_tokens,
 )
-from services.rollout.engines.tensors import read_tensors
+from services.rollout.engines.tensors import read_tensors, same_model, tensor_shapes
+
+log = logging.getLogger(__name__)
 
 DRAFT_TOKENS = 4  # most draft tokens a request verifies per step, by default
 # the cache is compacted once its hidden columns pass this share of its longest row and HOLES_MIN
@@ -162,6 +165,10 @@ class HFEngine:
         """Serve the weights in `folder`; with `changed` (the names of the tensors that differ
         from the weights held now), read and copy only those, in place."""
         folder = Path(folder)
+        if self.model is not None and changed is None and not self._holds_model_of(folder):
+            log.info("%s holds weights of another model (another base): building it", folder)
+            self.abort_all()
+            self.model, self.adapters = None, None
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
@@ -175,6 +182,11 @@ class HFEngine:
         self.abort_all()
         if self.adapters is not None:
             self.adapters.clear()  # adapters of the weights held before
+
+    def _holds_model_of(self, folder: Path) -> bool:
+        """Whether `folder` holds weights of the model held, not another base's."""
+        held = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        return same_model(held, tensor_shapes(folder))
 
     def hold_adapter(self, version: int, folder: Path) -> None:
         """Hold the LoRA adapter in `folder` as `version`'s (`lora_rows.RowAdapters`): the

@@ -3,10 +3,11 @@
 A folder holds safetensors shards and, when sharded, `model.safetensors.index.json` whose
 `weight_map` says which shard holds each tensor; without an index the shards' own keys say it.
 `read_tensors` opens each shard once and reads only the tensors asked for (safetensors reads
-a tensor without reading the rest of its file). `whole_layers` widens a set of changed names to
-every tensor of the layers they belong to, for engines that fuse a layer's checkpoint tensors
-into one parameter (vLLM's qkv_proj, gate_up_proj, a MoE layer's experts) and can only process a
-layer once all of it is loaded.
+a tensor without reading the rest of its file). `tensor_shapes` and `same_model` tell weights of
+the model held from another model's (a worker placed on a run on another base). `whole_layers`
+widens a set of changed names to every tensor of the layers they belong to, for engines that
+fuse a layer's checkpoint tensors into one parameter (vLLM's qkv_proj, gate_up_proj, a MoE
+layer's experts) and can only process a layer once all of it is loaded.
 
 It knows nothing of engines or models: names are the checkpoint's, as in the safetensors files.
 """
@@ -41,6 +42,31 @@ def tensor_files(folder: Path) -> dict[str, str]:
         with safe_open(shard, framework="pt") as f:
             files.update((name, shard.name) for name in f.keys())  # noqa: SIM118 (safe_open is no mapping)
     return files
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name -> its shape, from the shards' headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def same_model(held: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the tensors `given` (a weights folder's, `tensor_shapes`) are weights of the
+    model whose tensors are `held`: every one of them is held with the same shape, and every
+    tensor held is given but those a checkpoint may leave out (a rotary embedding's
+    frequencies, an output layer tied to the embedding). A run on another base model is not."""
+    if any(held.get(name) != shape for name, shape in given.items()):
+        return False
+    optional = {"lm_head.weight"}
+    return all(
+        name in given or name in optional or name.endswith("rotary_emb.inv_freq") for name in held
+    )
 
 
 def read_tensors(folder: Path, names: Collection[str]) -> Iterator[tuple[str, "torch.Tensor"]]:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from services.contracts.messages import Job
 from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.tensors import same_model, tensor_shapes
 from services.rollout.lifeline import tie_children_to_this_process
 
 if TYPE_CHECKING:
@@ -266,6 +267,7 @@ class VLLMEngine:
         # after a load from a folder of some tensors only, e.g. an adapter merged by a worker)
         self.whole_folder: Path | None = None
         self.adapters: dict[int, Any] = {}  # version -> vLLM's LoRARequest, oldest first
+        self.shapes: dict[str, tuple[int, ...]] = {}  # of the model built (`tensor_shapes`)
         self._adapter_of: dict[str, int] = {}  # running request -> its adapter's version
         self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: new for every load
 
@@ -275,7 +277,15 @@ class VLLMEngine:
         them) in place. Asleep, the engine holds no weights: it loads them all."""
         self.abort_all()
         await self._settle()
+        if self.llm is not None and changed is None:
+            shapes = await asyncio.to_thread(tensor_shapes, Path(folder))
+            if not same_model(self.shapes, shapes):  # a run on another base: vLLM anew
+                log.info("%s holds weights of another model (another base): rebuilding", folder)
+                self.llm.shutdown()
+                self.llm, self.sleeping = None, False
+                self.adapters.clear()
         if self.llm is None:
+            self.shapes = await asyncio.to_thread(tensor_shapes, Path(folder))
             await asyncio.to_thread(self._build, Path(folder))
             await self._warm_up()
             self.whole_folder = Path(folder)
