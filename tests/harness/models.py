@@ -22,12 +22,12 @@ from services.trainer.init_model import InitModelSpec, init_model
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("SPOTRL_MODEL_CACHE", Path.home() / ".cache" / "spotrl" / "models"))
 # "embedded" is what `spotrl init-model` builds; "tiny" the unit tests' (seconds, learns less),
-# "tiny-b" another base of that size
+# "tiny-b" another base of that size (head_dim 32, as vLLM on CPU needs)
 SPECS = {
     "embedded": {"pretrain_steps": EMBEDDED_PRETRAIN_STEPS},
     "tiny": {"hidden_size": 64, "layers": 2, "heads": 2, "pretrain_steps": 40, "batch_size": 64},
     # another base for the same task (other shapes): runs on two bases share one fleet
-    "tiny-b": {"hidden_size": 48, "layers": 2, "heads": 2, "pretrain_steps": 40, "batch_size": 64},
+    "tiny-b": {"hidden_size": 96, "layers": 2, "heads": 3, "pretrain_steps": 40, "batch_size": 64},
 }
 
 

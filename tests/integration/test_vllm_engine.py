@@ -125,6 +125,22 @@ def test_after_a_reload_output_equals_a_fresh_load(loop, tiny_model, new_weights
     assert after != before  # the reload changed what the model says (no stale prefix cache)
 
 
+def test_weights_of_another_base_restart_vllm_on_that_model(loop, tiny_model, tiny_model_b):
+    """A worker placed on a run on another base (issue 52): its folder does not fit the model
+    held, so vLLM restarts on it, and serves it as the transformers engine does."""
+    jobs = [job("a", PROMPTS["a"], 8), job("b", PROMPTS["b"], 8)]
+    engine = make_vllm()
+    try:
+        loop.run_until_complete(engine.load(tiny_model))
+        held = engine.llm
+        loop.run_until_complete(engine.load(tiny_model_b))
+        assert engine.llm is not held
+        out, _, _ = loop.run_until_complete(run_to_end(engine, jobs))
+    finally:
+        loop.run_until_complete(engine.close())
+    assert out == hf_run(tiny_model_b, jobs)[0]
+
+
 def test_greedy_continuation_equals_the_uninterrupted_generation(loop, vllm_engine):
     full, _, _ = loop.run_until_complete(run_to_end(vllm_engine, [job("x", PROMPTS["c"], 14)]))
     head = full["x"][:6]
