@@ -51,7 +51,23 @@ def open_browser(width: int = 1400, height: int = 1500):
     return webdriver.Chrome(service=service, options=options)
 
 
-CHART_STATE_JS = """
+# the "Runs on the fleet" card: its fleet line, its note ('' when hidden), a row of cell texts
+# per run
+FLEET_CARD_JS = """
+function fleetCard() {
+  const note = document.getElementById('fleet-note');
+  return {
+    total: document.getElementById('fleet-total').textContent,
+    note: note.hidden ? '' : note.textContent,
+    runs: [...document.querySelectorAll('#fleet-runs tbody tr')].map(
+      (tr) => [...tr.cells].map((td) => td.textContent)),
+  };
+}
+"""
+
+CHART_STATE_JS = (
+    FLEET_CARD_JS
+    + """
 const d = window.spotrlDashboard;
 if (!d) return null;
 const charts = {};
@@ -74,13 +90,22 @@ return {
   step: document.getElementById('s-step').textContent,
   error: errorEl.hidden ? '' : errorEl.textContent,
   events: document.querySelectorAll('#events tbody tr').length,
+  fleet: fleetCard(),
 };
 """
+)
 
 
 def dashboard_state(driver) -> dict | None:
     """What the page shows: per chart the data points it drew and the pixels its canvas inked."""
     return driver.execute_script(CHART_STATE_JS)
+
+
+def render_fleet(driver, fleet: dict, workers: list[dict]) -> dict:
+    """Draw the fleet card from the given GET /v1/fleet and GET /v1/workers answers (the page's
+    own `fleetFigures` and `renderFleet`) and return what it shows; the next refresh redraws it."""
+    script = FLEET_CARD_JS + "renderFleet(fleetFigures(arguments[0], arguments[1]));"
+    return driver.execute_script(script + "return fleetCard();", fleet, workers)
 
 
 def wait_for(driver, predicate, timeout_s: float = 60.0, poll_s: float = 0.5) -> dict:

@@ -1,7 +1,8 @@
 """The dashboard in a real headless browser (Debian's chromium through chromedriver) against
 running services: loaded while a run goes, it refreshes itself, and once the run is over every
-plot has data and has drawn it. Where no browser is installed the test skips, except in CI
-(CI=true: `.ci/run` installs one), where it fails."""
+plot has data and has drawn it; its fleet card shows the active run, and draws two runs' shares
+and use from given answers with their ids as text. Where no browser is installed the test
+skips, except in CI (CI=true: `.ci/run` installs one), where it fails."""
 
 import os
 import signal
@@ -13,6 +14,7 @@ from tests.harness.browser import (
     BrowserUnavailable,
     dashboard_state,
     open_browser,
+    render_fleet,
     screenshot,
     wait_for,
 )
@@ -56,6 +58,11 @@ def test_dashboard_draws_a_run_as_it_goes(deployment, client, tiny_model, browse
     # while the run goes, the page refreshes and its plots grow
     first = wait_for(browser, lambda s: s["run"] == run_id and s["state"] in LIVE_STATES)
     assert first["error"] == ""
+    # the fleet card: the one active run, all the shares its own, and the fleet's workers
+    card = wait_for(browser, lambda s: [r[0] for r in s["fleet"]["runs"]] == [run_id])["fleet"]
+    assert card["runs"][0][1:3] == ["1.0", "100%"], card
+    assert card["note"] == "one run active: the fleet is its own", card
+    assert card["total"].startswith("fleet: 3 alive workers, 48 slots, "), card
     preemptible = [p for n, p in deployment.procs.items() if n.startswith("rollout-preemptible")]
     preemptible[0].popen.send_signal(signal.SIGTERM)  # a preemption with notice, mid-run
     run = wait_final(client, deployment, run_id)
@@ -95,3 +102,39 @@ def test_dashboard_draws_a_run_as_it_goes(deployment, client, tiny_model, browse
     assert browser.find_element("id", "s-version").text.endswith(("kB", "MB")), page[-2000:]
     shot = screenshot(browser, tmp_path / "dashboard.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_fleet_card_shows_each_runs_share_and_use(deployment, browser):
+    """Two active runs drawn from given answers: their fair parts of the shares, their use of
+    the fleet's active requests, the busy workers; a run id is text, never markup."""
+    browser.get(f"{deployment.coordinator_url}/?refresh_ms=60000")
+    wait_for(browser, lambda s: s["refreshes"] >= 1)
+    hostile = '<img src=x onerror="window.pwned=1">'
+    fleet = {
+        "runs": [
+            {"id": hostile, "share": 2.0, "workers": 2, "slots": 32, "active": 30},
+            {"id": "b", "share": 1.0, "workers": 1, "slots": 16, "active": 10},
+        ]
+    }
+    workers = [
+        {"alive": True, "slots": 16, "active": 20},
+        {"alive": True, "slots": 16, "active": 10},
+        {"alive": True, "slots": 16, "active": 10},
+        {"alive": True, "slots": 16, "active": 0},
+        {"alive": False, "slots": 16, "active": 5},  # a dead worker counts for nothing
+    ]
+    card = render_fleet(browser, fleet, workers)
+    assert card["runs"] == [
+        [hostile, "2.0", "67%", "2", "32", "30", "75%"],
+        ["b", "1.0", "33%", "1", "16", "10", "25%"],
+    ]
+    assert card["note"] == ""
+    assert (
+        card["total"]
+        == "fleet: 4 alive workers, 64 slots, 40 active requests, 75% of the workers busy"
+    )
+    assert browser.find_elements("css selector", "#fleet-runs img") == []
+    assert browser.execute_script("return window.pwned === undefined")
+    none = render_fleet(browser, {"runs": []}, [])
+    assert none["runs"] == [] and none["note"] == "no run active"
+    assert none["total"] == "fleet: 0 alive workers, 0 slots, 0 active requests, –"

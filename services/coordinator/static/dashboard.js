@@ -271,20 +271,26 @@ function renderStall(run) {
   el.hidden = !text;
 }
 
+// a table row of text cells (textContent: ids and errors are never parsed as HTML)
+function appendRow(body, cells) {
+  const tr = document.createElement("tr");
+  cells.forEach((text) => {
+    const td = document.createElement("td");
+    td.textContent = text;
+    tr.appendChild(td);
+  });
+  body.appendChild(tr);
+  return tr;
+}
+
 function renderWorkers(workers) {
   const body = $("workers").querySelector("tbody");
   body.innerHTML = "";
   workers.forEach((w) => {
-    const tr = document.createElement("tr");
-    [w.id, w.pool, w.alive ? "yes" : "no", w.version ?? "–", String(w.active), w.last_error || ""].forEach(
-      (text, i) => {
-        const td = document.createElement("td");
-        td.textContent = text;
-        if (i === 5 && text) td.className = "error-text";
-        tr.appendChild(td);
-      },
-    );
-    body.appendChild(tr);
+    const error = w.last_error || "";
+    const cells = [w.id, w.pool, w.alive ? "yes" : "no", w.version ?? "–", String(w.active), error];
+    const tr = appendRow(body, cells);
+    if (error) tr.cells[5].className = "error-text";
   });
 }
 
@@ -292,17 +298,58 @@ function renderEvents(events) {
   const body = $("events").querySelector("tbody");
   body.innerHTML = "";
   events.slice(-40).reverse().forEach((e) => {
-    const tr = document.createElement("tr");
     const details = Object.entries(e)
       .filter(([k]) => !["id", "at", "kind"].includes(k))
       .map(([k, v]) => `${k}=${typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : v}`)
       .join("  ");
-    [new Date(e.at * 1000).toLocaleTimeString(), e.kind, details].forEach((text) => {
-      const td = document.createElement("td");
-      td.textContent = text;
-      tr.appendChild(td);
-    });
-    body.appendChild(tr);
+    appendRow(body, [new Date(e.at * 1000).toLocaleTimeString(), e.kind, details]);
+  });
+}
+
+// the fleet card's figures (pure), from GET /v1/fleet and GET /v1/workers: per active run its
+// share, its fair part (share / the shares' sum) and its use (its active requests / the fleet's);
+// for the fleet its alive workers, their slots and active requests, and the busy fraction
+// (alive workers with a request now / alive workers). A fraction with nothing under it is null.
+function fleetFigures(fleet, workers) {
+  const alive = workers.filter((w) => w.alive);
+  const active = alive.reduce((n, w) => n + w.active, 0);
+  const runs = fleet.runs || [];
+  const shares = runs.reduce((n, r) => n + r.share, 0);
+  return {
+    runs: runs.map((r) => ({
+      ...r,
+      fair: shares > 0 ? r.share / shares : null,
+      use: active > 0 ? r.active / active : null,
+    })),
+    alive: alive.length,
+    slots: alive.reduce((n, w) => n + w.slots, 0),
+    active,
+    busy: alive.length ? alive.filter((w) => w.active > 0).length / alive.length : null,
+  };
+}
+
+const pct = (x) => (x === null ? "–" : `${fmt(100 * x, 0)}%`);
+
+function renderFleet(figures) {
+  const busy = figures.busy === null ? "–" : `${pct(figures.busy)} of the workers busy`;
+  $("fleet-total").textContent =
+    `fleet: ${figures.alive} alive workers, ${figures.slots} slots, ` +
+    `${figures.active} active requests, ${busy}`;
+  const n = figures.runs.length;
+  $("fleet-note").textContent = n === 0 ? "no run active" : "one run active: the fleet is its own";
+  $("fleet-note").hidden = n > 1;
+  const body = $("fleet-runs").querySelector("tbody");
+  body.innerHTML = "";
+  figures.runs.forEach((r) => {
+    const counts = [r.workers, r.slots, r.active].map(String);
+    const cells = [r.id, fmt(r.share, 1), pct(r.fair), ...counts, pct(r.use)];
+    const use = appendRow(body, cells).cells[6];
+    use.className = "use";
+    const bar = document.createElement("div");
+    bar.className = "bar";
+    const fill = bar.appendChild(document.createElement("div"));
+    fill.style.width = `${Math.min(100, 100 * (r.use || 0))}%`;
+    use.appendChild(bar);
   });
 }
 
@@ -352,7 +399,9 @@ async function refresh() {
     state.runId = chooseRun(runs);
     fillSelect(runs);
     const run = runs.find((r) => r.id === state.runId);
-    renderWorkers(await api("/v1/workers"));
+    const [workers, fleet] = await Promise.all([api("/v1/workers"), api("/v1/fleet")]);
+    renderWorkers(workers);
+    renderFleet(fleetFigures(fleet, workers));
     if (run) {
       const [metrics, tl] = await Promise.all([
         api(`/v1/runs/${encodeURIComponent(run.id)}/metrics`),
