@@ -40,6 +40,15 @@ class CoordinatorSettings(CommonSettings):
         description="With several runs active: how often the fleet's workers are placed among "
         "them by fair shares.",
     )
+    placement_switch_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="With several runs active: a worker its run does not need switches to a "
+        "run short of at least this share of its slots (a switch loads the other run's "
+        "weights); 0 where loads take a moment (small models): an idle worker then serves any "
+        "run with work waiting.",
+    )
     observe_s: float = Field(
         2.0, gt=0, le=300, description="Period of the pool, tokens/s and queue-depth samples."
     )

@@ -23,7 +23,8 @@ under its run's adapter), a full-weight run's model serves that run only. `place
 model each worker should hold so that every model gets the slots its runs were allotted: a
 worker stays on what it holds while its model still needs slots, and a worker whose model has
 more than it needs switches to one short of at least half a worker (a switch is a load of
-seconds to minutes: never made for a slot or two). A worker holding nothing loads whatever
+seconds to minutes: never made for a slot or two), or of any slot where the deployment says
+its loads take a moment (`switch_share`). A worker holding nothing loads whatever
 is short, and is placed first. Placement never moves a worker to a model that would then
 have more than it needs by a whole worker.
 
@@ -80,10 +81,16 @@ class FleetWorker:
     holds: str | None  # the model its engine holds now (None: none yet)
 
 
-def place(workers: Sequence[FleetWorker], need: Mapping[str, int]) -> dict[str, str | None]:
+def place(
+    workers: Sequence[FleetWorker], need: Mapping[str, int], switch_share: float = 0.5
+) -> dict[str, str | None]:
     """The model each worker should hold, given the slots each model `need`s (the sum of its
     runs' allotments). Workers stay where they are needed; the fewest switches fill what is
-    short; a worker no model needs keeps what it holds (None: nothing), and idles."""
+    short; a loaded worker its model does not need switches to a model short by at least
+    `switch_share` of its slots (0: by any, where loads take a moment); a worker no model
+    needs keeps what it holds (None: nothing), and idles."""
+    if not 0 <= switch_share <= 1:
+        raise ClaimError(f"switch_share must be within 0..1, not {switch_share}")
     short = dict(need)
     placed: dict[str, str | None] = {}
     # those that stay: the largest first, while their model still needs slots
@@ -91,18 +98,18 @@ def place(workers: Sequence[FleetWorker], need: Mapping[str, int]) -> dict[str, 
         if w.holds is not None and short.get(w.holds, 0) > 0:
             placed[w.worker_id] = w.holds
             short[w.holds] -= w.slots
-    # the rest: each to the model shortest of slots, if it is short by half a worker or more
+    # the rest: each to the model shortest of slots, if it is short by switch_share of a worker
     free = sorted(
         (w for w in workers if w.worker_id not in placed),
         key=lambda w: (w.holds is not None, -w.slots, w.worker_id),  # empty engines first
     )
     for w in free:
         model = max(sorted(short), key=lambda m: short[m], default=None)
-        # an empty engine loads whatever is short; a loaded one switches for half a worker
+        # an empty engine loads whatever is short; a loaded one switches for switch_share
         worth = (
             model is not None
             and short[model] > 0
-            and (w.holds is None or 2 * short[model] >= w.slots)
+            and (w.holds is None or short[model] >= switch_share * w.slots)
         )
         if model is not None and worth:
             placed[w.worker_id] = model

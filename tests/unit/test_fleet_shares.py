@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from services.coordinator.workers.placement import claims_of, parse_demand
+from services.contracts.messages import Heartbeat
+from services.coordinator.workers.placement import claims_of, held_floor, parse_demand
 from services.core.fleet_shares import (
     ClaimError,
     FleetWorker,
@@ -131,6 +132,39 @@ def test_a_worker_switches_when_another_model_is_short_by_half_a_worker_or_more(
         "w2": "base-a",
         "w3": "base-b",
     }
+
+
+def test_where_loads_take_a_moment_a_worker_its_run_does_not_need_serves_any_shortfall():
+    workers = [worker("w1", "base-a"), worker("w2", "base-a"), worker("w3", "base-b")]
+    # short by 7 of 16: with switch_share 0 the spare worker goes rather than idle
+    got = place(workers, {"base-a": 16, "base-b": 23}, switch_share=0)
+    assert sorted(got.values()) == ["base-a", "base-b", "base-b"] and got["w3"] == "base-b"
+    # one worker, three runs short by a third of it each: it serves one rather than idle
+    assert place([worker("w1", "run-a")], {"run-a": 0, "run-b": 6, "run-c": 5}, 0) == {
+        "w1": "run-b"
+    }
+    assert place([worker("w1", "run-a")], {"run-a": 0, "run-b": 6, "run-c": 5}) == {
+        "w1": "run-a"  # by half a worker: it idles
+    }
+    # a worker its run still needs stays, whatever switch_share says
+    assert place([worker("w1", "run-a")], {"run-a": 1, "run-b": 16}, 0) == {"w1": "run-a"}
+    with pytest.raises(ClaimError, match="switch_share"):
+        place(workers, {}, switch_share=1.5)
+
+
+def beat(worker_id: str, run_id: str | None, active: int) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id, pool="preemptible", run_id=run_id, version=0, active=active,
+        slots=16, tokens_generated=0, at=0.0,
+    )  # fmt: skip
+
+
+def test_a_run_wants_at_least_what_its_workers_hold_now():
+    """A step's end says 0 and its next step's first tick comes after its workers read it: a
+    worker holding a run's requests keeps them, whatever the demand said last."""
+    beats = {"w1": beat("w1", "a", 12), "w2": beat("w2", "a", 3), "w3": beat("w3", "b", 0)}
+    got = held_floor([claim("a", 0), claim("b", 5), claim("c", 7)], beats)
+    assert got == [claim("a", 15), claim("b", 5), claim("c", 7)]
 
 
 def test_an_empty_engine_loads_whatever_is_short_and_is_placed_first():

@@ -114,7 +114,8 @@ async def run(settings: CoordinatorSettings) -> None:
     tasks.start("scheduler", lambda: schedule_runs(store, settings))
     tasks.start("observer", observer.forever)
     if settings.max_active_runs > 1:
-        tasks.start("placement", FleetPlacer(r, settings.placement_s).forever)
+        placer = FleetPlacer(r, settings.placement_s, settings.placement_switch_share)
+        tasks.start("placement", placer.forever)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -115,6 +115,9 @@ class Leadership:
         """Every shard's groups of the step are published: the controller's end written, the
         step recorded (then the run fails on too many failed calls of user code)."""
         table, store, control = live.table, live.store, live.control
+        # nothing of this step waits for the fleet now: until the next step opens (in a
+        # synchronous run, once the trainer has trained this one) the fleet serves other runs
+        await self.demand.say(0)
         total = ShardSummary.total([summary, *(await others.summaries())])
         effects = control.end(time.monotonic(), time.time(), total.call_counts())
         await store.write(table, effects)

@@ -14,8 +14,10 @@ are. This shell reads and writes; what is decided is `fleet_shares`'.
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -86,9 +88,20 @@ def placeable(beat: Heartbeat) -> bool:
     return not beat.error and not beat.paused
 
 
+def held_floor(claims: list[RunClaim], beats: Mapping[str, Heartbeat]) -> list[RunClaim]:
+    """The claims, each wanting at least the requests its workers hold now: a run's demand
+    said at a step's end (0) or before its new step's first tick may trail what its workers
+    just read, and a worker holding a run's requests is not moved for a demand not said yet."""
+    held: dict[str, int] = {}
+    for beat in beats.values():
+        if beat.run_id is not None:
+            held[beat.run_id] = held.get(beat.run_id, 0) + beat.active
+    return [dataclasses.replace(c, wanted=max(c.wanted, held.get(c.run_id, 0))) for c in claims]
+
+
 class FleetPlacer:
-    def __init__(self, r: aioredis.Redis, every_s: float = 1.0) -> None:
-        self.r, self.every_s = r, every_s
+    def __init__(self, r: aioredis.Redis, every_s: float = 1.0, switch_share: float = 0.5) -> None:
+        self.r, self.every_s, self.switch_share = r, every_s, switch_share
         self.sent: dict[str, tuple[str, float]] = {}  # worker -> (run ordered, when)
 
     async def forever(self) -> None:
@@ -105,13 +118,13 @@ class FleetPlacer:
             return {}
         beats = {w: b for w, b in (await heartbeats(self.r)).items() if placeable(b)}
         demands = cast(list[bytes | None], await self.r.mget([keys.run_demand(r) for r in runs]))
-        claims = claims_of(runs, demands)
+        claims = held_floor(claims_of(runs, demands), beats)
         allotted = allot(sum(b.slots for b in beats.values()), claims)
         workers = [
             FleetWorker(w, b.slots, b.run_id if b.run_id in runs else None)
             for w, b in beats.items()
         ]
-        placed = place(workers, allotted)
+        placed = place(workers, allotted, self.switch_share)
         now = time.monotonic()
         for worker_id, run_id in placed.items():
             serving = beats[worker_id].run_id
