@@ -1,0 +1,284 @@
+"""Many runs on one fleet (issue 52): four runs of the embedded default, different seeds and
+learning rates, on one deployment (a coordinator that keeps up to four runs active, a pool of
+four trainers, the spot workers shared by the fleet's shares), (a) one after another, then
+(b) all at once; in (b) a worker that holds requests is SIGKILLed (a new one joins).
+
+    .venv/bin/python bench/many_runs.py [--runs 4] [--steps 30] [--preemptible 2]
+        [--phases sequential,concurrent] [--no-kill] [--sample-s 0.1]
+
+What it measures, from a sampler that reads every worker's heartbeat (sent every
+`--heartbeat-s`) and every active run's demand each `--sample-s`:
+- `fleet_busy_frac_*`: the share of worker-seconds (alive workers) in which a worker holds at
+  least one request, over each phase's wall time;
+- `share_error_max`: over windows of 5 steps (of the concurrent phase's mean step), the
+  largest gap between a run's share of the slots the fleet's shares allot
+  (`core.fleet_shares.allot` over the runs' demands) and its share of the slots in use
+  (`core.fleet_shares.share_error`);
+- each run's `reward_first10` / `reward_last10`, and `lost` / `duplicated` from the audit.
+
+The engine serves one run at a time (a worker holds one run's full weights), so the killed
+worker holds requests of one run; `killed_holding_runs` says how many.
+
+Prints progress to stderr and, as its LAST line, one JSON object.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import redis
+import redis.asyncio as aioredis
+import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
+
+from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
+from services.cli.up import ensure_model, sized_for
+from services.cli.up_summary import mean
+from services.contracts import keys
+from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.coordinator.workers.fleet import heartbeats
+from services.coordinator.workers.placement import claims_of
+from services.core.fleet_shares import allot, share_error
+from services.state.run_state import active_runs
+from tests.harness.deploy import Deployment, DeploymentConfig
+
+LR_FACTORS = (1.0, 0.5, 2.0, 1.5)  # each run's learning rate, times the spec's default
+WINDOW_STEPS = 5
+
+
+@dataclass
+class Sample:
+    at: float
+    busy: int  # alive workers holding at least one request
+    alive: int
+    used: dict[str, int]  # run -> requests its workers hold
+    allotted: dict[str, int]  # run -> slots the fleet's shares allot it
+    holding: dict[str, str]  # worker -> the run it holds requests of
+
+
+@dataclass
+class Sampler:
+    """Reads the fleet every `every_s` in a thread of its own until stopped."""
+
+    redis_url: str
+    every_s: float
+    samples: list[Sample] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=lambda: asyncio.run(self._forever()), daemon=True)
+        thread.start()
+        return thread
+
+    async def _forever(self) -> None:
+        r = aioredis.Redis.from_url(self.redis_url)
+        try:
+            while not self.stop.is_set():
+                with contextlib.suppress(redis.ConnectionError, OSError):
+                    self.samples.append(await self._once(r))
+                await asyncio.sleep(self.every_s)
+        finally:
+            await r.aclose()
+
+    async def _once(self, r: aioredis.Redis) -> Sample:
+        runs = await active_runs(r)
+        beats = {w: b for w, b in (await heartbeats(r)).items() if not b.error}
+        demands = cast(list[bytes | None], await r.mget([keys.run_demand(x) for x in runs]))
+        allotted = allot(sum(b.slots for b in beats.values()), claims_of(runs, demands))
+        used: dict[str, int] = {}
+        holding = {}
+        for worker_id, beat in beats.items():
+            if beat.active and beat.run_id:
+                used[beat.run_id] = used.get(beat.run_id, 0) + beat.active
+                holding[worker_id] = beat.run_id
+        return Sample(time.monotonic(), len(holding), len(beats), used, allotted, holding)
+
+    def between(self, start: float, end: float) -> list[Sample]:
+        return [s for s in self.samples if start <= s.at <= end]
+
+
+def busy_frac(samples: list[Sample]) -> float | None:
+    alive = sum(s.alive for s in samples)
+    return round(sum(s.busy for s in samples) / alive, 4) if alive else None
+
+
+def share_error_max(samples: list[Sample], window_s: float) -> float | None:
+    """The largest `share_error` over consecutive windows of `window_s` that allotted or used
+    anything."""
+    if not samples or window_s <= 0:
+        return None
+    worst, start = 0.0, samples[0].at
+    while start <= samples[-1].at:
+        allotted: dict[str, float] = {}
+        used: dict[str, float] = {}
+        for s in samples:
+            if start <= s.at < start + window_s:
+                for run, n in s.allotted.items():
+                    allotted[run] = allotted.get(run, 0.0) + n
+                for run, n in s.used.items():
+                    used[run] = used.get(run, 0.0) + n
+        worst = max(worst, share_error(allotted, used))
+        start += window_s
+    return round(worst, 4)
+
+
+def wait_final(client: CoordinatorClient, dep: Deployment, run_ids: list[str]) -> None:
+    deadline = time.monotonic() + 3600
+    while not all(client.run(r)["state"] in FINAL_STATES for r in run_ids):
+        dep.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(run_ids)
+        time.sleep(0.3)
+
+
+def kill_a_busy_worker(dep: Deployment, sampler: Sampler, timeout_s: float = 600) -> int:
+    """SIGKILL the worker holding requests of the most runs (the first seen holding any); a new
+    one joins. How many runs' requests it held, by its last heartbeat."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        last = sampler.samples[-1] if sampler.samples else None
+        if last and last.holding:
+            victim = sorted(last.holding)[0]
+            proc = dep.procs.get(victim)
+            if proc is not None and proc.alive():
+                print(f"SIGKILL {victim} holding run {last.holding[victim]}", file=sys.stderr)
+                proc.kill()
+                dep.add_worker("preemptible", wait=False)
+                return 1
+        time.sleep(0.05)
+    raise TimeoutError("no worker ever held a request")
+
+
+def run_phase(
+    name: str,
+    client: CoordinatorClient,
+    dep: Deployment,
+    sampler: Sampler,
+    specs: list[RunSpec],
+    kill: bool,
+) -> dict:
+    started = time.monotonic()
+    killed_holding = 0
+    run_ids: list[str] = []
+    if name == "sequential":
+        for spec in specs:
+            run_ids.append(client.submit(spec.model_dump(mode="json")))
+            print(f"{name}: run {run_ids[-1]} submitted", file=sys.stderr, flush=True)
+            wait_final(client, dep, run_ids[-1:])
+    else:
+        run_ids = [client.submit(spec.model_dump(mode="json")) for spec in specs]
+        print(f"{name}: runs {run_ids} submitted", file=sys.stderr, flush=True)
+        if kill:
+            killed_holding = kill_a_busy_worker(dep, sampler)
+        wait_final(client, dep, run_ids)
+    ended = time.monotonic()
+    wall_s = ended - started
+    samples = sampler.between(started, ended)
+    runs = []
+    for run_id, spec in zip(run_ids, specs, strict=True):
+        run = client.run(run_id)
+        rewards = [row["reward_mean"] for row in client.metrics(run_id) if "reward_mean" in row]
+        audit = audit_run(dep.redis_url, run_id, spec)
+        runs.append(
+            {
+                "run_id": run_id,
+                "state": run["state"],
+                "seed": spec.seed,
+                "learning_rate": spec.optimizer.learning_rate,
+                "reward_first10": round(mean(rewards[:10]) or 0.0, 4),
+                "reward_last10": round(mean(rewards[-10:]) or 0.0, 4),
+                "lost": audit["lost"],
+                "duplicated": audit["duplicated"],
+            }
+        )
+    steps = sum(spec.training.steps for spec in specs)
+    window_s = WINDOW_STEPS * wall_s * len(specs) / steps if name == "concurrent" else 0.0
+    print(f"{name}: {wall_s:.1f} s, busy {busy_frac(samples)}", file=sys.stderr, flush=True)
+    return {
+        "wall_s": round(wall_s, 1),
+        "fleet_busy_frac": busy_frac(samples),
+        "share_error_max": share_error_max(samples, window_s),
+        "killed_holding_runs": killed_holding,
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preemptible", type=int, default=2)
+    parser.add_argument("--phases", default="sequential,concurrent")
+    parser.add_argument("--no-kill", action="store_true")
+    parser.add_argument("--placement-s", type=float, default=1.0, help="SPOTRL_PLACEMENT_S")
+    parser.add_argument(
+        "--switch-share", type=float, default=0.5, help="SPOTRL_PLACEMENT_SWITCH_SHARE"
+    )
+    parser.add_argument("--sample-s", type=float, default=0.1)
+    parser.add_argument("--heartbeat-s", type=float, default=0.2)
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the logs there")
+    parser.add_argument("--samples", type=Path, default=None, help="write the samples (JSON lines)")
+    args = parser.parse_args()
+    phases = args.phases.split(",")
+    if not set(phases) <= {"sequential", "concurrent"}:
+        parser.error("--phases: sequential and/or concurrent")
+    model = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, None)
+    default = RunSpec(model=str(model.resolve()))
+    specs = [
+        RunSpec(
+            model=str(model.resolve()),
+            steps=args.steps,
+            seed=i + 1,
+            learning_rate=default.optimizer.learning_rate * LR_FACTORS[i % len(LR_FACTORS)],
+        )
+        for i in range(args.runs)
+    ]
+    out: dict = {"task": "arithmetic", "runs": args.runs, "steps": args.steps}
+    with tempfile.TemporaryDirectory(prefix="spotrl-many-") as scratch:
+        work = args.work_dir or scratch
+        config = DeploymentConfig(
+            Path(work),
+            reserved=0,
+            preemptible=args.preemptible,
+            trainers=args.runs,
+            extra_env={
+                "SPOTRL_MAX_ACTIVE_RUNS": str(args.runs),
+                "SPOTRL_PLACEMENT_S": str(args.placement_s),
+                "SPOTRL_PLACEMENT_SWITCH_SHARE": str(args.switch_share),
+            },
+            worker_env={"SPOTRL_HEARTBEAT_S": str(args.heartbeat_s)},
+        )
+        config = sized_for(config, specs[0], 2)
+        with Deployment(config) as dep, CoordinatorClient(dep.coordinator_url) as client:
+            sampler = Sampler(dep.redis_url, args.sample_s)
+            sampler.start()
+            for phase in phases:
+                out[phase] = run_phase(phase, client, dep, sampler, specs, not args.no_kill)
+            sampler.stop.set()
+    if args.samples:
+        with args.samples.open("w") as f:
+            for sample in sampler.samples:
+                f.write(json.dumps(dataclasses.asdict(sample)) + "\n")
+    phase_runs = [run for phase in phases for run in out[phase]["runs"]]
+    out |= {f"fleet_busy_frac_{phase}": out[phase]["fleet_busy_frac"] for phase in phases} | {
+        f"wall_{phase}_s": out[phase]["wall_s"] for phase in phases
+    }
+    if "concurrent" in out:
+        out["share_error_max"] = out["concurrent"]["share_error_max"]
+    out["lost"] = sum(run["lost"] for run in phase_runs)
+    out["duplicated"] = sum(run["duplicated"] for run in phase_runs)
+    out["all_learned"] = all(run["reward_last10"] > run["reward_first10"] for run in phase_runs)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
