@@ -131,6 +131,7 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "ACTIVE_RUN": ("ctRw", "c", False),
     "ACTIVE_RUNS": ("ctRw", "c", False),
     "TRAINERS": ("ctR", "t", False),
+    "FLEET_DEMAND": ("cR", "c", False),
     "trainer_heartbeat": ("ctR", "t", False),
     "run": ("ctR", "ct", False),  # the trainer fails a run (run_record.finish)
     "run_version": ("ctRw", "ct", False),

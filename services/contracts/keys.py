@@ -18,6 +18,10 @@ ACTIVE_RUNS = f"{PREFIX}:runs:active-set"
 # Set of the ids of the trainers of the pool (each beats at trainer_heartbeat); the coordinator
 # activates a second run only for an idle trainer
 TRAINERS = f"{PREFIX}:trainers"
+# Stream, capped (FLEET_DEMAND_MAXLEN): a run's demand on the fleet changed (field "run"): wakes
+# the fleet's placer at once rather than at its next period
+FLEET_DEMAND = f"{PREFIX}:fleet:demand"
+FLEET_DEMAND_MAXLEN = 64
 
 
 def run(run_id: str) -> str:

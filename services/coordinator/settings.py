@@ -38,7 +38,7 @@ class CoordinatorSettings(CommonSettings):
         gt=0,
         le=60,
         description="With several runs active: how often the fleet's workers are placed among "
-        "them by fair shares.",
+        "them by fair shares; a run's work coming or going places them at once too.",
     )
     placement_switch_share: float = Field(
         0.5,

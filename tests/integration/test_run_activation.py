@@ -3,15 +3,19 @@ trainer_pool.py): one at a time by default; more only up to `max_active_runs` an
 idle trainer; ACTIVE_RUN names the oldest active run and moves on when it ends; a pointer left
 by a release without the active set still counts. The trainer pool's beats and leases: a run
 is trained by one trainer, its own restart takes it back, another takes it once it lapses.
-And the fleet's gauges add up every active run's pool."""
+And the fleet's gauges add up every active run's pool, and the fleet's placer wakes when a run's
+work comes."""
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 
 from services.contracts import keys
+from services.contracts.messages import Heartbeat, WorkerControl
 from services.contracts.runspec import RunSpec
 from services.coordinator.step.record import publish_fleet
+from services.coordinator.workers.placement import DemandNotice, FleetPlacer
 from services.state import run_record, trainer_pool
 from services.state.run_state import active_run, active_runs
 from services.state.runs import RunStore
@@ -93,5 +97,44 @@ def test_the_fleet_gauges_add_up_every_active_run(empty_redis_url):
         await run_record.set_seeding(r, b, 1.0, 2.0, 2)
         figures = await publish_fleet(r)
         assert figures.runs_active == 2 and figures.preemptible_wanted == 5
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_the_placer_places_at_once_when_a_run_s_work_comes_not_at_its_period(empty_redis_url):
+    """A run's step opens (its demand goes from nothing to some): the placer, whose period is
+    30 s, places the fleet at once, and the worker idle on the other run gets its order. A
+    change within a phase (fewer unfinished requests) writes the demand but wakes nobody."""
+
+    async def body(store: RunStore, r) -> None:
+        a, b = [await store.submit(spec(i)) for i in range(2)]
+        await store.activate_next()
+        await store.activate_next(max_active=2, idle_trainers=1)
+        beat = Heartbeat(
+            worker_id="w1", pool="preemptible", run_id=a, version=0, active=0, slots=8,
+            tokens_generated=0, at=time.time(),
+        )  # fmt: skip
+        await r.sadd(keys.WORKER_INDEX, "w1")
+        await r.set(keys.worker_heartbeat("w1"), beat.encode(), ex=60)
+        demand_a, demand_b = DemandNotice(r, a, 8), DemandNotice(r, b, 8)
+        await demand_a.say(0)
+        placer = FleetPlacer(r, every_s=30, switch_share=0)
+        task = asyncio.create_task(placer.forever())
+        try:
+            await asyncio.sleep(0)  # the placer's first pass: nothing to move
+            said = await r.xlen(keys.FLEET_DEMAND)
+            await demand_b.say(8)
+            deadline = time.monotonic() + 5
+            while not await r.xlen(keys.worker_control("w1")):
+                assert time.monotonic() < deadline, "no order within 5 s of the demand"
+                await asyncio.sleep(0.02)
+            order = WorkerControl.from_fields((await r.xrange(keys.worker_control("w1")))[0][1])
+            assert order.action == "serve" and order.run_id == b
+            await demand_b.say(5)  # fewer left: the same phase
+            assert await r.xlen(keys.FLEET_DEMAND) == said + 1
+            assert (await r.get(keys.run_demand(b))).startswith(b"5 ")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(with_store(empty_redis_url, body))

@@ -13,8 +13,8 @@ Workers stepped aside (paused reserved workers) and workers shutting down are le
 are. This shell reads and writes; what is decided is `fleet_shares`'.
 """
 
-import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -27,7 +27,7 @@ from services.contracts import keys
 from services.contracts.messages import Heartbeat, WorkerControl
 from services.coordinator.workers.fleet import heartbeats, order
 from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place
-from services.infra.redis_streams import with_reconnect
+from services.infra.redis_streams import read_entries, with_reconnect
 from services.state.run_state import active_runs
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,15 @@ SWITCHES = Counter(
 class DemandNotice:
     """A run's demand on the fleet as its step loop says it (keys.run_demand): its oldest
     step's unfinished requests and whether they are its tail; written when it changes, and
-    again before its TTL runs out."""
+    again before its TTL runs out. When work comes or goes, or the tail begins, it also wakes
+    the fleet's placer (keys.FLEET_DEMAND), which then places at once, not at its period."""
 
     def __init__(
         self, r: aioredis.Redis, run_id: str, step_requests: int, share: float = 1.0
     ) -> None:
         self.r, self.run_id, self.step_requests, self.share = r, run_id, step_requests, share
         self.said, self.said_at = "", 0.0  # the demand last written, and when
+        self.phase: tuple[bool, bool] | None = None  # (work waiting, in its tail) last said
 
     async def say(self, unfinished: int) -> None:
         tail = in_tail(unfinished, self.step_requests)
@@ -57,8 +59,18 @@ class DemandNotice:
         now = time.monotonic()
         if said == self.said and now - self.said_at < DEMAND_TTL_S / 2:
             return
-        await self.r.set(keys.run_demand(self.run_id), said, ex=DEMAND_TTL_S)
-        self.said, self.said_at = said, now
+        phase = (unfinished > 0, tail)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.set(keys.run_demand(self.run_id), said, ex=DEMAND_TTL_S)
+            if phase != self.phase:  # work came or went, or the tail began: place at once
+                pipe.xadd(
+                    keys.FLEET_DEMAND,
+                    {"run": self.run_id},
+                    maxlen=keys.FLEET_DEMAND_MAXLEN,
+                    approximate=True,
+                )
+            await pipe.execute()
+        self.said, self.said_at, self.phase = said, now, phase
 
 
 def parse_demand(raw: bytes | None) -> tuple[int, bool, float]:
@@ -105,9 +117,22 @@ class FleetPlacer:
         self.sent: dict[str, tuple[str, float]] = {}  # worker -> (run ordered, when)
 
     async def forever(self) -> None:
+        """Place the fleet every `every_s`, and at once when a run's demand changes (a step
+        opened, ended, or came to its tail)."""
+        last = b"0-0"  # changes said before this placer started wake it once
         while True:
             await with_reconnect(self.place_once, "fleet placement")
-            await asyncio.sleep(self.every_s)
+            last = await with_reconnect(functools.partial(self._wait, last), "fleet demand")
+
+    async def _wait(self, last: bytes) -> bytes:
+        """Until a demand changes after `last` (an entry id), or `every_s` passes; the id of
+        the newest change seen."""
+        block_ms = max(1, int(self.every_s * 1000))
+        reply = await self.r.xread(
+            {keys.FLEET_DEMAND: last}, count=keys.FLEET_DEMAND_MAXLEN, block=block_ms
+        )
+        entries = read_entries(reply)
+        return entries[-1][0] if entries else last
 
     async def place_once(self) -> dict[str, str | None]:
         """Place the fleet once; the run each placeable worker should serve ({} with fewer
