@@ -118,10 +118,13 @@ def test_overloaded_worker_releases_its_surplus_to_an_idle_one(tmp_path, tiny_mo
         steps=2,
         prompts_per_step=6,
         group_size=4,
-        max_new_tokens=96,
+        max_new_tokens=48,
+        # every request runs its whole budget: the worker holds its 24 long enough to measure
+        # its plateau (with free lengths most ended first on a busy machine, and none moved)
+        ignore_eos=True,
         temperature=2.0,
         fair_reads=False,  # Algorithm 2 as the paper states it: the surplus over the plateau
-    )  # long-tailed lengths: the batch shrinks as requests end
+    )
     env = {
         "SPOTRL_STEP_DELAY_MS": "20",
         "SPOTRL_STEP_DELAY_PER_REQUEST_MS": "20",
