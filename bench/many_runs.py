@@ -17,7 +17,7 @@ What it measures, from a sampler that reads every worker's heartbeat (sent every
 - each run's `reward_first10` / `reward_last10`, and `lost` / `duplicated` from the audit.
 
 The engine serves one run at a time (a worker holds one run's full weights), so the killed
-worker holds requests of one run; `killed_holding_runs` says how many.
+worker holds requests of one run: `killed_holding_run` names it.
 
 Prints progress to stderr and, as its LAST line, one JSON object.
 """
@@ -140,9 +140,9 @@ def wait_final(client: CoordinatorClient, dep: Deployment, run_ids: list[str]) -
         time.sleep(0.3)
 
 
-def kill_a_busy_worker(dep: Deployment, sampler: Sampler, timeout_s: float = 600) -> int:
-    """SIGKILL the worker holding requests of the most runs (the first seen holding any); a new
-    one joins. How many runs' requests it held, by its last heartbeat."""
+def kill_a_busy_worker(dep: Deployment, sampler: Sampler, timeout_s: float = 600) -> str:
+    """SIGKILL the first worker seen holding requests; a new one joins. The run whose requests
+    it held, by its last heartbeat (a heartbeat names one run: an engine serves one)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         last = sampler.samples[-1] if sampler.samples else None
@@ -153,7 +153,7 @@ def kill_a_busy_worker(dep: Deployment, sampler: Sampler, timeout_s: float = 600
                 print(f"SIGKILL {victim} holding run {last.holding[victim]}", file=sys.stderr)
                 proc.kill()
                 dep.add_worker("preemptible", wait=False)
-                return 1
+                return last.holding[victim]
         time.sleep(0.05)
     raise TimeoutError("no worker ever held a request")
 
@@ -167,7 +167,7 @@ def run_phase(
     kill: bool,
 ) -> dict:
     started = time.monotonic()
-    killed_holding = 0
+    killed_holding = ""
     run_ids: list[str] = []
     if name == "sequential":
         for spec in specs:
@@ -207,7 +207,7 @@ def run_phase(
         "wall_s": round(wall_s, 1),
         "fleet_busy_frac": busy_frac(samples),
         "share_error_max": share_error_max(samples, window_s),
-        "killed_holding_runs": killed_holding,
+        "killed_holding_run": killed_holding,  # the run whose requests the killed worker held
         "runs": runs,
     }
 

@@ -181,14 +181,7 @@ class SharedPool:
 
     def advance(self, sim: Simulation, t: float) -> None:
         """`sim`'s engines run to `t`; the requests that ended go to its flow."""
-        busy = [i for i in sim.fleet.instances.values() if i.engine.running]
-        sim._account(t, busy)
-        for inst in busy:
-            inst.engine.advance(sim.clock.now, t)
-        sim.clock.now = t
-        for inst in busy:
-            for rid in inst.engine.stopped():
-                sim.requests.finish_request(inst, rid)
+        sim.advance(t, [i for i in sim.fleet.instances.values() if i.engine.running])
 
     def handle_events(self) -> set[int]:
         """The pool's events due by now; the runs whose instances they changed."""

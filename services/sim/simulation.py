@@ -170,13 +170,7 @@ class Simulation:
             )
             if math.isinf(t):
                 break  # nothing can happen any more (the trace ended with no instance)
-            self._account(t, busy)
-            for inst in busy:
-                inst.engine.advance(self.clock.now, t)
-            self.clock.now = t
-            for inst in busy:
-                for rid in inst.engine.stopped():
-                    self.requests.finish_request(inst, rid)
+            self.advance(t, busy)
             if self.handle_events() and not self.system.max_staleness:
                 self.tick()
             elif self.system.max_staleness and self.system.pool == "trace":
@@ -196,6 +190,16 @@ class Simulation:
 
     def finished(self) -> bool:
         return self.max_steps is not None and len(self.records) >= self.max_steps
+
+    def advance(self, t: float, busy: list[Instance]) -> None:
+        """The `busy` engines run to `t`, the time accounted; the requests that ended go on."""
+        self._account(t, busy)
+        for inst in busy:
+            inst.engine.advance(self.clock.now, t)
+        self.clock.now = t
+        for inst in busy:
+            for rid in inst.engine.stopped():
+                self.requests.finish_request(inst, rid)
 
     def _account(self, t: float, busy: list[Instance]) -> None:
         dt = t - self.clock.now

@@ -121,7 +121,6 @@ def test_the_placer_places_at_once_when_a_run_s_work_comes_not_at_its_period(emp
         placer = FleetPlacer(r, every_s=30, switch_share=0)
         task = asyncio.create_task(placer.forever())
         try:
-            await asyncio.sleep(0)  # the placer's first pass: nothing to move
             said = await r.xlen(keys.FLEET_DEMAND)
             await demand_b.say(8)
             deadline = time.monotonic() + 5
