@@ -103,7 +103,7 @@ def test_runs_on_two_base_models_share_one_fleet(tmp_path, tiny_model, tiny_mode
     config = fleet_config(tmp_path, workers=2, max_active_runs=2)
     specs = [
         # the first runs long enough that the second comes while it is still active
-        small_spec(tiny_model, steps=40, seed=1),
+        small_spec(tiny_model, steps=120, seed=1),
         small_spec(tiny_model_b, steps=4, seed=2),
     ]
     with Deployment(config) as dep:
