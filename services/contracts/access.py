@@ -85,6 +85,7 @@ WORKER_COMMANDS: dict[str, tuple[str, ...]] = {
     "run_version": ("get",),
     "run_staleness": ("get",),
     "run_drafts": ("get",),
+    "run_base": ("get",),
     "version_announced": ("xrevrange", "xread"),  # waiting for a version (run_state)
     "run_manifests": ("hget",),
     "run_digests": ("hget",),
@@ -137,6 +138,7 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "run_version": ("ctRw", "ct", False),
     "run_staleness": ("cRw", "c", False),
     "run_drafts": ("cRw", "c", False),
+    "run_base": ("cRw", "c", False),
     "version_announced": ("cRw", "ct", False),
     "run_manifests": ("cRw", "ct", False),
     "run_digests": ("ctRw", "ct", False),

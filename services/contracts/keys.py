@@ -49,6 +49,13 @@ def run_drafts(run_id: str) -> str:
     return f"{PREFIX}:run:{run_id}:drafts"
 
 
+def run_base(run_id: str) -> str:
+    """String: a LoRA run's base model (its spec's `model`), written with the run; absent for
+    a run that trains every weight. A worker serves several runs at once on one engine only
+    where each is a LoRA run on the same base (`rollout.lanes`); it may not read the spec."""
+    return f"{PREFIX}:run:{run_id}:base"
+
+
 def version_announced(run_id: str) -> str:
     """Stream of one entry: the trainer adds one as it announces a version (in the transaction
     that sets `run_version`), so a service waiting for a version blocks on it rather than

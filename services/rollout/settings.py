@@ -57,6 +57,15 @@ class RolloutSettings(CommonSettings):
         "the engine holds none, and each adapter version is merged into the base on the worker "
         "and loaded as whole weights (slower to serve, as fast to generate).",
     )
+    runs_at_once: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="Most runs the worker serves at once on its one engine, in one batch: LoRA "
+        "runs on the same base model, each request under its run's adapter (issue 52). It "
+        "needs max_loras of at least twice that. 1: one run at a time, as the fleet's "
+        "placement says.",
+    )
     max_lora_rank: int = Field(
         64,
         ge=1,

@@ -63,6 +63,9 @@ class Engine(Protocol):
     # LoRA (issue 51): the most adapter versions held at once (`load_adapter`); 0: the engine
     # applies no adapter itself (a worker then merges each adapter into the base and loads that)
     max_adapters: int
+    # adapters kept even where no running request uses them: those a worker's runs add their
+    # next requests under (`shared.SharedEngine`); a load that needs room drops another
+    keep_adapters: set[int]
 
     @property
     def active(self) -> int: ...
@@ -82,7 +85,8 @@ class Engine(Protocol):
         adapter_model.safetensors) as `version`'s, applied on the base weights held (the last
         whole `load`), without reloading them; requests added from now on generate with it
         unless `add` names another. Requests running keep the adapter they were added with.
-        One more than `max_adapters` drops the oldest that no running request uses; a
+        One more than `max_adapters` drops the oldest that no running request uses and
+        `keep_adapters` does not name; a
         ValueError where every one is in use, or the adapter does not fit the base (it names
         what). A whole `load` drops every adapter."""
 
