@@ -97,8 +97,10 @@ class Sampler:
         used: dict[str, int] = {}
         holding = {}
         for worker_id, beat in beats.items():
+            for run_id in beat.served_runs:  # each run's own requests (`Heartbeat.serving`)
+                if (view := beat.serving(run_id)) is not None and view.active:
+                    used[run_id] = used.get(run_id, 0) + view.active
             if beat.active and beat.run_id:
-                used[beat.run_id] = used.get(beat.run_id, 0) + beat.active
                 holding[worker_id] = beat.run_id
         return Sample(time.monotonic(), len(holding), len(beats), used, allotted, holding)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.contracts.messages import Heartbeat
+from services.contracts.messages import Heartbeat, RunLoad
 from services.coordinator.workers.placement import claims_of, held_floor, parse_demand
 from services.core.fleet_shares import (
     ClaimError,
@@ -16,6 +16,7 @@ from services.core.fleet_shares import (
     place,
     share_error,
 )
+from tests import factories
 
 
 def worker(worker_id: str, holds: str | None, slots: int = 16) -> FleetWorker:
@@ -165,6 +166,13 @@ def test_a_run_wants_at_least_what_its_workers_hold_now():
     beats = {"w1": beat("w1", "a", 12), "w2": beat("w2", "a", 3), "w3": beat("w3", "b", 0)}
     got = held_floor([claim("a", 0), claim("b", 5), claim("c", 7)], beats)
     assert got == [claim("a", 15), claim("b", 5), claim("c", 7)]
+
+
+def test_a_worker_serving_several_runs_holds_each_runs_own_requests():
+    runs = {"a": RunLoad(version=3, active=2), "b": RunLoad(version=5, active=4)}
+    both = factories.beat("w1", version=3, run_id="a", active=6, runs=runs)
+    got = held_floor([claim("a", 0), claim("b", 1), claim("c", 0)], {"w1": both})
+    assert got == [claim("a", 2), claim("b", 4), claim("c", 0)]
 
 
 def test_an_empty_engine_loads_whatever_is_short_and_is_placed_first():

@@ -3,11 +3,11 @@
 Every `every_s`, the active runs' demands (each run's step loop says it, `DemandNotice`) and
 the alive workers' heartbeats go into the fleet's shares (`core.fleet_shares`): `allot` gives
 each run its slots, `place` each worker its run. A worker's engine holds one run's full weights,
-so the run is the model placed. A worker placed on a run other than the one it serves gets a
-"serve" order on its control stream (again after ORDER_AGAIN_S if it has not followed it); it
-gives back what it holds of the other run and loads the new one's weights, and its heartbeat
-then names the new run, which is how each run's step loop counts it. With one run active this
-does nothing: every worker follows the oldest active run by itself.
+so the run is the model placed. A worker placed on a run it does not serve (none of its
+`served_runs`) gets a "serve" order on its control stream (again after ORDER_AGAIN_S if it has
+not followed it); it gives back what it holds of the other run and loads the new one's weights,
+and its heartbeat then names the new run, which is how each run's step loop counts it. With one
+run active this does nothing: every worker follows the oldest active run by itself.
 
 Workers stepped aside (paused reserved workers) and workers shutting down are left where they
 are. This shell reads and writes; what is decided is `fleet_shares`'.
@@ -103,11 +103,13 @@ def placeable(beat: Heartbeat) -> bool:
 def held_floor(claims: list[RunClaim], beats: Mapping[str, Heartbeat]) -> list[RunClaim]:
     """The claims, each wanting at least the requests its workers hold now: a run's demand
     said at a step's end (0) or before its new step's first tick may trail what its workers
-    just read, and a worker holding a run's requests is not moved for a demand not said yet."""
+    just read, and a worker holding a run's requests is not moved for a demand not said yet.
+    A worker serving several runs holds each run's own requests (`Heartbeat.serving`)."""
     held: dict[str, int] = {}
     for beat in beats.values():
-        if beat.run_id is not None:
-            held[beat.run_id] = held.get(beat.run_id, 0) + beat.active
+        for run_id in beat.served_runs:
+            if (view := beat.serving(run_id)) is not None:
+                held[run_id] = held.get(run_id, 0) + view.active
     return [dataclasses.replace(c, wanted=max(c.wanted, held.get(c.run_id, 0))) for c in claims]
 
 
@@ -153,7 +155,7 @@ class FleetPlacer:
         now = time.monotonic()
         for worker_id, run_id in placed.items():
             serving = beats[worker_id].run_id
-            if run_id is None or run_id == serving:
+            if run_id is None or run_id in beats[worker_id].served_runs:
                 self.sent.pop(worker_id, None)
                 continue
             last = self.sent.get(worker_id)
