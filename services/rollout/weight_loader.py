@@ -220,7 +220,10 @@ class VersionLoader:
                 # only that is loaded, in place (all of it where the engine holds merged
                 # tensors: the deltas were of the adapter's files)
                 whole = previous is None or self.held_merged
-                await ctx.engine.load(result.folder, None if whole else result.changed)
+                if whole and version == BASE_VERSION:  # another run's on the engine, maybe
+                    await ctx.engine.load_base(result.folder, result.digest)
+                else:
+                    await ctx.engine.load(result.folder, None if whole else result.changed)
                 self.held_merged = frozenset()
             ctx.version = version if served else None
             if base_before not in (None, ctx.w.engine.base_folder):

@@ -126,3 +126,34 @@ def test_a_run_keeps_its_adapter_while_others_load_theirs(published):
         assert c.newest is None and shared.adapter_id("run-c", 1) is None
 
     asyncio.run(scenario())
+
+
+def test_a_run_at_its_base_beside_runs_with_adapters_draws_from_the_base(published):
+    """A LoRA run's version 0 is its base: its requests run under no adapter, though the
+    engine holds other runs' (and `Engine.add` with none names the newest)."""
+
+    async def scenario() -> dict[str, list[int]]:
+        shared = SharedEngine(HFEngine(max_adapters=2))
+        a, b = shared.view("run-a"), shared.view("run-b")
+        await b.load_base(published / "base", "d")
+        await b.load_adapter(1, published / "run-b")
+        await a.load_base(published / "base", "d")  # run-a at version 0: nothing loaded
+        for j in jobs_of("run-a"):
+            a.add(j)
+        for j in jobs_of("run-b"):
+            b.add(j)
+        out: dict[str, list[int]] = {}
+        while shared.active:
+            for event in (await shared.step()).get("run-a", []):
+                out.setdefault(event.request_id, []).append(event.token_id)
+        return out
+
+    base = HFEngine()
+    base.load_weights(published / "base")
+    for j in jobs_of("run-a"):
+        base.add(j)
+    expected: dict[str, list[int]] = {}
+    while base.active:
+        for event in base.decode():
+            expected.setdefault(event.request_id, []).append(event.token_id)
+    assert asyncio.run(scenario()) == expected

@@ -21,6 +21,8 @@ from typing import Protocol
 
 from services.contracts.messages import FinishReason, Job
 
+BASE_ONLY = 0  # `Engine.add`'s adapter: none, the base alone, whatever adapters are held
+
 
 @dataclass
 class TokenEvent:
@@ -92,7 +94,8 @@ class Engine(Protocol):
 
     def add(self, job: Job, adapter: int | None = None) -> None:
         """Start `job`; under the adapter of version `adapter` (one held: a ValueError
-        otherwise), None: the newest loaded since the last whole load (none: the base)."""
+        otherwise), None: the newest loaded since the last whole load (none: the base),
+        `BASE_ONLY`: the base alone."""
 
     def fits(self, job: Job) -> bool:
         """Whether `job` can start now without the engine outgrowing its memory bound (it

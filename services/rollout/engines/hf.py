@@ -54,7 +54,7 @@ import torch
 from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
 from services.rollout.drafts import DraftIndex
-from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.base import BASE_ONLY, Sequence, TokenEvent
 from services.rollout.engines.lora_rows import RowAdapters
 from services.rollout.engines.sampling import sample_rows
 from services.rollout.engines.speculation import (
@@ -248,6 +248,8 @@ class HFEngine:
             raise RuntimeError("no weights loaded")
         if adapter is None:
             adapter = self.adapters.newest
+        elif adapter == BASE_ONLY:
+            adapter = None
         elif adapter not in self.adapters.held:
             raise ValueError(f"{job.request_id}: no adapter held for version {adapter}")
         if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from services.contracts.messages import Job
-from services.rollout.engines.base import Engine, TokenEvent
+from services.rollout.engines.base import BASE_ONLY, Engine, TokenEvent
 
 SEP = "/"  # between a run and a request id, in the engine's id of a request
 
@@ -187,8 +187,10 @@ class RunView:
 
     def add(self, job: Job, adapter: int | None = None) -> None:
         version = self.newest if adapter is None else adapter
-        number = None if version is None else self.shared.adapter_id(self.run_id, version)
-        if version is not None and number is None:
+        # no adapter of this run held (its version 0, the base): the base alone, whatever
+        # adapters other runs hold
+        number = BASE_ONLY if version is None else self.shared.adapter_id(self.run_id, version)
+        if number is None:
             raise ValueError(f"{job.request_id}: no adapter held for version {version}")
         engine_id = f"{self.run_id}{SEP}{job.request_id}"
         self.shared.engine.add(msgspec.structs.replace(job, request_id=engine_id), number)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from services.contracts.messages import Job
-from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.base import BASE_ONLY, Sequence, TokenEvent
 from services.rollout.engines.tensors import same_model, tensor_shapes
 from services.rollout.lifeline import tie_children_to_this_process
 
@@ -452,6 +452,8 @@ class VLLMEngine:
             refuse_unsafe_sampling(job)
         if adapter is None:
             adapter = next(reversed(self.adapters), None)  # the newest; none: the base
+        elif adapter == BASE_ONLY:
+            adapter = None
         elif adapter not in self.adapters:
             held = ", ".join(f"v{v}" for v in self.adapters) or "none"
             raise ValueError(f"{job.request_id}: adapter v{adapter} is not held (held: {held})")
