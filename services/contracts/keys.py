@@ -22,6 +22,10 @@ TRAINERS = f"{PREFIX}:trainers"
 # the fleet's placer at once rather than at its next period
 FLEET_DEMAND = f"{PREFIX}:fleet:demand"
 FLEET_DEMAND_MAXLEN = 64
+# String (a FleetAllotment), with a TTL: the fleet's slots and each active run's part of them,
+# written by the placer at each pass while several runs are active; a worker serving several
+# runs at once reads at most its slots' part of each run's (absent: no bound)
+FLEET_ALLOT = f"{PREFIX}:fleet:allot"
 
 
 def run(run_id: str) -> str:

@@ -222,6 +222,15 @@ class Group(Message, frozen=True, kw_only=True):
     quarantined: bool = False
 
 
+class FleetAllotment(Message, frozen=True, kw_only=True):
+    """The fleet's slots and each active run's part of them (`core.fleet_shares.allot`), as
+    the placer last allotted them (keys.FLEET_ALLOT)."""
+
+    slots: NonNegative
+    runs: dict[str, NonNegative]
+    shares: dict[str, float] = {}  # each run's weight (RolloutSection.share; absent: 1)
+
+
 class RunLoad(Message, frozen=True, kw_only=True):
     """What a worker that serves several runs at once holds of one of them."""
 

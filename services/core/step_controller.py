@@ -90,6 +90,12 @@ def pools_of(workers: dict[str, Heartbeat]) -> dict[str, int]:
     return counts
 
 
+def room_for_run(beat: Heartbeat, ours: Heartbeat) -> int:
+    """The requests a worker could hold of one run (`ours`: its beat as that run reads it):
+    its plateau (or slots), less what it holds of the other runs it serves at once."""
+    return max(0, (beat.plateau or beat.slots) - (beat.active - ours.active))
+
+
 def balance_orders(
     loads: list[WorkerLoad], queued: int, fair_reads: bool, gate: ReleaseGate, now: float
 ) -> tuple[dict[str, int], list[float]]:
@@ -396,7 +402,7 @@ class StepController:
     ) -> None:
         """Release orders for the workers that serve the step and hold its weights now."""
         loads = [
-            WorkerLoad(w, t.executing.get(w, 0), b.plateau or b.slots)
+            WorkerLoad(w, t.executing.get(w, 0), room_for_run(t.beats[w], b))
             for w, b in workers.items()
             if self.serves(b) and self.holds(b)
         ]

@@ -15,7 +15,8 @@ import contextlib
 import logging
 
 from services.contracts import keys
-from services.contracts.messages import Job, RequestLease
+from services.contracts.messages import FleetAllotment, Job, MalformedMessage, RequestLease
+from services.core.fleet_shares import worker_part
 from services.infra.redis_streams import (
     StreamConsumer,
     decode_or_park,
@@ -124,12 +125,14 @@ class JobIntake:
             for stream, c in self.consumers.items()
             if stream in {keys.jobs_stream(run_id, s) for s in steps}
         }
+        part = await self._fleet_part(run_id) if len(ctx.w.lanes) > 1 else None
         got, room = 0, False
         for i, step in enumerate(steps):
             cap = await self._read_cap(run_id, step)
             free = min(
                 min(ctx.s.slots, ctx.plateau.plateau()) - ctx.w.busy,  # the worker's room
                 (ctx.s.slots if cap is None else cap) - ctx.busy,  # this run's on this worker
+                (ctx.s.slots if part is None else part) - ctx.busy,  # its part of the fleet's
             )
             if cap is None:
                 # no cap yet: the step may not be queued, and a blocked read of many would
@@ -181,6 +184,21 @@ class JobIntake:
         if leases:
             log.warning("handing back %d jobs an earlier incarnation held", len(leases))
             await self.flusher.release(leases, "death")
+
+    async def _fleet_part(self, run_id: str) -> int | None:
+        """This worker's part of the slots the fleet allots the run (`worker_part`), where it
+        serves several runs at once, and at least the run's weighted part of the worker; None
+        where the placer allots none now."""
+        raw = await self.ctx.r.get(keys.FLEET_ALLOT)
+        if not isinstance(raw, bytes):
+            return None
+        try:
+            allotment = FleetAllotment.decode(raw)
+        except MalformedMessage:
+            return None
+        shares = {run: allotment.shares.get(run, 1.0) for run in self.ctx.w.lanes}
+        floor = shares.get(run_id, 1.0) / sum(shares.values())
+        return worker_part(allotment.runs.get(run_id, 0), allotment.slots, self.ctx.s.slots, floor)
 
     async def _read_cap(self, run_id: str, version: int) -> int | None:
         """The step's read cap; None where the coordinator set none (fair reads off, or the

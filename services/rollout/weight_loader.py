@@ -216,15 +216,7 @@ class VersionLoader:
             elif merge is not None:
                 await self._load_merged(*merge, previous)
             else:
-                # a version made from deltas of the one the engine holds says what changed:
-                # only that is loaded, in place (all of it where the engine holds merged
-                # tensors: the deltas were of the adapter's files)
-                whole = previous is None or self.held_merged
-                if whole and version == BASE_VERSION:  # another run's on the engine, maybe
-                    await ctx.engine.load_base(result.folder, result.digest)
-                else:
-                    await ctx.engine.load(result.folder, None if whole else result.changed)
-                self.held_merged = frozenset()
+                await self._load_weights(result, previous)
             ctx.version = version if served else None
             if base_before not in (None, ctx.w.engine.base_folder):
                 await self._forget_base(cast(Path, base_before))
@@ -237,6 +229,18 @@ class VersionLoader:
         report(run_id, result, merge, time.monotonic() - started, base)
         adapter = merge is not None or base is not None
         await self._forget(run_id, version, previous, adapter=adapter)
+
+    async def _load_weights(self, result: PullResult, previous: int | None) -> None:
+        """Load a version of weights (no adapter). A version made from deltas of the one the
+        engine holds says what changed: only that is loaded, in place (all of it where the
+        engine holds merged tensors: the deltas were of the adapter's files). A run's version
+        0 loaded whole is its base: nothing loads where the engine holds it (for another run)."""
+        whole = previous is None or self.held_merged
+        if whole and result.version == BASE_VERSION:
+            await self.ctx.engine.load_base(result.folder, result.digest)
+        else:
+            await self.ctx.engine.load(result.folder, None if whole else result.changed)
+        self.held_merged = frozenset()
 
     def _check_room(self) -> None:
         """Say, as a LoRA run starts here, when the engine holds fewer adapters than the run

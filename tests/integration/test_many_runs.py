@@ -6,7 +6,6 @@ busy and runs when one is free. Every run succeeds with nothing lost or duplicat
 
 import json
 import re
-import signal
 import time
 from dataclasses import replace
 
@@ -139,23 +138,6 @@ def test_runs_on_two_base_models_share_one_fleet(tmp_path, tiny_model, tiny_mode
         assert switches and float(switches.group(1)) >= 1, switches
 
 
-def held_runs(rdb, worker: str, runs: list[str], steps: int) -> set[str]:
-    """The runs of which `worker` holds jobs now (read and not acknowledged)."""
-    held = set()
-    for run_id in runs:
-        for step in range(steps):
-            try:
-                pending = rdb.xpending_range(
-                    keys.jobs_stream(run_id, step), keys.WORKERS_GROUP, "-", "+", 1, worker
-                )
-            except redis.ResponseError:  # the step not queued yet
-                continue
-            if pending:
-                held.add(run_id)
-                break
-    return held
-
-
 def test_one_engine_serves_three_lora_runs_and_a_kill_loses_none_of_them(tmp_path, tiny_model):
     """Three LoRA runs on one base, two workers that serve up to three runs at once on their
     one engine (SPOTRL_RUNS_AT_ONCE=3): each worker's heartbeat names all three, a worker is
@@ -204,18 +186,8 @@ def test_one_engine_serves_three_lora_runs_and_a_kill_loses_none_of_them(tmp_pat
             180,
         )
 
-        def stop_a_holder_of_all() -> str | None:
-            for w in workers:
-                if len(held_runs(rdb, w, runs, steps)) < 3:
-                    continue
-                proc = dep.procs[w]
-                proc.popen.send_signal(signal.SIGSTOP)
-                if held_runs(rdb, w, runs, steps) == set(runs):
-                    return w
-                proc.popen.send_signal(signal.SIGCONT)
-            return None
-
-        victim = wait_until(stop_a_holder_of_all, "no worker caught holding all three runs", 120)
+        victim, held = dep.stop_a_holder(runs, steps, want=3)
+        assert held == set(runs)
         dep.procs[victim].kill()
         finals = {r: wait_final(client, dep, r, timeout_s=300) for r in runs}
         for run_id, spec in zip(runs, specs, strict=True):

@@ -15,6 +15,7 @@ from services.core.fleet_shares import (
     allot,
     place,
     share_error,
+    worker_part,
 )
 from tests import factories
 
@@ -222,3 +223,17 @@ def test_a_demand_is_read_as_its_step_loop_wrote_it_and_anything_else_as_none():
         assert parse_demand(raw) == (0, False, 1.0), raw
     claims = claims_of(["a", "b"], [b"12 0 2.0", None])
     assert claims == [RunClaim("a", 2.0, 12, False), RunClaim("b", 1.0, 0, False)]
+
+
+def test_a_workers_part_of_a_run_covers_its_allotment():
+    """A worker serving several runs at once reads at most its part of each run's allotment:
+    the run's share of the fleet's slots, of the worker's own, rounded up."""
+    assert worker_part(64, 256, 128) == 32
+    assert worker_part(65, 256, 128) == 33  # rounded up: the parts cover the allotment
+    assert sum(worker_part(10, 24, s) for s in (8, 8, 8)) >= 10
+    assert worker_part(0, 256, 128) == 0  # nothing allotted: nothing read
+    assert worker_part(300, 256, 128) == 128  # never more than its slots
+    assert worker_part(5, 0, 16) == 16  # no fleet known: its own slots
+    # its weight among the runs the worker serves is its part at least
+    assert worker_part(0, 256, 128, floor=0.25) == 32
+    assert worker_part(128, 256, 128, floor=0.25) == 64

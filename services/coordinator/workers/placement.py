@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from services.contracts import keys
-from services.contracts.messages import Heartbeat, WorkerControl
+from services.contracts.messages import FleetAllotment, Heartbeat, WorkerControl
 from services.coordinator.workers.fleet import heartbeats, order
 from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place
 from services.infra.redis_streams import read_entries, with_reconnect
@@ -33,6 +33,7 @@ from services.state.run_state import active_runs
 log = logging.getLogger(__name__)
 ORDER_AGAIN_S = 5.0  # a serve order not followed by then is sent again
 DEMAND_TTL_S = 10  # a run's demand lapses this long after its step loop last said it
+ALLOT_TTL_MS = 3000  # the fleet's allotment lapses this long after the placer's last pass
 MAX_SHARE = 1000.0  # the most a run's share may be (RolloutSection.share)
 SWITCHES = Counter(
     "spotrl_coordinator_worker_switches_total",
@@ -142,11 +143,17 @@ class FleetPlacer:
         runs = await active_runs(self.r)
         if len(runs) < 2:
             self.sent.clear()
+            await self.r.delete(keys.FLEET_ALLOT)
             return {}
         beats = {w: b for w, b in (await heartbeats(self.r)).items() if placeable(b)}
         demands = cast(list[bytes | None], await self.r.mget([keys.run_demand(r) for r in runs]))
         claims = held_floor(claims_of(runs, demands), beats)
-        allotted = allot(sum(b.slots for b in beats.values()), claims)
+        slots = sum(b.slots for b in beats.values())
+        allotted = allot(slots, claims)
+        # workers serving several runs at once read each run's part of it (`worker_part`)
+        shares = {c.run_id: c.share for c in claims}
+        allotment = FleetAllotment(slots=slots, runs=allotted, shares=shares).encode()
+        await self.r.set(keys.FLEET_ALLOT, allotment, px=ALLOT_TTL_MS)
         workers = [
             FleetWorker(w, b.slots, b.run_id if b.run_id in runs else None)
             for w, b in beats.items()
