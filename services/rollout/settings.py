@@ -5,7 +5,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.contracts.messages import Pool
 from services.infra.settings import CommonSettings
@@ -171,6 +171,18 @@ class RolloutSettings(CommonSettings):
         '("{step}:{prompt}:{sample}"); a decode step holding a matching request raises '
         "RuntimeError and the worker dies of it (a poison request). Empty: off.",
     )
+
+    @model_validator(mode="after")
+    def _room_for_every_runs_adapter(self) -> "RolloutSettings":
+        """Runs served at once each keep the adapter they add requests under, and load their
+        next one beside it: an engine that applies adapters needs room for one more."""
+        if self.runs_at_once > 1 and 0 < self.max_loras <= self.runs_at_once:
+            raise ValueError(
+                f"runs_at_once {self.runs_at_once} needs max_loras of at least "
+                f"{self.runs_at_once + 1} (2 x {self.runs_at_once} lets each run load its next "
+                f"adapter beside its own), not {self.max_loras}"
+            )
+        return self
 
     @field_validator("fault_crash_requests")
     @classmethod

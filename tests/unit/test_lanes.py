@@ -19,3 +19,15 @@ def test_lora_runs_on_the_placed_runs_base_join_it_up_to_the_most():
     assert runs_to_serve(active, "c", BASES, 8) == ["c"]  # alone on its base
     assert runs_to_serve(active, None, BASES, 8) == ["full"]  # full weights: alone
     assert runs_to_serve(["a", "b"], None, {}, 8) == ["a"]  # bases not known: one at a time
+
+
+def test_runs_at_once_needs_room_for_each_runs_next_adapter():
+    import pytest
+    from pydantic import ValidationError
+
+    from services.rollout.settings import RolloutSettings
+
+    with pytest.raises(ValidationError, match="max_loras of at least 5"):
+        RolloutSettings(runs_at_once=4, max_loras=4)
+    assert RolloutSettings(runs_at_once=4, max_loras=8).runs_at_once == 4
+    assert RolloutSettings(runs_at_once=4, max_loras=0).max_loras == 0  # merged: one at a time
