@@ -35,9 +35,8 @@ async def generate(redis_url: str, model: str, drafts: str) -> tuple[dict, int]:
     engine = HFEngine(draft_tokens=4, column_cost=0.0)
     engine.load_weights(model)
     worker = RolloutWorker(RolloutSettings(worker_id=f"w-{drafts}", redis_url=redis_url), r, engine)
-    lane = worker.lanes.open(run_id)
-    await lane.intake.start()
-    ctx = lane.ctx
+    await worker.intake._switch_run(run_id)
+    ctx = worker.ctx
     ctx.version = 0
     await r.xadd(keys.deltas_stream(run_id), {"init": "1"})  # the run's deltas stream exists
     jobs = [
@@ -48,11 +47,11 @@ async def generate(redis_url: str, model: str, drafts: str) -> tuple[dict, int]:
         if step == 8:
             for i, j in enumerate(jobs[1:]):
                 ctx.inbox.put(f"1-{i + 1}".encode(), j)
-        worker.generator._admit(ctx)
+        worker.generator._admit()
         if not ctx.engine.active and step > 8:
             break
         await worker.generator._step()
-    await lane.flusher.flush()
+    await worker.flusher.flush()
     out: dict[str, list[int]] = {}
     for _, fields in range_entries(await r.xrange(keys.deltas_stream(run_id))):
         if b"init" not in fields:

@@ -93,8 +93,7 @@ class Leadership:
         written (one MULTI); the dead readers' jobs claimed and moved; the stall state."""
         control, store = live.control, live.store
         beats = await heartbeats(self.r)
-        ours = {w: v for w, b in beats.items() if (v := b.serving(self.run_id)) is not None}
-        count_pools(ours)  # gauges
+        count_pools({w: b for w, b in beats.items() if b.run_id == self.run_id})  # gauges
         readers, beating = await store.readers()
         executing, pending = await store.executing()
         gone = await self._gone(beats) if oldest else []
