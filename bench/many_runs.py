@@ -1,23 +1,32 @@
 """Many runs on one fleet (issue 52): four runs of the embedded default, different seeds and
 learning rates, on one deployment (a coordinator that keeps up to four runs active, a pool of
-four trainers, the spot workers shared by the fleet's shares), (a) one after another, then
-(b) all at once; in (b) a worker that holds requests is SIGKILLed (a new one joins).
+four trainers, the spot workers shared by the fleet), (a) one after another, (b) all at once,
+then (c) all at once again while a worker that holds requests of three runs is SIGKILLed (a
+new one joins): the fleet's use is measured in (b), what a kill costs and loses in (c).
 
     .venv/bin/python bench/many_runs.py [--runs 4] [--steps 30] [--preemptible 2]
-        [--phases sequential,concurrent] [--no-kill] [--sample-s 0.1]
+        [--lora-r 8] [--runs-at-once 4] [--phases sequential,concurrent,killed]
+
+By default the runs are LoRA runs on the embedded base and each worker serves all of them at
+once on its one engine (`--runs-at-once`, SPOTRL_RUNS_AT_ONCE), one batch of every run's
+requests, each under its run's adapter. `--runs-at-once 1` has a worker serve one run at a time,
+moved among them by the fleet's shares; `--lora-r 0` trains every weight (then a worker serves
+one run at a time whatever `--runs-at-once` says: one engine holds one run's full weights).
 
 What it measures, from a sampler that reads every worker's heartbeat (sent every
 `--heartbeat-s`) and every active run's demand each `--sample-s`:
 - `fleet_busy_frac_*`: the share of worker-seconds (alive workers) in which a worker holds at
   least one request, over each phase's wall time;
-- `share_error_max`: over windows of 5 steps (of the concurrent phase's mean step), the
-  largest gap between a run's share of the slots the fleet's shares allot
-  (`core.fleet_shares.allot` over the runs' demands) and its share of the slots in use
-  (`core.fleet_shares.share_error`);
-- each run's `reward_first10` / `reward_last10`, and `lost` / `duplicated` from the audit.
-
-The engine serves one run at a time (a worker holds one run's full weights), so the killed
-worker holds requests of one run: `killed_holding_run` names it.
+- `rollout_work_frac_*`: the share of the phase's time in which some run had rollout work
+  waiting (slots allotted): the most a fleet of any size could be busy, however it is shared;
+  `idle_with_work_frac`: the worker-seconds idle while some run had work waiting;
+- `share_error_max`: over whole windows of 5 steps (of the phase's mean step), the
+  largest gap between a run's share of the slots the fleet's placer allots
+  (`core.fleet_shares.allot` over the runs' demands, weighted max-min; keys.FLEET_ALLOT) and
+  its share of the requests held (`core.fleet_shares.share_error`);
+- each run's `reward_first10` / `reward_last10`, and `lost` / `duplicated` from the audit;
+- `killed_holding_runs`: how many runs' jobs the killed worker held (checked with the worker
+  stopped, just before the kill); the phase's own figures are under "killed".
 
 Prints progress to stderr and, as its LAST line, one JSON object.
 """
@@ -44,6 +53,7 @@ from services.cli.client import CoordinatorClient
 from services.cli.up import ensure_model, sized_for
 from services.cli.up_summary import mean
 from services.contracts import keys
+from services.contracts.messages import FleetAllotment, Heartbeat
 from services.contracts.runspec import FINAL_STATES, RunSpec
 from services.coordinator.workers.fleet import heartbeats
 from services.coordinator.workers.placement import claims_of
@@ -52,6 +62,7 @@ from services.state.run_state import active_runs
 from tests.harness.deploy import Deployment, DeploymentConfig
 
 LR_FACTORS = (1.0, 0.5, 2.0, 1.5)  # each run's learning rate, times the spec's default
+LORA_LR_FACTOR = 10.0  # a LoRA run's learning rate, times the spec's default (full weights')
 WINDOW_STEPS = 5
 
 
@@ -62,7 +73,7 @@ class Sample:
     alive: int
     used: dict[str, int]  # run -> requests its workers hold
     allotted: dict[str, int]  # run -> slots the fleet's shares allot it
-    holding: dict[str, str]  # worker -> the run it holds requests of
+    holding: dict[str, list[str]]  # worker -> the runs it holds requests of
 
 
 @dataclass
@@ -92,18 +103,51 @@ class Sampler:
     async def _once(self, r: aioredis.Redis) -> Sample:
         runs = await active_runs(r)
         beats = {w: b for w, b in (await heartbeats(r)).items() if not b.error}
-        demands = cast(list[bytes | None], await r.mget([keys.run_demand(x) for x in runs]))
-        allotted = allot(sum(b.slots for b in beats.values()), claims_of(runs, demands))
+        allotted = await fleet_allotment(r, runs, beats)
         used: dict[str, int] = {}
-        holding = {}
+        holding: dict[str, list[str]] = {}
         for worker_id, beat in beats.items():
-            if beat.active and beat.run_id:
-                used[beat.run_id] = used.get(beat.run_id, 0) + beat.active
-                holding[worker_id] = beat.run_id
+            for run_id in beat.served_runs:  # each run's own requests (`Heartbeat.serving`)
+                if (view := beat.serving(run_id)) is not None and view.active:
+                    used[run_id] = used.get(run_id, 0) + view.active
+                    holding.setdefault(worker_id, []).append(run_id)
         return Sample(time.monotonic(), len(holding), len(beats), used, allotted, holding)
 
     def between(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.at <= end]
+
+
+async def fleet_allotment(
+    r: aioredis.Redis, runs: list[str], beats: dict[str, Heartbeat]
+) -> dict[str, int]:
+    """Each active run's slots as the fleet's placer last allotted them (keys.FLEET_ALLOT);
+    with one run active (no allotment then), `allot` over the runs' demands as it would."""
+    raw = await r.get(keys.FLEET_ALLOT)
+    if isinstance(raw, bytes):
+        allotment = FleetAllotment.decode(raw)
+        return {run: allotment.runs.get(run, 0) for run in runs}
+    demands = cast(list[bytes | None], await r.mget([keys.run_demand(x) for x in runs]))
+    return allot(sum(b.slots for b in beats.values()), claims_of(runs, demands))
+
+
+def work_frac(samples: list[Sample]) -> float | None:
+    """The share of the samples in which some run had rollout work waiting (slots allotted):
+    the most of its time a fleet of any size could be busy, however it is shared."""
+    wanting = sum(_wanted(s) for s in samples)
+    return round(wanting / len(samples), 4) if samples else None
+
+
+def idle_with_work_frac(samples: list[Sample]) -> float | None:
+    """The share of worker-seconds in which a worker held nothing while some run had rollout
+    work waiting (loading weights, placement lag, read caps); the rest of the idle ones had
+    no run with work (every run training)."""
+    alive = sum(s.alive for s in samples)
+    idle = sum(s.alive - s.busy for s in samples if _wanted(s))
+    return round(idle / alive, 4) if alive else None
+
+
+def _wanted(sample: Sample) -> bool:
+    return any(n > 0 for n in sample.allotted.values())
 
 
 def busy_frac(samples: list[Sample]) -> float | None:
@@ -112,12 +156,12 @@ def busy_frac(samples: list[Sample]) -> float | None:
 
 
 def share_error_max(samples: list[Sample], window_s: float) -> float | None:
-    """The largest `share_error` over consecutive windows of `window_s` that allotted or used
-    anything."""
+    """The largest `share_error` over consecutive whole windows of `window_s` (a last window
+    cut short by the phase's end, a few samples, is not one) that allotted or used anything."""
     if not samples or window_s <= 0:
         return None
     worst, start = 0.0, samples[0].at
-    while start <= samples[-1].at:
+    while start + window_s <= samples[-1].at:
         allotted: dict[str, float] = {}
         used: dict[str, float] = {}
         for s in samples:
@@ -140,21 +184,18 @@ def wait_final(client: CoordinatorClient, dep: Deployment, run_ids: list[str]) -
         time.sleep(0.3)
 
 
-def kill_a_busy_worker(dep: Deployment, sampler: Sampler, timeout_s: float = 600) -> str:
-    """SIGKILL the first worker seen holding requests; a new one joins. The run whose requests
-    it held, by its last heartbeat (a heartbeat names one run: an engine serves one)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        last = sampler.samples[-1] if sampler.samples else None
-        if last and last.holding:
-            victim = sorted(last.holding)[0]
-            proc = dep.procs.get(victim)
-            if proc is not None and proc.alive():
-                print(f"SIGKILL {victim} holding run {last.holding[victim]}", file=sys.stderr)
-                proc.kill()
-                dep.add_worker("preemptible", wait=False)
-                return last.holding[victim]
-        time.sleep(0.05)
+def kill_a_busy_worker(dep: Deployment, runs: list[str], steps: int, want: int) -> list[str]:
+    """SIGKILL a worker caught holding jobs of `want` runs (fewer where none ever does: the
+    most any holds, down to one); a new one joins. The runs it held."""
+    for wanted in range(want, 0, -1):
+        try:
+            victim, held = dep.stop_a_holder(runs, steps, wanted, timeout_s=60)
+        except TimeoutError:
+            continue
+        print(f"SIGKILL {victim} holding runs {sorted(held)}", file=sys.stderr, flush=True)
+        dep.procs[victim].kill()
+        dep.add_worker("preemptible", wait=False)
+        return sorted(held)
     raise TimeoutError("no worker ever held a request")
 
 
@@ -164,10 +205,9 @@ def run_phase(
     dep: Deployment,
     sampler: Sampler,
     specs: list[RunSpec],
-    kill: bool,
 ) -> dict:
     started = time.monotonic()
-    killed_holding = ""
+    killed_holding: list[str] = []
     run_ids: list[str] = []
     if name == "sequential":
         for spec in specs:
@@ -177,8 +217,9 @@ def run_phase(
     else:
         run_ids = [client.submit(spec.model_dump(mode="json")) for spec in specs]
         print(f"{name}: runs {run_ids} submitted", file=sys.stderr, flush=True)
-        if kill:
-            killed_holding = kill_a_busy_worker(dep, sampler)
+        if name == "killed":
+            steps = max(spec.training.steps for spec in specs)
+            killed_holding = kill_a_busy_worker(dep, run_ids, steps, min(3, len(run_ids)))
         wait_final(client, dep, run_ids)
     ended = time.monotonic()
     wall_s = ended - started
@@ -201,13 +242,15 @@ def run_phase(
             }
         )
     steps = sum(spec.training.steps for spec in specs)
-    window_s = WINDOW_STEPS * wall_s * len(specs) / steps if name == "concurrent" else 0.0
+    window_s = WINDOW_STEPS * wall_s * len(specs) / steps if name != "sequential" else 0.0
     print(f"{name}: {wall_s:.1f} s, busy {busy_frac(samples)}", file=sys.stderr, flush=True)
     return {
         "wall_s": round(wall_s, 1),
         "fleet_busy_frac": busy_frac(samples),
+        "rollout_work_frac": work_frac(samples),
+        "idle_with_work_frac": idle_with_work_frac(samples),
         "share_error_max": share_error_max(samples, window_s),
-        "killed_holding_run": killed_holding,  # the run whose requests the killed worker held
+        "killed_holding_runs": killed_holding,  # the runs whose requests the killed worker held
         "runs": runs,
     }
 
@@ -217,32 +260,57 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preemptible", type=int, default=2)
-    parser.add_argument("--phases", default="sequential,concurrent")
-    parser.add_argument("--no-kill", action="store_true")
+    parser.add_argument(
+        "--phases",
+        default="sequential,concurrent,killed",
+        help="of sequential, concurrent, killed (all at once, a worker SIGKILLed)",
+    )
     parser.add_argument("--placement-s", type=float, default=1.0, help="SPOTRL_PLACEMENT_S")
     parser.add_argument(
         "--switch-share", type=float, default=0.5, help="SPOTRL_PLACEMENT_SWITCH_SHARE"
     )
-    parser.add_argument("--sample-s", type=float, default=0.1)
-    parser.add_argument("--heartbeat-s", type=float, default=0.2)
+    parser.add_argument(
+        "--runs-at-once",
+        type=int,
+        default=4,
+        help="SPOTRL_RUNS_AT_ONCE: runs a worker serves at once on its one engine (LoRA runs "
+        "on one base); 1: one run at a time, moved by the fleet's shares",
+    )
+    parser.add_argument(
+        "--lora-r", type=int, default=8, help="the runs' LoRA rank (0: every weight trained)"
+    )
+    parser.add_argument("--sample-s", type=float, default=0.05)
+    parser.add_argument("--heartbeat-s", type=float, default=0.05)
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the logs there")
     parser.add_argument("--samples", type=Path, default=None, help="write the samples (JSON lines)")
     args = parser.parse_args()
     phases = args.phases.split(",")
-    if not set(phases) <= {"sequential", "concurrent"}:
-        parser.error("--phases: sequential and/or concurrent")
+    if not set(phases) <= {"sequential", "concurrent", "killed"}:
+        parser.error("--phases: of sequential, concurrent, killed")
     model = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, None)
     default = RunSpec(model=str(model.resolve()))
+    # LoRA trains a few megabytes where full weights train all: its learning rate is higher
+    lr = default.optimizer.learning_rate * (LORA_LR_FACTOR if args.lora_r else 1.0)
+    lora = {"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r} if args.lora_r else {}
     specs = [
-        RunSpec(
-            model=str(model.resolve()),
-            steps=args.steps,
-            seed=i + 1,
-            learning_rate=default.optimizer.learning_rate * LR_FACTORS[i % len(LR_FACTORS)],
+        RunSpec.model_validate(
+            {
+                "model": str(model.resolve()),
+                "steps": args.steps,
+                "seed": i + 1,
+                "learning_rate": lr * LR_FACTORS[i % len(LR_FACTORS)],
+            }
+            | lora
         )
         for i in range(args.runs)
     ]
-    out: dict = {"task": "arithmetic", "runs": args.runs, "steps": args.steps}
+    out: dict = {
+        "task": "arithmetic",
+        "runs": args.runs,
+        "steps": args.steps,
+        "lora_r": args.lora_r,
+        "runs_at_once": args.runs_at_once,
+    }
     with tempfile.TemporaryDirectory(prefix="spotrl-many-") as scratch:
         work = args.work_dir or scratch
         config = DeploymentConfig(
@@ -255,25 +323,33 @@ def main() -> None:
                 "SPOTRL_PLACEMENT_S": str(args.placement_s),
                 "SPOTRL_PLACEMENT_SWITCH_SHARE": str(args.switch_share),
             },
-            worker_env={"SPOTRL_HEARTBEAT_S": str(args.heartbeat_s)},
+            worker_env={
+                "SPOTRL_HEARTBEAT_S": str(args.heartbeat_s),
+                "SPOTRL_RUNS_AT_ONCE": str(args.runs_at_once),
+                # each run's adapter and the next one, loaded beside it
+                "SPOTRL_MAX_LORAS": str(max(4, 2 * args.runs_at_once)),
+            },
         )
         config = sized_for(config, specs[0], 2)
         with Deployment(config) as dep, CoordinatorClient(dep.coordinator_url) as client:
             sampler = Sampler(dep.redis_url, args.sample_s)
             sampler.start()
             for phase in phases:
-                out[phase] = run_phase(phase, client, dep, sampler, specs, not args.no_kill)
+                out[phase] = run_phase(phase, client, dep, sampler, specs)
             sampler.stop.set()
     if args.samples:
         with args.samples.open("w") as f:
             for sample in sampler.samples:
                 f.write(json.dumps(dataclasses.asdict(sample)) + "\n")
     phase_runs = [run for phase in phases for run in out[phase]["runs"]]
-    out |= {f"fleet_busy_frac_{phase}": out[phase]["fleet_busy_frac"] for phase in phases} | {
+    out |= {f"fleet_busy_frac_{phase}": out[phase]["fleet_busy_frac"] for phase in phases}
+    out |= {f"rollout_work_frac_{phase}": out[phase]["rollout_work_frac"] for phase in phases} | {
         f"wall_{phase}_s": out[phase]["wall_s"] for phase in phases
     }
     if "concurrent" in out:
         out["share_error_max"] = out["concurrent"]["share_error_max"]
+    if "killed" in out:
+        out["killed_holding_runs"] = len(out["killed"]["killed_holding_runs"])
     out["lost"] = sum(run["lost"] for run in phase_runs)
     out["duplicated"] = sum(run["duplicated"] for run in phase_runs)
     out["all_learned"] = all(run["reward_last10"] > run["reward_first10"] for run in phase_runs)

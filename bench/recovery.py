@@ -85,7 +85,8 @@ def serving(dep: Deployment, r: redis.Redis, run_id: str) -> int:
     for proc in dep.workers():
         raw = cast(bytes | None, r.get(keys.worker_heartbeat(proc.name)))
         beat = Heartbeat.decode(raw) if raw is not None else None
-        if proc.alive() and beat is not None and beat.run_id == run_id and beat.version is not None:
+        ours = beat.serving(run_id) if beat is not None else None
+        if proc.alive() and ours is not None and ours.version is not None:
             count += 1
     return count
 

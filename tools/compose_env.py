@@ -99,6 +99,9 @@ BLOCKS: dict[str, Block] = {
             "max_loras": Note(
                 "${SPOTRL_MAX_LORAS:-4}", "LoRA runs: adapters held at once (0: merged)"
             ),
+            "runs_at_once": Note(
+                "${SPOTRL_RUNS_AT_ONCE:-1}", "LoRA runs on one base served in one batch"
+            ),
             "cache_dir": "/tmp/spotrl-rollout",
             "torch_threads": "${SPOTRL_ROLLOUT_THREADS:-2}",
             "p2p": Note("${SPOTRL_P2P:-true}", "false: every weight block from the store"),

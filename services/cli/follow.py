@@ -144,7 +144,7 @@ def workers_table(workers: list[dict]) -> Table:
             w["pool"],
             w["engine"],
             "yes" if w["alive"] else "no",
-            w["run_id"] or "-",
+            ",".join(w.get("runs") or {}) or w["run_id"] or "-",  # every run it serves
             "-" if w["version"] is None else str(w["version"]),
             f"{w['active']}/{w['slots']}",
             str(w["tokens_generated"]),

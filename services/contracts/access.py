@@ -85,6 +85,8 @@ WORKER_COMMANDS: dict[str, tuple[str, ...]] = {
     "run_version": ("get",),
     "run_staleness": ("get",),
     "run_drafts": ("get",),
+    "run_base": ("get",),
+    "FLEET_ALLOT": ("get",),
     "version_announced": ("xrevrange", "xread"),  # waiting for a version (run_state)
     "run_manifests": ("hget",),
     "run_digests": ("hget",),
@@ -132,11 +134,13 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "ACTIVE_RUNS": ("ctRw", "c", False),
     "TRAINERS": ("ctR", "t", False),
     "FLEET_DEMAND": ("cR", "c", False),
+    "FLEET_ALLOT": ("cRw", "c", False),
     "trainer_heartbeat": ("ctR", "t", False),
     "run": ("ctR", "ct", False),  # the trainer fails a run (run_record.finish)
     "run_version": ("ctRw", "ct", False),
     "run_staleness": ("cRw", "c", False),
     "run_drafts": ("cRw", "c", False),
+    "run_base": ("cRw", "c", False),
     "version_announced": ("cRw", "ct", False),
     "run_manifests": ("cRw", "ct", False),
     "run_digests": ("ctRw", "ct", False),

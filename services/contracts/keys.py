@@ -22,6 +22,10 @@ TRAINERS = f"{PREFIX}:trainers"
 # the fleet's placer at once rather than at its next period
 FLEET_DEMAND = f"{PREFIX}:fleet:demand"
 FLEET_DEMAND_MAXLEN = 64
+# String (a FleetAllotment), with a TTL: the fleet's slots and each active run's part of them,
+# written by the placer at each pass while several runs are active; a worker serving several
+# runs at once reads at most its slots' part of each run's (absent: no bound)
+FLEET_ALLOT = f"{PREFIX}:fleet:allot"
 
 
 def run(run_id: str) -> str:
@@ -47,6 +51,13 @@ def run_drafts(run_id: str) -> str:
     a worker shares a finished response with its running siblings as drafts only then (it may
     not read the spec itself)."""
     return f"{PREFIX}:run:{run_id}:drafts"
+
+
+def run_base(run_id: str) -> str:
+    """String: a LoRA run's base model (its spec's `model`), written with the run; absent for
+    a run that trains every weight. A worker serves several runs at once on one engine only
+    where each is a LoRA run on the same base (`rollout.lanes`); it may not read the spec."""
+    return f"{PREFIX}:run:{run_id}:base"
 
 
 def version_announced(run_id: str) -> str:

@@ -222,6 +222,23 @@ class Group(Message, frozen=True, kw_only=True):
     quarantined: bool = False
 
 
+class FleetAllotment(Message, frozen=True, kw_only=True):
+    """The fleet's slots and each active run's part of them (`core.fleet_shares.allot`), as
+    the placer last allotted them (keys.FLEET_ALLOT)."""
+
+    slots: NonNegative
+    runs: dict[str, NonNegative]
+    shares: dict[str, float] = {}  # each run's weight (RolloutSection.share; absent: 1)
+
+
+class RunLoad(Message, frozen=True, kw_only=True):
+    """What a worker that serves several runs at once holds of one of them."""
+
+    version: int | None  # the run's weight version loaded, None before its first load
+    active: int  # the run's requests held
+    paused: bool = False  # stepped aside from this run for the rest of its version
+
+
 class Heartbeat(Message, frozen=True, kw_only=True):
     worker_id: str
     pool: Pool
@@ -234,6 +251,30 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     plateau: int = 0  # measured plateau batch size (0: not known)
     paused: bool = False  # stepped aside for the rest of this version
     error: str = ""  # the error a task of the worker died of: it is shutting down, serves nothing
+    # a worker serving several runs at once on one engine (LoRA runs on one base, issue 52):
+    # each run's own load, `run_id` the first of them and `active` their sum; empty: it serves
+    # `run_id` alone, as `version`, `active` and `paused` say
+    runs: dict[str, RunLoad] = {}
+
+    @property
+    def served_runs(self) -> list[str]:
+        """The runs it serves now (none before its first run)."""
+        if self.runs:
+            return list(self.runs)
+        return [self.run_id] if self.run_id is not None else []
+
+    def serving(self, run_id: str) -> "Heartbeat | None":
+        """The beat as one run's step loop reads it: `run_id`'s version, requests held and
+        pause, as if the worker served that run alone; None where it does not serve it."""
+        if not self.runs:
+            return self if self.run_id == run_id else None
+        load = self.runs.get(run_id)
+        if load is None:
+            return None
+        return msgspec.structs.replace(
+            self, run_id=run_id, version=load.version, active=load.active, paused=load.paused,
+            runs={},
+        )  # fmt: skip
 
 
 # Fields renamed since an earlier release, by type: old name -> new name. An entry of that

@@ -17,8 +17,10 @@ class WorkerLoad:
 
 
 def releases(loads: list[WorkerLoad], queued: int) -> dict[str, int]:
-    """How many requests each overloaded worker should release; {} when balanced."""
-    if queued > 0 or not any(w.executing == 0 for w in loads):
+    """How many requests each overloaded worker should release; {} when balanced (none
+    idle: a worker with none of the step's requests has room for them, not every slot taken by
+    other runs' requests it serves at once)."""
+    if queued > 0 or not any(w.executing == 0 and w.plateau > 0 for w in loads):
         return {}
     return {w.worker_id: w.executing - w.plateau for w in loads if w.executing > w.plateau}
 

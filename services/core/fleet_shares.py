@@ -74,6 +74,18 @@ def allot(capacity: int, claims: Sequence[RunClaim]) -> dict[str, int]:
     return _whole_slots(capacity, claims, parts)
 
 
+def worker_part(allotted: int, fleet_slots: int, worker_slots: int, floor: float = 0.0) -> int:
+    """A worker's part of a run's `allotted` slots where it serves several runs at once: the
+    run's share of the fleet's slots, of the worker's own (rounded up, so that the workers'
+    parts cover the allotment), and never under `floor` of them (the run's weight among the
+    runs the worker serves: its part while the allotment has not caught up with a step that
+    just opened)."""
+    if fleet_slots <= 0:
+        return worker_slots
+    part = max(math.ceil(allotted * worker_slots / fleet_slots), math.floor(floor * worker_slots))
+    return min(worker_slots, part)
+
+
 @dataclass(frozen=True)
 class FleetWorker:
     worker_id: str

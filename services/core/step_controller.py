@@ -69,11 +69,11 @@ def holds(beat: Heartbeat, step: int, staleness: int) -> bool:
 def serves(beat: Heartbeat, run_id: str, step: int, staleness: int = 0) -> bool:
     """THE definition of a worker that serves step `step` of the run, or will once it has
     loaded its weights: alive on the run or idle (an idle worker follows the active run), not
-    failed, not stepped aside (paused) holding a version that may generate the step."""
+    failed, not stepped aside (paused) holding a version that may generate the step. A worker
+    serving several runs is read as it serves `run_id` (`Heartbeat.serving`)."""
+    view = beat if beat.run_id is None else beat.serving(run_id)
     return (
-        beat.run_id in (run_id, None)
-        and not beat.error
-        and not (beat.paused and holds(beat, step, staleness))
+        view is not None and not view.error and not (view.paused and holds(view, step, staleness))
     )
 
 
@@ -88,6 +88,12 @@ def pools_of(workers: dict[str, Heartbeat]) -> dict[str, int]:
     for beat in workers.values():
         counts[beat.pool] += 1
     return counts
+
+
+def room_for_run(beat: Heartbeat, ours: Heartbeat) -> int:
+    """The requests a worker could hold of one run (`ours`: its beat as that run reads it):
+    its plateau (or slots), less what it holds of the other runs it serves at once."""
+    return max(0, (beat.plateau or beat.slots) - (beat.active - ours.active))
 
 
 def balance_orders(
@@ -282,7 +288,7 @@ class StepController:
         (`queued_at`, unix s: its first jobs, and on the leader with fair reads the read cap,
         so that the first worker to hold the version never reads more than its share) or
         restored (None). `seed_done` when its seeding window was over before a restart."""
-        workers = {w: b for w, b in beats.items() if b.run_id == self.run_id}
+        workers = {w: v for w, b in beats.items() if (v := b.serving(self.run_id)) is not None}
         self.pools, self.started = pools_of(workers), started
         out = Effects(queued_at=queued_at)
         if queued_at is not None:
@@ -363,7 +369,7 @@ class StepController:
         readers to reclaim and (for the step the trainer waits for) the stall check."""
         out = Effects(reclaim=self.dead_readers(t.readers, t.beating))
         unfinished = self.table.unfinished_count + t.others_unfinished
-        workers = {w: b for w, b in t.beats.items() if b.run_id == self.run_id}
+        workers = {w: v for w, b in t.beats.items() if (v := b.serving(self.run_id)) is not None}
         reserved = [b for b in workers.values() if b.pool == "reserved"]
         if self.seed_start is None and any(self.holds(b) for b in reserved):
             self.seed_start = t.now  # the window runs from when seeding can start
@@ -396,7 +402,7 @@ class StepController:
     ) -> None:
         """Release orders for the workers that serve the step and hold its weights now."""
         loads = [
-            WorkerLoad(w, t.executing.get(w, 0), b.plateau or b.slots)
+            WorkerLoad(w, t.executing.get(w, 0), room_for_run(t.beats[w], b))
             for w, b in workers.items()
             if self.serves(b) and self.holds(b)
         ]
@@ -413,11 +419,11 @@ class StepController:
         version = min(self.step, t.committed)
         alive = []
         for worker_id, beat in t.beats.items():
-            ours = beat.run_id == self.run_id
-            if ours:
+            ours = beat.serving(self.run_id)
+            if ours is not None:
                 self.lead.seen[worker_id] = t.wall
-            aside = ours and beat.paused and holds(beat, version, self.staleness)
-            alive.append(WorkerView(worker_id, beat.version, aside, beat.error))
+            aside = ours is not None and ours.paused and holds(ours, version, self.staleness)
+            alive.append(WorkerView(worker_id, (ours or beat).version, aside, beat.error))
         decision = self.lead.stall.observe(t.wall, blocker(version, alive, t.gone))
         if decision.action is not Action.NONE:
             out.stall, out.resumed_why = decision, f"a worker can serve version {version}"

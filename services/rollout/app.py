@@ -80,8 +80,8 @@ async def leave_with_notice(
         # Say "left with notice" before the heartbeat goes, so nobody counts it as a loss.
         await r.set(keys.worker_leaving(settings.worker_id), time.time(), ex=LEAVING_TTL_S)
         await r.delete(keys.worker_heartbeat(settings.worker_id))
-        if worker.loader.peers is not None:
-            await worker.loader.peers.withdraw(r)
+        if worker.peers is not None:
+            await worker.peers.withdraw(r)
 
     await asyncio.gather(
         within("farewell to redis", farewell(), plan.gone_by),

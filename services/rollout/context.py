@@ -1,11 +1,13 @@
-"""What the parts of one rollout worker share: its settings, Redis, engine, the run and version
-it serves, the jobs read and not started (`JobInbox`) and the tokens not yet flushed
-(`DeltaBuffer`). It holds state and answers questions about it; it runs no loop and sends
-nothing.
+"""What the parts of one rollout worker share. A worker serves one run, or several at once on
+one engine (LoRA runs on one base, issue 52): `WorkerShared` is the worker's own (settings,
+Redis, the shared engine, the engine lock, the runs it serves), and one `WorkerContext` per run
+served (a lane) holds that run's part: its view of the engine, the version it serves, the jobs
+read and not started (`JobInbox`) and the tokens not yet flushed (`DeltaBuffer`). They hold
+state and answer questions about it; they run no loop and send nothing.
 
-Two tasks share it: the jobs task (intake, weight loads) and the generation task (the engine,
-flushes, control orders). The jobs task touches the engine only under `engine_lock`, so a load
-never lands in the middle of a step.
+Tasks share them: each lane's jobs task (intake, weight loads) and the generation task (the
+engine, flushes, control orders). A jobs task touches the engine only under `engine_lock`, so a
+load never lands in the middle of a step.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ from services.core.plateau import PlateauEstimator
 from services.core.request_table import step_of
 from services.rollout.delta_buffer import DeltaBuffer
 from services.rollout.engines.base import Engine
+from services.rollout.engines.shared import RunView, SharedEngine
 from services.rollout.settings import RolloutSettings
 
 WorkerState = Literal["starting", "idle", "loading", "paused", "serving", "crashed"]
@@ -67,37 +70,90 @@ def new_buffer(settings: RolloutSettings) -> DeltaBuffer:
 
 
 @dataclass
-class WorkerContext:
+class WorkerShared:
+    """The worker's own state, shared by the runs it serves."""
+
     s: RolloutSettings
     r: aioredis.Redis
-    engine: Engine
-    buffer: DeltaBuffer
+    engine: SharedEngine
     plateau: PlateauEstimator
-    inbox: JobInbox = field(default_factory=JobInbox)
     engine_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)  # a request ended
     # the run the fleet's placement ordered this worker to serve (several runs active); None:
     # the oldest active run
     placed_run: str | None = None
-    slot_freed: asyncio.Event = field(default_factory=asyncio.Event)  # a request ended
-    run_id: str | None = None
-    version: int | None = None  # loaded and served
-    paused_version: int | None = None  # stepped aside for the rest of this version
+    lanes: dict[str, "WorkerContext"] = field(default_factory=dict)  # by run, oldest first
     state: WorkerState = "starting"
     crashed: str = ""  # the error a task died of; the worker is on its way out
     tokens_generated: int = 0
-    # the run's spec has drafts on (`keys.run_drafts`): a response finished here becomes a
-    # draft of its running siblings (`sibling_drafts`)
-    share_drafts: bool = False
     # the consumer name it reads its jobs as: its id, or the secret name the coordinator gave
     # it at registration (`contracts.consumers.jobs_consumer`)
     consumer: str = ""
+    # the key the coordinator gave at registration (`worker_redis_users`): every delta batch
+    # is signed with it; None: batches go unsigned, as the coordinator expects then
+    signing_key: bytes | None = None
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or self.s.worker_id
 
     @property
     def busy(self) -> int:
-        """Requests held: generating, or read and waiting to start."""
+        """Requests held, of every run: generating, or read and waiting to start."""
+        return self.engine.active + sum(len(lane.inbox) for lane in self.lanes.values())
+
+    def lane(self, run_id: str) -> "WorkerContext":
+        """The part of the worker that serves `run_id` (made, and counted as served, now)."""
+        if run_id not in self.lanes:
+            self.lanes[run_id] = WorkerContext(
+                w=self, run_id=run_id, engine=self.engine.view(run_id), buffer=new_buffer(self.s)
+            )
+        return self.lanes[run_id]
+
+
+def worker_shared(settings: RolloutSettings, r: aioredis.Redis, engine: Engine) -> WorkerShared:
+    return WorkerShared(
+        s=settings, r=r, engine=SharedEngine(engine), plateau=PlateauEstimator(settings.slots)
+    )
+
+
+@dataclass
+class WorkerContext:
+    """One run's part of a worker (a lane): the run, the version it serves, its requests."""
+
+    w: WorkerShared
+    run_id: str
+    engine: RunView
+    buffer: DeltaBuffer
+    inbox: JobInbox = field(default_factory=JobInbox)
+    version: int | None = None  # loaded and served
+    paused_version: int | None = None  # stepped aside for the rest of this version
+    # the run's spec has drafts on (`keys.run_drafts`): a response finished here becomes a
+    # draft of its running siblings (`sibling_drafts`)
+    share_drafts: bool = False
+
+    @property
+    def s(self) -> RolloutSettings:
+        return self.w.s
+
+    @property
+    def r(self) -> aioredis.Redis:
+        return self.w.r
+
+    @property
+    def engine_lock(self) -> asyncio.Lock:
+        return self.w.engine_lock
+
+    @property
+    def slot_freed(self) -> asyncio.Event:
+        return self.w.slot_freed
+
+    @property
+    def plateau(self) -> PlateauEstimator:
+        return self.w.plateau
+
+    @property
+    def busy(self) -> int:
+        """This run's requests held: generating, or read and waiting to start."""
         return self.engine.active + len(self.inbox)
 
     @property

@@ -3,9 +3,10 @@ moved on (fencing), release some requests (load balancing), pause for the rest o
 (a reserved worker stepping aside for training: it gives back everything), or serve another
 active run (the fleet's placement: the jobs task follows `placed_run`).
 
-The jobs task reads the orders (`read`); the generation task carries them out (`obey_all`)
-between decode steps, so an order never lands in the middle of one. Orders to an earlier
-incarnation of this worker, or about another run, are skipped. It decides no order itself.
+The jobs tasks read the orders (`read`), each order queued for the part of the worker that
+serves its run; the generation task carries them out (`obey_all`, run by run) between decode
+steps, so an order never lands in the middle of one. Orders to an earlier incarnation of this
+worker, or about a run it does not serve, are skipped. It decides no order itself.
 """
 
 import asyncio
@@ -19,7 +20,7 @@ from services.infra.redis_streams import (
     read_entries,
     with_reconnect,
 )
-from services.rollout.context import WorkerContext
+from services.rollout.context import WorkerContext, WorkerShared
 from services.rollout.flusher import Flusher
 
 log = logging.getLogger(__name__)
@@ -27,56 +28,65 @@ READ_COUNT = 100  # orders read at once
 
 
 class Control:
-    def __init__(self, ctx: WorkerContext, flusher: Flusher) -> None:
-        self.ctx = ctx
-        self.flusher = flusher
-        self.stream = keys.worker_control(ctx.s.worker_id)
+    def __init__(self, w: WorkerShared) -> None:
+        self.w = w
+        self.stream = keys.worker_control(w.s.worker_id)
         self.last_id = b"0-0"
-        self.orders: asyncio.Queue[WorkerControl] = asyncio.Queue()
+        self.orders: dict[str, asyncio.Queue[WorkerControl]] = {}  # by run
+        self._reading = asyncio.Lock()  # the lanes' jobs tasks read in turn
 
     async def skip_earlier(self) -> None:
         """Read only orders sent from now on: those before were to an earlier incarnation."""
-        last = range_entries(await self.ctx.r.xrevrange(self.stream, count=1))
+        last = range_entries(await self.w.r.xrevrange(self.stream, count=1))
         self.last_id = last[0][0] if last else b"0-0"
 
     async def read(self) -> None:
-        """Queue the new orders about the run served now (for the generation task)."""
-        reply = await with_reconnect(
-            lambda: self.ctx.r.xread({self.stream: self.last_id}, count=READ_COUNT),
-            "read control",
-        )
-        for entry in read_entries(reply):
-            self.last_id = entry[0]
-            order = decode_or_park(WorkerControl, entry, [])
-            if order is not None and order.action == "serve":
-                self.ctx.placed_run = order.run_id  # the jobs task follows it
-            elif order is not None and order.run_id == self.ctx.run_id:
-                self.orders.put_nowait(order)
+        """Queue the new orders about the runs served now (for the generation task)."""
+        async with self._reading:
+            reply = await with_reconnect(
+                lambda: self.w.r.xread({self.stream: self.last_id}, count=READ_COUNT),
+                "read control",
+            )
+            for entry in read_entries(reply):
+                self.last_id = entry[0]
+                order = decode_or_park(WorkerControl, entry, [])
+                if order is not None and order.action == "serve":
+                    self.w.placed_run = order.run_id  # the lanes follow it
+                elif order is not None and order.run_id in self.w.lanes:
+                    self.queue(order.run_id).put_nowait(order)
 
-    async def obey_all(self) -> None:
-        while not self.orders.empty():
-            await self._obey(self.orders.get_nowait())
+    def queue(self, run_id: str) -> asyncio.Queue[WorkerControl]:
+        return self.orders.setdefault(run_id, asyncio.Queue())
 
-    async def _obey(self, order: WorkerControl) -> None:
-        ctx = self.ctx
+    def forget(self, run_id: str) -> None:
+        """The worker no longer serves `run_id`: orders about it left unobeyed go."""
+        self.orders.pop(run_id, None)
+
+    async def obey_all(self, ctx: WorkerContext, flusher: Flusher) -> None:
+        """Carry out the orders queued about `ctx`'s run."""
+        orders = self.queue(ctx.run_id)
+        while not orders.empty():
+            await self._obey(ctx, flusher, orders.get_nowait())
+
+    async def _obey(self, ctx: WorkerContext, flusher: Flusher, order: WorkerControl) -> None:
         if order.action == "abort":
             for req in order.requests:
-                self._abort(req)
+                self._abort(ctx, req)
         elif order.action == "release":
-            await self.flusher.release(self.flusher.held()[: order.count], "balance")
+            await flusher.release(flusher.held()[: order.count], "balance")
         elif order.action == "pause" and order.version == ctx.version:
             ctx.paused_version = order.version
-            await self.flusher.release(self.flusher.held(), "seed")
+            await flusher.release(flusher.held(), "seed")
             async with ctx.engine_lock:
                 await ctx.engine.pause()  # free the accelerator for training
         elif order.action == "resume" and order.version == ctx.paused_version:
             # a paused engine may have dropped its weights (vLLM's sleep): load them again
             ctx.paused_version, ctx.version = None, None
 
-    def _abort(self, req: RequestLease) -> None:
+    def _abort(self, ctx: WorkerContext, req: RequestLease) -> None:
         """Drop a request whose lease moved on (fencing); its job entry is no longer ours."""
-        if not self.ctx.buffer.forget(req):
+        if not ctx.buffer.forget(req):
             return
-        self.ctx.engine.abort(req.request_id)
-        self.ctx.slot_freed.set()
+        ctx.engine.abort(req.request_id)
+        ctx.slot_freed.set()
         log.info("dropped %s (lease %d): it was migrated", req.request_id, req.lease)

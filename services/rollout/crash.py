@@ -1,8 +1,9 @@
 """What a worker does when one of its tasks dies of an error (the engine's, a load's): it writes
 a crash report (the error, the requests it was running), gives those requests back with reason
-"crash", so that they migrate at once and the coordinator can tell a request that crashes
-every worker it runs on, and gives back what it had read but not started (reason
-"preemption": those had no part in the crash). Then the error goes on and stops the service.
+"crash" (run by run, where it serves several), so that they migrate at once and the
+coordinator can tell a request that crashes every worker it runs on, and gives back what it had
+read but not started (reason "preemption": those had no part in the crash). Then the error
+goes on and stops the service.
 
 Losing Redis is not a crash: the task is restarted once Redis is back. This module does not
 decide which request is poison (the coordinator does).
@@ -19,8 +20,8 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.contracts import keys
-from services.rollout.context import WorkerContext
-from services.rollout.flusher import Flusher
+from services.rollout.context import WorkerContext, WorkerShared
+from services.rollout.lanes import Lanes
 from services.state import timeline
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,9 @@ ERROR_CHARS = 500  # of an error kept in a crash report
 
 
 class CrashReporter:
-    def __init__(self, ctx: WorkerContext, flusher: Flusher) -> None:
-        self.ctx = ctx
-        self.flusher = flusher
+    def __init__(self, w: WorkerShared, lanes: Lanes) -> None:
+        self.w = w
+        self.lanes = lanes
 
     async def reporting(
         self, loop: Callable[[], Awaitable[None]], drives_engine: bool = False
@@ -53,36 +54,39 @@ class CrashReporter:
             raise
 
     async def _report(self, exc: Exception, blame_running: bool) -> None:
-        """Write the crash report, then give back what the engine was running and what it had
-        read but not started."""
-        ctx = self.ctx
-        if ctx.crashed:
+        """Write the crash report, then give back, run by run, what the engine was running and
+        what it had read but not started."""
+        w = self.w
+        if w.crashed:
             return  # the other task died first and said so
-        ctx.crashed = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
-        running = ctx.buffer.running() if blame_running else []
-        requests = [r.request_id for r in running]
-        await self._write_report(requests)
-        log.error("crashed running %d requests: %s", len(running), ctx.crashed)
-        if ctx.run_id is not None:
+        w.crashed = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        parts = self.lanes.parts()
+        running = {ctx.run_id: ctx.buffer.running() if blame_running else [] for ctx, _ in parts}
+        requests = [r.request_id for leases in running.values() for r in leases]
+        await self._write_report(parts[0][0] if parts else None, requests)
+        log.error("crashed running %d requests: %s", len(requests), w.crashed)
+        for ctx, _ in parts:
             await timeline.emit(
-                ctx.r,
+                w.r,
                 ctx.run_id,
                 "worker_crashed",
-                worker=ctx.s.worker_id,
-                error=ctx.crashed,
-                requests=requests,
+                worker=w.s.worker_id,
+                error=w.crashed,
+                requests=[r.request_id for r in running[ctx.run_id]],
             )
-        async with ctx.engine_lock:  # the other task may be in a step
-            await self.flusher.release(running, "crash")
-            await self.flusher.release(self.flusher.held(), "preemption")
+        async with w.engine_lock:  # the other task may be in a step
+            for ctx, flusher in parts:
+                await flusher.release(running[ctx.run_id], "crash")
+                await flusher.release(flusher.held(), "preemption")
 
-    async def _write_report(self, requests: list[str]) -> None:
-        ctx = self.ctx
+    async def _write_report(self, first: WorkerContext | None, requests: list[str]) -> None:
+        w = self.w
         report = {
             "at": time.time(),
-            "error": ctx.crashed,
-            "run_id": ctx.run_id,
-            "version": ctx.version,
+            "error": w.crashed,
+            "run_id": first.run_id if first else None,
+            "version": first.version if first else None,
+            "runs": [ctx.run_id for ctx, _ in self.lanes.parts()],
             "requests": requests,
         }
-        await ctx.r.set(keys.worker_crash(ctx.s.worker_id), json.dumps(report), ex=CRASH_TTL_S)
+        await w.r.set(keys.worker_crash(w.s.worker_id), json.dumps(report), ex=CRASH_TTL_S)

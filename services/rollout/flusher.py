@@ -1,5 +1,6 @@
 """The worker's flush shell: it sends what the `DeltaBuffer` decides (new tokens of every
-request, finishes, requests given back) to the run's deltas stream, then acknowledges the job
+request, finishes, requests given back) to the run's deltas stream (one flusher per run the
+worker serves), then acknowledges the job
 entries of the requests that flush finished or released. It also hands requests back: abort
 them in the engine and release them in a flush, for the coordinator to migrate.
 
@@ -43,9 +44,6 @@ class Flusher:
         self.ctx = ctx
         self._order = asyncio.Lock()  # one flush at a time, in the order they are taken
         self._delivery: asyncio.Task[None] | None = None  # the newest flush's delivery
-        # the key the coordinator gave at registration (`worker_redis_users`): every batch is
-        # signed with it; None: batches go unsigned, as the coordinator expects then
-        self.signing_key: bytes | None = None
 
     async def flush(
         self, released: list[RequestLease] | None = None, reason: ReleaseReason = "preemption"
@@ -90,11 +88,12 @@ class Flusher:
 
     def _entry(self, batch: DeltaBatch) -> StreamFields:
         """A batch's stream entry: its message, and its signature (field `s`) under this
-        worker's key when it has one."""
+        worker's key when it has one (`WorkerShared.signing_key`)."""
         message = batch.encode()
-        if self.signing_key is None:
+        key = self.ctx.w.signing_key
+        if key is None:
             return {FIELD: message}
-        return {FIELD: message, SIGNATURE_FIELD: sign(self.signing_key, message)}
+        return {FIELD: message, SIGNATURE_FIELD: sign(key, message)}
 
     async def _ack(self, run_id: str, flush: Flush) -> None:
         """Acknowledge the job entries of the requests the flush finished or released."""

@@ -1,12 +1,13 @@
-"""The jobs task: after registering, it follows the active run (the oldest, or the one the
-fleet's placement ordered it to serve when several are active) and its committed version
-(loading each new version), reads the coordinator's orders, and reads token-level jobs of
-exactly the version loaded, as many as there are free slots (up to its plateau and the step's
-read cap), into the worker's inbox.
+"""A run's jobs task, one per run the worker serves (`lanes` starts and stops them): it
+follows the run's committed version (loading each new version), reads the coordinator's
+orders, and reads token-level jobs of exactly the version loaded, as many as there are free
+slots (the worker's, shared by the runs it serves, up to its plateau, and the step's read cap
+for this worker), into the run's inbox.
 
-A worker that stepped aside (paused) reads no job of that version; one that crashed reads
+A run stepped aside from (paused) reads no job of that version; a worker that crashed reads
 nothing more. The task does not start jobs or touch the engine outside `engine_lock` (the
-generation task drives it), and it decides no placement (the coordinator does).
+generation task drives it), and it decides no placement (the coordinator does) nor which runs
+the worker serves (`lanes` does).
 """
 
 import asyncio
@@ -14,7 +15,8 @@ import contextlib
 import logging
 
 from services.contracts import keys
-from services.contracts.messages import Job, RequestLease
+from services.contracts.messages import FleetAllotment, Job, MalformedMessage, RequestLease
+from services.core.fleet_shares import worker_part
 from services.infra.redis_streams import (
     StreamConsumer,
     decode_or_park,
@@ -23,8 +25,9 @@ from services.infra.redis_streams import (
 )
 from services.rollout.context import WorkerContext
 from services.rollout.control import Control
+from services.rollout.flusher import Flusher
 from services.rollout.weight_loader import VersionLoader
-from services.state.run_state import active_runs, committed_version, wait_for_version
+from services.state.run_state import committed_version, wait_for_version
 
 log = logging.getLogger(__name__)
 FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version this often
@@ -34,10 +37,13 @@ READ_BLOCK_MS = 50
 
 
 class JobIntake:
-    def __init__(self, ctx: WorkerContext, control: Control, loader: VersionLoader) -> None:
+    def __init__(
+        self, ctx: WorkerContext, control: Control, loader: VersionLoader, flusher: Flusher
+    ) -> None:
         self.ctx = ctx
         self.control = control
         self.loader = loader
+        self.flusher = flusher  # the run's: jobs an earlier incarnation held go back through it
         self.consumers: dict[str, StreamConsumer[Job]] = {}  # of the steps read now
         self.staleness = 0  # the run's max_staleness: steps version .. version + k are read
         # jobs an earlier incarnation of this worker (same name) read and never finished are
@@ -47,28 +53,25 @@ class JobIntake:
         # new version (woken by its announcement) and then reads without waiting
         self.idle = False
 
+    async def start(self) -> None:
+        """Read what the worker needs of the run's spec, as it starts serving the run."""
+        self.staleness = await self._staleness(self.ctx.run_id)
+        self.loader.staleness = self.staleness
+        self.ctx.share_drafts = await self._drafts(self.ctx.run_id)
+
     async def run_forever(self) -> None:
-        """After the worker registered (`RolloutWorker.jobs_forever`)."""
-        await self.control.skip_earlier()
+        await self.start()
         while True:
             await self._round()
 
     async def _round(self) -> None:
-        """Look at the run, its version and this worker's room once, and read what fits."""
-        ctx = self.ctx
-        if ctx.crashed:  # take no more work: the service is going down
-            ctx.state = "crashed"
+        """Look at the run's version and the worker's room once, and read what fits."""
+        ctx, run_id = self.ctx, self.ctx.run_id
+        if ctx.w.crashed:  # take no more work: the service is going down
+            ctx.w.state = "crashed"
             await asyncio.sleep(IDLE_S)
             return
         await self.control.read()
-        runs = await with_reconnect(lambda: active_runs(ctx.r), "active runs")
-        run_id = ctx.placed_run if ctx.placed_run in runs else (runs[0] if runs else None)
-        if run_id != ctx.run_id:
-            await self._switch_run(run_id, still_active=ctx.run_id in runs)
-        if run_id is None:
-            ctx.state = "idle"
-            await asyncio.sleep(IDLE_S)
-            return
         # through an outage: a round that raised would register the worker again, which the
         # coordinator refuses while its Redis is away too
         if self.idle:
@@ -84,37 +87,17 @@ class JobIntake:
             await self.loader.load(run_id, latest)
             if ctx.version == latest and self.earlier_pending:
                 await self._hand_back_earlier(run_id, latest)
-            if ctx.version == latest and not ctx.crashed:
+            if ctx.version == latest and not ctx.w.crashed:
                 # its jobs are queued already: read them now, after the orders (a pause may
                 # have come meanwhile), without looking at the run and its version again
                 await self.control.read()
                 if not ctx.paused:
                     await self._read_jobs(run_id, latest)
         elif ctx.paused:  # stepped aside until the next version
-            ctx.state = "paused"
+            ctx.w.state = "paused"
             await asyncio.sleep(VERSION_WAIT_S)
         else:
             await self._read_jobs(run_id, latest)
-
-    async def _switch_run(self, run_id: str | None, still_active: bool = False) -> None:
-        """Serve `run_id` from now on. What this worker holds of a run that is still active
-        (placed elsewhere by the fleet's shares) is given back to it first, so that it goes on
-        on other workers; what it holds of a run that ended is dropped."""
-        ctx = self.ctx
-        async with ctx.engine_lock:
-            if still_active and ctx.run_id is not None:
-                given = await self.control.flusher.release(self.control.flusher.held(), "balance")
-                log.info(
-                    "placed on run %s: gave back %d requests of run %s", run_id, given, ctx.run_id
-                )
-            dropped = ctx.drop_held()
-        if dropped:
-            log.info("run changed: dropped %d requests", dropped)
-        ctx.run_id, ctx.version, ctx.paused_version = run_id, None, None
-        self.earlier_pending = True
-        self.staleness = await self._staleness(run_id) if run_id is not None else 0
-        self.loader.staleness = self.staleness
-        ctx.share_drafts = run_id is not None and await self._drafts(run_id)
 
     async def _staleness(self, run_id: str) -> int:
         """The run's max_staleness (keys.run_staleness; 0 where it is not there)."""
@@ -142,11 +125,15 @@ class JobIntake:
             for stream, c in self.consumers.items()
             if stream in {keys.jobs_stream(run_id, s) for s in steps}
         }
+        part = await self._fleet_part(run_id) if len(ctx.w.lanes) > 1 else None
         got, room = 0, False
         for i, step in enumerate(steps):
             cap = await self._read_cap(run_id, step)
-            free = min(ctx.s.slots, ctx.plateau.plateau(), ctx.s.slots if cap is None else cap)
-            free -= ctx.busy
+            free = min(
+                min(ctx.s.slots, ctx.plateau.plateau()) - ctx.w.busy,  # the worker's room
+                (ctx.s.slots if cap is None else cap) - ctx.busy,  # this run's on this worker
+                (ctx.s.slots if part is None else part) - ctx.busy,  # its part of the fleet's
+            )
             if cap is None:
                 # no cap yet: the step may not be queued, and a blocked read of many would
                 # take them all the moment it is (the cap comes in the same MULTI); read one
@@ -155,7 +142,7 @@ class JobIntake:
             if free <= 0:
                 continue
             room = True
-            ctx.state = "serving"
+            ctx.w.state = "serving"
             jobs = self._consumer(keys.jobs_stream(run_id, step))
             last = i == len(steps) - 1
             # the last stream waits for jobs when none came from the others
@@ -183,7 +170,7 @@ class JobIntake:
         for step in range(version, version + self.staleness + 1):
             stream = keys.jobs_stream(run_id, step)
             entries = await read_group(
-                ctx.r, stream, keys.WORKERS_GROUP, ctx.consumer, 10_000, None, start="0"
+                ctx.r, stream, keys.WORKERS_GROUP, ctx.w.consumer, 10_000, None, start="0"
             )
             for entry in entries:
                 job = decode_or_park(Job, entry, []) if entry[1] is not None else None
@@ -196,7 +183,22 @@ class JobIntake:
                 )
         if leases:
             log.warning("handing back %d jobs an earlier incarnation held", len(leases))
-            await self.control.flusher.release(leases, "death")
+            await self.flusher.release(leases, "death")
+
+    async def _fleet_part(self, run_id: str) -> int | None:
+        """This worker's part of the slots the fleet allots the run (`worker_part`), where it
+        serves several runs at once, and at least the run's weighted part of the worker; None
+        where the placer allots none now."""
+        raw = await self.ctx.r.get(keys.FLEET_ALLOT)
+        if not isinstance(raw, bytes):
+            return None
+        try:
+            allotment = FleetAllotment.decode(raw)
+        except MalformedMessage:
+            return None
+        shares = {run: allotment.shares.get(run, 1.0) for run in self.ctx.w.lanes}
+        floor = shares.get(run_id, 1.0) / sum(shares.values())
+        return worker_part(allotment.runs.get(run_id, 0), allotment.slots, self.ctx.s.slots, floor)
 
     async def _read_cap(self, run_id: str, version: int) -> int | None:
         """The step's read cap; None where the coordinator set none (fair reads off, or the
@@ -220,6 +222,6 @@ class JobIntake:
     def _consumer(self, stream: str) -> StreamConsumer[Job]:
         if stream not in self.consumers:
             self.consumers[stream] = StreamConsumer(
-                self.ctx.r, stream, keys.WORKERS_GROUP, self.ctx.consumer, Job, replay=False
+                self.ctx.r, stream, keys.WORKERS_GROUP, self.ctx.w.consumer, Job, replay=False
             )
         return self.consumers[stream]

@@ -14,13 +14,13 @@ from functools import partial
 import httpx
 
 from services.contracts import keys
-from services.contracts.messages import Heartbeat
+from services.contracts.messages import Heartbeat, RunLoad
 from services.infra.redis_streams import with_reconnect
 from services.infra.retry import retry
 from services.infra.service import auth_headers
 from services.infra.signing import registration_proof
 from services.infra.tls import client_verify
-from services.rollout.context import WorkerContext
+from services.rollout.context import WorkerShared
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
@@ -97,27 +97,35 @@ async def register(s: RolloutSettings, key: bytes | None = None) -> Registration
     return answer
 
 
-def heartbeat(ctx: WorkerContext) -> Heartbeat:
-    """What the worker says about itself now."""
+def heartbeat(w: WorkerShared) -> Heartbeat:
+    """What the worker says about itself now: the run it serves, or each of the runs it serves
+    at once (`Heartbeat.runs`)."""
+    lanes = list(w.lanes.values())
+    first = lanes[0] if lanes else None
+    runs = {
+        ctx.run_id: RunLoad(version=ctx.version, active=ctx.busy, paused=ctx.paused)
+        for ctx in lanes
+    }
     return Heartbeat(
-        worker_id=ctx.s.worker_id,
-        pool=ctx.s.pool,
-        run_id=ctx.run_id,
-        version=ctx.version,
-        active=ctx.busy,
-        slots=ctx.s.slots,
-        tokens_generated=ctx.tokens_generated,
-        plateau=ctx.plateau.plateau(),
-        paused=ctx.paused,
-        error=ctx.crashed,
+        worker_id=w.s.worker_id,
+        pool=w.s.pool,
+        run_id=first.run_id if first else None,
+        version=first.version if first else None,
+        active=w.busy,
+        slots=w.s.slots,
+        tokens_generated=w.tokens_generated,
+        plateau=w.plateau.plateau(),
+        paused=bool(lanes) and all(ctx.paused for ctx in lanes),
+        error=w.crashed,
         at=time.time(),
+        runs=runs if len(runs) > 1 else {},
     )
 
 
-async def heartbeat_forever(ctx: WorkerContext) -> None:
-    key = keys.worker_heartbeat(ctx.s.worker_id)
-    ttl_ms = int(ctx.s.heartbeat_ttl_s * 1000)
+async def heartbeat_forever(w: WorkerShared) -> None:
+    key = keys.worker_heartbeat(w.s.worker_id)
+    ttl_ms = int(w.s.heartbeat_ttl_s * 1000)
     while True:
-        beat = heartbeat(ctx).encode()
-        await with_reconnect(partial(ctx.r.set, key, beat, px=ttl_ms), "heartbeat")
-        await asyncio.sleep(ctx.s.heartbeat_s)
+        beat = heartbeat(w).encode()
+        await with_reconnect(partial(w.r.set, key, beat, px=ttl_ms), "heartbeat")
+        await asyncio.sleep(w.s.heartbeat_s)

@@ -5,7 +5,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.contracts.messages import Pool
 from services.infra.settings import CommonSettings
@@ -56,6 +56,15 @@ class RolloutSettings(CommonSettings):
         "max_staleness + 1: a worker with fewer refuses the run's versions and says so. 0: "
         "the engine holds none, and each adapter version is merged into the base on the worker "
         "and loaded as whole weights (slower to serve, as fast to generate).",
+    )
+    runs_at_once: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="Most runs the worker serves at once on its one engine, in one batch: LoRA "
+        "runs on the same base model, each request under its run's adapter (issue 52). It "
+        "needs max_loras of at least twice that. 1: one run at a time, as the fleet's "
+        "placement says.",
     )
     max_lora_rank: int = Field(
         64,
@@ -162,6 +171,18 @@ class RolloutSettings(CommonSettings):
         '("{step}:{prompt}:{sample}"); a decode step holding a matching request raises '
         "RuntimeError and the worker dies of it (a poison request). Empty: off.",
     )
+
+    @model_validator(mode="after")
+    def _room_for_every_runs_adapter(self) -> "RolloutSettings":
+        """Runs served at once each keep the adapter they add requests under, and load their
+        next one beside it: an engine that applies adapters needs room for one more."""
+        if self.runs_at_once > 1 and 0 < self.max_loras <= self.runs_at_once:
+            raise ValueError(
+                f"runs_at_once {self.runs_at_once} needs max_loras of at least "
+                f"{self.runs_at_once + 1} (2 x {self.runs_at_once} lets each run load its next "
+                f"adapter beside its own), not {self.max_loras}"
+            )
+        return self
 
     @field_validator("fault_crash_requests")
     @classmethod

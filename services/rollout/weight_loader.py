@@ -27,12 +27,14 @@ It does not choose which version to load (the intake does) and never talks to th
 """
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
@@ -155,7 +157,11 @@ Held = Callable[[], list[RequestLease]]
 
 class VersionLoader:
     def __init__(
-        self, ctx: WorkerContext, held: Held | None = None, release: Release | None = None
+        self,
+        ctx: WorkerContext,
+        held: Held | None = None,
+        release: Release | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.ctx = ctx
         self.weights = WeightClient(
@@ -165,14 +171,14 @@ class VersionLoader:
             deltas=ctx.s.weight_deltas,
         )
         self.held, self.release = held, release  # the flusher's: requests handed back
-        self.peers = Peers(ctx.s) if ctx.s.p2p else None
+        self.peers = peers  # the worker's, where it serves its weights to peers (`s.p2p`)
         self.base_run: str | None = None  # the LoRA run whose base folder is kept
         self.held_merged: frozenset[str] = frozenset()  # tensors the engine holds merged
         self.staleness = 0  # the run's max_staleness (the intake's): adapters needed at once
 
     async def load(self, run_id: str, version: int) -> None:
         ctx = self.ctx
-        ctx.state = "loading"
+        ctx.w.state = "loading"
         started = time.monotonic()
         previous = ctx.version  # its folder lends the new version the files they share
         result = await self._pull(run_id, version, previous)
@@ -191,6 +197,7 @@ class VersionLoader:
             await asyncio.sleep(RETRY_S)
             return
         async with ctx.engine_lock:
+            base_before = ctx.w.engine.base_folder  # another run's, maybe, that it goes on from
             # A version is published once the step before it is complete: what is still held
             # of that step or an earlier one was migrated away (or is about to be), never to be
             # finished here. Requests of later steps (asynchronous RL) go back to the
@@ -209,13 +216,10 @@ class VersionLoader:
             elif merge is not None:
                 await self._load_merged(*merge, previous)
             else:
-                # a version made from deltas of the one the engine holds says what changed:
-                # only that is loaded, in place (all of it where the engine holds merged
-                # tensors: the deltas were of the adapter's files)
-                whole = previous is None or self.held_merged
-                await ctx.engine.load(result.folder, None if whole else result.changed)
-                self.held_merged = frozenset()
+                await self._load_weights(result, previous)
             ctx.version = version if served else None
+            if base_before not in (None, ctx.w.engine.base_folder):
+                await self._forget_base(cast(Path, base_before))
         if not served:
             await asyncio.sleep(RETRY_S)
             return
@@ -225,6 +229,18 @@ class VersionLoader:
         report(run_id, result, merge, time.monotonic() - started, base)
         adapter = merge is not None or base is not None
         await self._forget(run_id, version, previous, adapter=adapter)
+
+    async def _load_weights(self, result: PullResult, previous: int | None) -> None:
+        """Load a version of weights (no adapter). A version made from deltas of the one the
+        engine holds says what changed: only that is loaded, in place (all of it where the
+        engine holds merged tensors: the deltas were of the adapter's files). A run's version
+        0 loaded whole is its base: nothing loads where the engine holds it (for another run)."""
+        whole = previous is None or self.held_merged
+        if whole and result.version == BASE_VERSION:
+            await self.ctx.engine.load_base(result.folder, result.digest)
+        else:
+            await self.ctx.engine.load(result.folder, None if whole else result.changed)
+        self.held_merged = frozenset()
 
     def _check_room(self) -> None:
         """Say, as a LoRA run starts here, when the engine holds fewer adapters than the run
@@ -275,9 +291,10 @@ class VersionLoader:
 
     async def _base(self, run_id: str, version: int) -> PullResult | None:
         """The base of adapter `version`, pulled (or found pulled); None when it cannot be
-        pulled yet. The base kept for the LoRA run served before lends it the files they
-        share (runs over the same base model: nothing pulled but what differs)."""
-        lender = None
+        pulled yet. The base kept for the LoRA run served before (or served beside it, on
+        the engine) lends it the files they share (runs over the same base model: nothing
+        pulled but what differs)."""
+        lender = self.ctx.w.engine.base_folder  # another run's, on the engine now
         if self.base_run is not None and self.base_run != run_id:
             lender = self._folder(self.base_run, BASE_VERSION)
         base = await self._pull(run_id, BASE_VERSION, None, lender)
@@ -291,7 +308,8 @@ class VersionLoader:
         version refused, where the engine cannot apply it (it says why)."""
         engine = self.ctx.engine
         if not self._holds_base(previous):
-            await engine.load(base.folder, None)
+            # nothing loaded where the engine holds that base for another run already
+            await engine.load_base(base.folder, base.digest)
             self.held_merged = frozenset()
         try:
             await engine.load_adapter(adapter.version, adapter.folder)
@@ -324,9 +342,18 @@ class VersionLoader:
         (vLLM's sleep drops the weights)."""
         engine = self.ctx.engine
         if previous is None or self.ctx.paused_version == previous:
-            await engine.load(base.folder, None)
+            await engine.load_base(base.folder, base.digest)
         await engine.load(merged.folder, merged.changed)
         self.held_merged = merged.changed
+
+    async def _forget_base(self, folder: Path) -> None:
+        """A base the engine held until now: its folder goes, unless its run is served."""
+        run_id = folder.parent.name
+        if run_id in self.ctx.w.lanes:
+            return
+        if self.peers is not None:
+            await self.peers.forget(self.ctx.r, run_id, BASE_VERSION)
+        await asyncio.to_thread(_remove, folder)
 
     async def _forget(self, run_id: str, version: int, previous: int | None, adapter: bool) -> None:
         """Remove the folders no longer needed once `version` is served: the version served
@@ -375,3 +402,10 @@ class VersionLoader:
 
     def _folder(self, run_id: str, version: int) -> Path:
         return self.ctx.s.cache_dir / self.ctx.s.worker_id / run_id / f"v{version}"
+
+
+def _remove(folder: Path) -> None:
+    """A version's folder, and its run's once that holds nothing more."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()

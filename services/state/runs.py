@@ -75,6 +75,7 @@ def scratch_keys(run_id: str) -> re.Pattern[str]:
             keys.version_announced(run_id),
             keys.run_staleness(run_id),
             keys.run_drafts(run_id),
+            keys.run_base(run_id),
             keys.run_manifests(run_id),
             keys.seeding_over(run_id),
             keys.weight_holders(run_id, WILD_NUMBER),
@@ -159,6 +160,8 @@ class RunStore:
             pipe.set(keys.run_staleness(run_id), spec.rollout.max_staleness)
             if spec.rollout.drafts != "off":
                 pipe.set(keys.run_drafts(run_id), spec.rollout.drafts)
+            if spec.lora.use_peft:
+                pipe.set(keys.run_base(run_id), spec.model)
             pipe.zadd(keys.RUN_INDEX, {run_id: now})
             pipe.rpush(keys.RUN_QUEUE, run_id)
             await pipe.execute()

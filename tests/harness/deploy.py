@@ -1,15 +1,21 @@
 """The deployment that the integration tests and the benchmarks drive: `spotrl up`'s
 `LocalDeployment` plus what only they do to it: restart a service in place (SIGKILL, or SIGTERM
-and its shutdown) with the same port and settings, and restart Redis on its data folder.
+and its shutdown) with the same port and settings, restart Redis on its data folder, and stop a
+worker while it holds jobs of several runs.
 """
 
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import redis
+
 from services.cli import procs
 from services.cli.local_deployment import DeploymentConfig, LocalDeployment
+from services.contracts import keys
 
-__all__ = ["Deployment", "DeploymentConfig"]
+__all__ = ["Deployment", "DeploymentConfig", "held_runs"]
 
 
 # The tests and benchmarks are one client (127.0.0.1) that reads the API as often as a check
@@ -61,3 +67,43 @@ class Deployment(LocalDeployment):
             while_down()
         port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         return self.start_redis(port)
+
+    def stop_a_holder(
+        self, runs: list[str], steps: int, want: int, timeout_s: float = 120.0
+    ) -> tuple[str, set[str]]:
+        """SIGSTOP a live worker while it holds jobs of `want` of `runs` at least (read, not
+        acknowledged; checked again once it is stopped, as it may have finished them before
+        the signal landed): its name and the runs it holds. A TimeoutError past `timeout_s`."""
+        rdb = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in list(self.procs.items()):
+                if not name.startswith("rollout-") or not proc.alive():
+                    continue
+                if len(held_runs(rdb, name, runs, steps)) < want:
+                    continue
+                proc.popen.send_signal(signal.SIGSTOP)
+                held = held_runs(rdb, name, runs, steps)
+                if len(held) >= want:
+                    return name, held
+                proc.popen.send_signal(signal.SIGCONT)
+            time.sleep(0.01)
+        raise TimeoutError(f"no worker caught holding jobs of {want} of the runs {runs}")
+
+
+def held_runs(rdb: redis.Redis, worker: str, runs: list[str], steps: int) -> set[str]:
+    """The runs of which `worker` holds jobs now (read and not acknowledged), looking at each
+    run's first `steps` steps."""
+    held = set()
+    for run_id in runs:
+        for step in range(steps):
+            try:
+                pending = rdb.xpending_range(
+                    keys.jobs_stream(run_id, step), keys.WORKERS_GROUP, "-", "+", 1, worker
+                )
+            except redis.ResponseError:  # the step not queued yet
+                continue
+            if pending:
+                held.add(run_id)
+                break
+    return held

@@ -13,11 +13,9 @@ import redis.asyncio as aioredis
 import torch
 
 from services.contracts import keys
-from services.core.plateau import PlateauEstimator
-from services.rollout.context import WorkerContext, new_buffer
 from services.rollout.engines.hf import HFEngine
 from services.rollout.settings import RolloutSettings
-from services.rollout.weight_loader import VersionLoader
+from services.rollout.worker import RolloutWorker
 from services.weights.contract import manifest_digest
 from services.weights.transfer import WeightClient
 from tests.harness.lora import logits, lora_of, tiny_qwen2
@@ -26,18 +24,14 @@ from tests.integration.conftest import start_store
 RUN = "lora-run"
 
 
-def worker(tmp_path, name: str, redis_url: str, store_url: str, loras: int) -> VersionLoader:
+def worker(tmp_path, name: str, redis_url: str, store_url: str, loras: int) -> RolloutWorker:
+    """A worker on a real HF engine, its tasks not started: a test opens and closes its runs
+    (`Lanes.open`, `Lanes.close`) and loads their versions itself."""
     settings = RolloutSettings(
         worker_id=name, redis_url=redis_url, weightstore_url=store_url, cache_dir=tmp_path / "cache"
     )
-    ctx = WorkerContext(
-        s=settings,
-        r=aioredis.Redis.from_url(redis_url),
-        engine=HFEngine("cpu", slots=4, max_adapters=loras),
-        buffer=new_buffer(settings),
-        plateau=PlateauEstimator(settings.slots),
-    )
-    return VersionLoader(ctx)
+    engine = HFEngine("cpu", slots=4, max_adapters=loras)
+    return RolloutWorker(settings, aioredis.Redis.from_url(redis_url), engine)
 
 
 async def publish(r: aioredis.Redis, store_url: str, tmp_path) -> dict[int, torch.Tensor]:
@@ -85,19 +79,21 @@ def test_a_worker_serves_adapters_on_the_base(tmp_path, empty_redis_url, loras, 
 async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None:
     r = aioredis.Redis.from_url(redis_url)
     expected = await publish(r, store_url, tmp_path / "published")
-    loader = worker(tmp_path, "w1", redis_url, store_url, loras)
-    ctx = loader.ctx
+    w1 = worker(tmp_path, "w1", redis_url, store_url, loras)
+    engine = w1.engine
+    lane = w1.lanes.open(RUN)
+    ctx, loader = lane.ctx, lane.loader
     await loader.load(RUN, 1)  # joins at an adapter: the base is pulled and loaded first
     assert ctx.version == 1
-    assert torch.allclose(served_logits(ctx.engine), expected[1], atol=1e-5)
-    base = ctx.engine.model.model.layers[0].mlp.down_proj.weight
+    assert torch.allclose(served_logits(engine), expected[1], atol=1e-5)
+    base = engine.model.model.layers[0].mlp.down_proj.weight
     base_before = base.clone()
     await loader.load(RUN, 2)  # the next adapter: the base is not reloaded
     assert ctx.version == 2
-    assert torch.allclose(served_logits(ctx.engine), expected[2], atol=1e-5)
+    assert torch.allclose(served_logits(engine), expected[2], atol=1e-5)
     if loras:  # the engine applies adapters: its base weights are never written
         assert torch.equal(base, base_before)
-        assert list(ctx.engine.adapters.held) == [1, 2]
+        assert list(engine.adapters.held) == [1, 2]
     held = sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir())
     assert held == ["v0", "v2"]  # the base stays, v1 and the merged scratch folders went
     # another LoRA run over the same base: its base is linked from the one kept, not pulled
@@ -107,30 +103,34 @@ async def scenario(tmp_path, redis_url: str, store_url: str, loras: int) -> None
         meta = {"run_id": "lora-run-2"} | ({"base_version": 0} if version else {})
         manifest = await client.upload_folder(folder, "lora-run-2", version, meta)
         await r.hset(keys.run_digests("lora-run-2"), str(version), manifest_digest(manifest))
-    ctx.version = None
+    await w1.lanes.close(RUN, still_active=False)  # the first run ended
+    lane = w1.lanes.open("lora-run-2")
+    ctx, loader = lane.ctx, lane.loader
     await loader.load("lora-run-2", 1)
     assert ctx.version == 1
-    assert torch.allclose(served_logits(ctx.engine), expected[1], atol=1e-5)
+    assert torch.allclose(served_logits(engine), expected[1], atol=1e-5)
     assert not (tmp_path / "cache" / "w1" / RUN / "v0").exists()  # the first run's base went
-    # the worker moves to a full-weight run (the intake forgets the version): loaded whole,
-    # the LoRA run's base goes, and the full run's versions replace each other as always
+    # the worker moves to a full-weight run: loaded whole, the LoRA run's base goes, and the
+    # full run's versions replace each other as always
     client, full = WeightClient([store_url]), tmp_path / "full"
     for version in (0, 1):
         tiny_qwen2(seed=10 + version).save_pretrained(full / f"v{version}")
         manifest = await client.upload_folder(full / f"v{version}", "full-run", version)
         await r.hset(keys.run_digests("full-run"), str(version), manifest_digest(manifest))
-    ctx.version = None
+    await w1.lanes.close("lora-run-2", still_active=False)
+    loader = w1.lanes.open("full-run").loader
     for version in (0, 1):
         await loader.load("full-run", version)
-    assert torch.equal(served_logits(ctx.engine), logits(tiny_qwen2(seed=11)))
+    assert torch.equal(served_logits(engine), logits(tiny_qwen2(seed=11)))
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / RUN).iterdir()) == ["v2"]
     assert not (tmp_path / "cache" / "w1" / "lora-run-2" / "v0").exists()
     assert sorted(p.name for p in (tmp_path / "cache" / "w1" / "full-run").iterdir()) == ["v1"]
     # a worker that finds no digest announced for the base loads nothing
     await r.hdel(keys.run_digests(RUN), "0")
     late = worker(tmp_path, "w2", redis_url, store_url, loras)
-    await late.load(RUN, 2)
-    assert late.ctx.version is None and late.ctx.engine.model is None
+    late_lane = late.lanes.open(RUN)
+    await late_lane.loader.load(RUN, 2)
+    assert late_lane.ctx.version is None and late.engine.model is None
     await r.aclose()
 
 
@@ -150,15 +150,14 @@ def test_requests_of_later_steps_go_on_under_their_adapter(tmp_path, empty_redis
 
 async def later_steps(tmp_path, redis_url: str, store_url: str, loras: int) -> None:
     from services.contracts.messages import FIELD, DeltaBatch
-    from services.rollout.flusher import Flusher
     from tests.factories import job
 
     r = aioredis.Redis.from_url(redis_url)
     await publish(r, store_url, tmp_path / "published")
-    loader = worker(tmp_path, "w1", redis_url, store_url, loras)
-    ctx, flusher = loader.ctx, Flusher(loader.ctx)
-    loader.held, loader.release = flusher.held, flusher.release
-    ctx.run_id = RUN
+    w1 = worker(tmp_path, "w1", redis_url, store_url, loras)
+    lane = w1.lanes.open(RUN)
+    ctx, flusher, loader, engine = lane.ctx, lane.flusher, lane.loader, w1.engine
+    shared = w1.w.engine
     await r.xadd(keys.deltas_stream(RUN), {"x": "0"})  # the coordinator's stream, made
     await loader.load(RUN, 1)
     jobs = {
@@ -168,19 +167,19 @@ async def later_steps(tmp_path, redis_url: str, store_url: str, loras: int) -> N
     for rid in ("1:0:0", "2:0:0"):
         ctx.engine.add(jobs[rid])
         ctx.buffer.start(jobs[rid], b"0-1", ctx.version)
-    ctx.buffer.record_step(ctx.engine.decode())
+    ctx.buffer.record_step((await shared.step())[RUN])
     await loader.load(RUN, 2)
     assert ctx.version == 2 and "1:0:0" not in ctx.buffer.pending
     if loras == 1:  # no room for adapter 1 beside 2: handed back, as on a full-weight swap
-        assert not ctx.engine.seqs and "2:0:0" not in ctx.buffer.pending
-    else:
-        assert ctx.engine.seqs["2:0:0"].adapter == 1
-        assert list(ctx.engine.adapters.held) == [1, 2]
+        assert not engine.seqs and "2:0:0" not in ctx.buffer.pending
+    else:  # the engine's adapters are numbered per run and version (one engine, many runs)
+        assert engine.seqs[f"{RUN}/2:0:0"].adapter == shared.adapter_id(RUN, 1) == 1
+        assert list(engine.adapters.held) == [1, 2]
     ctx.engine.add(jobs["2:1:0"])
     ctx.buffer.start(jobs["2:1:0"], b"0-2", ctx.version)
-    assert ctx.engine.seqs["2:1:0"].adapter == 2
+    assert engine.seqs[f"{RUN}/2:1:0"].adapter == shared.adapter_id(RUN, 2) == 2
     while ctx.engine.active:
-        ctx.buffer.record_step(ctx.engine.decode())
+        ctx.buffer.record_step((await shared.step()).get(RUN, []))
     await flusher.flush()
     entries = (await r.xrange(keys.deltas_stream(RUN)))[1:]
     sent = [DeltaBatch.decode(fields[FIELD]) for _, fields in entries]

@@ -7,6 +7,7 @@ busy and runs when one is free. Every run succeeds with nothing lost or duplicat
 import json
 import re
 import time
+from dataclasses import replace
 
 import pytest
 import redis
@@ -14,6 +15,7 @@ import redis
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
+from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from tests.harness.deploy import Deployment, DeploymentConfig
 from tests.integration.conftest import small_spec, wait_final, wait_until
@@ -134,3 +136,65 @@ def test_runs_on_two_base_models_share_one_fleet(tmp_path, tiny_model, tiny_mode
         metrics = client.http.get("/metrics").text
         switches = re.search(r"^spotrl_coordinator_worker_switches_total (\S+)$", metrics, re.M)
         assert switches and float(switches.group(1)) >= 1, switches
+
+
+def test_one_engine_serves_three_lora_runs_and_a_kill_loses_none_of_them(tmp_path, tiny_model):
+    """Three LoRA runs on one base, two workers that serve up to three runs at once on their
+    one engine (SPOTRL_RUNS_AT_ONCE=3): each worker's heartbeat names all three, a worker is
+    SIGKILLed while it holds requests of all three, and the three runs succeed with nothing
+    lost or duplicated, the other worker serving them on."""
+    steps = 8
+    config = fleet_config(tmp_path, workers=2, max_active_runs=3)
+    config = replace(
+        config,
+        trainers=3,
+        worker_slots=16,
+        worker_env={
+            "SPOTRL_STEP_DELAY_MS": "40",
+            "SPOTRL_RUNS_AT_ONCE": "3",
+            "SPOTRL_MAX_LORAS": "6",
+        },
+    )
+    specs = [
+        small_spec(
+            tiny_model,
+            steps=steps,
+            seed=seed,
+            lora_r=4,
+            lora_alpha=8,
+            learning_rate=lr,
+            max_new_tokens=8,
+        )
+        for seed, lr in ((1, 1e-3), (2, 2e-3), (3, 5e-4))
+    ]
+    workers = ("rollout-preemptible-1", "rollout-preemptible-2")
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        rdb = redis.Redis.from_url(dep.redis_url)
+        runs = [client.submit(spec) for spec in specs]
+
+        def beats() -> dict[str, Heartbeat]:
+            raw = {w: rdb.get(keys.worker_heartbeat(w)) for w in workers}
+            return {w: Heartbeat.decode(b) for w, b in raw.items() if b}
+
+        wait_until(
+            lambda: (
+                all(sorted(b.served_runs) == sorted(runs) for b in beats().values())
+                and len(beats()) == 2
+            ),
+            lambda: f"heartbeats {beats()}",
+            180,
+        )
+
+        victim, held = dep.stop_a_holder(runs, steps, want=3)
+        assert held == set(runs)
+        dep.procs[victim].kill()
+        finals = {r: wait_final(client, dep, r, timeout_s=300) for r in runs}
+        for run_id, spec in zip(runs, specs, strict=True):
+            assert finals[run_id]["state"] == "succeeded", finals[run_id]
+            audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+            assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+        # the three ran side by side
+        assert max(f["started_at"] for f in finals.values()) < min(
+            f["finished_at"] for f in finals.values()
+        )

@@ -4,7 +4,7 @@ idle trainer; ACTIVE_RUN names the oldest active run and moves on when it ends; 
 by a release without the active set still counts. The trainer pool's beats and leases: a run
 is trained by one trainer, its own restart takes it back, another takes it once it lapses.
 And the fleet's gauges add up every active run's pool, and the fleet's placer wakes when a run's
-work comes."""
+work comes and orders no worker onto a run it already serves."""
 
 import asyncio
 import time
@@ -12,13 +12,14 @@ import time
 import redis.asyncio as aioredis
 
 from services.contracts import keys
-from services.contracts.messages import Heartbeat, WorkerControl
+from services.contracts.messages import Heartbeat, RunLoad, WorkerControl
 from services.contracts.runspec import RunSpec
 from services.coordinator.step.record import publish_fleet
 from services.coordinator.workers.placement import DemandNotice, FleetPlacer
 from services.state import run_record, trainer_pool
 from services.state.run_state import active_run, active_runs
 from services.state.runs import RunStore
+from tests import factories
 
 
 def spec(seed: int) -> RunSpec:
@@ -135,5 +136,26 @@ def test_the_placer_places_at_once_when_a_run_s_work_comes_not_at_its_period(emp
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_the_placer_orders_no_worker_onto_a_run_it_already_serves(empty_redis_url):
+    """A worker serving both active runs on one engine (its beat names a first): placed on b,
+    which it serves already, it gets no serve order."""
+
+    async def body(store: RunStore, r) -> None:
+        a, b = [await store.submit(spec(i)) for i in range(2)]
+        await store.activate_next()
+        await store.activate_next(max_active=2, idle_trainers=1)
+        runs = {a: RunLoad(version=3, active=0), b: RunLoad(version=5, active=0)}
+        beat = factories.beat("w1", version=3, run_id=a, at=time.time(), runs=runs)
+        await r.sadd(keys.WORKER_INDEX, "w1")
+        await r.set(keys.worker_heartbeat("w1"), beat.encode(), ex=60)
+        await DemandNotice(r, a, 8).say(0)
+        await DemandNotice(r, b, 8).say(8)
+        placed = await FleetPlacer(r, every_s=30, switch_share=0).place_once()
+        assert placed == {"w1": b}
+        assert await r.xlen(keys.worker_control("w1")) == 0
 
     asyncio.run(with_store(empty_redis_url, body))

@@ -35,8 +35,9 @@ async def generate(redis_url: str, model: str, drafts: str) -> tuple[dict, int]:
     engine = HFEngine(draft_tokens=4, column_cost=0.0)
     engine.load_weights(model)
     worker = RolloutWorker(RolloutSettings(worker_id=f"w-{drafts}", redis_url=redis_url), r, engine)
-    await worker.intake._switch_run(run_id)
-    ctx = worker.ctx
+    lane = worker.lanes.open(run_id)
+    await lane.intake.start()
+    ctx = lane.ctx
     ctx.version = 0
     await r.xadd(keys.deltas_stream(run_id), {"init": "1"})  # the run's deltas stream exists
     jobs = [
@@ -47,11 +48,11 @@ async def generate(redis_url: str, model: str, drafts: str) -> tuple[dict, int]:
         if step == 8:
             for i, j in enumerate(jobs[1:]):
                 ctx.inbox.put(f"1-{i + 1}".encode(), j)
-        worker.generator._admit()
+        worker.generator._admit(ctx)
         if not ctx.engine.active and step > 8:
             break
         await worker.generator._step()
-    await worker.flusher.flush()
+    await lane.flusher.flush()
     out: dict[str, list[int]] = {}
     for _, fields in range_entries(await r.xrange(keys.deltas_stream(run_id))):
         if b"init" not in fields:

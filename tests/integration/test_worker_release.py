@@ -29,8 +29,9 @@ async def release_some(redis_url: str, model: str) -> None:
     engine = HFEngine()
     engine.load_weights(model)
     worker = RolloutWorker(RolloutSettings(worker_id=WORKER, redis_url=redis_url), r, engine)
-    ctx = worker.ctx
-    ctx.run_id, ctx.version = RUN, 0
+    lane = worker.lanes.open(RUN)
+    ctx = lane.ctx
+    ctx.version = 0
     stream = keys.jobs_stream(RUN, 0)
     await ensure_group(r, stream, keys.WORKERS_GROUP)
     await r.xadd(keys.deltas_stream(RUN), {"init": "1"})  # the run's deltas stream exists
@@ -41,13 +42,13 @@ async def release_some(redis_url: str, model: str) -> None:
     entry_of = {job.request_id: entry_id for entry_id, job in read}
     for entry_id, job in read[:2]:  # two generate; four wait in the inbox
         ctx.inbox.put(entry_id, job)
-    worker.generator._admit()
+    worker.generator._admit(ctx)
     for entry_id, job in read[2:]:
         ctx.inbox.put(entry_id, job)
     assert ctx.engine.active == 2 and len(ctx.inbox) == 4
 
-    worker.control.orders.put_nowait(WorkerControl(action="release", run_id=RUN, count=1))
-    await worker.control.obey_all()
+    worker.control.queue(RUN).put_nowait(WorkerControl(action="release", run_id=RUN, count=1))
+    await worker.control.obey_all(ctx, lane.flusher)
 
     released = [
         lease.request_id

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.contracts.messages import Heartbeat
+from services.contracts.messages import Heartbeat, RunLoad
 from services.coordinator.workers.placement import claims_of, held_floor, parse_demand
 from services.core.fleet_shares import (
     ClaimError,
@@ -15,7 +15,9 @@ from services.core.fleet_shares import (
     allot,
     place,
     share_error,
+    worker_part,
 )
+from tests import factories
 
 
 def worker(worker_id: str, holds: str | None, slots: int = 16) -> FleetWorker:
@@ -167,6 +169,13 @@ def test_a_run_wants_at_least_what_its_workers_hold_now():
     assert got == [claim("a", 15), claim("b", 5), claim("c", 7)]
 
 
+def test_a_worker_serving_several_runs_holds_each_runs_own_requests():
+    runs = {"a": RunLoad(version=3, active=2), "b": RunLoad(version=5, active=4)}
+    both = factories.beat("w1", version=3, run_id="a", active=6, runs=runs)
+    got = held_floor([claim("a", 0), claim("b", 1), claim("c", 0)], {"w1": both})
+    assert got == [claim("a", 2), claim("b", 4), claim("c", 0)]
+
+
 def test_an_empty_engine_loads_whatever_is_short_and_is_placed_first():
     workers = [worker("w1", "base-a"), worker("new", None)]
     assert place(workers, {"base-a": 16, "base-b": 3}) == {"w1": "base-a", "new": "base-b"}
@@ -214,3 +223,17 @@ def test_a_demand_is_read_as_its_step_loop_wrote_it_and_anything_else_as_none():
         assert parse_demand(raw) == (0, False, 1.0), raw
     claims = claims_of(["a", "b"], [b"12 0 2.0", None])
     assert claims == [RunClaim("a", 2.0, 12, False), RunClaim("b", 1.0, 0, False)]
+
+
+def test_a_workers_part_of_a_run_covers_its_allotment():
+    """A worker serving several runs at once reads at most its part of each run's allotment:
+    the run's share of the fleet's slots, of the worker's own, rounded up."""
+    assert worker_part(64, 256, 128) == 32
+    assert worker_part(65, 256, 128) == 33  # rounded up: the parts cover the allotment
+    assert sum(worker_part(10, 24, s) for s in (8, 8, 8)) >= 10
+    assert worker_part(0, 256, 128) == 0  # nothing allotted: nothing read
+    assert worker_part(300, 256, 128) == 128  # never more than its slots
+    assert worker_part(5, 0, 16) == 16  # no fleet known: its own slots
+    # its weight among the runs the worker serves is its part at least
+    assert worker_part(0, 256, 128, floor=0.25) == 32
+    assert worker_part(128, 256, 128, floor=0.25) == 64

@@ -12,6 +12,7 @@ from services.core.seeding import (
     pool_target,
     recommended_pool_size,
 )
+from tests import factories
 
 
 def test_t_seed_grows_while_the_trainer_waits_and_shrinks_once_it_does_not():
@@ -89,6 +90,21 @@ def test_balancer_does_nothing_when_balanced_or_work_is_queued():
     assert releases([WorkerLoad("a", 0, 8), WorkerLoad("b", 8, 8)], queued=0) == {}
     assert releases([WorkerLoad("a", 0, 8), WorkerLoad("b", 20, 8)], queued=3) == {}
     assert releases([WorkerLoad("a", 2, 8), WorkerLoad("b", 20, 8)], queued=0) == {}
+    # "a" holds none of the step's requests, but serves other runs at once that fill it: no
+    # room for them, so nothing moves (a release would only churn)
+    assert releases([WorkerLoad("a", 0, 0), WorkerLoad("b", 20, 8)], queued=0) == {}
+
+
+def test_a_worker_serving_several_runs_has_room_for_one_beside_the_others():
+    from services.contracts.messages import RunLoad
+    from services.core.step_controller import room_for_run
+
+    runs = {"a": RunLoad(version=1, active=40), "b": RunLoad(version=1, active=88)}
+    shared = factories.beat("w", run_id="a", version=1, active=128, slots=128, runs=runs)
+    single = factories.beat("w", run_id="a", version=1, active=40, slots=128)
+    assert room_for_run(shared, shared.serving("a")) == 40  # 128 less b's 88
+    assert room_for_run(shared, shared.serving("b")) == 88
+    assert room_for_run(single, single) == 128
 
 
 def test_equal_caps_even_the_workers_out_below_their_plateaus():

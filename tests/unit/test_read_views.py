@@ -1,8 +1,13 @@
 """What the read model serves (services.coordinator.api.read_model): a run's answers from what
-Redis holds, timeline pages from the held entries, the worker list, the fleet's figures."""
+Redis holds, timeline pages from the held entries, the worker list, the fleet's figures; and
+the run a release order to a worker names (api.routes)."""
 
 import json
 
+import pytest
+from fastapi import HTTPException
+
+from services.contracts.messages import RunLoad
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import RunSpec
 from services.coordinator.api.read_model import (
@@ -17,10 +22,16 @@ from services.coordinator.api.read_model import (
     worker_docs,
     worker_list,
 )
+from services.coordinator.api.routes import release_run
 from services.state.step_metrics import StepRow
 from tests import factories
 
 SPEC = RunSpec(model="/models/m", steps=5)
+# one engine serving two runs: a at version 3 holding 2 requests, b at version 5 holding 4
+BOTH = factories.beat(
+    "w1", version=3, run_id="a", active=6,
+    runs={"a": RunLoad(version=3, active=2), "b": RunLoad(version=5, active=4)},
+)  # fmt: skip
 
 
 def inputs(state: str = "running", **record) -> RunInputs:
@@ -140,3 +151,30 @@ def test_the_fleet_says_each_live_runs_share_and_the_workers_serving_it():
         {"id": "d", "share": 2.5, "workers": 2, "slots": 24, "active": 8},
         {"id": "e", "share": 1.0, "workers": 1, "slots": 8, "active": 1},
     ]
+
+
+def test_a_worker_serving_several_runs_is_listed_and_counted_with_each_runs_load():
+    records = {"w1": WorkerRecord(id="w1", pool="preemptible", engine="vllm", slots=8)}
+    (listed,) = json.loads(worker_docs(worker_list(records, {"w1": BOTH}, {}))[True].body)
+    assert (listed["run_id"], listed["version"], listed["active"]) == ("a", 3, 6)
+    assert listed["runs"] == {
+        "a": {"version": 3, "active": 2, "paused": False},
+        "b": {"version": 5, "active": 4, "paused": False},
+    }
+    one = worker_list(records, {"w1": factories.beat("w1", version=2, run_id="a", active=1)}, {})
+    assert one[0].runs["a"].version == 2 and list(one[0].runs) == ["a"]
+    live = [RunRecord(id="a", state="running"), RunRecord(id="b", state="running")]
+    runs = json.loads(fleet_doc(live, {"w1": BOTH}).body)["runs"]
+    assert [(r["id"], r["workers"], r["active"]) for r in runs] == [("a", 1, 2), ("b", 1, 4)]
+
+
+def test_a_release_order_names_the_run_where_the_worker_serves_several():
+    assert release_run("w1", BOTH, "b") == "b"
+    assert release_run("w1", factories.beat("w1", run_id="a"), None) == "a"
+    for named in (None, "c"):
+        with pytest.raises(HTTPException) as refused:
+            release_run("w1", BOTH, named)
+        assert refused.value.status_code == 400
+    with pytest.raises(HTTPException) as idle:
+        release_run("w1", factories.beat("w1", run_id=None), None)
+    assert idle.value.status_code == 409

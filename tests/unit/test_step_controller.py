@@ -5,7 +5,7 @@ heartbeats, counts and a clock, with no Redis (the shell is `coordinator/step/lo
 import functools
 import math
 
-from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat
+from services.contracts.messages import DeltaBatch, DeltaItem, Heartbeat, RunLoad
 from services.core.balancer import ReleaseGate, WorkerLoad
 from services.core.seeding import SeedingController
 from services.core.stall import Action, StallTracker
@@ -250,3 +250,26 @@ def test_the_stall_check_is_the_ticks_and_the_end_resumes_the_run():
     assert out.fail is not None and "stall_timeout_s" in out.fail
     end = c.end(21.0, 21.0)
     assert end.stall is not None and end.stall.action is Action.RESUME
+
+
+def test_a_worker_serving_several_runs_counts_for_each_with_that_runs_load():
+    """One engine serving two runs (issue 52): each run's step reads the worker as if it
+    served that run alone, with that run's version, requests held and pause."""
+    both = beat(
+        "p-1", version=5, run_id="b", active=6,
+        runs={"b": RunLoad(version=5, active=4), RUN: RunLoad(version=STEP, active=2)},
+    )  # fmt: skip
+    assert serving({"p-1": both}, RUN, STEP) == 1 and serving({"p-1": both}, "b", 5) == 1
+    assert serving({"p-1": both}, "c", STEP) == 0
+    aside = beat(
+        "p-1", version=5, run_id="b", active=6,
+        runs={"b": RunLoad(version=5, active=4), RUN: RunLoad(version=STEP, active=2, paused=True)},
+    )  # fmt: skip
+    assert serving({"p-1": aside}, RUN, STEP) == 0 and serving({"p-1": aside}, "b", 5) == 1
+    c = control()
+    beats = {"p-1": both, "p-2": beat("p-2", "preemptible")}
+    start(c, beats, seed_done=False, now=0.0)
+    assert c.pools == {"reserved": 0, "preemptible": 2}
+    c.seeded_out = True
+    out = tick(c, 0.0, 6, beats, {"p-1": 6}, 6)  # it holds the step's version: balanced
+    assert out.released == {"p-1": 3}

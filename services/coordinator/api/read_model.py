@@ -38,7 +38,13 @@ from services.contracts.fleet import fleet_figures
 from services.contracts.messages import Heartbeat, MalformedMessage
 from services.contracts.records import RunRecord, WorkerRecord
 from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec
-from services.coordinator.api.schemas import FleetPublic, FleetRunPublic, RunPublic, WorkerPublic
+from services.coordinator.api.schemas import (
+    FleetPublic,
+    FleetRunPublic,
+    RunPublic,
+    WorkerPublic,
+    WorkerRunPublic,
+)
 from services.core.call_errors import run_health
 from services.infra.read_limit import etag_of
 from services.infra.redis_streams import range_entries
@@ -158,9 +164,14 @@ def fleet_doc(records: list[RunRecord], beats: Mapping[str, Heartbeat] | None = 
         runs_active=figures.runs_active,
         preemptible_wanted=figures.preemptible_wanted,
         active_runs=[record.id for record in live],
-        runs=[fleet_run(record, [b for b in alive if b.run_id == record.id]) for record in live],
+        runs=[fleet_run(record, serving_beats(alive, record.id)) for record in live],
     )
     return Doc.of(fleet.model_dump_json().encode())
+
+
+def serving_beats(beats: list[Heartbeat], run_id: str) -> list[Heartbeat]:
+    """The beats of the workers serving `run_id`, each as that run reads it."""
+    return [v for b in beats if (v := b.serving(run_id)) is not None]
 
 
 def fleet_run(record: RunRecord, serving: list[Heartbeat]) -> FleetRunPublic:
@@ -200,11 +211,23 @@ def worker_list(
                 run_id=beat.run_id if beat else None,
                 version=beat.version if beat else None,
                 active=beat.active if beat else 0,
+                runs=runs_served(beat) if beat else {},
                 tokens_generated=beat.tokens_generated if beat else 0,
                 last_error=str(crashes.get(worker_id, {}).get("error", ""))
                 or (beat.error if beat else ""),
             )
         )
+    return out
+
+
+def runs_served(beat: Heartbeat) -> dict[str, WorkerRunPublic]:
+    """Each run a worker serves, with its version loaded, requests held and pause."""
+    out = {}
+    for run_id in beat.served_runs:
+        if (view := beat.serving(run_id)) is not None:
+            out[run_id] = WorkerRunPublic(
+                version=view.version, active=view.active, paused=view.paused
+            )
     return out
 
 

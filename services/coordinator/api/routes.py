@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 
 from services.contracts import keys
 from services.contracts.consumers import jobs_consumer
-from services.contracts.messages import WorkerControl
+from services.contracts.messages import Heartbeat, WorkerControl
 from services.contracts.records import WorkerRecord
 from services.contracts.runspec import ModelFolderError, RunSpec, TaskFileError, place_of
 from services.coordinator.api.read_model import ReadModel, RunDocs
@@ -309,18 +309,16 @@ def workers_router(
         responses=change,
     )
     async def release(worker_id: WorkerId, body: WorkerRelease) -> WorkerOrdered:
-        """Order an alive worker to give `count` executing requests back; they continue on other
-        workers from the tokens already generated (a migration with cause "release")."""
+        """Order an alive worker to give `count` executing requests of a run back (`run_id`,
+        needed where it serves several); they continue on other workers from the tokens already
+        generated (a migration with cause "release")."""
         if not await r.exists(keys.worker(worker_id)):
             raise HTTPException(404, f"worker {worker_id} is not registered")
         beat = (await heartbeats(r)).get(worker_id)
-        if beat is None or beat.run_id is None:
-            raise HTTPException(409, f"worker {worker_id} is not alive on a run")
-        control = WorkerControl(action="release", run_id=beat.run_id, count=body.count)
+        run_id = release_run(worker_id, beat, body.run_id)
+        control = WorkerControl(action="release", run_id=run_id, count=body.count)
         await order(r, worker_id, control)
-        return WorkerOrdered(
-            worker_id=worker_id, run_id=beat.run_id, action="release", count=body.count
-        )
+        return WorkerOrdered(worker_id=worker_id, run_id=run_id, action="release", count=body.count)
 
     @router.delete(
         "/{worker_id}", status_code=204, dependencies=admin.dependencies, responses=change
@@ -348,6 +346,20 @@ def workers_router(
         return consumer_secret(key_bytes(coordinator_key), worker_id)
 
     return router
+
+
+def release_run(worker_id: str, beat: Heartbeat | None, named: str | None) -> str:
+    """The run a release order to the worker names: the one asked for, or the one it serves
+    alone. 409 where it is not alive on a run; 400 where it serves several and none is named,
+    or the one named is not among them."""
+    if beat is None or beat.run_id is None:
+        raise HTTPException(409, f"worker {worker_id} is not alive on a run")
+    served = beat.served_runs
+    if named is None and len(served) > 1:
+        raise HTTPException(400, f"worker {worker_id} serves several runs: name one (run_id)")
+    if named is not None and named not in served:
+        raise HTTPException(400, f"worker {worker_id} does not serve run {named}")
+    return named or served[0]
 
 
 async def check_alive_registration(

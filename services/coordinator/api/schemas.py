@@ -117,11 +117,24 @@ class WorkerRegistration(WorkerCreate):
     )
 
 
+class WorkerRunPublic(BaseModel):
+    """What an alive worker holds of one run it serves."""
+
+    version: int | None = Field(None, description="The run's weight version loaded.")
+    active: int = Field(0, description="The run's requests it executes now.")
+    paused: bool = Field(False, description="Stepped aside from the run for this version.")
+
+
 class WorkerPublic(WorkerCreate):
     alive: bool
     run_id: str | None = None
     version: int | None = None
     active: int = 0
+    runs: dict[str, WorkerRunPublic] = Field(
+        default_factory=dict,
+        description="Each run it serves now (several where one engine serves several runs; "
+        "`run_id` is then the first, `version` its version and `active` their sum).",
+    )
     tokens_generated: int = 0
     last_error: str = Field(
         "", description="The last error that stopped this worker (its crash report), if any."
@@ -183,6 +196,14 @@ class RunTimeline(BaseModel):
 
 class WorkerRelease(BaseModel):
     count: int = Field(ge=1, le=100000, description="Executing requests to give back.")
+    run_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="The run whose requests to give back: needed where the worker serves "
+        "several runs; by default the one it serves.",
+    )
 
 
 class WorkerOrdered(BaseModel):

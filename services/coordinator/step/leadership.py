@@ -93,7 +93,8 @@ class Leadership:
         written (one MULTI); the dead readers' jobs claimed and moved; the stall state."""
         control, store = live.control, live.store
         beats = await heartbeats(self.r)
-        count_pools({w: b for w, b in beats.items() if b.run_id == self.run_id})  # gauges
+        ours = {w: v for w, b in beats.items() if (v := b.serving(self.run_id)) is not None}
+        count_pools(ours)  # gauges
         readers, beating = await store.readers()
         executing, pending = await store.executing()
         gone = await self._gone(beats) if oldest else []

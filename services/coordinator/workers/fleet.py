@@ -84,8 +84,10 @@ async def forget_gone_workers(
 
 
 async def alive_workers(r: aioredis.Redis, run_id: str) -> dict[str, Heartbeat]:
-    """Workers whose heartbeat is fresh and that serve `run_id`."""
-    return {w: b for w, b in (await heartbeats(r)).items() if b.run_id == run_id}
+    """Workers whose heartbeat is fresh and that serve `run_id`, each beat as that run reads it
+    (`Heartbeat.serving`)."""
+    beats = await heartbeats(r)
+    return {w: v for w, b in beats.items() if (v := b.serving(run_id)) is not None}
 
 
 def count_pools(workers: dict[str, Heartbeat]) -> dict[str, int]:

@@ -180,7 +180,7 @@ class Observer:
             lengths = await stream_lengths(self.r, run_streams(active, version))
             for name, n in lengths.items():
                 STREAM_LEN.labels(name).set(n)
-            serving = {w: b for w, b in beats.items() if b.run_id == active}
+            serving = {w: v for w, b in beats.items() if (v := b.serving(active)) is not None}
             sample = {
                 "step": version,
                 "workers": pool_sizes(serving),
@@ -198,8 +198,7 @@ class Observer:
         for worker_id in changes.joined:
             beat = beats[worker_id]
             log.info("worker %s (%s) joined", worker_id, beat.pool)
-            run_id = beat.run_id or active
-            if run_id:
+            for run_id in beat.served_runs or ([active] if active else []):
                 await timeline.emit(
                     self.r, run_id, "worker_joined", worker=worker_id, pool=beat.pool
                 )
@@ -210,8 +209,7 @@ class Observer:
             cause = "notice" if notice else "lost"
             PREEMPTIONS.labels(beat.pool, cause).inc()
             log.info("worker %s (%s) left: %s", worker_id, beat.pool, cause)
-            run_id = beat.run_id or active
-            if run_id:
+            for run_id in beat.served_runs or ([active] if active else []):
                 await timeline.emit(
                     self.r,
                     run_id,
@@ -219,5 +217,5 @@ class Observer:
                     worker=worker_id,
                     pool=beat.pool,
                     cause=cause,
-                    step=beat.version,
+                    step=(beat.serving(run_id) or beat).version,
                 )

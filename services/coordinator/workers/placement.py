@@ -3,11 +3,11 @@
 Every `every_s`, the active runs' demands (each run's step loop says it, `DemandNotice`) and
 the alive workers' heartbeats go into the fleet's shares (`core.fleet_shares`): `allot` gives
 each run its slots, `place` each worker its run. A worker's engine holds one run's full weights,
-so the run is the model placed. A worker placed on a run other than the one it serves gets a
-"serve" order on its control stream (again after ORDER_AGAIN_S if it has not followed it); it
-gives back what it holds of the other run and loads the new one's weights, and its heartbeat
-then names the new run, which is how each run's step loop counts it. With one run active this
-does nothing: every worker follows the oldest active run by itself.
+so the run is the model placed. A worker placed on a run it does not serve (none of its
+`served_runs`) gets a "serve" order on its control stream (again after ORDER_AGAIN_S if it has
+not followed it); it gives back what it holds of the other run and loads the new one's weights,
+and its heartbeat then names the new run, which is how each run's step loop counts it. With one
+run active this does nothing: every worker follows the oldest active run by itself.
 
 Workers stepped aside (paused reserved workers) and workers shutting down are left where they
 are. This shell reads and writes; what is decided is `fleet_shares`'.
@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from services.contracts import keys
-from services.contracts.messages import Heartbeat, WorkerControl
+from services.contracts.messages import FleetAllotment, Heartbeat, WorkerControl
 from services.coordinator.workers.fleet import heartbeats, order
 from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place
 from services.infra.redis_streams import read_entries, with_reconnect
@@ -33,6 +33,7 @@ from services.state.run_state import active_runs
 log = logging.getLogger(__name__)
 ORDER_AGAIN_S = 5.0  # a serve order not followed by then is sent again
 DEMAND_TTL_S = 10  # a run's demand lapses this long after its step loop last said it
+ALLOT_TTL_MS = 3000  # the fleet's allotment lapses this long after the placer's last pass
 MAX_SHARE = 1000.0  # the most a run's share may be (RolloutSection.share)
 SWITCHES = Counter(
     "spotrl_coordinator_worker_switches_total",
@@ -103,11 +104,13 @@ def placeable(beat: Heartbeat) -> bool:
 def held_floor(claims: list[RunClaim], beats: Mapping[str, Heartbeat]) -> list[RunClaim]:
     """The claims, each wanting at least the requests its workers hold now: a run's demand
     said at a step's end (0) or before its new step's first tick may trail what its workers
-    just read, and a worker holding a run's requests is not moved for a demand not said yet."""
+    just read, and a worker holding a run's requests is not moved for a demand not said yet.
+    A worker serving several runs holds each run's own requests (`Heartbeat.serving`)."""
     held: dict[str, int] = {}
     for beat in beats.values():
-        if beat.run_id is not None:
-            held[beat.run_id] = held.get(beat.run_id, 0) + beat.active
+        for run_id in beat.served_runs:
+            if (view := beat.serving(run_id)) is not None:
+                held[run_id] = held.get(run_id, 0) + view.active
     return [dataclasses.replace(c, wanted=max(c.wanted, held.get(c.run_id, 0))) for c in claims]
 
 
@@ -140,11 +143,17 @@ class FleetPlacer:
         runs = await active_runs(self.r)
         if len(runs) < 2:
             self.sent.clear()
+            await self.r.delete(keys.FLEET_ALLOT)
             return {}
         beats = {w: b for w, b in (await heartbeats(self.r)).items() if placeable(b)}
         demands = cast(list[bytes | None], await self.r.mget([keys.run_demand(r) for r in runs]))
         claims = held_floor(claims_of(runs, demands), beats)
-        allotted = allot(sum(b.slots for b in beats.values()), claims)
+        slots = sum(b.slots for b in beats.values())
+        allotted = allot(slots, claims)
+        # workers serving several runs at once read each run's part of it (`worker_part`)
+        shares = {c.run_id: c.share for c in claims}
+        allotment = FleetAllotment(slots=slots, runs=allotted, shares=shares).encode()
+        await self.r.set(keys.FLEET_ALLOT, allotment, px=ALLOT_TTL_MS)
         workers = [
             FleetWorker(w, b.slots, b.run_id if b.run_id in runs else None)
             for w, b in beats.items()
@@ -153,7 +162,7 @@ class FleetPlacer:
         now = time.monotonic()
         for worker_id, run_id in placed.items():
             serving = beats[worker_id].run_id
-            if run_id is None or run_id == serving:
+            if run_id is None or run_id in beats[worker_id].served_runs:
                 self.sent.pop(worker_id, None)
                 continue
             last = self.sent.get(worker_id)

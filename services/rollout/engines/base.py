@@ -21,6 +21,8 @@ from typing import Protocol
 
 from services.contracts.messages import FinishReason, Job
 
+BASE_ONLY = 0  # `Engine.add`'s adapter: none, the base alone, whatever adapters are held
+
 
 @dataclass
 class TokenEvent:
@@ -63,6 +65,9 @@ class Engine(Protocol):
     # LoRA (issue 51): the most adapter versions held at once (`load_adapter`); 0: the engine
     # applies no adapter itself (a worker then merges each adapter into the base and loads that)
     max_adapters: int
+    # adapters kept even where no running request uses them: those a worker's runs add their
+    # next requests under (`shared.SharedEngine`); a load that needs room drops another
+    keep_adapters: set[int]
 
     @property
     def active(self) -> int: ...
@@ -82,13 +87,15 @@ class Engine(Protocol):
         adapter_model.safetensors) as `version`'s, applied on the base weights held (the last
         whole `load`), without reloading them; requests added from now on generate with it
         unless `add` names another. Requests running keep the adapter they were added with.
-        One more than `max_adapters` drops the oldest that no running request uses; a
+        One more than `max_adapters` drops the oldest that no running request uses and
+        `keep_adapters` does not name; a
         ValueError where every one is in use, or the adapter does not fit the base (it names
         what). A whole `load` drops every adapter."""
 
     def add(self, job: Job, adapter: int | None = None) -> None:
         """Start `job`; under the adapter of version `adapter` (one held: a ValueError
-        otherwise), None: the newest loaded since the last whole load (none: the base)."""
+        otherwise), None: the newest loaded since the last whole load (none: the base),
+        `BASE_ONLY`: the base alone."""
 
     def fits(self, job: Job) -> bool:
         """Whether `job` can start now without the engine outgrowing its memory bound (it

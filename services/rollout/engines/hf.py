@@ -54,7 +54,7 @@ import torch
 from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
 from services.rollout.drafts import DraftIndex
-from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.base import BASE_ONLY, Sequence, TokenEvent
 from services.rollout.engines.lora_rows import RowAdapters
 from services.rollout.engines.sampling import sample_rows
 from services.rollout.engines.speculation import (
@@ -114,6 +114,7 @@ class HFEngine:
         self.capacity = slots
         self.max_adapters = max_adapters  # LoRA adapter versions held at once (lora_rows)
         self.adapters: RowAdapters | None = None  # once the model is loaded
+        self.keep_adapters: set[int] = set()  # kept though no running request uses them
         # the KV cache's bound in token positions: rows x the longest context (left-padded)
         self.kv_cache_tokens = kv_cache_tokens
         self._longest: int | None = None  # the running set's longest cache_tokens (None: stale)
@@ -196,7 +197,7 @@ class HFEngine:
         if not self.max_adapters:
             raise ValueError("this engine holds no adapters (SPOTRL_MAX_LORAS is 0)")
         in_use = {s.adapter for s in self.seqs.values() if s.adapter is not None}
-        self.adapters.load(version, Path(folder), in_use)
+        self.adapters.load(version, Path(folder), in_use | self.keep_adapters)
 
     def _load_all(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -247,6 +248,8 @@ class HFEngine:
             raise RuntimeError("no weights loaded")
         if adapter is None:
             adapter = self.adapters.newest
+        elif adapter == BASE_ONLY:
+            adapter = None
         elif adapter not in self.adapters.held:
             raise ValueError(f"{job.request_id}: no adapter held for version {adapter}")
         if job.request_id in self._cache_ids:  # a row of an earlier request of that id: gone

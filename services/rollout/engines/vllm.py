@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from services.contracts.messages import Job
-from services.rollout.engines.base import Sequence, TokenEvent
+from services.rollout.engines.base import BASE_ONLY, Sequence, TokenEvent
 from services.rollout.engines.tensors import same_model, tensor_shapes
 from services.rollout.lifeline import tie_children_to_this_process
 
@@ -267,6 +267,7 @@ class VLLMEngine:
         # after a load from a folder of some tensors only, e.g. an adapter merged by a worker)
         self.whole_folder: Path | None = None
         self.adapters: dict[int, Any] = {}  # version -> vLLM's LoRARequest, oldest first
+        self.keep_adapters: set[int] = set()  # kept though no running request uses them
         self.shapes: dict[str, tuple[int, ...]] = {}  # of the model built (`tensor_shapes`)
         self._adapter_of: dict[str, int] = {}  # running request -> its adapter's version
         self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: new for every load
@@ -379,7 +380,7 @@ class VLLMEngine:
                 f"{self.o.max_lora_rank}"
             )
         await self._settle()  # aborted requests are gone from vLLM, adapters and all
-        in_use = set(self._adapter_of.values())
+        in_use = set(self._adapter_of.values()) | self.keep_adapters
         drop = adapter_to_drop(list(self.adapters), in_use, self.max_adapters, version)
         if not self.lora:
             await self._rebuild_with_lora()
@@ -451,6 +452,8 @@ class VLLMEngine:
             refuse_unsafe_sampling(job)
         if adapter is None:
             adapter = next(reversed(self.adapters), None)  # the newest; none: the base
+        elif adapter == BASE_ONLY:
+            adapter = None
         elif adapter not in self.adapters:
             held = ", ".join(f"v{v}" for v in self.adapters) or "none"
             raise ValueError(f"{job.request_id}: adapter v{adapter} is not held (held: {held})")
