@@ -77,6 +77,10 @@ class CoordinatorClient:
     def cancel(self, run_id: str) -> dict:
         return self._json(self._send("POST", f"/v1/runs/{run_id}/cancel"))
 
+    def order(self, run_id: str, order: str) -> dict:
+        """POST /v1/runs/{id}/{order}: "pause" or "resume"."""
+        return self._json(self._send("POST", f"/v1/runs/{run_id}/{order}"))
+
     def timeline(self, run_id: str, after_event: str | None = None) -> dict:
         params = {"after_event": after_event} if after_event else {}
         return self._json(self._send("GET", f"/v1/runs/{run_id}/timeline", params=params))

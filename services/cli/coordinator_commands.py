@@ -1,6 +1,7 @@
 """The subcommands that talk to a deployed coordinator over its API: submit, status, workers,
-cancel and logs. Each takes the parsed arguments (with `--url`) and returns the exit code; an
-API error or an unreachable coordinator is exit 1, an unreadable or invalid run spec exit 2.
+cancel, pause, resume and logs. Each takes the parsed arguments (with `--url`) and returns the
+exit code; an API error or an unreachable coordinator is exit 1, an unreadable or invalid run
+spec exit 2.
 """
 
 import argparse
@@ -124,6 +125,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 0
 
     return _api_call(cancel)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    """`spotrl pause RUN` / `spotrl resume RUN` (args.order)."""
+
+    def ordered() -> int:
+        with _client(args) as client:
+            run = client.order(args.run, args.order)
+        print(json.dumps(_brief(run) | {"paused_at": run.get("paused_at")}))
+        return 0
+
+    return _api_call(ordered)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

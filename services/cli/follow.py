@@ -114,7 +114,7 @@ def runs_table(runs: list[dict], fleet: dict | None = None) -> Table:
         share = on_fleet.get(run["id"])
         table.add_row(
             run["id"],
-            run["state"],
+            run["state"] + (" (paused)" if run.get("paused_at") else ""),
             f"{run['step']}/{run['steps']}",
             _num(run["reward_mean"], 3),
             _num(run["tokens_per_s"], 0),

@@ -11,6 +11,7 @@ from typing import get_args
 from services.cli.coordinator_commands import (
     cmd_cancel,
     cmd_logs,
+    cmd_pause,
     cmd_status,
     cmd_submit,
     cmd_workers,
@@ -186,6 +187,15 @@ def _add_coordinator_commands(sub: Subparsers) -> None:
 
     p = client_command("cancel", "cancel a queued or running run", cmd_cancel)
     p.add_argument("run")
+
+    p = client_command(
+        "pause", "pause an active run: no new step opens until it is resumed", cmd_pause
+    )
+    p.add_argument("run")
+    p.set_defaults(order="pause")
+    p = client_command("resume", "let a paused run open steps again", cmd_pause)
+    p.add_argument("run")
+    p.set_defaults(order="resume")
 
     p = client_command("logs", "print a run's events (workers, migrations, steps)", cmd_logs)
     p.add_argument("run")

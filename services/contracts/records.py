@@ -116,6 +116,12 @@ class RunRecord(HashRecord, kw_only=True):
     preemptible_wanted: int | None = None  # preemptible workers a scaler should hold (None:
     # no step trained yet, or no wish: hold what you can get); JSON in Redis
     groups_quarantined: int = 0  # groups dropped: a request crashed too many workers (HINCRBY)
+    # paused by an operator since then, unix s (None: not paused): no new step opens, the steps
+    # in flight finish, and the run's part of the fleet goes to the other runs
+    paused_at: float | None = None
+    # who submitted it: the first 16 hex digits of the SHA-256 of the bearer token it came
+    # with ("" where the coordinator takes writes without a token); the per-token limits
+    owner: str = ""
 
     def run_spec(self) -> RunSpec:
         """The spec, parsed (pydantic's ValidationError for a spec that is not one)."""

@@ -6,6 +6,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import NoDecode
 
 from services.contracts.runspec import USER_REWARD
+from services.core.run_admission import TokenLimits
 from services.infra.settings import CommonSettings
 from services.tasks.dataset_files import DatasetLimits
 
@@ -31,6 +32,26 @@ class CoordinatorSettings(CommonSettings):
             "Runs active at once, sharing the fleet's workers by fair shares (docs/many_runs.md);"
             " a second and later run is activated only while a trainer of the pool is idle for"
             " it. 1: one run at a time, the others wait in the queue."
+        ),
+    )
+    max_active_runs_per_token: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description=(
+            "The most active runs of one submitting token (a run is counted under the bearer "
+            "token it was submitted with; without tokens, every run under one); a run past it "
+            "waits in the queue and later runs of other tokens go first. 0: no limit."
+        ),
+    )
+    max_share_per_token: float = Field(
+        0.0,
+        ge=0,
+        le=16_000,
+        description=(
+            "The most summed rollout.share of one submitting token's active runs; a run past it "
+            "waits in the queue, and a run whose share alone is above it is refused (422). "
+            "0: no limit."
         ),
     )
     placement_s: float = Field(
@@ -197,6 +218,10 @@ class CoordinatorSettings(CommonSettings):
             self.environment_memory_mb,
             self.environment_network,
         )
+
+    def token_limits(self) -> TokenLimits:
+        """What one submitting token may hold active (`core.run_admission`)."""
+        return TokenLimits(self.max_active_runs_per_token, self.max_share_per_token)
 
     def dataset_limits(self) -> DatasetLimits:
         return DatasetLimits(self.max_task_file_bytes, self.max_dataset_rows, self.max_prompt_chars)

@@ -18,6 +18,7 @@ from typing import Literal, cast, get_args
 Scope = Literal["admin", "worker", "trainer", "read"]
 SCOPES: tuple[Scope, ...] = get_args(Scope)
 DIGEST_HEX_CHARS = 64
+OWNER_HEX_CHARS = 16  # of a token's digest: the run's owner (shown; never the token)
 
 
 def token_digest(token: str) -> str:
@@ -83,6 +84,13 @@ def bearer_of(authorization: str) -> str:
     """The token of an `Authorization: Bearer <token>` header value; '' for any other."""
     scheme, _, given = authorization.partition(" ")
     return given.strip() if scheme.lower() == "bearer" else ""
+
+
+def owner_of(authorization: str) -> str:
+    """Whom a write came from, for the per-token limits (`RunRecord.owner`): the first
+    OWNER_HEX_CHARS hex digits of its bearer token's SHA-256; '' for a write without one."""
+    token = bearer_of(authorization)
+    return token_digest(token)[:OWNER_HEX_CHARS] if token else ""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ sees an absent stream, which the stream helpers read as empty; the scheduler rel
 once the step loop has stopped, for what it wrote in between.
 """
 
+import contextlib
 import logging
 import re
 import time
@@ -28,7 +29,8 @@ import redis.asyncio as aioredis
 
 from services.contracts import keys
 from services.contracts.records import RunRecord
-from services.contracts.runspec import FINAL_STATES, RunSpec, RunState
+from services.contracts.runspec import FINAL_STATES, LIVE_STATES, RunSpec, RunState
+from services.core.run_admission import Held, TokenLimits, next_to_activate, room_for_another
 from services.state import run_record, timeline
 from services.state.run_state import active_run, active_runs, committed_version
 from services.state.step_metrics import StepRow, read_steps, row_dict
@@ -36,6 +38,8 @@ from services.state.step_metrics import StepRow, read_steps, row_dict
 log = logging.getLogger(__name__)
 SCAN_COUNT = 1000
 UNLINK_BATCH = 1000
+NO_LIMITS = TokenLimits()
+QUEUE_LOOK = 100  # the queued runs activation looks at, oldest first (past a blocked token's)
 WILD = "\x00"  # stands for any part of a key name; no key contains it
 
 
@@ -151,10 +155,13 @@ class RunStore:
         self.r = r
         self.audit_ttl_s = audit_ttl_s  # how long a finished run's groups and deltas stay
 
-    async def submit(self, spec: RunSpec) -> str:
+    async def submit(self, spec: RunSpec, owner: str = "") -> str:
+        """Queue a run; `owner`: the token it came with (`scopes.owner_of`)."""
         run_id = time.strftime("r%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         now = time.time()
-        record = RunRecord(id=run_id, spec=spec.model_dump_json(), state="queued", created_at=now)
+        record = RunRecord(
+            id=run_id, spec=spec.model_dump_json(), state="queued", created_at=now, owner=owner
+        )
         async with self.r.pipeline(transaction=True) as pipe:
             run_record.stage_create(pipe, record)
             pipe.set(keys.run_staleness(run_id), spec.rollout.max_staleness)
@@ -188,19 +195,32 @@ class RunStore:
         """Every active run, oldest first."""
         return await active_runs(self.r)
 
-    async def activate_next(self, max_active: int = 1, idle_trainers: int = 0) -> str | None:
-        """Pop the oldest queued run and make it active; None (nothing done) while
-        `max_active` runs are active, or while one is and no trainer is idle to take another."""
+    async def activate_next(
+        self, max_active: int = 1, idle_trainers: int = 0, per_token: TokenLimits = NO_LIMITS
+    ) -> str | None:
+        """Make the queued run `run_admission.next_to_activate` names active; None (nothing
+        done) where it names none. Runs in the queue that are no longer queued (cancelled)
+        leave it."""
         active = await self.active_runs()
-        if len(active) >= max_active or (active and idle_trainers <= 0):
+        if not room_for_another(len(active), max_active, idle_trainers):
+            return None  # the queue is not read
+        look = QUEUE_LOOK if per_token.any else 1  # past the first only for a token's limits
+        ids = [
+            raw.decode()
+            for raw in cast(list[bytes], await self.r.lrange(keys.RUN_QUEUE, 0, look - 1))
+        ]
+        queued = await self._held(ids, ("queued",), per_token.any)
+        for gone in set(ids) - {run.run_id for run in queued}:
+            await self.r.lrem(keys.RUN_QUEUE, 0, gone)
+        held = (
+            await self._held(active, LIVE_STATES, per_token.share > 0)
+            if per_token.any
+            else [Held(run_id, "", 1.0) for run_id in active]
+        )
+        run_id = next_to_activate(queued, held, max_active, idle_trainers, per_token)
+        # taken off the queue by this call only: a cancel that removed it first wins
+        if run_id is None or not await self.r.lrem(keys.RUN_QUEUE, 1, run_id):
             return None
-        while True:
-            raw = await self.r.lpop(keys.RUN_QUEUE)
-            if raw is None:
-                return None
-            run_id = cast(bytes, raw).decode()
-            if await run_record.read_state(self.r, run_id) == "queued":
-                break
         now = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
             run_record.stage_start(pipe, run_id, now)
@@ -210,6 +230,44 @@ class RunStore:
             await pipe.execute()
         await timeline.emit(self.r, run_id, "state", state="running")
         return run_id
+
+    async def _held(
+        self, run_ids: list[str], states: tuple[str, ...], with_share: bool
+    ) -> list[Held]:
+        """The runs of `run_ids` in one of `states`, each with its token and (`with_share`;
+        else 1) its share."""
+        held = []
+        for run_id in run_ids:
+            fields = ("state", "owner", "spec") if with_share else ("state", "owner")
+            record = await run_record.read(self.r, run_id, *fields)
+            if record is None or record.state not in states:
+                continue
+            share = 1.0
+            if with_share:
+                with contextlib.suppress(ValueError):  # not a spec: the default weight
+                    share = record.run_spec().rollout.share
+            held.append(Held(run_id, record.owner, share))
+        return held
+
+    async def pause(self, run_id: str) -> bool:
+        """Pause a live run: no new step opens until `resume` (the steps in flight finish);
+        whether it was live. Pausing a paused run changes nothing."""
+        record = await self.get(run_id)
+        if record.paused_at is not None:
+            return record.state in LIVE_STATES
+        if not await run_record.set_if_live(self.r, run_id, paused_at=time.time()):
+            return False
+        await timeline.emit(self.r, run_id, "paused")
+        return True
+
+    async def resume(self, run_id: str) -> bool:
+        """Let a paused live run open steps again; whether it is live."""
+        record = await self.get(run_id)
+        if not await run_record.set_if_live(self.r, run_id, ("paused_at",)):
+            return False
+        if record.paused_at is not None:
+            await timeline.emit(self.r, run_id, "resumed", paused_s=time.time() - record.paused_at)
+        return True
 
     async def mark_stalled(self, run_id: str, reason: str, since: float) -> bool:
         """A live run cannot progress: say why (False if it is no longer live)."""

@@ -15,11 +15,20 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli import procs
+from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
+from services.contracts.runspec import RunSpec
 from tests.harness.deploy import DeploymentConfig
 
-from .conftest import deploy_config, run_events, small_spec, wait_final, wait_until
+from .conftest import (
+    deploy_config,
+    read_groups,
+    run_events,
+    small_spec,
+    wait_final,
+    wait_until,
+)
 
 TOKEN = "op-s3cret"
 STEPS = 6
@@ -226,12 +235,57 @@ def test_cli_logs_workers_and_cancel(deployment, client, finished_run, tiny_mode
     refused = cli(deployment, "cancel", run2, token=None)
     assert refused.returncode == 1 and "401" in refused.stderr
     assert client.run(run2)["state"] in ("queued", "running")
+
+    def holding() -> list[str]:  # the alive workers holding requests of run2
+        return [
+            w["id"] for w in client.workers() if w["alive"] and w["run_id"] == run2 and w["active"]
+        ]
+
+    wait_until(holding, "no worker held requests of the run", 120, 0.1)
     done = cli(deployment, "cancel", run2)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["state"] == "cancelled"
+    # cancelled mid-step, its workers drop what they held of it at once (their next beats)
+    wait_until(lambda: not holding(), lambda: f"still held by {holding()}", 10, 0.1)
     wait_final(client, deployment, run2)
     again = cli(deployment, "cancel", run2)
     assert again.returncode == 1 and "409" in again.stderr
+
+
+def test_a_paused_run_opens_no_step_until_resumed_and_loses_nothing(
+    deployment, client, finished_run, tiny_model
+):
+    steps = 10  # long enough that the pause lands before its last step opens
+    run_id = client.submit(small_spec(tiny_model, steps=steps, prompts_per_step=4))
+    rdb = redis.Redis.from_url(deployment.redis_url)
+    wait_until(lambda: client.run(run_id)["state"] == "running", "the run never started", 60, 0.02)
+    assert client.order(run_id, "pause")["paused_at"] is not None
+    held = wait_until(
+        lambda: run_events(rdb, run_id, "held_by_pause"), "the pause held no step", 120, 0.1
+    )
+    step = held[0]["step"]
+    # the steps before it finished and were trained; it is not queued while paused
+    assert client.run(run_id)["step"] == step < steps
+    assert not rdb.exists(keys.jobs_stream(run_id, step))
+    listed = cli(deployment, "status")
+    assert "(paused)" in listed.stdout, listed.stdout
+    resumed = cli(deployment, "resume", run_id)
+    assert resumed.returncode == 0 and json.loads(resumed.stdout)["paused_at"] is None
+    run = wait_final(client, deployment, run_id)
+    assert run["state"] == "succeeded" and run["step"] == steps
+    spec = RunSpec.model_validate(run["spec"])
+    audit = audit_run(deployment.redis_url, run_id, spec)
+    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    groups = read_groups(deployment, run_id)
+    assert sorted((g.step, g.prompt_index) for g in groups) == [
+        (s, p) for s in range(steps) for p in range(4)
+    ]
+    assert all(len(g.responses) == spec.training.group_size for g in groups)
+    assert [e["kind"] for e in run_events(rdb, run_id) if e["kind"] in ("paused", "resumed")] == [
+        "paused",
+        "resumed",
+    ]
+    rdb.close()
 
 
 def redis_snapshot(r: redis.Redis) -> dict[bytes, bytes]:
@@ -247,6 +301,8 @@ def write_requests(deployment, run_id: str, worker_id: str, model_spec: dict):
     return [
         ("POST", f"{co}/v1/runs", {"json": model_spec}),
         ("POST", f"{co}/v1/runs/{run_id}/cancel", {}),
+        ("POST", f"{co}/v1/runs/{run_id}/pause", {}),
+        ("POST", f"{co}/v1/runs/{run_id}/resume", {}),
         ("POST", f"{co}/v1/workers", {"json": worker}),
         ("POST", f"{co}/v1/workers/{worker_id}/release", {"json": {"count": 1}}),
         ("DELETE", f"{co}/v1/workers/{worker_id}", {}),

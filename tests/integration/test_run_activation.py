@@ -1,13 +1,16 @@
 """Which runs are active, against a real redis-server (services/state/runs.py, run_state.py,
 trainer_pool.py): one at a time by default; more only up to `max_active_runs` and only for an
 idle trainer; ACTIVE_RUN names the oldest active run and moves on when it ends; a pointer left
-by a release without the active set still counts. The trainer pool's beats and leases: a run
-is trained by one trainer, its own restart takes it back, another takes it once it lapses.
+by a release without the active set still counts; a token at its limits waits in the queue
+while other tokens' runs go first; only an active run pauses. The trainer pool's beats and
+leases: a run is trained by one trainer, its own restart takes it back, another takes it once
+it lapses.
 And the fleet's gauges add up every active run's pool, and the fleet's placer wakes when a run's
 work comes and orders no worker onto a run it already serves."""
 
 import asyncio
 import time
+from functools import partial
 
 import redis.asyncio as aioredis
 
@@ -16,7 +19,8 @@ from services.contracts.messages import Heartbeat, RunLoad, WorkerControl
 from services.contracts.runspec import RunSpec
 from services.coordinator.step.record import publish_fleet
 from services.coordinator.workers.placement import DemandNotice, FleetPlacer
-from services.state import run_record, trainer_pool
+from services.core.run_admission import TokenLimits
+from services.state import run_record, timeline, trainer_pool
 from services.state.run_state import active_run, active_runs
 from services.state.runs import RunStore
 from tests import factories
@@ -62,6 +66,48 @@ def test_a_pointer_without_the_active_set_counts_as_the_oldest_active_run(empty_
         assert await store.activate_next(max_active=2, idle_trainers=0) is None
         assert await store.activate_next(max_active=2, idle_trainers=1) == b
         assert await active_runs(r) == [a, b] and await active_run(r) == a
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_a_token_at_its_limit_waits_in_the_queue_and_other_tokens_runs_go_first(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        limits = TokenLimits(runs=1, share=2.0)
+        a1 = await store.submit(spec(0), owner="a")
+        a2 = await store.submit(spec(1), owner="a")
+        big = RunSpec(model="/m", steps=1, seed=2, share=1.5)
+        b1, b2 = await store.submit(big, owner="b"), await store.submit(spec(3), owner="b")
+        gone = await store.submit(spec(4), owner="c")
+        await r.lrem(keys.RUN_QUEUE, 0, gone)  # as a cancel does; then put back: no longer queued
+        await store.finish(gone, "cancelled")
+        await r.lpush(keys.RUN_QUEUE, gone)
+        activate = partial(store.activate_next, 8, 1, limits)
+        assert await activate() == a1
+        assert await activate() == b1  # a2 waits for a1; b1 is not held up behind it
+        assert await activate() is None  # a2: one active; b2: 1.5 + 1 over b's share of 2
+        assert await r.lrange(keys.RUN_QUEUE, 0, -1) == [a2.encode(), b2.encode()]  # in order
+        await store.finish(a1, "succeeded")
+        assert await activate() == a2
+        assert (await store.get(a2)).owner == "a"
+
+    asyncio.run(with_store(empty_redis_url, body))
+
+
+def test_only_an_active_run_pauses_and_its_timeline_says_when(empty_redis_url):
+    async def body(store: RunStore, r) -> None:
+        run_id = await store.submit(spec(0))
+        assert not await store.pause(run_id)  # queued
+        assert await store.activate_next() == run_id
+        assert await store.pause(run_id) and await store.pause(run_id)  # twice: still paused
+        paused_at = (await store.get(run_id)).paused_at
+        assert paused_at is not None
+        assert await store.resume(run_id)
+        assert (await store.get(run_id)).paused_at is None
+        assert await store.resume(run_id)  # not paused: nothing changes
+        kinds = [e["kind"] for e in await timeline.read_events(r, run_id)]
+        assert kinds.count("paused") == 1 and kinds.count("resumed") == 1
+        await store.finish(run_id, "succeeded")
+        assert not await store.pause(run_id) and not await store.resume(run_id)
 
     asyncio.run(with_store(empty_redis_url, body))
 

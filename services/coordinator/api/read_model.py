@@ -104,6 +104,8 @@ def public_record(run_id: str, inputs: RunInputs, spec: RunSpec) -> RunPublic:
         error=run.error,
         stall_reason=run.stall_reason if run.state == "stalled" else "",
         stalled_since=run.stalled_since,
+        paused_at=run.paused_at if run.state not in FINAL_STATES else None,
+        owner=run.owner,
         groups_quarantined=run.groups_quarantined,
         reward_errors=sum(row.reward_errors or 0 for row in rows),
         health=verdict.health,

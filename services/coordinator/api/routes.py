@@ -52,10 +52,12 @@ from services.coordinator.scoring.rewards import check_loads
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.workers.fleet import heartbeats, order
 from services.coordinator.workers.keys import COORDINATOR
+from services.core.run_admission import share_refusal
 from services.environments.choice import EnvironmentChoice
 from services.infra.read_limit import NOT_MODIFIED, etag_of, revalidated
 from services.infra.redis_streams import text
 from services.infra.redis_users import drop_worker_user, mint_worker_user
+from services.infra.scopes import owner_of
 from services.infra.service import Auth, errors
 from services.infra.signing import consumer_secret, key_bytes, new_key, registration_proof
 from services.state import timeline, worker_record
@@ -166,12 +168,18 @@ def runs_router(
         dependencies=admin.dependencies,
         responses={**admin.responses, **errors(400, 413)},
     )
-    async def submit(spec: RunSpec) -> RunCreated:
-        """Queue a run. Refused: a step over the coordinator's caps (422), a model folder or
-        task file that is missing, unreadable, too large or not UTF-8 (400), a task that does
-        not load: a dataset, a reward module not on the allow list or that does not import, a
-        chat template the model lacks (422)."""
+    async def submit(spec: RunSpec, request: Request) -> RunCreated:
+        """Queue a run, counted under the token it comes with (the per-token limits). Refused:
+        a step over the coordinator's caps or a share above a token's most (422), a model
+        folder or task file that is missing, unreadable, too large or not UTF-8 (400), a task
+        that does not load: a dataset, a reward module not on the allow list or that does not
+        import, a chat template the model lacks (422)."""
         too_big = over_step_caps(spec, settings.max_step_requests, settings.max_step_tokens)
+        share_over = share_refusal(spec.rollout.share, settings.token_limits())
+        if share_over is not None:
+            too_big.append(
+                {"loc": ("body", *place_of("share")), "msg": share_over, "type": "value_error"}
+            )
         if too_big:
             raise RequestValidationError(too_big)
         try:
@@ -181,7 +189,7 @@ def runs_router(
         problems = await task_problems(spec, settings, dataset_loads)
         if problems:
             raise RequestValidationError(problems)
-        run_id = await store.submit(spec)
+        run_id = await store.submit(spec, owner_of(request.headers.get("authorization", "")))
         await model.load(run_id, written=True)
         return RunCreated(id=run_id, state="queued")
 
@@ -250,6 +258,42 @@ def runs_router(
         if docs is None:  # gone between the cancel and the read
             raise HTTPException(404, f"run {run_id} does not exist")
         return Response(docs.public.body, media_type="application/json")
+
+    async def paused_or_resumed(run_id: str, pause: bool) -> Response:
+        try:
+            live = await (store.pause(run_id) if pause else store.resume(run_id))
+        except RunNotFound:
+            raise HTTPException(404, f"run {run_id} does not exist") from None
+        docs = await model.load(run_id, written=True)
+        if docs is None:  # gone between the change and the read
+            raise HTTPException(404, f"run {run_id} does not exist")
+        if not live:
+            state = (await store.get(run_id)).state
+            raise HTTPException(409, f"run {run_id} is {state}: only an active run pauses")
+        return Response(docs.public.body, media_type="application/json")
+
+    @router.post(
+        "/{run_id}/pause",
+        response_model=RunPublic,
+        dependencies=admin.dependencies,
+        responses={**admin.responses, **errors(404, 409)},
+    )
+    async def pause(run_id: RunId) -> Response:
+        """Pause an active run: no new step opens until it is resumed; the steps in flight
+        finish, and then its part of the fleet goes to the other runs. It keeps its trainer.
+        Refused for a run that is queued or over (409)."""
+        return await paused_or_resumed(run_id, pause=True)
+
+    @router.post(
+        "/{run_id}/resume",
+        response_model=RunPublic,
+        dependencies=admin.dependencies,
+        responses={**admin.responses, **errors(404, 409)},
+    )
+    async def resume(run_id: RunId) -> Response:
+        """Let a paused run open steps again (a run not paused: nothing changes). Refused
+        for a run that is queued or over (409)."""
+        return await paused_or_resumed(run_id, pause=False)
 
     return router
 

@@ -40,6 +40,16 @@ class RunPublic(BaseModel):
         "", description="Why the run cannot progress (state stalled); empty otherwise."
     )
     stalled_since: float | None = Field(None, description="When the run last became stalled.")
+    paused_at: float | None = Field(
+        None,
+        description="Paused by an operator since then (POST .../pause): no new step opens "
+        "until it is resumed; null when not paused.",
+    )
+    owner: str = Field(
+        "",
+        description="The token it was submitted with: the first 16 hex digits of the token's "
+        "SHA-256 (the per-token limits count by it); empty for a run submitted without one.",
+    )
     groups_quarantined: int = Field(
         0, description="Groups dropped because one of their requests crashed too many workers."
     )

@@ -6,7 +6,8 @@ with it.
 The run scheduler makes the oldest queued run active and drives it (`shard.drive`) until the
 run ends; with the coordinator's `max_active_runs` above 1 it activates another queued run
 whenever a trainer of the pool is idle for it (`trainer_pool.idle_trainers`), drives each
-active run in a task of its own, and the fleet's placement (`workers.placement`) shares the
+active run in a task of its own (a queued run whose submitting token holds its most active runs
+or share waits: `core.run_admission`), and the fleet's placement (`workers.placement`) shares the
 workers among them. Whenever the oldest active run changes (at start, when a run becomes
 active, when one ended) it sets the fleet's gauges from the run records
 (`step.record.publish_fleet`): a restarted coordinator restores them, an ended run clears them.
@@ -65,7 +66,13 @@ async def schedule_runs(store: RunStore, settings: CoordinatorSettings) -> None:
                 if active:
                     idle = await with_reconnect(lambda: idle_trainers(store.r), "trainers")
                 activated = await with_reconnect(
-                    partial(store.activate_next, settings.max_active_runs, idle), "activate run"
+                    partial(
+                        store.activate_next,
+                        settings.max_active_runs,
+                        idle,
+                        settings.token_limits(),
+                    ),
+                    "activate run",
                 )
                 if activated is not None:
                     active.append(activated)

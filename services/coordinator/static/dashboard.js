@@ -181,7 +181,7 @@ function redisData(samples) {
 }
 
 function renderSummary(run, rows, tl) {
-  $("s-state").textContent = run.state;
+  $("s-state").textContent = run.paused_at ? `${run.state} (paused)` : run.state;
   $("s-state").className = "value " + run.state;
   $("s-quarantined").textContent = String(run.groups_quarantined || 0);
   renderStall(run);
@@ -264,6 +264,9 @@ function renderStall(run) {
     text = `stalled${since}: ${run.stall_reason}`;
   } else if (run.state === "failed" && run.error) {
     text = `failed: ${run.error}`;
+  } else if (run.paused_at) {
+    const since = new Date(run.paused_at * 1000).toLocaleTimeString();
+    text = `paused since ${since}: no new step opens until it is resumed (spotrl resume ${run.id})`;
   } else if (run.health === "degraded") {
     text = `degraded: ${run.health_reason}`;
   }

@@ -56,6 +56,7 @@ from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.cancel import cancel_and_wait
 from services.infra.redis_streams import ensure_group, with_reconnect
+from services.state import run_record, timeline
 from services.state.run_state import ensure_live, wait_for_version
 from services.tasks import DatasetLimits, Task, task_for_spec
 from services.tasks.chat import PromptEncoder
@@ -270,10 +271,11 @@ class StepLoop:
         table = self._table(step, prompt_ids, history or {})
         store = StepStore(self.r, self.run_id, step, self.shard, self.history)
         live = LiveStep(self._controller(table), store, examples)
-        beats = await heartbeats(self.r)
         began = await live.store.restore(table)
         if began is None:
             await self.memory_gate.wait_below(self._check_running)  # backpressure
+            await self._wait_resumed(step)
+        beats = await heartbeats(self.r)
         await ensure_group(self.r, live.store.jobs, keys.WORKERS_GROUP)
         self.live[step] = live
         if began is not None:
@@ -294,6 +296,27 @@ class StepLoop:
         await self.collector.settle([(live, effects)])
         self._say_opened(live.control)
         return live
+
+    async def _wait_resumed(self, step: int) -> None:
+        """Before a new step: wait while an operator has the run paused (`RunStore.pause`);
+        the steps in flight went on meanwhile. Raises RunStopped when it is cancelled."""
+        paused = await self._paused_since()
+        if paused is None:
+            return
+        log.info("run %s paused: step %d opens once it is resumed", self.run_id, step)
+        if self.lead is not None:
+            await timeline.emit(self.r, self.run_id, "held_by_pause", step=step)
+        while paused is not None:
+            await self._check_running()
+            await asyncio.sleep(CHECK_S)
+            paused = await self._paused_since()
+        log.info("run %s resumed: opening step %d", self.run_id, step)
+
+    async def _paused_since(self) -> float | None:
+        record = await with_reconnect(
+            lambda: run_record.read(self.r, self.run_id, "paused_at"), "run paused"
+        )
+        return record.paused_at if record is not None else None
 
     def _say_opened(self, c: StepController) -> None:
         window = c.window_s
