@@ -11,13 +11,14 @@ load never lands in the middle of a step.
 """
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import redis.asyncio as aioredis
 
-from services.contracts.messages import Job
+from services.contracts.messages import FleetAllotment, Job
 from services.core.plateau import PlateauEstimator
 from services.core.request_table import step_of
 from services.rollout.delta_buffer import DeltaBuffer
@@ -92,6 +93,10 @@ class WorkerShared:
     # the key the coordinator gave at registration (`worker_redis_users`): every delta batch
     # is signed with it; None: batches go unsigned, as the coordinator expects then
     signing_key: bytes | None = None
+    # the fleet's allotment (keys.FLEET_ALLOT) as a lane last read it, and when (monotonic s):
+    # the lanes of one round share one read (`intake.JobIntake._allotment`)
+    allotment: FleetAllotment | None = None
+    allotment_read_at: float = -math.inf
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or self.s.worker_id

@@ -13,6 +13,7 @@ the worker serves (`lanes` does).
 import asyncio
 import contextlib
 import logging
+import time
 
 from services.contracts import keys
 from services.contracts.messages import FleetAllotment, Job, MalformedMessage, RequestLease
@@ -34,6 +35,7 @@ FULL_WAIT_S = 0.05  # a worker with every slot busy re-checks for a new version 
 IDLE_S = 0.1  # no run, or crashed: look again after this long
 VERSION_WAIT_S = 0.05  # no version yet, or paused: look again after this long
 READ_BLOCK_MS = 50
+ALLOT_FRESH_S = 0.1  # the lanes of a worker share one read of the fleet's allotment this long
 
 
 class JobIntake:
@@ -189,16 +191,25 @@ class JobIntake:
         """This worker's part of the slots the fleet allots the run (`worker_part`), where it
         serves several runs at once, and at least the run's weighted part of the worker; None
         where the placer allots none now."""
-        raw = await self.ctx.r.get(keys.FLEET_ALLOT)
-        if not isinstance(raw, bytes):
-            return None
-        try:
-            allotment = FleetAllotment.decode(raw)
-        except MalformedMessage:
+        allotment = await self._allotment()
+        if allotment is None:
             return None
         shares = {run: allotment.shares.get(run, 1.0) for run in self.ctx.w.lanes}
         floor = shares.get(run_id, 1.0) / sum(shares.values())
         return worker_part(allotment.runs.get(run_id, 0), allotment.slots, self.ctx.s.slots, floor)
+
+    async def _allotment(self) -> FleetAllotment | None:
+        """The fleet's allotment (keys.FLEET_ALLOT), read at most once per ALLOT_FRESH_S for
+        every lane of the worker; None where the placer published none (or none readable)."""
+        w = self.ctx.w
+        if time.monotonic() - w.allotment_read_at >= ALLOT_FRESH_S:
+            raw = await w.r.get(keys.FLEET_ALLOT)
+            w.allotment_read_at = time.monotonic()
+            try:
+                w.allotment = FleetAllotment.decode(raw) if isinstance(raw, bytes) else None
+            except MalformedMessage:
+                w.allotment = None
+        return w.allotment
 
     async def _read_cap(self, run_id: str, version: int) -> int | None:
         """The step's read cap; None where the coordinator set none (fair reads off, or the

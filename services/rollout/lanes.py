@@ -66,6 +66,7 @@ class Lanes:
     ) -> None:
         self.w, self.control, self.generator, self.peers = w, control, generator, peers
         self.lanes: dict[str, Lane] = {}
+        self.bases: dict[str, str | None] = {}  # each active run's base (None: full weights)
 
     async def run_forever(self) -> None:
         """After the worker registered (`RolloutWorker.jobs_forever`); a lane's jobs task
@@ -99,13 +100,19 @@ class Lanes:
         await self._watch()
 
     async def _bases(self, runs: list[str]) -> dict[str, str | None]:
-        """Each active run's base where the worker may serve several at once; else none."""
+        """Each active run's base where the worker may serve several at once; else none. A
+        run's base is written with the run and never changes: read once per run."""
         if self.w.s.runs_at_once <= 1 or not self.w.engine.engine.max_adapters or len(runs) < 2:
             return {}
-        raw = await with_reconnect(
-            lambda: self.w.r.mget([keys.run_base(run) for run in runs]), "run bases"
-        )
-        return dict(zip(runs, (text(b) for b in cast(list[bytes | None], raw)), strict=True))
+        unknown = [run for run in runs if run not in self.bases]
+        if unknown:
+            raw = await with_reconnect(
+                lambda: self.w.r.mget([keys.run_base(run) for run in unknown]), "run bases"
+            )
+            got = (text(b) for b in cast(list[bytes | None], raw))
+            self.bases.update(zip(unknown, got, strict=True))
+        self.bases = {run: self.bases[run] for run in runs}  # ended runs go
+        return dict(self.bases)
 
     async def _watch(self) -> None:
         """Wait `IDLE_S`, or less where a lane's jobs task ends: its error goes on."""

@@ -61,7 +61,7 @@ class SharedEngine:
         if view is not None:
             view.abort_all()
         self._adapter_ids = {k: n for k, n in self._adapter_ids.items() if k[0] != run_id}
-        self._keep()
+        self.keep_newest()
 
     async def step(self) -> dict[str, list[TokenEvent]]:
         """One engine step: the tokens generated, per run, under the runs' own request ids."""
@@ -99,16 +99,16 @@ class SharedEngine:
         """`number` never loaded (the engine refused it)."""
         if self._adapter_ids.get((run_id, version)) == number:
             del self._adapter_ids[(run_id, version)]
-        self._keep()
+        self.keep_newest()
 
     def forget_adapters(self) -> None:
         """A whole load dropped every adapter the engine held."""
         self._adapter_ids.clear()
         for view in self.views.values():
             view.newest = None
-        self._keep()
+        self.keep_newest()
 
-    def _keep(self) -> None:
+    def keep_newest(self) -> None:
         """Tell the engine which adapters to keep: each run's newest."""
         self.engine.keep_adapters = {
             self._adapter_ids[(v.run_id, v.newest)]
@@ -174,7 +174,7 @@ class RunView:
         The one they were added under before may make room for it (the others' may not)."""
         shared, newest = self.shared, self.newest
         self.newest = None
-        shared._keep()
+        shared.keep_newest()
         number = shared.new_adapter_id(self.run_id, version)
         try:
             await shared.engine.load_adapter(number, folder)
@@ -183,7 +183,7 @@ class RunView:
             shared.forget_adapter(self.run_id, version, number)
             raise
         self.newest = version
-        shared._keep()
+        shared.keep_newest()
 
     def add(self, job: Job, adapter: int | None = None) -> None:
         version = self.newest if adapter is None else adapter
