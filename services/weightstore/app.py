@@ -96,6 +96,7 @@ def block_server(settings: WeightStoreSettings, storage: WeightStorage) -> Block
         settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
         ssl_context=tls_reload.server_context(settings),
         scopes=frozenset(READERS),
+        limits=settings.connection_limits(),
     )
 
 
