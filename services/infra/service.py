@@ -26,6 +26,8 @@ from pydantic import BaseModel
 
 from services.infra import stack_dump, tls
 from services.infra.cancel import cancel_and_wait
+from services.infra.connection_guard import ConnectionGuard, ServerGuard, guard_metrics
+from services.infra.connection_limits import ConnectionLimits
 from services.infra.redis_streams import REDIS_DOWN
 from services.infra.retry import retry
 from services.infra.scopes import Scope, Tokens, allows, refusal_text
@@ -172,7 +174,8 @@ def add_health_and_metrics(
     )
     async def metrics() -> Response:
         body = await exposition() if exposition is not None else generate_latest()
-        return Response(body + tls.expiry_metrics(), media_type=CONTENT_TYPE_LATEST)
+        body += tls.expiry_metrics() + guard_metrics()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 BEARER = HTTPBearer(
@@ -225,7 +228,7 @@ def serve(
 ) -> None:
     """Run an app under uvicorn on the settings' host and `port` until SIGINT/SIGTERM: HTTPS when
     they name a certificate (`services.infra.tls`), else plain HTTP, with one warning line when
-    that is off loopback.
+    that is off loopback (`server_config`).
 
     The socket is bound first (port 0: any free one; a port taken: the process exits 3), then
     the settings' `port_file` gets the port bound and this process's instance id, which /healthz
@@ -244,6 +247,18 @@ def serve(
     gc.freeze()
     stack_dump.install()
     tls.warn_if_plain(settings, app.title)
+    config = server_config(app, settings, port, graceful_s)
+    sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
+    if port_file is not None:
+        write_port_file(port_file, sock.getsockname()[1])
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def server_config(
+    app: FastAPI, settings: "CommonSettings", port: int, graceful_s: float | None = None
+) -> uvicorn.Config:
+    """How `serve` has uvicorn serve an app: the settings' host and certificate, and every
+    connection through the guard of slow and greedy clients (`guarded_http`)."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -252,14 +267,32 @@ def serve(
         lifespan="on",
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float seconds
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+        http=guarded_http(settings.connection_limits(), app.title),
         **tls.uvicorn_args(settings),
     )
     if tls.enabled(settings):
         watch_certificate(app, config, settings)
-    sock = config.bind_socket()  # logs the error and exits (3) when the port cannot be bound
-    if port_file is not None:
-        write_port_file(port_file, sock.getsockname()[1])
-    uvicorn.Server(config).run(sockets=[sock])
+    return config
+
+
+def guarded_http(limits: ConnectionLimits, server: str) -> type[asyncio.Protocol]:
+    """The protocol class for `uvicorn.Config(http=...)`: uvicorn's own HTTP/1.1 protocol
+    (httptools, else h11) behind a `ConnectionGuard`, all its connections sharing one count of
+    their clients."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    shared = ServerGuard(limits, server)
+
+    class GuardedHTTP(ConnectionGuard):
+        def __init__(
+            self, config: uvicorn.Config, server_state: Any, app_state: dict, _loop: Any = None
+        ) -> None:
+            inner = AutoHTTPProtocol(  # type: ignore[call-arg]
+                config=config, server_state=server_state, app_state=app_state, _loop=_loop
+            )
+            super().__init__(inner, shared)
+
+    return GuardedHTTP
 
 
 def watch_certificate(app: FastAPI, config: uvicorn.Config, settings: "CommonSettings") -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.infra.connection_limits import LOOPBACK, ConnectionLimits, parse_networks
 from services.infra.scopes import parse_accept
 
 
@@ -88,6 +89,43 @@ class CommonSettings(BaseSettings):
         le=64 * 1024 * 1024,
         description="Largest request body of a JSON route (a run spec, a worker); 413 past it.",
     )
+    http_header_timeout_s: float = Field(
+        10.0,
+        ge=0.5,
+        le=600.0,
+        description="A request's headers must be in this many seconds after its first byte (a "
+        "new connection's: after it opened); the connection is closed past it, on every HTTP "
+        "server of the service (its API, a block or peer server).",
+    )
+    http_body_timeout_s: float = Field(
+        30.0,
+        ge=1.0,
+        le=3600.0,
+        description="A request body may take this many seconds plus its bytes over "
+        "`http_body_min_bytes_per_s` (time the server is not reading does not count); the "
+        "connection is closed past it.",
+    )
+    http_body_min_bytes_per_s: int = Field(
+        64 * 1024,
+        ge=1,
+        le=1024**3,
+        description="The slowest a long body (a weight upload) may come, on average, once "
+        "`http_body_timeout_s` is spent.",
+    )
+    http_connections_per_client: int = Field(
+        128,
+        ge=1,
+        le=1_000_000,
+        description="Open connections one client address may hold on each HTTP server; one "
+        "past it is closed at once. Addresses in `http_uncapped_clients` have no cap.",
+    )
+    http_uncapped_clients: str = Field(
+        LOOPBACK,
+        max_length=4096,
+        description="Client addresses or networks (a comma list) without a connection cap: "
+        "loopback, where every process of a machine shares one address; add a proxy that "
+        "many clients come through. Empty: none.",
+    )
     tls_cert_file: Path | None = Field(
         None,
         description="This service's TLS certificate (PEM, chain first): its HTTP server and a "
@@ -127,6 +165,12 @@ class CommonSettings(BaseSettings):
         parse_accept(value)  # a ValueError names the entry, never the digest
         return value
 
+    @field_validator("http_uncapped_clients")
+    @classmethod
+    def _networks_parse(cls, value: str) -> str:
+        parse_networks(value)  # a ValueError names the entry
+        return value
+
     @field_validator("tls_cert_file", "tls_key_file", "tls_ca_file", mode="before")
     @classmethod
     def _empty_path_is_none(cls, value: Any) -> Any:
@@ -152,6 +196,16 @@ class CommonSettings(BaseSettings):
     def outgoing_token(self) -> str | None:
         """The bearer token this process sends: its own `token`, else `api_token`."""
         return self.token or self.api_token
+
+    def connection_limits(self) -> ConnectionLimits:
+        """What a client may hold of this service's HTTP servers and how long it may take."""
+        return ConnectionLimits(
+            self.http_header_timeout_s,
+            self.http_body_timeout_s,
+            self.http_body_min_bytes_per_s,
+            self.http_connections_per_client,
+            parse_networks(self.http_uncapped_clients),
+        )
 
     def weightstore_urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.weightstore_url.split(",") if u.strip()]

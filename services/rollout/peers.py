@@ -203,6 +203,7 @@ class Peers:
             "peer",
             tls_reload.server_context(s),
             scopes=frozenset({"worker", "read"}),
+            limits=s.connection_limits(),
         )
         self.url = ""
 

@@ -28,6 +28,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter
 
+from services.infra.connection_guard import guarded
+from services.infra.connection_limits import ConnectionLimits
 from services.infra.scopes import Scope, Tokens, allows, bearer_of, refusal_text
 from services.weights.contract import MAX_VERSION
 
@@ -98,7 +100,8 @@ class BlockFile(web.FileResponse):
 class BlockServer:
     """An HTTP server of version files on its own thread. At most `max_serving` responses at
     once: past that a request is answered 503 (busy), so that a puller takes the block from
-    another source."""
+    another source. Its connections go through the guard of slow and greedy clients
+    (`services.infra.connection_guard`) with `limits`."""
 
     def __init__(
         self,
@@ -111,6 +114,7 @@ class BlockServer:
         name: str = "store",
         ssl_context: ssl.SSLContext | None = None,
         scopes: frozenset[Scope] = frozenset({"read"}),
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.resolve, self.host, self.port = resolve, host, port
         self.ssl_context = ssl_context  # None: plain HTTP
@@ -118,6 +122,7 @@ class BlockServer:
         self.tokens = Tokens.of(token, None) if isinstance(token, str) else token
         self.scopes, self.max_serving, self.name = scopes, max_serving, name
         self.egress = egress_bytes_per_s
+        self.limits = limits or ConnectionLimits()
         self.serving = 0
         self.served, self._refused = SERVED.labels(name), REFUSED.labels(name)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,12 +162,23 @@ class BlockServer:
         app.router.add_get(FILES, serve)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock, ssl_context=self.ssl_context).start())
+        assert runner.server is not None
+        factory = guarded(runner.server, self.limits, self.name)
+        listening = loop.run_until_complete(
+            loop.create_server(factory, sock=sock, ssl=self.ssl_context)
+        )
         ready.set()
         try:
             loop.run_until_complete(self._stop.wait())
         finally:
+            listening.close()
             loop.run_until_complete(runner.cleanup())
+            # what cleanup cannot reach: a handler still lingering over the body of a client
+            # that is gone (aiohttp reads such a body out for up to 10 s)
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.close()
 
     def _refusal(self, request: web.Request) -> web.Response | None:

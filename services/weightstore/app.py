@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Path, Query, Request
+from fastapi import FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from services.infra import tls_reload
 from services.infra.http_limits import guard_input
@@ -96,6 +97,7 @@ def block_server(settings: WeightStoreSettings, storage: WeightStorage) -> Block
         settings.egress_mbps * 1e6 / 8 if settings.egress_mbps else None,
         ssl_context=tls_reload.server_context(settings),
         scopes=frozenset(READERS),
+        limits=settings.connection_limits(),
     )
 
 
@@ -181,7 +183,13 @@ def build_app(settings: WeightStoreSettings) -> FastAPI:
                 BYTES_IN.inc(len(chunk))
                 yield chunk
 
-        return await storage.write_file(model, version, name, chunks(), x_sha256)
+        try:
+            return await storage.write_file(model, version, name, chunks(), x_sha256)
+        except ClientDisconnect:
+            # the client is gone (or was closed for sending too slowly): nothing was kept, and
+            # the answer reaches no one; one line, not a traceback per cut upload
+            log.info("upload of %s v%d %s cut off before its end", model, version, name)
+            raise HTTPException(400, "the upload was cut off before its end") from None
 
     @app.post(COMMIT, response_model=Manifest, status_code=201, **write)
     async def commit(model: Name, version: Version, manifest: ManifestCommit) -> Manifest:
