@@ -5,23 +5,31 @@ deployments, with the same reserved nodes (one a run) and the same trace.
   reserved node and its own pool. The trace's spot instances are split evenly: of the n it
   offers, instance i goes to deployment i mod K, so deployment d holds ceil((n - d) / K)
   (`split_targets`).
-- shared: K runs, each a `Simulation` with its own reserved node and weight store and no pool
-  of its own, and one pool (`SharedPool`) that holds every instance the trace offers. An
-  instance serves one run at a time. Every `place_every_s` the fleet is placed by the
-  coordinator's own policy (`core.fleet_shares`, as `coordinator/workers/placement.py` calls
-  it): each run claims its oldest step's unfinished requests (its tail flagged, share 1),
-  `allot` splits the pool's slots (`ManyRuns.slots` an instance), `place` says which run each
-  instance serves. An instance placed on another run gives back what it holds of the one it
-  leaves (cause "balance", migrated; or with `leave="drain"` it first finishes them) and pulls
-  the new run's weights: the switch cost is that whole pull (the model's bytes through the
-  run's store and the instance's NIC, `Fleet.pull_s`, plus the load). With one run every
-  instance serves it, as the services do, so K = 1 is the plain simulation. With
-  `place_at_commit` the pool is also placed for a run's next step before it opens.
+- shared, `serve="one"`: K runs, each a `Simulation` with its own reserved node and weight
+  store and no pool of its own, and one pool (`SharedPool`) that holds every instance the
+  trace offers. An instance serves one run at a time. Every `place_every_s` the fleet is
+  placed by the coordinator's own policy (`core.fleet_shares`, as
+  `coordinator/workers/placement.py` calls it): each run claims its oldest step's unfinished
+  requests (its tail flagged, share 1), `allot` splits the pool's slots (`ManyRuns.slots` an
+  instance), `place` says which run each instance serves. An instance placed on another run
+  gives back what it holds of the one it leaves (cause "balance", migrated; or with
+  `leave="drain"` it first finishes them) and pulls the new run's weights: the switch cost is
+  that pull (the model's bytes through the run's store and the instance's NIC, `Fleet.pull_s`,
+  plus the load; LoRA runs on one base move the adapter alone). With one run every instance
+  serves it, as the services do, so K = 1 is the plain simulation. With `place_at_commit` the
+  pool is also placed for a run's next step before it opens.
+- shared, `serve="all"` (LoRA runs on one base, a worker's SPOTRL_RUNS_AT_ONCE >= K): every
+  instance serves every run at once, in one batch (services/sim/lanes.py): it is a lane in
+  each run's fleet, and nothing is placed or moved. A booted instance pulls the base and one
+  run's adapter from that run's store (instance i: run i mod K), then every other run's adapter
+  from its own; a run's new version is an adapter pull of that run's lane, which the other
+  lanes serve through. Every `place_every_s` the coordinator's `allot` sets each run's part of
+  each instance (`worker_part`), which its reads stop at. K = 1 is the plain simulation too.
 
-Both start every run at time 0 (together, not staggered); run r draws its workload with seed
-`run_seed(seed, r)` in both, so the same runs are compared. The clocks of the K runs and the
-pool's move in lockstep: each advances to the earliest time any of them needs (`SharedPool.run`
-carries out `Simulation.run`'s loop body for each run).
+Run r queues its first step at r x `stagger_s` (default 0: together), in both setups, and
+draws its workload with seed `run_seed(seed, r)` in both, so the same runs are compared. The
+clocks of the K runs and the pool's move in lockstep: each advances to the earliest time any of
+them needs (`SharedPool.run` carries out `Simulation.run`'s loop body for each run).
 
 What this leaves out: a placement order's delivery and a worker's reaction time (an order is
 carried out at once), and placement while an instance pulls (it is placed once it is up).
@@ -29,17 +37,25 @@ carried out at once), and placement while an instance pulls (it is placed once i
 
 import math
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place
+from services.core.fleet_shares import (
+    FleetWorker,
+    RunClaim,
+    allot,
+    in_tail,
+    place,
+    worker_part,
+)
 from services.sim.clock import Clock
 from services.sim.engine import SimEngine
+from services.sim.lanes import Worker, new_worker
 from services.sim.scenario import Scenario
 from services.sim.simulation import QUANTUM_S, Simulation
 from services.sim.state import Instance
-from services.sim.systems import HYBRID_ALL_SPOT, SystemSpec
+from services.sim.systems import HYBRID_ALL_SPOT, HYBRID_ASYNC_K1, SystemSpec
 from services.sim.tail import verify_step
 
 
@@ -67,12 +83,43 @@ class ManyRuns:
     # a step opened while its run's workers serve others sees none, and its reserved node
     # generates the whole step)
     place_at_commit: bool = False
+    # "one": an instance serves one run at a time, and a move to another run pulls that run's
+    # weights (whole; under LoRA its adapter, the base kept); "all": every instance serves
+    # every run at once in one batch, each request under its run's adapter (LoRA runs on one
+    # base, a worker's SPOTRL_RUNS_AT_ONCE >= runs): no moves, a lane a run (lanes.py). The
+    # scenario must be LoRA's (`Scenario.with_lora`), in both setups
+    serve: Literal["one", "all"] = "one"
+    # run r queues its first step at r x stagger_s, in both setups (every pool, shared or a
+    # deployment's own, is held from time 0 all the same)
+    stagger_s: float = 0.0
+    # serve "all": the pool's engines apply several adapters in one batch, unmerged, decoding
+    # at this share of a merged engine's speed (`EngineProfile.decoding_at`); a separate
+    # deployment's worker serves one run and may merge its adapter (1.0: as fast)
+    unmerged_decode_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.runs < 1 or self.place_every_s <= 0:
             raise ValueError("runs must be >= 1 and place_every_s > 0")
         if isinstance(self.slots, int) and self.slots < 1:
             raise ValueError("slots must be >= 1")
+        if self.stagger_s < 0 or not 0 < self.unmerged_decode_factor <= 1:
+            raise ValueError("stagger_s must be >= 0 and unmerged_decode_factor within (0, 1]")
+
+    def start_s(self, run: int) -> float:
+        """When run `run` queues its first step."""
+        return run * self.stagger_s
+
+
+# the systems a run may be (`ManyRuns.system`): every instance the trace offers is held, so
+# that the shared pool is the trace's whole and the separate pools its K parts
+MANY_RUNS_SYSTEMS = {
+    s.name: s
+    for s in (
+        HYBRID_ALL_SPOT,
+        # asynchronous, k = 1: a run's next step rolls out while its trainer trains
+        replace(HYBRID_ASYNC_K1, name="hybrid-async-k1-all-spot", pool_headroom=None),
+    )
+}
 
 
 def run_seed(seed: int, run: int) -> int:
@@ -86,14 +133,44 @@ def split_targets(targets: list[tuple[float, int]], parts: int) -> list[list[tup
     return [[(t, (n - d + parts - 1) // parts) for t, n in targets] for d in range(parts)]
 
 
+class LaterStart(Simulation):
+    """A run that queues its first steps at `start_s`, not at time 0 (its reserved node, and
+    its pool where it has one, are there from time 0); at 0, the plain simulation."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        system: SystemSpec,
+        targets: list[tuple[float, int]],
+        seed: int,
+        horizon_s: float,
+        start_s: float = 0.0,
+    ) -> None:
+        super().__init__(sc, system, targets, seed, horizon_s)
+        self.start_s = start_s
+        self.handlers["start"] = self.on_start
+
+    def start_steps(self) -> None:
+        if self.clock.now < self.start_s:
+            self.clock.at(self.start_s, "start")
+        else:
+            super().start_steps()
+
+    def on_start(self, _: object) -> None:
+        super().start_steps()
+
+
 def run_separate(
     sc: Scenario, setup: ManyRuns, targets: list[tuple[float, int]], seed: int, horizon_s: float
-) -> list[Simulation]:
-    """K deployments, each with its part of the trace."""
-    return [
-        Simulation(sc, setup.system, part, run_seed(seed, d), horizon_s).run()
+) -> list[LaterStart]:
+    """K deployments, each with its part of the trace, run d started at `setup.start_s(d)`."""
+    sims = [
+        LaterStart(sc, setup.system, part, run_seed(seed, d), horizon_s, setup.start_s(d))
         for d, part in enumerate(split_targets(targets, setup.runs))
     ]
+    for sim in sims:
+        sim.run()
+    return sims
 
 
 @dataclass
@@ -103,6 +180,7 @@ class PoolCounts:
     switches: int = 0  # instances moved from one run to another
     switch_pull_s: float = 0.0  # the pulls those moves started, summed
     preempted_unplaced: int = 0  # instances taken back before they served any run
+    taken_back: int = 0  # serve "all": instances the trace took back (each run counts its lane)
 
 
 @dataclass
@@ -118,12 +196,21 @@ class SharedPool:
     counts: PoolCounts = field(default_factory=PoolCounts)
 
     def __post_init__(self) -> None:
+        setup = self.setup
+        if setup.serve == "all" and self.sc.transfer.adapter_share is None:
+            raise ValueError("serve='all' is for LoRA runs on one base: a Scenario.with_lora")
         self.sims = [
-            Simulation(self.sc, self.setup.system, [], run_seed(self.seed, r), self.horizon_s)
-            for r in range(self.setup.runs)
+            LaterStart(
+                self.sc, setup.system, [], run_seed(self.seed, r), self.horizon_s, setup.start_s(r)
+            )
+            for r in range(setup.runs)
         ]
         self.pool: dict[str, Instance] = {}  # every spot instance started, in order
         self.owner: dict[str, int] = {}  # instance -> the run it serves (absent: none yet)
+        self.workers: dict[str, Worker] = {}  # serve "all": every instance's lanes
+        self.profile = self.sc.spot_engine
+        if setup.serve == "all":
+            self.profile = self.profile.decoding_at(setup.unmerged_decode_factor)
         self.rng = random.Random(f"{self.seed}:victims")  # the cloud's choice, as `Fleet`'s
         for at, count in self.targets:
             self.clock.at(at, "target", count)
@@ -157,8 +244,13 @@ class SharedPool:
             t = min(self.clock.next_event_s(), self.horizon_s, *map(self.next_s, self.sims))
             if math.isinf(t):
                 break
+            batches = [w.engine for w in self.workers.values() if w.engine.batch]
+            for engine in batches:  # (serve "all") each engine once, then each run's lanes
+                engine.advance(self.clock.now, t)
             for sim in self.sims:
                 self.advance(sim, t)
+            for engine in batches:
+                engine.thaw()
             self.clock.now = t
             touched = self.handle_events()
             for r, sim in enumerate(self.sims):
@@ -194,6 +286,9 @@ class SharedPool:
             elif kind == "booted":
                 assert isinstance(payload, str)
                 touched |= self.on_booted(payload)
+            elif kind == "based":
+                assert isinstance(payload, str)
+                touched |= self.on_based(payload)
             else:
                 touched |= self.place_fleet()
                 self.clock.at(self.clock.now + self.setup.place_every_s, "place")
@@ -213,7 +308,9 @@ class SharedPool:
         touched = set()
         for victim in self.rng.sample(live, max(0, len(live) - count)):
             run = self.owner.get(victim.name)
-            if run is None:
+            if victim.name in self.workers:
+                touched |= self.take_back(self.workers[victim.name])
+            elif run is None:
                 victim.state, victim.gone_s = "gone", self.clock.now
                 self.counts.preempted_unplaced += 1
             else:
@@ -223,23 +320,80 @@ class SharedPool:
 
     def start_instance(self) -> None:
         name = f"spot-{len(self.pool)}"
-        profile = self.sc.spot_engine
-        engine = SimEngine(profile, verify_step(profile, self.sc.tail.speculation))
-        price = self.sc.cloud.spot_instance_per_h
-        self.pool[name] = Instance(name, "preemptible", engine, price, self.clock.now)
-        if self.setup.runs == 1:  # one run: every instance is its, from the start
-            self.join(self.pool[name], 0)
+        price, profile = self.sc.cloud.spot_instance_per_h, self.profile
+        if self.setup.serve == "all":  # a lane in every run's fleet, from the start
+            worker = new_worker(
+                len(self.pool),
+                profile,
+                self.sc.tail.speculation,
+                price,
+                self.clock.now,
+                len(self.sims),
+            )
+            self.workers[name], self.pool[name] = worker, worker.instance
+            for sim, lane in zip(self.sims, worker.lanes, strict=True):
+                sim.fleet.instances[name] = lane
+        else:
+            engine = SimEngine(profile, verify_step(profile, self.sc.tail.speculation))
+            self.pool[name] = Instance(name, "preemptible", engine, price, self.clock.now)
+            if self.setup.runs == 1:  # one run: every instance is its, from the start
+                self.join(self.pool[name], 0)
         self.clock.at(self.clock.now + self.sc.cloud.startup_s, "booted", name)
 
     def on_booted(self, name: str) -> set[int]:
         """A booted instance pulls the weights of the run it serves; with several runs, the
-        next placement gives it one (placed first: it holds nothing)."""
+        next placement gives it one (placed first: it holds nothing). Serving every run: the
+        base and its base run's adapter first (`on_based` then pulls the others')."""
         inst = self.pool[name]
+        if name in self.workers:
+            return self.boot_worker(self.workers[name])
         run = self.owner.get(name)
         if inst.state != "booting" or run is None:
             return set()
         self.sims[run].fleet.pull(inst)
         return {run}
+
+    def boot_worker(self, worker: Worker) -> set[int]:
+        """A booted worker's lane of its base run pulls the base and that run's adapter from
+        that run's store; the other lanes wait for the base (`on_based`)."""
+        inst, run = worker.instance, worker.base_run
+        if inst.state != "booting":
+            return set()
+        inst.state = "up"
+        fleet = self.sims[run].fleet
+        before = fleet.totals.pull_s
+        fleet.pull(worker.lanes[run])
+        if len(self.sims) > 1:
+            self.clock.at(self.clock.now + fleet.totals.pull_s - before, "based", inst.name)
+        return {run}
+
+    def on_based(self, name: str) -> set[int]:
+        """The worker holds the base: every other lane pulls its run's adapter alone."""
+        worker = self.workers[name]
+        if worker.instance.state != "up":
+            return set()
+        touched = set()
+        for run, lane in enumerate(worker.lanes):
+            if lane.state == "booting":
+                lane.version = self.sims[run].clock.version  # (the base held: the adapter moves)
+                self.sims[run].fleet.pull(lane)
+                touched.add(run)
+        return touched
+
+    def take_back(self, worker: Worker) -> set[int]:
+        """The trace takes a worker back: every lane is preempted in its run (with a notice,
+        each releases what it holds)."""
+        inst, notice = worker.instance, self.sc.cloud.notice_s
+        noticed = notice > 0 and inst.state != "booting"
+        inst.state = "noticed" if noticed else "gone"
+        inst.gone_s = self.clock.now + (notice if noticed else 0.0)
+        self.counts.taken_back += 1
+        touched = set()
+        for run, lane in enumerate(worker.lanes):
+            if lane.state not in ("gone", "noticed"):
+                self.sims[run].fleet.preempt(lane)
+                touched.add(run)
+        return touched
 
     def join(self, inst: Instance, run: int) -> None:
         self.owner[inst.name] = run
@@ -278,7 +432,11 @@ class SharedPool:
 
     def place_fleet(self) -> set[int]:
         """The coordinator's placement once: `allot` the pool's slots to the runs' claims,
-        `place` every placeable instance; those placed on another run switch to it."""
+        `place` every placeable instance; those placed on another run switch to it. Serving
+        every run at once, nothing moves: each lane's part is set (`allot_parts`)."""
+        if self.setup.serve == "all":
+            self.allot_parts()
+            return set()
         instances = self.placeable()
         slots = {i.name: self.slots_of(i) for i in instances}
         allotted = allot(sum(slots.values()), self.claims())
@@ -294,6 +452,23 @@ class SharedPool:
             else:
                 inst.paused = True  # draining: it reads no more of its run's jobs
         return touched
+
+    def allot_parts(self) -> None:
+        """Serve "all": the coordinator's allotment over the workers up (each run wanting at
+        least what its lanes hold, `placement.held_floor`), and each lane's part of its worker
+        (`worker_part`: the run's share of the fleet's slots, of the worker's, at least its
+        weighted part of them: 1/K, every share 1), which its reads stop at."""
+        up = [w for w in self.workers.values() if w.instance.state == "up"]
+        slots = {w.instance.name: self.slots_of(w.instance) for w in up}
+        fleet = sum(slots.values())
+        held = [sum(w.lanes[r].engine.batch for w in up) for r in range(len(self.sims))]
+        claims = [replace(c, wanted=max(c.wanted, held[r])) for r, c in enumerate(self.claims())]
+        allotted = allot(fleet, claims)
+        floor = 1 / len(self.sims)
+        for w in up:
+            mine = slots[w.instance.name]
+            for r, lane in enumerate(w.lanes):
+                lane.part = worker_part(allotted[str(r)], fleet, mine, floor)
 
     def slots_of(self, inst: Instance) -> int:
         if self.setup.slots == "plateau":
@@ -311,13 +486,16 @@ class SharedPool:
         weights of `run`."""
         touched = {run}
         left = self.owner.get(inst.name)
+        if self.sc.transfer.adapter_share is None:
+            inst.version = None  # another run's weights: a whole pull
+        # (LoRA runs on one base: it keeps the base and pulls the new run's adapter)
         if left is not None:
             source = self.sims[left]
             source.requests.release(inst, len(inst.engine.running), "balance")
             del source.fleet.instances[inst.name]
             self.counts.switches += 1
             touched.add(left)
-        inst.version, inst.paused = None, False
+        inst.paused = False
         self.join(inst, run)
         fleet = self.sims[run].fleet
         before = fleet.totals.pull_s
@@ -342,9 +520,9 @@ def pool_figures(pool: list[Instance], end_s: float, startup_s: float) -> dict:
     }
 
 
-def summarize_runs(sims: list[Simulation], pool: list[Instance], end_s: float) -> dict:
+def summarize_runs(sims: Sequence[LaterStart], pool: list[Instance], end_s: float) -> dict:
     """K runs over `end_s` seconds: every run's trained tokens, the reserved nodes' and the
-    pool's bill over the same time, and each run's step count and mean step."""
+    pool's bill over the same time, and each run's start, step count and mean step."""
     sc = sims[0].sc
     nodes = sum(sim.system.reserved_nodes for sim in sims)
     figures = pool_figures(pool, end_s, sc.cloud.startup_s)
@@ -358,8 +536,12 @@ def summarize_runs(sims: list[Simulation], pool: list[Instance], end_s: float) -
         "cost_per_h": cost / hours if hours else 0.0,
         "steps": steps,
         "mean_step_s": [
-            sim.records[-1].end_s / len(sim.records) if sim.records else None for sim in sims
+            (sim.records[-1].end_s - sim.records[0].start_s) / len(sim.records)
+            if sim.records
+            else None
+            for sim in sims
         ],
+        "first_step_s": [sim.start_s for sim in sims],
         "tokens_trained": trained,
         "tokens_generated": sum(sim.totals.generated for sim in sims),
         "tokens_lost": sum(sim.totals.lost for sim in sims),
@@ -368,6 +550,15 @@ def summarize_runs(sims: list[Simulation], pool: list[Instance], end_s: float) -
         "reserved_nodes": nodes,
         **figures,
     }
+
+
+def several_runs_frac(shared: SharedPool) -> float | None:
+    """Of the shared pool's busy instance-seconds, the share in which an instance's one batch
+    held requests of two runs or more (None: no instance serves several)."""
+    busy = sum(w.engine.busy_s for w in shared.workers.values())
+    if not busy:
+        return None
+    return sum(w.engine.several_s for w in shared.workers.values()) / busy
 
 
 def compare_many_runs(
@@ -393,7 +584,11 @@ def compare_many_runs(
         # the share of the pool's up time spent pulling another run's weights (idle in it)
         "switch_frac": shared.counts.switch_pull_s / up_s if up_s else None,
         "preempted_unplaced": shared.counts.preempted_unplaced,
+        # serve "all": the share of the pool's busy seconds with two runs or more in a batch
+        "several_runs_frac": several_runs_frac(shared),
     }
+    if setup.serve == "all":  # an instance taken back once, not once a lane
+        out_shared["preemptions"] = shared.counts.taken_back
     return {
         "runs": setup.runs,
         "shared": out_shared,
