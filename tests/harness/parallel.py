@@ -9,6 +9,7 @@ workers, which collect the tests, to the controller, which prints the report.
 """
 
 import json
+import os
 from pathlib import Path
 
 DOCKER_FOLDERS = {"compose", "swarm"}
@@ -25,8 +26,13 @@ def group_of(path: Path, tests_root: Path) -> str:
 
 
 def write_groups(folder: str, worker: str, groups: dict[str, str | None]) -> None:
-    """A worker's skip groups by node id, for the controller to read."""
-    Path(folder, GROUPS_FILE.format(worker=worker)).write_text(json.dumps(groups))
+    """A worker's skip groups by node id, for the controller to read: written whole or not at
+    all (a rename), since the controller reads every worker's file when the first of them has
+    collected, maybe while another writes its own (a file over 128 KiB is written in parts)."""
+    path = Path(folder, GROUPS_FILE.format(worker=worker))
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(json.dumps(groups))
+    os.replace(part, path)
 
 
 def read_groups(folder: str) -> dict[str, str | None]:
