@@ -31,7 +31,7 @@ PURE_OUTSIDE_CORE = (
     *("services.infra.retry", "services.infra.figures", "services.infra.settings"),
     *("services.infra.rate_limit", "services.infra.traces", "services.rollout.delta_buffer"),
     *("services.rollout.grace", "services.rollout.cloud_notice", "services.rollout.drafts"),
-    *("services.cli.scale_decision",),
+    *("services.cli.scale_decision", "services.infra.sentinel_url"),
 )
 
 
