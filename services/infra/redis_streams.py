@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import StreamRangeResponse, XReadGroupResponse, XReadResponse
 
 from services.contracts.messages import FIELD, MalformedMessage, Message
+from services.infra.redis_failover import connect_sentinel, parse_sentinel_url
 from services.infra.retry import brief, retry
 
 log = logging.getLogger(__name__)
@@ -67,21 +68,20 @@ def connect(
     `retry_once`: a command whose connection turns out dead (Redis restarted since it was last
     used) is sent once more on a new one, for a pool used now and then (an API's writes).
     `ca_file`: a rediss:// server's certificate is verified against this CA (the setting
-    `tls_ca_file`); a redis:// URL ignores it."""
-    tls = tls_args(url, ca_file)
+    `tls_ca_file`); a redis:// URL ignores it. A redis+sentinel:// URL gives a client of the
+    primary its Sentinels point at, which follows a failover (`redis_failover`)."""
     if fail_fast:
-        return aioredis.from_url(
-            url,
-            decode_responses=False,
-            retry=Retry(NoBackoff(), 0),
-            socket_connect_timeout=1.0,
-            socket_timeout=5.0,
-            **tls,
-        )
-    retry = Retry(NoBackoff(), 1) if retry_once else None
-    return aioredis.from_url(
-        url, decode_responses=False, health_check_interval=10, retry=retry, **tls
-    )
+        args: dict = {
+            "retry": Retry(NoBackoff(), 0),
+            "socket_connect_timeout": 1.0,
+            "socket_timeout": 5.0,
+        }
+    else:
+        args = {"health_check_interval": 10, "retry": Retry(NoBackoff(), 1) if retry_once else None}
+    sentinel = parse_sentinel_url(url)
+    if sentinel is not None:
+        return connect_sentinel(sentinel, ca_file, decode_responses=False, **args)
+    return aioredis.from_url(url, decode_responses=False, **args, **tls_args(url, ca_file))
 
 
 def tls_args(url: str, ca_file: Path | str | None) -> dict[str, str]:
