@@ -156,3 +156,7 @@ class StepMeta(HashRecord, kw_only=True):
 
     queued: int = 0  # 1 once the shard's jobs of the step are on their stream
     started_at: float | None = None  # when the step started, unix s
+    # the Redis primary (host:port, as Sentinel names it) the step's state was written on:
+    # with its first jobs, and again once every unfinished request moved on after a failover;
+    # "" with a plain Redis URL
+    primary: str = ""

@@ -142,6 +142,9 @@ class Effects:
     recalled: bool = False  # the reserved pool is called back to the step
     resumed: int = 0  # reserved workers told to resume (for the log)
     released: dict[str, int] = field(default_factory=dict)  # release orders (for the log)
+    # the Redis primary the step's state is written on from now on, recorded with it (None:
+    # nothing to record): a step restored on another one moved every request on
+    primary: str | None = None
 
     def merge(self, other: "Effects") -> "Effects":
         """This value and `other` (the answers to its turns, or a reclaim), decided after it,
@@ -172,6 +175,7 @@ class Effects:
             or self.orders
             or self.read_cap is not None
             or self.seed_end is not None
+            or self.primary is not None
         )
 
 
@@ -283,18 +287,25 @@ class StepController:
         now: float,
         queued_at: float | None = None,
         seed_done: bool = False,
+        primary: str = "",
+        written_on: str = "",
     ) -> Effects:
         """The step is opened at `started` (monotonic) with these alive workers: queued now
         (`queued_at`, unix s: its first jobs, and on the leader with fair reads the read cap,
         so that the first worker to hold the version never reads more than its share) or
-        restored (None). `seed_done` when its seeding window was over before a restart."""
+        restored (None). `seed_done` when its seeding window was over before a restart.
+        `primary`: the Redis primary written on now ("" for a plain Redis); `written_on`: the
+        one a restored step's state was written on (`_failed_over` where they differ)."""
         workers = {w: v for w, b in beats.items() if (v := b.serving(self.run_id)) is not None}
         self.pools, self.started = pools_of(workers), started
         out = Effects(queued_at=queued_at)
         if queued_at is not None:
             out.jobs = self.table.initial_jobs()
+            out.primary = primary or None
         else:
             self._restored(out)
+            if written_on != primary:
+                self._failed_over(out, primary)
         if self.lead is None:
             return out
         self.window_s = self.lead.window(self.pools, self.staleness)
@@ -321,6 +332,19 @@ class StepController:
             out.rows, out.episodes, out.turns = set(awaiting), set(awaiting), awaiting
             return
         out.score = [rid for rid, req in table.requests.items() if req.done]
+
+    def _failed_over(self, out: Effects, primary: str) -> None:
+        """Restored from another Redis primary than the one the step's state was written on:
+        a failover, and replication is asynchronous, so this one may lack the old one's last
+        writes (tokens stored, jobs handed out, leases moved). Every unfinished request moves
+        to a new lease, continuing from the tokens this primary holds: whatever a worker made
+        of a job or a lease that was lost is fenced off (its deltas carry an old lease)."""
+        table = self.table
+        moved = [job for rid in table.unfinished() if (job := table.migrate(rid, "failover"))]
+        out.rows |= {job.request_id for job in moved}
+        out.jobs.extend(moved)
+        out.migrated["failover"] = len(moved)
+        out.primary = primary
 
     # -- a read of deltas, its scores, the environment's answers --------------------------
 

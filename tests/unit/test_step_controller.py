@@ -273,3 +273,27 @@ def test_a_worker_serving_several_runs_counts_for_each_with_that_runs_load():
     c.seeded_out = True
     out = tick(c, 0.0, 6, beats, {"p-1": 6}, 6)  # it holds the step's version: balanced
     assert out.released == {"p-1": 3}
+
+
+def test_a_step_restored_on_another_redis_primary_moves_every_unfinished_request_on():
+    """A failover: the new primary may lack the old one's last writes, so every unfinished
+    request continues under a new lease (and grant) from the tokens it holds; the finished stay,
+    and the step is recorded as written on the new primary."""
+    c = control()
+    done = c.table.requests["2:0:0"]
+    done.token_ids, done.finish_reason = [5, 6], "stop"
+    c.table.unfinished_count -= 1
+    held = c.table.requests["2:1:0"]
+    held.token_ids, grant = [7], held.grant
+    out = c.open({}, 0.0, 0.0, primary="10.0.0.2:6379", written_on="10.0.0.1:6379")
+    assert out.migrated == {"failover": 15} and out.primary == "10.0.0.2:6379"
+    assert {job.request_id for job in out.jobs} == out.rows and "2:0:0" not in out.rows
+    assert held.lease == 1 and held.grant != grant
+    job = next(j for j in out.jobs if j.request_id == "2:1:0")
+    assert job.lease == 1 and job.prefix_ids == [7]
+    # restored where it was written, or queued now: nothing moves
+    same = control().open({}, 0.0, 0.0, primary="10.0.0.1:6379", written_on="10.0.0.1:6379")
+    assert same.migrated == {} and same.jobs == [] and same.primary is None
+    queued = control().open({}, 0.0, 0.0, queued_at=1.0, primary="10.0.0.1:6379")
+    assert queued.primary == "10.0.0.1:6379" and "failover" not in queued.migrated
+    assert control().open({}, 0.0, 0.0, queued_at=1.0).primary is None  # a plain Redis URL

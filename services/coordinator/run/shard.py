@@ -46,6 +46,7 @@ from services.infra.cancel import cancel_and_wait
 from services.infra.child_process import ChildProcess, handed_settings, tie_to_parent
 from services.infra.http_limits import clip
 from services.infra.logs import setup_logging
+from services.infra.redis_failover import RedisFailedOver, fenced
 from services.infra.redis_streams import connect, with_reconnect
 from services.infra.retry import brief
 from services.state import run_record
@@ -63,14 +64,20 @@ async def drive(
     """Drive shard `shard` of the run once: True when the run is over for it (it succeeded,
     failed, or ended under its step loop), False when Redis went away mid-step (or refused a
     write at its memory limit): everything that landed is in Redis, each batch whole or not at
-    all, and the caller drives it again once Redis is back."""
+    all, and the caller drives it again once Redis is back. Also False after a Redis failover
+    (`RedisFailedOver`): what the loop held may be ahead of the new primary, which the next
+    drive starts again from."""
     try:
-        spec = await store.spec(run_id)
-        shards = spec.rollout.coordinator_shards
-        async with contextlib.AsyncExitStack() as stack:
-            if shard == 0 and shards > 1:  # the other shards live as long as shard 0's loop
-                await stack.enter_async_context(ShardProcesses(run_id, shards, settings))
-            await build_loop(store.r, run_id, spec, settings, shard).run()
+        with fenced(store.r):
+            spec = await store.spec(run_id)
+            shards = spec.rollout.coordinator_shards
+            async with contextlib.AsyncExitStack() as stack:
+                if shard == 0 and shards > 1:  # the other shards live as long as shard 0's loop
+                    await stack.enter_async_context(ShardProcesses(run_id, shards, settings))
+                await build_loop(store.r, run_id, spec, settings, shard).run()
+    except RedisFailedOver as exc:
+        log.warning("run %s shard %d: %s; resuming from what it holds", run_id, shard, exc)
+        return False
     except RunStopped as exc:
         log.info("run %s stopped (shard %d): %s", run_id, shard, exc)
         if shard == 0:

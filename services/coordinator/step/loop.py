@@ -55,6 +55,7 @@ from services.core.episodes import EpisodeTable
 from services.core.request_table import RequestTable
 from services.core.step_controller import StepController
 from services.infra.cancel import cancel_and_wait
+from services.infra.redis_failover import primary_of
 from services.infra.redis_streams import ensure_group, with_reconnect
 from services.state import run_record, timeline
 from services.state.run_state import ensure_live, wait_for_version
@@ -292,7 +293,21 @@ class StepLoop:
         queued_at = time.time() if began is None else None
         # time of the step so far, on this process's monotonic clock
         started = time.monotonic() - max(0.0, time.time() - (began or queued_at or 0.0))
-        effects = live.control.open(beats, started, time.monotonic(), queued_at, seed_done)
+        # the primary this loop writes on (its fence: `run.shard.drive`) and, for a step
+        # restored, the one its state was written on
+        primary, written_on = primary_of(self.r) or "", live.store.written_on
+        effects = live.control.open(
+            beats, started, time.monotonic(), queued_at, seed_done, primary, written_on
+        )
+        if effects.migrated.get("failover"):
+            log.warning(
+                "step %d: restored from redis primary %s, written on %s: %d requests move on "
+                "from the tokens it holds",
+                live.table.step,
+                primary or "(plain url)",
+                written_on or "(plain url)",
+                effects.migrated["failover"],
+            )
         await self.collector.settle([(live, effects)])
         self._say_opened(live.control)
         return live

@@ -185,12 +185,14 @@ class StepStore:
         self.saved_state: dict[str, str] = {}
         self.expiring: set[str] = set()  # the keys given their TTL
         self._lease_of: dict[str, int] = {}  # each request's lease when its state was staged
+        self.written_on = ""  # the Redis primary a restored step was written on (StepMeta)
 
     async def restore(self, table: RequestTable) -> float | None:
         """Load a step begun earlier into `table`; its start time, or None for a new step."""
         meta = StepMeta.from_hash(await self.r.hgetall(self.meta), self.meta)
         if meta.started_at is None:
             return None
+        self.written_on = meta.primary
         # our connections answer bytes (redis-py types a reply bytes | str)
         states = cast(dict[bytes, bytes], await self.r.hgetall(self.state))
         arrays: dict = {}
@@ -354,6 +356,8 @@ class StepStore:
             self.stage_queued(pipe, table, effects.queued_at)
         else:
             self.stage_requests(pipe, table, effects.rows)
+        if effects.primary is not None:
+            pipe.hset(self.meta, "primary", effects.primary)
         if effects.episodes and isinstance(table, EpisodeTable):
             self.stage_episodes(pipe, table, effects.episodes)
         for job in effects.jobs:
