@@ -87,6 +87,23 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
         return Checkpoint(step, final)
 
+    def discard_after(self, step: int) -> Checkpoint | None:
+        """Remove the checkpoints of steps after `step` (their state is ahead of what the run
+        holds); LATEST names the newest one left. That one, or None."""
+        kept = []
+        for folder in sorted(self.root.glob("step-*")):
+            if int(folder.name.removeprefix("step-")) > step:
+                shutil.rmtree(folder, ignore_errors=True)
+            elif (folder / META_FILE).is_file():
+                kept.append(folder.name)
+        if kept:
+            pointer = self.root / ".LATEST.partial"
+            pointer.write_text(kept[-1])
+            os.replace(pointer, self.root / "LATEST")
+        else:
+            (self.root / "LATEST").unlink(missing_ok=True)
+        return self.latest()
+
     def _partial(self, step: int) -> Path:
         return self.root / f".{_name(step)}.partial"
 

@@ -24,6 +24,7 @@ from services.contracts.messages import Group
 from services.contracts.runspec import RunSpec
 from services.infra.cancel import cancel_and_wait
 from services.infra.compute import compute
+from services.infra.redis_failover import RedisFailedOver, fenced
 from services.infra.redis_streams import StreamConsumer, ensure_group, with_reconnect
 from services.state import run_record, trainer_pool
 from services.state.run_state import RunStopped, active_runs
@@ -69,7 +70,13 @@ class TrainerLoop:
             ca_file=settings.tls_ca_file,
             deltas=settings.weight_deltas,
         )
-        self.versions = VersionPublisher(r, self.weights, settings.work_dir)
+        self.versions = VersionPublisher(
+            r,
+            self.weights,
+            settings.work_dir,
+            settings.redis_wait_replicas,
+            settings.redis_wait_timeout_ms,
+        )
         self.between_runs: dict = {"run_id": None, "step": None, "state": "idle"}
         self.run: RunTrainer | None = None  # the run being trained, or the last one
         self.trainer_id = settings.trainer_id
@@ -94,9 +101,13 @@ class TrainerLoop:
                 partial(trainer_pool.beat, self.r, self.trainer_id, run_id), "beat"
             )
             try:
-                await self.train_holding(run_id)
+                with fenced(self.r):  # what a run's trainer holds is of one Redis primary
+                    await self.train_holding(run_id)
             except RunStopped as exc:
                 log.info("run %s stopped: %s", run_id, exc)
+            except RedisFailedOver as exc:
+                log.warning("run %s: %s; resuming it from what the new one holds", run_id, exc)
+                continue  # taken again (this trainer holds its lease) and resumed
             finally:
                 self.training = None
             await self.wait_moved_on(run_id)

@@ -27,7 +27,7 @@ from services.infra.redis_streams import Read, StreamConsumer, decode_or_park
 from services.state import ledger, trainer_state
 from services.state.run_state import committed_version, ensure_live, wait_announced
 from services.state.step_metrics import StepRow, record_step
-from services.trainer.checkpoint import BackgroundWriter, Checkpoints, due
+from services.trainer.checkpoint import BackgroundWriter, Checkpoint, Checkpoints, due
 from services.trainer.intake import StepIntake
 from services.trainer.protocol import ScheduledPolicy, TrainablePolicy
 from services.trainer.publishing import StepPublisher
@@ -121,7 +121,7 @@ class RunTrainer:
         """A run already under way: continue from the newest checkpoint and the announced
         version; the step to train next."""
         run_id, policy = self.run_id, self.policy
-        ckpt = self.ckpts.latest()
+        ckpt = await self._checkpoint_within(version)
         if ckpt is not None:
             await compute(policy.restore, ckpt.folder)
         checkpointed = ckpt is not None and ckpt.step == version + 1
@@ -165,6 +165,30 @@ class RunTrainer:
         else:
             log.info("run %s: resumed at step %d from its checkpoint", run_id, version)
         return version
+
+    async def _checkpoint_within(self, version: int) -> Checkpoint | None:
+        """The newest checkpoint of a state the run in Redis can be at: at most the committed
+        `version`, or the one after it where Redis holds the ledger of the step that made it
+        (the trainer stopped between its checkpoint and the announcement). A newer one is of
+        groups a Redis failover lost (the new primary lacked the old one's last writes): it is
+        discarded, and the step is trained again from what Redis holds."""
+        ckpt = self.ckpts.latest()
+        if ckpt is None or ckpt.step <= version:
+            return ckpt
+        step_kept = await self.r.hexists(keys.run_trained(self.run_id), str(version))
+        if ckpt.step == version + 1 and step_kept:
+            return ckpt
+        kept = self.ckpts.discard_after(version)
+        log.warning(
+            "run %s: the checkpoint of version %d is ahead of what Redis holds (version %d "
+            "committed%s): discarded, training from %s",
+            self.run_id,
+            ckpt.step,
+            version,
+            "" if step_kept else f", no record of step {version}",
+            "the store's weights" if kept is None else f"the checkpoint of {kept.step}",
+        )
+        return kept
 
     async def _ack_pending(self, version: int) -> None:
         """Retire the groups read before the crash of steps up to `version` (trained into the

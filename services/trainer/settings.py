@@ -43,6 +43,22 @@ class TrainerSettings(CommonSettings):
         description="Also checkpoint once this many seconds passed since the last checkpoint.",
     )
     keep_checkpoints: int = Field(2, ge=1, le=100, description="Newest checkpoints kept.")
+    redis_wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Before a version's weights go to the store, wait (Redis WAIT) until this "
+        "many replicas hold its digest and everything written before it (the step's groups "
+        "and ledger), so that a failover cannot lose what the version was trained on: 1 with "
+        "a replica and Sentinel; 0: no wait (a plain Redis).",
+    )
+    redis_wait_timeout_ms: int = Field(
+        1000,
+        ge=1,
+        le=60_000,
+        description="The longest that wait lasts; fewer replicas by then is logged and counted "
+        "(spotrl_redis_wait_short_total), and the commit goes on.",
+    )
     rollouts_dir: Path | None = Field(
         None,
         description="Write every step's trained groups (prompt, responses, token ids, logprobs, "

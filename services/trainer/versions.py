@@ -19,6 +19,7 @@ from prometheus_client import Gauge
 
 from services.contracts import keys
 from services.infra.compute import compute
+from services.infra.redis_failover import ReplicaWait
 from services.infra.redis_streams import text
 from services.infra.retry import retry
 from services.state import run_record
@@ -44,8 +45,17 @@ async def fail_run(r: aioredis.Redis, run_id: str, reason: str) -> NoReturn:
 class VersionPublisher:
     """Commits, announces and takes the weight versions of the runs one trainer trains."""
 
-    def __init__(self, r: aioredis.Redis, weights: WeightClient, work_dir: Path) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        weights: WeightClient,
+        work_dir: Path,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
         self.r, self.weights, self.work_dir = r, weights, work_dir
+        # the replicas that hold a version's digest before its weights go to the store
+        self.replicated = ReplicaWait(wait_replicas, wait_timeout_ms)
         self.committed: tuple[int, str] | None = None  # (version, digest) of the newest commit
         self.manifest: Manifest | None = None  # what the store answered that commit with
         self.keeps_base = False  # whether the newest commit is an adapter of version 0 (LoRA)
@@ -73,7 +83,13 @@ class VersionPublisher:
             self.committed, self.manifest = (version, earlier), None
             log.warning("run %s: version %d was already committed; took it", run_id, version)
             return time.monotonic() - t0
-        await self.r.hset(keys.run_digests(run_id), version, local.digest)
+        # on the replicas before the store has it: a failover then keeps the digest, the
+        # step's ledger and the groups it trained on (all written before it)
+        await self.replicated.write(
+            self.r,
+            lambda pipe: pipe.hset(keys.run_digests(run_id), version, local.digest),
+            f"run {run_id}: digest of v{version}",
+        )
 
         async def upload() -> WeightConflict | Manifest:
             """One attempt; a conflict is returned, not raised: trying again cannot fix it."""

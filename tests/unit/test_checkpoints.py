@@ -26,6 +26,18 @@ def test_latest_names_only_whole_checkpoints(tmp_path):
     assert ckpts.latest().step == 3
 
 
+def test_checkpoints_ahead_of_the_run_are_discarded(tmp_path):
+    """After a Redis failover that lost a step, the checkpoints after the committed version go
+    and LATEST names the newest one left (or nothing)."""
+    ckpts = Checkpoints(tmp_path, keep=3)
+    for step in (1, 2, 3):
+        ckpts.save(step, snapshot({"w": torch.zeros(1)}), {})
+    assert ckpts.discard_after(3).step == 3
+    assert ckpts.discard_after(1).step == 1 and ckpts.latest().step == 1
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001"]
+    assert ckpts.discard_after(0) is None and ckpts.latest() is None
+
+
 def test_policy_state_round_trips(tmp_path, tiny_model):
     from services.contracts.runspec import RunSpec
     from services.trainer.policy import Policy
