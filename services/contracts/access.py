@@ -179,6 +179,8 @@ _TABLE: dict[str, tuple[str, str, bool]] = {
     "worker_crash": ("cR", "cw", True),
     "worker_leaving": ("cR", "cw", True),
     "WORKER_KEYS": ("c", "c", False),  # the workers' signing keys: no reader sees them
+    "WORKER_USERS": ("c", "c", False),  # their users' password hashes: the coordinator's alone
+    "WORKER_USERS_ON": ("c", "c", False),
 }
 
 

@@ -258,6 +258,12 @@ WORKER_INDEX = f"{PREFIX}:workers"  # set of worker ids ever registered
 # Hash: worker id -> the key (hex) its delta batches are signed with, given to it at
 # registration; the coordinator's alone (no other role's Redis user may read it).
 WORKER_KEYS = f"{PREFIX}:workers:keys"
+# Hash: worker id -> the SHA-256 (hex) of its Redis user's password, written as the user is
+# minted: Redis replicates data, not users, so a replica promoted by a failover lacks the users
+# minted on the old primary until the coordinator makes them again from here.
+WORKER_USERS = f"{PREFIX}:workers:users"
+# String: the Redis primary (host:port, Sentinel's) the users of WORKER_USERS were made on last
+WORKER_USERS_ON = f"{PREFIX}:workers:users:primary"
 
 
 def worker(worker_id: str) -> str:

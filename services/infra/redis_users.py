@@ -1,6 +1,11 @@
 """Redis users, carried out: the ACL file a deployment's Redis loads, and the user of each
 rollout worker, minted by the coordinator when the worker registers and dropped when it goes.
 
+Redis replicates data, not users: a replica promoted by a failover knows the users of its own
+ACL file (the roles', the same file as the primary's) and none minted on the old primary. Each
+worker user's password hash is kept in Redis data too (`keys.WORKER_USERS`, replicated), and
+`restore_worker_users` makes the users again from it on a new primary.
+
 What each user may do is decided in `services.contracts.access`; this module only writes it
 down (a file, ACL SETUSER / DELUSER, ACL SAVE) and puts credentials into Redis URLs.
 """
@@ -10,12 +15,14 @@ import re
 import secrets
 import subprocess
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from services.contracts import access
+from services.contracts import access, keys
+from services.infra.redis_streams import text
 
 log = logging.getLogger(__name__)
 PASSWORD_BYTES = 32
@@ -71,6 +78,7 @@ async def mint_worker_user(r: aioredis.Redis, worker_id: str) -> tuple[str, str]
     password = secrets.token_hex(PASSWORD_BYTES)
     rules = access.worker_rules(worker_id, await server_major(r))
     await r.execute_command("ACL", "SETUSER", username, "reset", "on", f">{password}", *rules)
+    await r.hset(keys.WORKER_USERS, worker_id, access.password_hash(password))
     await _save(r)
     log.info("redis user %s minted", username)
     return username, password
@@ -80,10 +88,32 @@ async def drop_worker_user(r: aioredis.Redis, worker_id: str) -> bool:
     """Delete worker `worker_id`'s user (Redis closes its connections); whether it had one."""
     username = access.worker_user(worker_id)
     deleted = await r.execute_command("ACL", "DELUSER", username)
+    await r.hdel(keys.WORKER_USERS, worker_id)
     await _save(r)
     if deleted:
         log.info("redis user %s dropped", username)
     return bool(deleted)
+
+
+async def restore_worker_users(r: aioredis.Redis, primary: str) -> int | None:
+    """Make the workers' users of `keys.WORKER_USERS` on `primary` (the one `r` writes to),
+    unless they were made there last (`keys.WORKER_USERS_ON`): after a failover, a worker logs
+    in again with the password it was given. How many it made, or None when none needed."""
+    if text(await r.get(keys.WORKER_USERS_ON)) == primary:
+        return None
+    users = cast(dict[bytes, bytes], await r.hgetall(keys.WORKER_USERS))
+    major = await server_major(r)
+    for raw_id, digest in users.items():
+        worker_id = raw_id.decode()
+        rules = access.worker_rules(worker_id, major)
+        username = access.worker_user(worker_id)
+        await r.execute_command(
+            "ACL", "SETUSER", username, "reset", "on", f"#{digest.decode()}", *rules
+        )
+    if users:
+        await _save(r)
+    await r.set(keys.WORKER_USERS_ON, primary)
+    return len(users)
 
 
 def credential_url(base_url: str, username: str, password: str) -> str:

@@ -357,6 +357,34 @@ def test_a_renewed_or_dropped_worker_user_loses_its_old_password(server):
         gone.ping()
 
 
+def test_worker_users_are_made_again_on_a_primary_that_lacks_them(server):
+    """Redis replicates data, not users: on a primary that lacks a worker's user (a replica
+    promoted by a failover; here the user deleted by hand), the coordinator makes it again from
+    the replicated password hash, and the worker logs in with the password it was given; once
+    per primary."""
+    url, passwords = server
+    username, password = mint(url, passwords, "w5")
+    with as_admin(server) as admin:
+        admin.execute_command("ACL", "DELUSER", username)
+    lost = redis.Redis.from_url(redis_users.credential_url(url, username, password))
+    with lost, pytest.raises(AuthenticationError):
+        lost.ping()
+
+    async def restore(primary: str) -> int | None:
+        r = aioredis.from_url(redis_users.role_url(url, "coordinator", passwords["coordinator"]))
+        try:
+            return await redis_users.restore_worker_users(r, primary)
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(restore("10.0.0.2:6379")) >= 1
+    assert asyncio.run(restore("10.0.0.2:6379")) is None  # made on that primary already
+    with redis.Redis.from_url(redis_users.credential_url(url, username, password)) as w:
+        w.set(keys.worker_heartbeat("w5"), "beat")
+        with pytest.raises(NoPermissionError):  # the worker's rules, nothing more
+            w.get(keys.worker_heartbeat("w6"))
+
+
 def test_minted_users_are_saved_to_the_acl_file(tmp_path):
     with acl_redis(tmp_path) as (url, passwords):
         mint(url, passwords, "w9")

@@ -21,7 +21,9 @@ from redis.exceptions import ResponseError
 from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.coordinator.workers.fleet import forget_gone_workers, heartbeats
+from services.infra.redis_failover import primary_of
 from services.infra.redis_streams import text, with_reconnect
+from services.infra.redis_users import restore_worker_users
 from services.state import timeline
 from services.state.redis_figures import MIB, RedisMemory, run_streams, stream_lengths
 from services.state.run_state import active_run, committed_version
@@ -158,6 +160,7 @@ class Observer:
 
     async def once(self) -> None:
         active = await active_run(self.r)
+        await self._users_on_primary()
         version = await committed_version(self.r, active) if active else None
         beats = await heartbeats(self.r)
         changes = self.tracker.update(beats)
@@ -191,6 +194,16 @@ class Observer:
                 "streams": lengths,
             }
             await timeline.sample_pool(self.r, active, sample)
+
+    async def _users_on_primary(self) -> None:
+        """Where the coordinator mints workers' users: make them on a new primary (a failover:
+        they are not replicated), so that each worker logs in again as it was told."""
+        primary = primary_of(self.r)
+        if not self.drop_worker_users or primary is None:
+            return
+        made = await restore_worker_users(self.r, primary)
+        if made is not None:
+            log.warning("redis primary %s: made the %d workers' users again", primary, made)
 
     async def _joins_and_leaves(
         self, changes: Changes, beats: dict[str, Heartbeat], active: str | None
