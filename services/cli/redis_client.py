@@ -6,7 +6,8 @@ from pathlib import Path
 
 import redis
 
-from services.infra.redis_failover import open_sentinel, parse_sentinel_url
+from services.infra.redis_failover import open_sentinel
+from services.infra.sentinel_url import parse_sentinel_url
 
 
 def open_redis(url: str, ca_file: Path | str | None = None, **kwargs) -> redis.Redis:

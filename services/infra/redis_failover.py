@@ -1,6 +1,6 @@
-"""Redis behind Sentinel: the URL that names Sentinels, the clients that follow the primary
-Sentinel points at, the fence that keeps a loop holding state read from one primary from
-writing it to the next, and the wait for a replica after a write that must survive a failover.
+"""Redis behind Sentinel: the clients that follow the primary Sentinel points at, the fence that
+keeps a loop holding state read from one primary from writing it to the next, and the wait for
+a replica after a write that must survive a failover.
 
 A failover (Sentinel promotes a replica once the primary is lost) looks like an outage to every
 service: commands fail until the promotion, then go to the new primary. Replication is
@@ -16,11 +16,8 @@ outage.
 It elects, promotes and watches nothing itself: Sentinel does. With a plain redis:// URL
 nothing here applies (a fence is a no-op, `primary_of` is None).
 
-    redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB]
-
-names the Sentinels and the service (Sentinel's master name); rediss+sentinel:// speaks TLS to
-the Sentinels and to the Redis nodes. The user and password are the Redis nodes'; the Sentinels
-are reached without credentials.
+Its URL, redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB], is parsed by
+`sentinel_url`.
 """
 
 import contextvars
@@ -30,7 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -38,8 +34,9 @@ from prometheus_client import Counter
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.sentinel import Sentinel as SyncSentinel
 
+from services.infra.sentinel_url import SentinelUrl
+
 log = logging.getLogger(__name__)
-SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 SENTINEL_TIMEOUT_S = 1.0  # a Sentinel that does not answer within this is skipped
 WAIT_SHORT = Counter(
     "spotrl_redis_wait_short_total",
@@ -52,49 +49,6 @@ class RedisFailedOver(Exception):
     lack the last writes the old primary acknowledged. What the loop holds in memory may be
     ahead of Redis: it starts again from what the new primary holds. Not a ConnectionError:
     retrying the command in place would write that state to the new primary."""
-
-
-@dataclass(frozen=True)
-class SentinelUrl:
-    sentinels: tuple[tuple[str, int], ...]
-    service: str  # Sentinel's name of the primary (`sentinel monitor NAME ...`)
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-
-
-def parse_sentinel_url(url: str) -> SentinelUrl | None:
-    """The Sentinels, service and database a redis+sentinel:// URL names; None for any other
-    URL. A ValueError says what is wrong with a malformed one (never quoting its password)."""
-    scheme = url.partition("://")[0].lower()
-    if scheme not in SCHEMES:
-        return None
-    parts = urlsplit(url)
-    credentials, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = credentials.partition(":")
-    sentinels = tuple(_host_port(h) for h in hosts.split(",") if h.strip())
-    path = [p for p in parts.path.split("/") if p]
-    if not sentinels or not 1 <= len(path) <= 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ValueError(
-            f"a {scheme}:// URL is {scheme}://[user:password@]host:port[,host:port...]"
-            "/SERVICE[/DB]: it names the Sentinels, the service and the database"
-        )
-    return SentinelUrl(
-        sentinels,
-        unquote(path[0]),
-        int(path[1]) if len(path) == 2 else 0,
-        unquote(username) or None,
-        unquote(password) if credentials and password else None,
-        SCHEMES[scheme],
-    )
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.strip().rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"a Sentinel is host:port, not {text.strip()!r}")
-    return host.strip("[]"), int(port)
 
 
 def _node_args(url: SentinelUrl, ca_file: Path | str | None) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import StreamRangeResponse, XReadGroupResponse, XReadResponse
 
 from services.contracts.messages import FIELD, MalformedMessage, Message
-from services.infra.redis_failover import connect_sentinel, parse_sentinel_url
+from services.infra.redis_failover import connect_sentinel
 from services.infra.retry import brief, retry
+from services.infra.sentinel_url import parse_sentinel_url
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)

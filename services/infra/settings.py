@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.infra.connection_limits import LOOPBACK, ConnectionLimits, parse_networks
 from services.infra.scopes import parse_accept
+from services.infra.sentinel_url import parse_sentinel_url
 
 
 def is_loopback(host: str) -> bool:
@@ -32,7 +33,13 @@ class CommonSettings(BaseSettings):
         env_prefix="SPOTRL_", extra="ignore", hide_input_in_errors=True
     )
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding all run state.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding all run state: redis:// (rediss:// over TLS), or "
+        "redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB] "
+        "(rediss+sentinel://) for the primary those Sentinels name, followed through a "
+        "failover (docs/reliability.md, Redis failover).",
+    )
     api_token: str | None = Field(
         None,
         description="The admin bearer token: accepted on every route. With it or "
@@ -158,6 +165,12 @@ class CommonSettings(BaseSettings):
     @classmethod
     def _empty_token_is_none(cls, value: str | None) -> str | None:
         return value or None
+
+    @field_validator("redis_url")
+    @classmethod
+    def _sentinel_url_parses(cls, value: str) -> str:
+        parse_sentinel_url(value)  # a ValueError says the form, never the password
+        return value
 
     @field_validator("accept_tokens")
     @classmethod

@@ -57,7 +57,8 @@ class TrainerSettings(CommonSettings):
         ge=1,
         le=60_000,
         description="The longest that wait lasts; fewer replicas by then is logged and counted "
-        "(spotrl_redis_wait_short_total), and the commit goes on.",
+        "(spotrl_redis_wait_short_total), and the commit goes on. While they stay away (the "
+        "last wait came back short) a wait lasts 50 ms at most.",
     )
     rollouts_dir: Path | None = Field(
         None,

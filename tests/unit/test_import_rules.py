@@ -32,6 +32,7 @@ PURE_OUTSIDE_CORE = (
     *("services.infra.rate_limit", "services.infra.traces", "services.rollout.delta_buffer"),
     *("services.rollout.grace", "services.rollout.cloud_notice", "services.rollout.drafts"),
     *("services.cli.scale_decision", "services.infra.connection_limits"),
+    *("services.infra.sentinel_url",),
 )
 
 

@@ -5,15 +5,9 @@ import asyncio
 
 import pytest
 
-from services.infra.redis_failover import (
-    FencedPool,
-    RedisFailedOver,
-    SentinelUrl,
-    fenced,
-    parse_sentinel_url,
-    primary_of,
-)
+from services.infra.redis_failover import FencedPool, RedisFailedOver, fenced, primary_of
 from services.infra.redis_streams import connect
+from services.infra.sentinel_url import SentinelUrl, parse_sentinel_url
 
 
 def test_a_sentinel_url_names_the_sentinels_the_service_and_the_database():
