@@ -230,12 +230,15 @@ def start_redis(
     *,
     aclfile: Path | None = None,
     tls: TlsFiles | None = None,
+    name: str = "redis",
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[Proc, str]:
     """A redis-server on 127.0.0.1; its URL (without credentials). With `maxmemory_mb`, it
     refuses writes past that much memory and never evicts a key (noeviction): spotrl's keys are
     never silently dropped. With `aclfile`, its users are that file's (ACL SAVE writes there).
     With `tls`, it answers TLS only (rediss://), on `port`, with that certificate; clients show
-    no certificate of their own (they authenticate as their user)."""
+    no certificate of their own (they authenticate as their user). `extra_args` go to
+    redis-server as they are (`--replicaof HOST PORT`: a replica); `name` names its log."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
@@ -254,8 +257,9 @@ def start_redis(
         f"{maxmemory_mb}mb",
         "--maxmemory-policy",
         "noeviction",
+        *extra_args,
     ]
-    proc = start("redis", args, {}, log_dir)
+    proc = start(name, args, {}, log_dir)
     url = f"{'rediss' if tls is not None else 'redis'}://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

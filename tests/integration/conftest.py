@@ -16,6 +16,7 @@ import redis
 
 from services.cli import procs
 from services.cli.client import CoordinatorClient
+from services.cli.redis_client import open_redis
 from services.contracts import keys
 from services.contracts.runspec import FINAL_STATES
 from services.coordinator.step.store import replay
@@ -134,7 +135,7 @@ def wait_final(client, deployment, run_id, timeout_s=240.0) -> dict:
 def redis_clients(url: str) -> str:
     """Redis's clients now, with the command each runs or is blocked in, and its clock."""
     try:
-        with redis.Redis.from_url(url, socket_timeout=5) as r:
+        with open_redis(url, socket_timeout=5) as r:
             seconds, micros = r.time()
             listing = r.execute_command("CLIENT LIST")
     except redis.RedisError as exc:

@@ -1,0 +1,118 @@
+"""A Redis failover mid-step (issue 53, part 5), with real processes: a primary, a replica and
+one Sentinel (`tests.harness.sentinel`), and a deployment that reaches Redis through Sentinel
+(redis+sentinel://) with the trainer waiting for the replica before a version's weights go to
+the store (SPOTRL_REDIS_WAIT_REPLICAS=1).
+
+While a step's tokens are being collected, the replication link is held for a moment (what the
+primary acknowledges meanwhile never reaches the replica, as when a host dies with writes in
+flight) and the primary is SIGKILLed. Sentinel promotes the replica, which lacks those writes:
+token deltas, step-log records, jobs handed out, maybe groups. The run goes on: the coordinator
+and the trainer start again from what the new primary holds (their fence), the step's
+unfinished requests move to new leases from the tokens it kept (a "migrated" event of cause
+"failover"), and every group is trained once with every response whole: lost 0, duplicated 0.
+"""
+
+import time
+
+import pytest
+
+from services.cli.audit import audit_run
+from services.contracts import keys
+from services.contracts.runspec import RunSpec
+from tests.harness.sentinel import SentinelRedis
+from tests.integration.conftest import (
+    collected,
+    deploy_config,
+    read_groups,
+    run_events,
+    short_heartbeat_env,
+    small_spec,
+    wait_final,
+    wait_until,
+)
+
+PROMPTS, GROUP, TOKENS, STEPS = 6, 3, 16, 4
+HOLD_S = 0.3  # the replication link held this long before the kill: writes the replica lacks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory):
+    with SentinelRedis(tmp_path_factory.mktemp("sentinel")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def deployment_config(tmp_path_factory, sentinel):
+    """Two preemptible workers of 4 slots, slowed down so that a step can be caught in the
+    middle, on the Sentinel's Redis."""
+    env = short_heartbeat_env() | {"SPOTRL_REDIS_WAIT_REPLICAS": "1"}
+    return deploy_config(
+        tmp_path_factory.mktemp("failover"),
+        reserved=0,
+        preemptible=2,
+        worker_slots=4,
+        redis_url=sentinel.url,
+        extra_env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def rdb(sentinel):
+    """The test's client of whichever node is the primary."""
+    r = sentinel.open()
+    yield r
+    r.close()
+
+
+def mid_step(rdb, run_id: str):
+    """A step >= 1 whose tokens are being collected, with most of its groups to come (the
+    trainer waits for them: no version is being committed)."""
+    version = int(rdb.get(keys.run_version(run_id)) or 0)
+    if not 1 <= version < STEPS:
+        return None
+    published = rdb.scard(keys.step_published(run_id, version))
+    if published <= PROMPTS // 3 and sum(collected(rdb, run_id, version).values()) > 0:
+        return version
+    return None
+
+
+def test_a_failover_mid_step_loses_nothing(deployment, client, rdb, sentinel, tiny_model):
+    started = time.monotonic()
+    body = small_spec(
+        tiny_model,
+        ignore_eos=True,
+        group_size=GROUP,
+        prompts_per_step=PROMPTS,
+        steps=STEPS,
+        max_new_tokens=TOKENS,
+    )
+    run_id = client.submit(body)
+    step = wait_until(lambda: mid_step(rdb, run_id), "no step was caught mid-way", 120, 0.005)
+    written = sentinel.kill_primary(HOLD_S)
+    killed = time.monotonic()
+    promotion_s = sentinel.wait_promoted()
+    lost_bytes = written - sentinel.promoted_at()
+    assert lost_bytes > 0  # the new primary lacks writes the old one acknowledged
+
+    run = wait_final(client, deployment, run_id)
+    assert run["state"] == "succeeded", run
+    audit = audit_run(sentinel.url, run_id, RunSpec.model_validate(body))
+    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    assert audit["max_staleness"] == 0, audit
+    groups = read_groups(deployment, run_id)
+    assert sorted((g.step, g.prompt_index) for g in groups) == [
+        (s, p) for s in range(STEPS) for p in range(PROMPTS)
+    ]
+    for g in groups:
+        assert len(g.responses) == GROUP
+        assert all(len(r.token_ids) == TOKENS for r in g.responses)
+    moved = [e for e in run_events(rdb, run_id, "migrated") if e.get("cause") == "failover"]
+    assert moved and moved[0]["step"] == step, moved  # the step's requests moved on
+    after_s, test_s = time.monotonic() - killed, time.monotonic() - started
+    print(
+        f"\nfailover at step {step}: {lost_bytes} bytes of writes lost, promoted after "
+        f"{promotion_s:.1f}s, run over {after_s:.1f}s after the kill, "
+        f"{sum(e['count'] for e in moved)} requests moved on; test {test_s:.1f}s"
+    )
