@@ -20,6 +20,12 @@ Roles:
 - certs (`spotrl-certs`): what reloads Redis's own TLS files when they are renewed (the
   chart's Redis pod): PING and CONFIG SET, no key, no other command. CONFIG SET reaches every
   setting of the server, so its password stays with Redis (`redis.env`), never in a service.
+- replica (`spotrl-replica`): what a Redis replica logs in to its primary as (PSYNC, REPLCONF,
+  PING), where a replica and Sentinel run (docs/reliability.md, "Redis failover"); no key.
+- sentinel (`spotrl-sentinel`): what Sentinel logs in to the Redis nodes as: the commands it
+  watches and fails over with (INFO, ROLE, REPLICAOF, CONFIG REWRITE, CLIENT KILL...) and its
+  hello channel; no key. It can turn any node into a replica of another: like the certs
+  password, it stays with Redis and Sentinel, never in a service.
 The weight store has no role: it does not use Redis.
 
 Redis 7 renders a worker's grants as selectors (commands bound to keys) and read-only or
@@ -41,10 +47,14 @@ from typing import Literal
 
 from services.contracts import keys
 
-Role = Literal["coordinator", "trainer", "reader", "worker", "certs"]
-ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "worker", "certs")
-USER_ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "certs")  # in the ACL file
-KEYLESS_ROLES: frozenset[Role] = frozenset({"certs"})  # its COMMANDS only: no key, no KEYLESS
+Role = Literal["coordinator", "trainer", "reader", "worker", "certs", "replica", "sentinel"]
+ROLES: tuple[Role, ...] = (
+    "coordinator", "trainer", "reader", "worker", "certs", "replica", "sentinel"
+)  # fmt: skip
+# in the ACL file
+USER_ROLES: tuple[Role, ...] = ("coordinator", "trainer", "reader", "certs", "replica", "sentinel")
+# their COMMANDS only: no key, no KEYLESS
+KEYLESS_ROLES: frozenset[Role] = frozenset({"certs", "replica", "sentinel"})
 USER_PREFIX = "spotrl-"
 WORKER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # no glob character, no colon: see worker_rules
 
@@ -70,6 +80,25 @@ COMMANDS: dict[Role, tuple[str, ...]] = {
     "reader": ("-@all", "+@read", "+@connection", "-@dangerous"),
     "worker": ("-@all",),  # its commands come with its keys (WORKER_COMMANDS)
     "certs": ("-@all", "+ping", "+config|set"),  # CONFIG SET tls-cert-file ... (a reload)
+    "replica": ("-@all", "+psync", "+replconf", "+ping"),  # Redis's own list for a replica
+    # Redis's own list for Sentinel (its ACL docs), and its hello channel
+    "sentinel": (
+        "-@all",
+        "+multi",
+        "+exec",
+        "+slaveof",
+        "+replicaof",
+        "+ping",
+        "+subscribe",
+        "+config|rewrite",
+        "+role",
+        "+publish",
+        "+info",
+        "+client|setname",
+        "+client|kill",
+        "+script|kill",
+        "&__sentinel__:hello",
+    ),  # fmt: skip
 }
 
 Access = Literal["r", "w", "rw"]

@@ -20,6 +20,7 @@ from services.infra import redis_users
 from services.infra.redis_streams import read_group
 from services.state import run_record
 from services.state.run_state import active_run, committed_version, wait_for_version
+from tests.harness.sentinel import NodeUsers, SentinelRedis
 
 RUN = "r20260101-120000-abcdef"
 ADMIN = "test-admin"  # the test's own user, for DUMPs of every key: no service has it
@@ -383,6 +384,26 @@ def test_worker_users_are_made_again_on_a_primary_that_lacks_them(server):
         w.set(keys.worker_heartbeat("w5"), "beat")
         with pytest.raises(NoPermissionError):  # the worker's rules, nothing more
             w.get(keys.worker_heartbeat("w6"))
+
+
+def test_a_replica_and_sentinel_fail_over_as_their_own_users(tmp_path):
+    """With the default user off, the replica replicates as spotrl-replica and Sentinel watches
+    and promotes as spotrl-sentinel: their roles' commands are enough, and nothing more."""
+    passwords = redis_users.make_passwords()
+    aclfile = redis_users.write_acl_file(tmp_path / "users.acl", passwords)
+    with aclfile.open("a") as f:
+        f.write(f"user {ADMIN} on >{ADMIN_PW} ~* &* +@all\n")
+    users = NodeUsers(aclfile, passwords["replica"], passwords["sentinel"], (ADMIN, ADMIN_PW))
+    with SentinelRedis(tmp_path / "nodes", users=users) as nodes:
+        with nodes.open() as r:
+            r.set("before", 1)
+        nodes.kill_primary()
+        nodes.wait_promoted()
+        with nodes.open() as r:
+            assert r.get("before") == b"1" and r.set("after", 1)
+        role = redis_users.role_url(nodes.node_url("replica"), "replica", passwords["replica"])
+        with redis.Redis.from_url(role) as replica, pytest.raises(NoPermissionError):
+            replica.get("before")
 
 
 def test_minted_users_are_saved_to_the_acl_file(tmp_path):

@@ -117,7 +117,7 @@ def test_role_tables_never_grant_the_dangerous_commands():
         assert not tokens & banned, role
         if role != "coordinator":
             assert not any(t.startswith("+acl") for t in tokens), role
-        if role != "certs":
+        if role not in ("certs", "sentinel"):
             assert not any(t.startswith("+config") for t in tokens), role
     assert "-@dangerous" in access.role_rules("reader")
 
@@ -129,6 +129,20 @@ def test_the_certs_role_reloads_tls_files_and_reaches_no_key():
         assert rules == ["resetkeys", "resetchannels", "-@all", "+ping", "+config|set"]
     assert "certs" in access.USER_ROLES
     assert not any(rule.access("certs") for rule in access.RULES)
+
+
+def test_the_replica_and_sentinel_roles_reach_no_key():
+    """What a replica and Sentinel log in to the Redis nodes as: their commands (Sentinel's
+    CONFIG REWRITE, never CONFIG SET) and Sentinel's hello channel; no key, no other channel."""
+    for role in ("replica", "sentinel"):
+        assert role in access.USER_ROLES
+        assert not any(rule.access(role) for rule in access.RULES)
+        rules = access.role_rules(role)
+        assert not any("~" in t for t in rules), role
+    assert access.role_rules("replica")[2:] == ["-@all", "+psync", "+replconf", "+ping"]
+    sentinel = access.role_rules("sentinel")
+    assert "+config|rewrite" in sentinel and "+config|set" not in sentinel
+    assert [t for t in sentinel if t.startswith("&")] == ["&__sentinel__:hello"]
 
 
 def test_worker_signing_keys_are_the_coordinators_alone():
