@@ -18,7 +18,9 @@ OUT (0700, every file in it 0600) holds:
   containers as secrets. The CA itself (`ca/ca.crt`, `ca/ca.key`) is kept apart, mounted by no
   service: `--renew` signs a new certificate with it (services.cli.tls_folder).
 - `redis.env` also holds the password of `spotrl-certs` (SPOTRL_CERTS_REDIS_AUTH), the user whose
-  one right is CONFIG SET: what reloads Redis's TLS files.
+  one right is CONFIG SET: what reloads Redis's TLS files; and those of `spotrl-replica` and
+  `spotrl-sentinel` (SPOTRL_REPLICA_REDIS_AUTH, SPOTRL_SENTINEL_REDIS_AUTH), what a replica
+  and Sentinel log in to the Redis nodes as (docker-compose.sentinel.yml).
 
 It writes files and starts nothing; it never overwrites an earlier folder without `--force`.
 """
@@ -42,6 +44,7 @@ from services.cli.tls_folder import (
     TLS_DIR,
     TLS_NAMES,
 )
+from services.infra.sentinel_url import parse_sentinel_url
 from services.infra.settings import CommonSettings, env_name
 from services.infra.tls import TlsFiles
 
@@ -63,6 +66,12 @@ HEALTH_ROLE = "reader"  # Redis's healthcheck logs in as the read-only role
 CERTS_ROLE = "certs"  # Redis's TLS reloader logs in as it (CONFIG SET only)
 CERTS_AUTH_VARIABLE = "SPOTRL_CERTS_REDIS_AUTH"
 CERTS_USER_VARIABLE = "SPOTRL_CERTS_REDIS_USER"
+REPLICA_USER_VARIABLE, REPLICA_AUTH_VARIABLE = (
+    "SPOTRL_REPLICA_REDIS_USER",
+    "SPOTRL_REPLICA_REDIS_AUTH",
+)
+SENTINEL_USER_VARIABLE = "SPOTRL_SENTINEL_REDIS_USER"
+SENTINEL_AUTH_VARIABLE = "SPOTRL_SENTINEL_REDIS_AUTH"
 # characters an env file value may hold: read the same by Compose (which would expand a `$`),
 # `docker run --env-file` (which keeps quotes) and a shell's `.`
 PLAIN_VALUE = re.compile(r"[A-Za-z0-9_.:/@,%+=~-]*")
@@ -80,13 +89,17 @@ def env_files(
     from services.cli.credentials import tls_env, with_scheme
     from services.contracts.access import USER_PREFIX
 
+    try:
+        sentinel = parse_sentinel_url(redis_url)
+    except ValueError as exc:
+        raise ValueError(f"--redis-url: {exc}") from None
     parts = urlsplit(redis_url)
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise ValueError(f"--redis-url: not a redis:// URL: {redis_url}")
+    if sentinel is None and (parts.scheme not in ("redis", "rediss") or not parts.hostname):
+        raise ValueError(f"--redis-url: not a redis:// or redis+sentinel:// URL: {redis_url}")
     if parts.username or parts.password:
         raise ValueError("--redis-url: no credentials in it: each service gets its own user")
     if host_ca is not None:
-        redis_url = with_scheme(redis_url, "rediss")
+        redis_url = with_scheme(redis_url, "rediss+sentinel" if sentinel else "rediss")
     files = {}
     for service in SERVICES:
         env = credentials.service_env(service, redis_url)
@@ -96,6 +109,12 @@ def env_files(
         "REDISCLI_AUTH": credentials.redis_passwords[HEALTH_ROLE],  # redis-cli reads it
         CERTS_USER_VARIABLE: f"{USER_PREFIX}{CERTS_ROLE}",
         CERTS_AUTH_VARIABLE: credentials.redis_passwords[CERTS_ROLE],
+        # with a replica and Sentinel: what a node logs in to its primary as, and Sentinel
+        # to the nodes (docker-compose.sentinel.yml)
+        REPLICA_USER_VARIABLE: f"{USER_PREFIX}replica",
+        REPLICA_AUTH_VARIABLE: credentials.redis_passwords["replica"],
+        SENTINEL_USER_VARIABLE: f"{USER_PREFIX}sentinel",
+        SENTINEL_AUTH_VARIABLE: credentials.redis_passwords["sentinel"],
     }
     files["admin.env"] = {TOKEN_VARIABLE: credentials.admin_token}
     if host_ca is not None:

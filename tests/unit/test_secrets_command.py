@@ -197,7 +197,38 @@ def test_a_value_an_env_file_would_change_is_refused_before_anything_is_written(
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("url", ["redis://:pw@redis:6379/0", "redis://u:pw@redis/0", "http://x/0"])
+def test_a_sentinel_url_is_each_services_with_its_user_and_redis_env_has_the_nodes_users(
+    tmp_path, no_admin_token
+):
+    """With a replica and Sentinel (docker-compose.sentinel.yml): each service reaches the
+    primary through Sentinel as its role; with --tls over rediss+sentinel://. redis.env holds
+    what a node logs in to its primary as, and Sentinel to the nodes."""
+    url = "redis+sentinel://sentinel:26379/spotrl/0"
+    assert spotrl_secrets(tmp_path / "s", "--redis-url", url) == 0
+    given = read_env(tmp_path / "s/coordinator.env")["SPOTRL_REDIS_URL"]
+    assert given.startswith("redis+sentinel://spotrl-coordinator:")
+    assert given.endswith("@sentinel:26379/spotrl/0")
+    assert read_env(tmp_path / "s/rollout.env")["SPOTRL_REDIS_URL"] == url
+    redis_env = read_env(tmp_path / "s/redis.env")
+    assert redis_env["SPOTRL_REPLICA_REDIS_USER"] == "spotrl-replica"
+    assert redis_env["SPOTRL_SENTINEL_REDIS_USER"] == "spotrl-sentinel"
+    acl = (tmp_path / "s/redis/users.acl").read_text()
+    assert "user spotrl-replica on #" in acl and "user spotrl-sentinel on #" in acl
+    tls = tmp_path / "t"
+    assert spotrl_secrets(tls, "--tls", "--hosts", HOSTS, "--redis-url", url) == 0
+    assert read_env(tls / "trainer.env")["SPOTRL_REDIS_URL"].startswith("rediss+sentinel://")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw@redis:6379/0",
+        "redis://u:pw@redis/0",
+        "http://x/0",
+        "redis+sentinel://u:pw@sentinel:26379/spotrl/0",
+        "redis+sentinel://sentinel/spotrl",
+    ],
+)
 def test_a_redis_url_with_credentials_or_not_redis_is_refused(tmp_path, no_admin_token, url):
     assert spotrl_secrets(tmp_path / "s", "--redis-url", url) == 2
     assert not (tmp_path / "s").exists()
