@@ -194,6 +194,7 @@ def test_every_service_reads_its_own_env_file_and_no_block_sets_a_credential(com
             "docker-compose.gpu.yml",
             "docker-compose.hostnet.yml",
             "docker-compose.swarm.yml",
+            "docker-compose.sentinel.yml",
         )
     ]
     for name in [*SETTINGS, "redis"]:
@@ -387,6 +388,45 @@ def test_hostnet_variant_puts_everything_on_loopback_with_ports_from_variables(t
         assert services[name]["healthcheck"]["test"][-1] == "services.infra.healthcheck"
     rollout = services["rollout"]["environment"]
     assert rollout["SPOTRL_PORT"] == "0" and rollout["SPOTRL_PORT_FILE"]
+
+
+def test_sentinel_variant_adds_a_replica_and_a_sentinel_and_the_trainer_waits_for_it(tmp_path):
+    """docker-compose.sentinel.yml as Compose reads it: a replica with the primary's own
+    arguments (append-only file, maxmemory, noeviction, the users' file) on a volume of its own,
+    both nodes logging in to their primary as spotrl-replica, Sentinel watching `redis` as
+    spotrl-sentinel on a volume (it rewrites its file), the services waiting for it, each
+    reaching Redis through it, and the trainer waiting for one replica before the store."""
+    url = "redis+sentinel://sentinel:26379/spotrl/0"
+    secrets = make_secrets(tmp_path / "s", "--redis-url", url)
+    out = compose_config("docker-compose.yml", "docker-compose.sentinel.yml", secrets=secrets)
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
+    services = config["services"]
+    assert set(services) == {"redis", "redis-replica", "sentinel", *SETTINGS}
+    primary, replica = services["redis"], services["redis-replica"]
+    assert replica["command"] == primary["command"]
+    assert replica["entrypoint"] == primary["entrypoint"]
+    script = primary["entrypoint"][2]
+    assert "--masteruser" in script and "SPOTRL_REPLICA_REDIS_AUTH" in script
+    assert "get-master-addr-by-name spotrl" in script  # a node starting again asks first
+    volumes = {v["target"]: v["source"] for v in replica["volumes"]}
+    assert volumes["/data"] == "redis-replica-data" and "redis-replica-data" in config["volumes"]
+    assert volumes["/etc/spotrl/redis"] == str(secrets / "redis")
+    for node in ("redis", "redis-replica", "sentinel"):
+        written = read_env(secrets / "redis.env")
+        assert {k: services[node]["environment"][k] for k in written} == written, node
+    sentinel = services["sentinel"]["entrypoint"][2]
+    assert "sentinel monitor spotrl redis 6379 1" in sentinel and "auth-user spotrl" in sentinel
+    assert services["sentinel"]["volumes"][0]["target"] == "/data"
+    for name in ("coordinator", "trainer"):
+        assert services[name]["depends_on"]["sentinel"]["condition"] == "service_healthy"
+        given = services[name]["environment"]["SPOTRL_REDIS_URL"]
+        assert given.startswith("redis+sentinel://") and given.endswith("@sentinel:26379/spotrl/0")
+    assert services["rollout"]["environment"]["SPOTRL_REDIS_URL"] == url
+    trainer = {
+        k.removeprefix("SPOTRL_").lower(): v for k, v in services["trainer"]["environment"].items()
+    }
+    assert TrainerSettings.model_validate(trainer).redis_wait_replicas == 1
 
 
 def test_the_image_is_built_once_with_offline_arguments(compose):
