@@ -14,6 +14,9 @@ files become Swarm secrets (`docker stack deploy` reads them from the paths rend
 
     SPOTRL_RESERVED_HOST=10.254.0.10 \\
         .venv/bin/python tools/swarm_stack.py --host spot1=10.254.0.11 --out stack.yml
+
+`--sentinel` adds docker-compose.sentinel.yml and docker-compose.swarm-sentinel.yml: a Redis
+replica on a node of its own and Sentinel (SPOTRL_REDIS_REPLICA_HOST names the replica's node).
     docker stack deploy --resolve-image never -c stack.yml spotrl
 """
 
@@ -31,6 +34,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("docker-compose.yml", "docker-compose.swarm.yml")
+# --sentinel: a Redis replica on a node of its own, and Sentinel (docs/reliability.md)
+SENTINEL_FILES = ("docker-compose.sentinel.yml", "docker-compose.swarm-sentinel.yml")
 HOST_NETWORK = "hostnet"  # the stack's name for Swarm's predefined `host` network
 # what a stack file's service may carry (Compose file format 3.8) and is kept as Compose gives it
 KEPT = (
@@ -148,8 +153,9 @@ def stack_file_secret(name: str, config: dict[str, Any]) -> dict[str, str]:
     return {"file": declared["file"]}
 
 
-def render(env: dict[str, str], hosts: dict[str, str]) -> str:
-    return yaml.safe_dump(stack_from_config(compose_config(env), hosts), sort_keys=False)
+def render(env: dict[str, str], hosts: dict[str, str], sentinel: bool = False) -> str:
+    files = FILES + SENTINEL_FILES if sentinel else FILES
+    return yaml.safe_dump(stack_from_config(compose_config(env, files), hosts), sort_keys=False)
 
 
 def parse_host(text: str) -> tuple[str, str]:
@@ -165,9 +171,15 @@ def main() -> int:
         "--host", type=parse_host, action="append", default=[], help="NAME=ADDRESS (repeat)"
     )
     parser.add_argument("--out", type=Path, help="write the stack here, 0600 (default: stdout)")
+    parser.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="with a Redis replica (node label pool=redis-replica) and Sentinel: "
+        "docker-compose.swarm-sentinel.yml",
+    )
     args = parser.parse_args()
     try:
-        text = render(dict(os.environ), dict(args.host))
+        text = render(dict(os.environ), dict(args.host), args.sentinel)
     except RenderError as exc:
         print(f"swarm_stack: {exc}", file=sys.stderr)
         return 1

@@ -126,6 +126,44 @@ def test_a_worker_advertises_its_node_and_its_grace_covers_the_release(stack):
     assert rollout["deploy"]["replicas"] == 2
 
 
+def test_the_sentinel_variant_adds_a_replica_on_its_own_node_and_sentinel_over_tls(tmp_path):
+    """--sentinel: a replica with the primary's TLS arguments on a node labelled for it,
+    Sentinel on the reserved node, both nodes following Sentinel over TLS; each service
+    reaches Redis through Sentinel over TLS, the trainer waiting for the replica."""
+    try:
+        compose_binary()
+    except EngineUnavailable as exc:
+        pytest.skip(str(exc))
+    secrets = make_secrets(
+        tmp_path / "secrets",
+        *("--tls", "--hosts", ",".join(["10.254.0.10", "10.254.0.20", *HOSTS])),
+        *("--redis-url", "redis+sentinel://10.254.0.10:26379/spotrl/0"),
+    )
+    env = ENV | {"SPOTRL_SECRETS": str(secrets), "SPOTRL_REDIS_REPLICA_HOST": "10.254.0.20"}
+    stack = yaml.safe_load(render(env, HOSTS, sentinel=True))
+    services = stack["services"]
+    assert set(services) == {"redis", "redis-replica", "sentinel", *SPOTRL_SERVICES}
+    replica = services["redis-replica"]
+    assert replica["deploy"]["placement"]["constraints"] == ["node.labels.pool == redis-replica"]
+    assert services["sentinel"]["deploy"]["placement"]["constraints"] == [
+        "node.labels.pool == reserved"
+    ]
+    assert (
+        replica["command"][: replica["command"].index("--aclfile")]
+        == services["redis"]["command"][: services["redis"]["command"].index("--aclfile")]
+    )
+    for node, own in (("redis", "10.254.0.10"), ("redis-replica", "10.254.0.20")):
+        node_env = services[node]["environment"]
+        assert node_env["SPOTRL_NODE"] == own and node_env["SPOTRL_FIRST_PRIMARY"] == "10.254.0.10"
+        assert node_env["SPOTRL_NODE_TLS_CA"] == "/run/secrets/spotrl-ca.crt"
+        assert services[node]["networks"] == ["hostnet"]
+    assert "--tls" in services["sentinel"]["healthcheck"]["test"][-1]
+    for name in ("coordinator", "trainer"):
+        url = services[name]["environment"]["SPOTRL_REDIS_URL"]
+        assert url.startswith("rediss+sentinel://") and url.endswith("@10.254.0.10:26379/spotrl/0")
+    assert services["trainer"]["environment"]["SPOTRL_REDIS_WAIT_REPLICAS"] == "1"
+
+
 def test_the_render_refuses_what_swarm_cannot_run(env):
     try:
         config = compose_config(env)

@@ -195,6 +195,7 @@ def test_every_service_reads_its_own_env_file_and_no_block_sets_a_credential(com
             "docker-compose.hostnet.yml",
             "docker-compose.swarm.yml",
             "docker-compose.sentinel.yml",
+            "docker-compose.swarm-sentinel.yml",
         )
     ]
     for name in [*SETTINGS, "redis"]:
