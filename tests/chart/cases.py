@@ -1,8 +1,8 @@
 """The sets of values the chart is rendered with: each cloud's spot preset, KEDA on and off, HPA
 mode, a managed Redis, GPUs on and off, monitoring (prometheus-operator, GKE Managed Prometheus)
 and ingress on, cert-manager, isolated environments, each part of least privilege (Redis users,
-scoped tokens, TLS) on and off. Each is the chart's defaults plus these overrides,
-with the Secrets that `spotrl secrets` makes named (SECURE)."""
+scoped tokens, TLS) on and off, a Redis replica and Sentinel. Each is the chart's defaults plus
+these overrides, with the Secrets that `spotrl secrets` makes named (SECURE)."""
 
 from typing import Any
 
@@ -27,6 +27,7 @@ def pool(name: str, kind: str = "preemptible", **fields: Any) -> dict[str, Any]:
 
 RESERVED = pool("reserved", "reserved", replicas=1)
 SCRAPED = {"podMonitor": {"enabled": True}, "prometheusRelease": "kube-prometheus-stack"}
+FAILOVER = {"replica": {"enabled": True}, "sentinel": {"enabled": True, "replicas": 3}}
 CERT_MANAGER = {"enabled": True, "caSecret": "spotrl-ca", "duration": "720h", "renewBefore": "240h"}
 
 CASES: dict[str, dict[str, Any]] = {
@@ -94,6 +95,9 @@ CASES: dict[str, dict[str, Any]] = {
         "redis": {"enabled": False, "url": "rediss://:pw@redis.example.test:6380/0"},
         "security": {"redisAcl": False},
     },
+    # a replica and Sentinel: every protection on, and off
+    "redis-failover": {"redis": FAILOVER},
+    "redis-failover-insecure": {**INSECURE, "redis": FAILOVER},
     "security-off": INSECURE,
     "tokens-only": {"security": {"redisAcl": False}, "tls": {"enabled": False}},
     "acl-and-tls-one-token": {"security": {"scopedTokens": False}, "auth": {"token": TOKEN}},

@@ -244,3 +244,48 @@ def scrape_problems(objs: list[dict]) -> list[str]:
         if not open_to_others:
             out.append(f"{name(w)}: /metrics (port {http}) closed to Prometheus")
     return out
+
+
+def failover_problems(objs: list[dict], failover: bool) -> list[str]:
+    """With a replica and Sentinel: two Redis nodes, each redis-server including the node file
+    a container of its pod writes after asking Sentinel which node is the primary; Sentinels
+    whose quorum is a majority of them; a worker's Redis URL names the Sentinels' Service (the
+    other services' come from the Secret); the trainer waits for one replica. Without: one
+    node, no Sentinel, no wait."""
+    by_component = {pod_labels(w).get("app.kubernetes.io/component"): w for w in workloads(objs)}
+    redis, sentinel = by_component.get("redis"), by_component.get("sentinel")
+    out = []
+    if redis is not None and redis["spec"]["replicas"] != (2 if failover else 1):
+        out.append(f"{name(redis)}: {redis['spec']['replicas']} nodes with failover {failover}")
+    if (sentinel is not None) != failover:
+        out.append(f"Sentinel rendered: {sentinel is not None}, failover {failover}")
+    if failover and redis is not None:
+        server = next(c for c in containers(redis) if c["command"][0] == "redis-server")
+        included = server["command"][server["command"].index("--include") + 1]
+        node = [c for c in containers(redis) if included in " ".join(c["command"])]
+        if not node or "get-master-addr-by-name" not in " ".join(node[0]["command"]):
+            out.append(f"{name(redis)}: nothing asks Sentinel for the primary into {included}")
+    if sentinel is not None:
+        out += quorum_problems(sentinel)
+    for w in workloads(objs):
+        for c in containers(w):
+            env = env_of(c)
+            url = env.get("SPOTRL_REDIS_URL", {}).get("value")
+            if url and failover and "+sentinel://" not in url:
+                out.append(f"{name(w)}/{c['name']}: Redis at {url}, not through Sentinel")
+            wait = env.get("SPOTRL_REDIS_WAIT_REPLICAS", {}).get("value")
+            if spotrl_settings(c) is TrainerSettings and wait != ("1" if failover else "0"):
+                out.append(f"{name(w)}/{c['name']}: waits for {wait} replicas")
+    return out
+
+
+def quorum_problems(sentinel: dict) -> list[str]:
+    """Each Sentinel's configuration monitors the primary with a majority of them as quorum."""
+    n = sentinel["spec"]["replicas"]
+    for c in containers(sentinel):
+        for line in " ".join(c.get("command", [])).splitlines():
+            words = line.replace('"', " ").split()
+            if words[1:3] == ["sentinel", "monitor"]:
+                quorum = int(words[-1])
+                return [] if n // 2 < quorum <= n else [f"{name(sentinel)}: quorum {quorum} of {n}"]
+    return [f"{name(sentinel)}: monitors no primary"]

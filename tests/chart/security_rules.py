@@ -25,13 +25,19 @@ GRANTS: dict[str, set[str]] = {
     "weightstore": {"accept-weightstore"},
     "trainer": {"redis-url-trainer", "trainer-token", "accept-trainer"},
     "rollout": {"worker-token", "accept-worker"},
-    "redis": {"aclfile", "redis-password-certs"},
+    "redis": {"aclfile", "redis-password-certs", "redis-password-replica"},
+    "sentinel": {"redis-password-sentinel"},
 }
 # Within the Redis pod, by container: the ACL file's copier reads the file, the TLS reloader the
 # spotrl-certs user's password (PING and CONFIG SET only), redis-server nothing.
-REDIS_CONTAINER_GRANTS = {"aclfile": {"aclfile"}, "tls-reloader": {"redis-password-certs"}}
+# With a replica, its `node` container what the node logs in to its primary as.
+REDIS_CONTAINER_GRANTS = {
+    "aclfile": {"aclfile"},
+    "tls-reloader": {"redis-password-certs"},
+    "node": {"redis-password-replica"},
+}
 NEVER_ON_ROLLOUT = {"admin-token", "trainer-token", "aclfile"}  # and every redis-url-*
-SECURE_SCHEMES = {"https", "rediss"}
+SECURE_SCHEMES = {"https", "rediss", "rediss+sentinel"}
 TLS_FILES = {"SPOTRL_TLS_CERT_FILE": "tls.crt", "SPOTRL_TLS_KEY_FILE": "tls.key"}
 TLS_CA = {"SPOTRL_TLS_CA_FILE": "ca.crt"}
 # The Secrets cert-manager writes for release "spotrl" (docs/deploy-kubernetes.md, "Certificates").

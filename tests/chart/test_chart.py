@@ -29,6 +29,11 @@ def _tools():
     require_tools()
 
 
+def failover_of(values: dict) -> bool:
+    """Whether the values ask for a Redis replica and Sentinel."""
+    return bool(values.get("redis", {}).get("sentinel", {}).get("enabled"))
+
+
 def rendered(case: str) -> list[dict]:
     return render(values_of(case))
 
@@ -73,6 +78,7 @@ def test_invariants(case):
         + pod_rules.settings_problems(objs)
         + pod_rules.security_problems(objs)
         + pod_rules.probe_problems(objs)
+        + invariants.failover_problems(objs, failover_of(values))
         + security_rules.grant_problems(objs, sec)
         + security_rules.url_problems(objs, sec)
         + security_rules.tls_problems(objs, sec)

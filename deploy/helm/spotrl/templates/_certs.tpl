@@ -56,6 +56,13 @@ the probes' localhost. */}}
 - {{ $full }}-{{ $c }}
 - {{ $full }}-{{ $c }}.{{ $.Release.Namespace }}.svc
 {{- end }}
+{{- if include "spotrl.failover" . }}
+{{- /* the Sentinels, and each node and Sentinel by the name Sentinel announces it by */}}
+- {{ $full }}-sentinel
+- {{ $full }}-sentinel.{{ $.Release.Namespace }}.svc
+- "*.{{ $full }}-redis"
+- "*.{{ $full }}-sentinel"
+{{- end }}
 - localhost
 {{- end -}}
 

@@ -70,6 +70,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- include "spotrl.validateSecurity" . -}}
 {{- include "spotrl.validateAutoscaling" . -}}
 {{- include "spotrl.validatePlatform" . -}}
+{{- include "spotrl.validateFailover" . -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "redis.url names a managed Redis: set redis.enabled=false with it" -}}
 {{- end -}}

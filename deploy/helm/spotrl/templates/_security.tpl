@@ -52,9 +52,13 @@ rollout:
 
 {{/* The Redis URL with no credentials: a rollout worker's (its user comes at registration). */}}
 {{- define "spotrl.redisUrl" -}}
+{{- if include "spotrl.failover" . -}}
+{{- include "spotrl.sentinelUrl" . -}}
+{{- else -}}
 {{- $ports := include "spotrl.ports" . | fromYaml -}}
 {{- $scheme := ternary "rediss" "redis" .Values.tls.enabled -}}
 {{- printf "%s://%s-redis:%v/0" $scheme (include "spotrl.fullname" .) $ports.redis -}}
+{{- end -}}
 {{- end -}}
 
 {{/* One variable from a key of security.existingSecret: (dict "root" $ "name" VAR "key" KEY) */}}
