@@ -98,7 +98,7 @@ COMMANDS: dict[Role, tuple[str, ...]] = {
         "+client|kill",
         "+script|kill",
         "&__sentinel__:hello",
-    ),  # fmt: skip
+    ),
 }
 
 Access = Literal["r", "w", "rw"]
