@@ -73,6 +73,7 @@ COMMANDS: dict[Role, tuple[str, ...]] = {
         "+info",  # redis memory watch (INFO memory)
         "+eval",
         "+acl|setuser",  # the workers' users, minted at registration
+        "+acl|getuser",  # made again on a new primary where missing (redis_users)
         "+acl|deluser",
         "+acl|save",
     ),

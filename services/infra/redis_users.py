@@ -96,24 +96,29 @@ async def drop_worker_user(r: aioredis.Redis, worker_id: str) -> bool:
 
 
 async def restore_worker_users(r: aioredis.Redis, primary: str) -> int | None:
-    """Make the workers' users of `keys.WORKER_USERS` on `primary` (the one `r` writes to),
-    unless they were made there last (`keys.WORKER_USERS_ON`): after a failover, a worker logs
-    in again with the password it was given. How many it made, or None when none needed."""
+    """Make the workers' users of `keys.WORKER_USERS` that `primary` (the one `r` writes to)
+    lacks, unless they were made there last (`keys.WORKER_USERS_ON`): after a failover, a
+    worker logs in again with the password it was given. A user there already (minted since) is
+    left as it is. How many it made, or None when it was done on that primary."""
     if text(await r.get(keys.WORKER_USERS_ON)) == primary:
         return None
     users = cast(dict[bytes, bytes], await r.hgetall(keys.WORKER_USERS))
     major = await server_major(r)
+    made = 0
     for raw_id, digest in users.items():
         worker_id = raw_id.decode()
-        rules = access.worker_rules(worker_id, major)
         username = access.worker_user(worker_id)
+        if await r.execute_command("ACL", "GETUSER", username) is not None:
+            continue
+        rules = access.worker_rules(worker_id, major)
         await r.execute_command(
             "ACL", "SETUSER", username, "reset", "on", f"#{digest.decode()}", *rules
         )
-    if users:
+        made += 1
+    if made:
         await _save(r)
     await r.set(keys.WORKER_USERS_ON, primary)
-    return len(users)
+    return made
 
 
 def credential_url(base_url: str, username: str, password: str) -> str:
