@@ -1,7 +1,9 @@
 """A Redis failover mid-step (issue 53, part 5), with real processes: a primary, a replica and
-one Sentinel (`tests.harness.sentinel`), and a deployment that reaches Redis through Sentinel
-(redis+sentinel://) with the trainer waiting for the replica before a version's weights go to
-the store (SPOTRL_REDIS_WAIT_REPLICAS=1).
+one Sentinel (`tests.harness.sentinel`), and a deployment with least privilege on that reaches
+Redis through Sentinel (redis+sentinel://) with the trainer waiting for the replica before a
+version's weights go to the store (SPOTRL_REDIS_WAIT_REPLICAS=1). The replica replicates as
+spotrl-replica, Sentinel watches as spotrl-sentinel, each worker logs in as the user the
+coordinator minted for it.
 
 While a step's tokens are being collected, the replication link is held for a moment (what the
 primary acknowledges meanwhile never reaches the replica, as when a host dies with writes in
@@ -9,7 +11,9 @@ flight) and the primary is SIGKILLed. Sentinel promotes the replica, which lacks
 token deltas, step-log records, jobs handed out, maybe groups. The run goes on: the coordinator
 and the trainer start again from what the new primary holds (their fence), the step's
 unfinished requests move to new leases from the tokens it kept (a "migrated" event of cause
-"failover"), and every group is trained once with every response whole: lost 0, duplicated 0.
+"failover"), the coordinator makes the workers' users again on the new primary (Redis does
+not replicate users), and every group is trained once with every response whole: lost 0,
+duplicated 0.
 """
 
 import time
@@ -17,9 +21,11 @@ import time
 import pytest
 
 from services.cli.audit import audit_run
+from services.cli.client import CoordinatorClient
 from services.contracts import keys
 from services.contracts.runspec import RunSpec
-from tests.harness.sentinel import SentinelRedis
+from tests.harness.deploy import Deployment
+from tests.harness.sentinel import NodeUsers, SentinelRedis
 from tests.integration.conftest import (
     collected,
     deploy_config,
@@ -37,25 +43,47 @@ HOLD_S = 0.3  # the replication link held this long before the kill: writes the 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def sentinel(tmp_path_factory):
-    with SentinelRedis(tmp_path_factory.mktemp("sentinel")) as s:
-        yield s
+ADMIN = ("test-admin", "admin-pw")  # the test's own Redis user: reads every key
 
 
 @pytest.fixture(scope="module")
-def deployment_config(tmp_path_factory, sentinel):
-    """Two preemptible workers of 4 slots, slowed down so that a step can be caught in the
-    middle, on the Sentinel's Redis."""
+def nodes(tmp_path_factory):
+    """The deployment (least privilege: a Redis user per role and per worker, signed deltas,
+    scoped tokens) and the Redis nodes it runs on: two preemptible workers of 4 slots, slowed
+    so that a step can be caught in the middle. The nodes load the deployment's ACL file, the
+    replica and Sentinel logging in as their roles."""
+    folder = tmp_path_factory.mktemp("failover")
     env = short_heartbeat_env() | {"SPOTRL_REDIS_WAIT_REPLICAS": "1"}
-    return deploy_config(
-        tmp_path_factory.mktemp("failover"),
-        reserved=0,
-        preemptible=2,
-        worker_slots=4,
-        redis_url=sentinel.url,
-        extra_env=env,
+    config = deploy_config(
+        folder, reserved=0, preemptible=2, worker_slots=4, secure=True, extra_env=env
     )
+    dep = Deployment(config)
+    assert dep.credentials is not None
+    aclfile = dep.credentials.write_acl_file(folder / "users.acl")
+    with aclfile.open("a") as f:
+        f.write(f"user {ADMIN[0]} on >{ADMIN[1]} ~* &* +@all\n")
+    passwords = dep.credentials.redis_passwords
+    users = NodeUsers(aclfile, passwords["replica"], passwords["sentinel"], ADMIN)
+    with SentinelRedis(folder / "redis", users=users) as sentinel:
+        dep.redis_url = sentinel.url
+        with dep:
+            yield dep, sentinel
+
+
+@pytest.fixture(scope="module")
+def deployment(nodes):
+    return nodes[0]
+
+
+@pytest.fixture(scope="module")
+def sentinel(nodes):
+    return nodes[1]
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    with CoordinatorClient(deployment.coordinator_url, deployment.admin_token) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +126,7 @@ def test_a_failover_mid_step_loses_nothing(deployment, client, rdb, sentinel, ti
 
     run = wait_final(client, deployment, run_id)
     assert run["state"] == "succeeded", run
-    audit = audit_run(sentinel.url, run_id, RunSpec.model_validate(body))
+    audit = audit_run(deployment.reader_redis_url, run_id, RunSpec.model_validate(body))
     assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
     assert audit["max_staleness"] == 0, audit
     groups = read_groups(deployment, run_id)
@@ -108,6 +136,10 @@ def test_a_failover_mid_step_loses_nothing(deployment, client, rdb, sentinel, ti
     for g in groups:
         assert len(g.responses) == GROUP
         assert all(len(r.token_ids) == TOKENS for r in g.responses)
+    # the workers' users, made again on the new primary: the workers logged in as them again
+    assert rdb.get(keys.WORKER_USERS_ON) == f"127.0.0.1:{sentinel.ports['replica']}".encode()
+    for worker in ("rollout-preemptible-1", "rollout-preemptible-2"):
+        assert rdb.execute_command("ACL", "GETUSER", f"spotrl-worker-{worker}") is not None
     moved = [e for e in run_events(rdb, run_id, "migrated") if e.get("cause") == "failover"]
     assert moved and moved[0]["step"] == step, moved  # the step's requests moved on
     after_s, test_s = time.monotonic() - killed, time.monotonic() - started

@@ -202,8 +202,8 @@ class Observer:
         if not self.drop_worker_users or primary is None:
             return
         made = await restore_worker_users(self.r, primary)
-        if made is not None:
-            log.warning("redis primary %s: made the %d workers' users again", primary, made)
+        if made:
+            log.warning("redis primary %s: made %d workers' users again", primary, made)
 
     async def _joins_and_leaves(
         self, changes: Changes, beats: dict[str, Heartbeat], active: str | None
