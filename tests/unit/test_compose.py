@@ -417,7 +417,7 @@ def test_sentinel_variant_adds_a_replica_and_a_sentinel_and_the_trainer_waits_fo
         written = read_env(secrets / "redis.env")
         assert {k: services[node]["environment"][k] for k in written} == written, node
     sentinel = services["sentinel"]["entrypoint"][2]
-    monitor = "sentinel monitor spotrl $${SPOTRL_FIRST_PRIMARY:-redis} $${SPOTRL_REDIS_PORT:-6379} 1"
+    monitor = "monitor spotrl $${SPOTRL_FIRST_PRIMARY:-redis} $${SPOTRL_REDIS_PORT:-6379} 1"
     assert monitor in sentinel and "auth-user spotrl" in sentinel
     assert services["sentinel"]["volumes"][0]["target"] == "/data"
     for name in ("coordinator", "trainer"):
