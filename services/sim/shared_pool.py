@@ -41,14 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from services.core.fleet_shares import (
-    FleetWorker,
-    RunClaim,
-    allot,
-    in_tail,
-    place,
-    worker_part,
-)
+from services.core.fleet_shares import FleetWorker, RunClaim, allot, in_tail, place, worker_part
 from services.sim.clock import Clock
 from services.sim.engine import SimEngine
 from services.sim.lanes import Worker, new_worker
@@ -208,6 +201,7 @@ class SharedPool:
         self.pool: dict[str, Instance] = {}  # every spot instance started, in order
         self.owner: dict[str, int] = {}  # instance -> the run it serves (absent: none yet)
         self.workers: dict[str, Worker] = {}  # serve "all": every instance's lanes
+        self.rounds = 0  # the loop's rounds so far
         self.profile = self.sc.spot_engine
         if setup.serve == "all":
             self.profile = self.profile.decoding_at(setup.unmerged_decode_factor)
@@ -253,7 +247,13 @@ class SharedPool:
                 engine.thaw()
             self.clock.now = t
             touched = self.handle_events()
-            for r, sim in enumerate(self.sims):
+            # serving every run at once, an instance's lanes race for its room (the worker's
+            # jobs tasks read as they come): the run that reads first goes round
+            k = len(self.sims)
+            first = self.rounds % k if self.setup.serve == "all" else 0
+            self.rounds += 1
+            for r in [*range(first, k), *range(first)]:
+                sim = self.sims[r]
                 if (sim.handle_events() or r in touched) and not sim.system.max_staleness:
                     sim.tick()
                 elif sim.system.max_staleness and sim.system.pool == "trace":
