@@ -21,3 +21,16 @@ def bound_gpu_memory(share: float | None, device: str) -> bool:
         share, torch.cuda.current_device() if index is None else index
     )
     return True
+
+
+def require_device(device: str) -> None:
+    """Refuse a CUDA device this torch cannot reach, with one clear error (rather than whichever
+    of torch's own errors the first use on it raises: they differ by the call that meets it)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"SPOTRL_DEVICE is {device}, but this torch ({torch.__version__}) reaches no CUDA"
+        )

@@ -53,6 +53,7 @@ import torch
 
 from services.contracts.messages import FinishReason, Job
 from services.infra.compute import compute
+from services.infra.gpu import require_device
 from services.rollout.drafts import DraftIndex
 from services.rollout.engines.base import BASE_ONLY, Sequence, TokenEvent
 from services.rollout.engines.lora_rows import RowAdapters
@@ -165,6 +166,7 @@ class HFEngine:
     def load_weights(self, folder: Path, changed: frozenset[str] | None = None) -> None:
         """Serve the weights in `folder`; with `changed` (the names of the tensors that differ
         from the weights held now), read and copy only those, in place."""
+        require_device(self.device)
         folder = Path(folder)
         if self.model is not None and changed is None and not self._holds_model_of(folder):
             log.info("%s holds weights of another model (another base): building it", folder)
