@@ -129,14 +129,19 @@ class SimEngine:
     def rate(self) -> float:
         """Decode steps per second (levels): each running request gains its speed in tokens a
         step (1 without a draft)."""
-        b = self.batch
-        if b == 0:
+        return self.rate_of(self.batch, self.context_sum(), self.drafting)
+
+    def rate_of(self, batch: int, context_sum: float, drafting: int) -> float:
+        """Decode steps per second of `batch` requests whose contexts sum to `context_sum`,
+        `drafting` of them verifying a draft: the profile's step time at the batch and its mean
+        context (`verify`'s with drafting rows); over the KV capacity only the share that fits
+        runs at a time. Every engine's step is costed here (`OneBatch`'s too)."""
+        if batch == 0:
             return 0.0
-        context = self.context_sum()
-        share = min(1.0, self.profile.kv_capacity_tokens / context) if context > 0 else 1.0
-        if self.drafting and self.verify is not None:
-            return share / self.verify(b * share, self.drafting * share, context / b)
-        return share / self.profile.step_s(b * share, context / b)
+        share = min(1.0, self.profile.kv_capacity_tokens / context_sum) if context_sum > 0 else 1.0
+        if drafting and self.verify is not None:
+            return share / self.verify(batch * share, drafting * share, context_sum / batch)
+        return share / self.profile.step_s(batch * share, context_sum / batch)
 
     def next_stop_s(self, now: float) -> float:
         """Seconds until the next request stops, at the current rate."""

@@ -10,7 +10,7 @@ lane's requests:
 
 - A decode step costs what one step of all of them together costs: the profile's step time at
   their sum and their mean context, the KV cache shared (a share of it runs when it is over
-  capacity, as `SimEngine.rate`); every lane gains one level a step. Not K batches.
+  capacity, as `SimEngine.rate_of`); every lane gains one level a step. Not K batches.
 - A prefill in any lane stalls every lane (one engine).
 - The engine is advanced once over an interval (`OneBatch.advance`: busy time, plateau), which
   fixes the batch's rate for that interval; each run's simulation then advances its lane at
@@ -63,19 +63,12 @@ class OneBatch(SimEngine):
         return sum(lane.context_sum() for lane in self.lanes)
 
     def rate(self) -> float:
-        """Decode steps per second of the one batch (as `SimEngine.rate`, over every lane's
+        """Decode steps per second of the one batch (`SimEngine.rate_of` over every lane's
         requests); while an interval is advanced, that interval's."""
         if self.fixed_rate is not None:
             return self.fixed_rate
-        b = self.batch
-        if b == 0:
-            return 0.0
-        context = self.context_sum()
-        share = min(1.0, self.profile.kv_capacity_tokens / context) if context > 0 else 1.0
         drafting = sum(lane.drafting for lane in self.lanes)
-        if drafting and self.verify is not None:
-            return share / self.verify(b * share, drafting * share, context / b)
-        return share / self.profile.step_s(b * share, context / b)
+        return self.rate_of(self.batch, self.context_sum(), drafting)
 
     def advance(self, now: float, until: float) -> None:
         """The instance's account of [now, until] (busy time, tokens, plateau), and the rate
