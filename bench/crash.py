@@ -26,6 +26,7 @@ from pathlib import Path
 import redis
 import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.up import ensure_model
@@ -54,14 +55,6 @@ def mid_step(r: redis.Redis, run_id: str, prompts: int, after: int, timeout_s: f
             pass  # Redis is the one restarting
         time.sleep(0.01)
     raise TimeoutError("never caught the run mid-step")
-
-
-def wait_final(client: CoordinatorClient, run_id: str, timeout_s: float = 1800) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.run(run_id)["state"] not in FINAL_STATES:
-        if time.monotonic() > deadline:
-            raise TimeoutError(run_id)
-        time.sleep(0.2)
 
 
 def crash(dep: Deployment, target: str) -> None:
@@ -120,7 +113,7 @@ def main() -> None:
             step, turn = -1, 0
             while True:
                 if args.no_crash:
-                    wait_final(client, run_id)
+                    wait_final(client, run_id, 1800)
                     break
                 step = mid_step(r, run_id, spec.training.prompts_per_step, step, 600)
                 if step < 0:
@@ -131,7 +124,7 @@ def main() -> None:
                 r.connection_pool.disconnect()
                 restarts[target] += 1
                 turn += 1
-            wait_final(client, run_id)  # the API's answer may trail Redis by a refresh
+            wait_final(client, run_id, 1800)  # the API's answer may trail Redis by a refresh
             run = client.run(run_id)
             rows = client.metrics(run_id)
             wall_s = time.monotonic() - started

@@ -48,11 +48,12 @@ from pathlib import Path
 
 import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.chaos import ChaosOptions, ChaosRunner
 from services.cli.client import CoordinatorClient
 from services.cli.up import ensure_model, sized_for
-from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.contracts.runspec import RunSpec
 from services.infra.traces import load_trace, worker_targets
 from services.sim.scenario import SCENARIOS
 from services.sim.simulation import Simulation
@@ -131,7 +132,7 @@ def run_arm(arm: str, args, spec: RunSpec, model: Path, time_scale: float | None
             if arm == "restart" and chaos is not None:
                 killer = TrainerKiller(dep, chaos)
                 killer.thread.start()
-            run = wait_final(client, dep, run_id, args.timeout_s)
+            run = wait_final(client, run_id, args.timeout_s)
             wall = time.monotonic() - began
             if chaos is not None:
                 chaos.stop()
@@ -162,16 +163,6 @@ def sum_counts(parts) -> dict[str, int]:
         for key, n in (part or {}).items():
             out[key] = out.get(key, 0) + n
     return out
-
-
-def wait_final(client: CoordinatorClient, dep: Deployment, run_id: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = client.run(run_id)
-        if run["state"] in FINAL_STATES:
-            return run
-        time.sleep(0.2)
-    raise TimeoutError(f"run {run_id} not over after {timeout_s:.0f}s")
 
 
 def simulated_ettr(args) -> dict:

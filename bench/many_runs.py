@@ -48,13 +48,14 @@ import redis
 import redis.asyncio as aioredis
 import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.up import ensure_model, sized_for
 from services.cli.up_summary import mean
 from services.contracts import keys
 from services.contracts.messages import FleetAllotment, Heartbeat
-from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.contracts.runspec import RunSpec
 from services.coordinator.workers.fleet import heartbeats
 from services.coordinator.workers.placement import claims_of
 from services.core.fleet_shares import allot, share_error
@@ -64,6 +65,7 @@ from tests.harness.deploy import Deployment, DeploymentConfig
 LR_FACTORS = (1.0, 0.5, 2.0, 1.5)  # each run's learning rate, times the spec's default
 LORA_LR_FACTOR = 10.0  # a LoRA run's learning rate, times the spec's default (full weights')
 WINDOW_STEPS = 5
+RUNS_TIMEOUT_S = 3600  # the runs of one setup, together
 
 
 @dataclass
@@ -175,15 +177,6 @@ def share_error_max(samples: list[Sample], window_s: float) -> float | None:
     return round(worst, 4)
 
 
-def wait_final(client: CoordinatorClient, dep: Deployment, run_ids: list[str]) -> None:
-    deadline = time.monotonic() + 3600
-    while not all(client.run(r)["state"] in FINAL_STATES for r in run_ids):
-        dep.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(run_ids)
-        time.sleep(0.3)
-
-
 def kill_a_busy_worker(dep: Deployment, runs: list[str], steps: int, want: int) -> list[str]:
     """SIGKILL a worker caught holding jobs of `want` runs (fewer where none ever does: the
     most any holds, down to one); a new one joins. The runs it held."""
@@ -213,14 +206,16 @@ def run_phase(
         for spec in specs:
             run_ids.append(client.submit(spec.model_dump(mode="json")))
             print(f"{name}: run {run_ids[-1]} submitted", file=sys.stderr, flush=True)
-            wait_final(client, dep, run_ids[-1:])
+            wait_final(client, run_ids[-1], RUNS_TIMEOUT_S, dep)
     else:
         run_ids = [client.submit(spec.model_dump(mode="json")) for spec in specs]
         print(f"{name}: runs {run_ids} submitted", file=sys.stderr, flush=True)
         if name == "killed":
             steps = max(spec.training.steps for spec in specs)
             killed_holding = kill_a_busy_worker(dep, run_ids, steps, min(3, len(run_ids)))
-        wait_final(client, dep, run_ids)
+        deadline = time.monotonic() + RUNS_TIMEOUT_S
+        for run_id in run_ids:
+            wait_final(client, run_id, deadline - time.monotonic(), dep)
     ended = time.monotonic()
     wall_s = ended - started
     samples = sampler.between(started, ended)

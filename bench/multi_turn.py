@@ -31,7 +31,8 @@ import redis
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.preemption import holders, replace_workers, wait_final
+from bench.preemption import holders, replace_workers
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.local_deployment import DeploymentConfig
@@ -67,7 +68,7 @@ def learning(model: Path, work: Path, steps: int, max_turns: int) -> dict:
         client = CoordinatorClient(dep.coordinator_url)
         spec = episode_spec(model, steps, max_turns)
         run_id = client.submit(json.loads(spec.model_dump_json()))
-        run = wait_final(client, run_id, timeout_s=3600)
+        run = wait_final(client, run_id, 3600)
         rows = client.metrics(run_id)
         audit = audit_run(dep.redis_url, run_id, spec)
     first, last = rows[:10], rows[-10:]
@@ -101,7 +102,7 @@ def one_run(dep, client, r, spec: RunSpec, kill_at: float | None) -> dict:
         if busy:
             dep.procs[busy[0]].popen.send_signal(signal.SIGKILL)
             killed.append(busy[0])
-    run = wait_final(client, run_id)
+    run = wait_final(client, run_id, 600)
     row = client.metrics(run_id)[0]
     audit = audit_run(dep.redis_url, run_id, spec)
     replace_workers(dep, killed)

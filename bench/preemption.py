@@ -16,6 +16,7 @@ overhead with recompute; overhead = step-0 rollout time minus the undisturbed on
 import argparse
 import json
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,23 +24,16 @@ from pathlib import Path
 import httpx
 import redis
 
+if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.local_deployment import DeploymentConfig
 from services.cli.local_deployment import LocalDeployment as Deployment
 from services.cli.up import ensure_model
 from services.contracts import keys
-from services.contracts.runspec import FINAL_STATES, RunSpec
-
-
-def wait_final(client: CoordinatorClient, run_id: str, timeout_s: float = 600) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = client.run(run_id)
-        if run["state"] in FINAL_STATES:
-            return run
-        time.sleep(0.1)
-    raise TimeoutError(run_id)
+from services.contracts.runspec import RunSpec
 
 
 def holders(r: redis.Redis, stream: str) -> list[str]:
@@ -101,7 +95,7 @@ def one_run(dep, client, r, spec: RunSpec, kill_at: float | None, kills: list[st
             proc = dep.procs[name]
             proc.popen.send_signal(signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
             victims.append(name)
-    run = wait_final(client, run_id)
+    run = wait_final(client, run_id, 600)
     row = client.metrics(run_id)[0]
     audit = audit_run(dep.redis_url, run_id, spec)
     replace_workers(dep, victims)

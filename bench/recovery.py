@@ -40,7 +40,8 @@ import redis
 
 if not __package__:  # run as a script: bench/ is on sys.path, the repo root is not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.preemption import bench_spec, collected_tokens, wait_final
+from bench.preemption import bench_spec, collected_tokens
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.cli.recovery import RecoveryWatch, busiest_worker, distribution, held_requests
@@ -209,7 +210,7 @@ def main() -> None:
             run_id = client.submit(spec.model_dump(mode="json"))
             plan = drive(dep, r, run_id, args, step_tokens)
             client.cancel(run_id)
-            run = wait_final(client, run_id)
+            run = wait_final(client, run_id, 600)
             trained = int(cast(bytes, r.hget(keys.trainer_state(run_id), "steps_trained")) or 0)
             audit = audit_run(dep.redis_url, run_id, spec, steps=trained)
             r.close()

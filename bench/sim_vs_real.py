@@ -36,10 +36,11 @@ from pathlib import Path
 import redis
 import repo_root  # noqa: F401  (the repository root on sys.path: tests.harness)
 
+from bench.runs import wait_final
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
 from services.contracts import keys
-from services.contracts.runspec import FINAL_STATES, RunSpec
+from services.contracts.runspec import RunSpec
 from services.sim.real_profile import DeploymentFigures, scenario
 from services.sim.simulation import Simulation
 from services.sim.systems import HYBRID_ALL_SPOT, RESERVED_ONLY
@@ -155,17 +156,6 @@ def kill_mid_step(dep: Deployment, r: redis.Redis, run_id: str, step: int, after
     return victim
 
 
-def wait_final(dep: Deployment, client: CoordinatorClient, run_id: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dep.check_alive()
-        run = client.run(run_id)
-        if run["state"] in FINAL_STATES:
-            return run
-        time.sleep(0.2)
-    raise TimeoutError(f"run {run_id} not finished after {timeout_s:.0f}s")
-
-
 def pull_times(dep: Deployment, pool: str) -> list[float]:
     """Seconds each worker of `pool` took to pull and load versions 1.. (its log lines)."""
     out = []
@@ -201,7 +191,7 @@ def real_run(work: Path, spec: RunSpec, args, preemptible: int, kill_step: int |
         if kill_step is not None:
             victim = kill_mid_step(dep, r, run_id, kill_step, args.kill_after_s)
             killed_at = time.time()
-        run = wait_final(dep, client, run_id, 600)
+        run = wait_final(client, run_id, 600, dep)
         rows = {row["step"]: row for row in client.metrics(run_id)}
         events = client.timeline(run_id)["events"]
         audit = audit_run(dep.redis_url, run_id, spec)
