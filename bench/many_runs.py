@@ -5,7 +5,8 @@ then (c) all at once again while a worker that holds requests of three runs is S
 new one joins): the fleet's use is measured in (b), what a kill costs and loses in (c).
 
     .venv/bin/python bench/many_runs.py [--runs 4] [--steps 30] [--preemptible 2]
-        [--lora-r 8] [--runs-at-once 4] [--phases sequential,concurrent,killed]
+        [--lora-r 8] [--runs-at-once 4] [--max-staleness 0]
+        [--phases sequential,concurrent,killed]
 
 By default the runs are LoRA runs on the embedded base and each worker serves all of them at
 once on its one engine (`--runs-at-once`, SPOTRL_RUNS_AT_ONCE), one batch of every run's
@@ -274,6 +275,13 @@ def main() -> None:
     parser.add_argument(
         "--lora-r", type=int, default=8, help="the runs' LoRA rank (0: every weight trained)"
     )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="the runs' max_staleness: 0 synchronous; 1 generates a run's next step while it "
+        "trains this one (its workers' part of the pool busy during training too)",
+    )
     parser.add_argument("--sample-s", type=float, default=0.05)
     parser.add_argument("--heartbeat-s", type=float, default=0.05)
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the logs there")
@@ -294,6 +302,7 @@ def main() -> None:
                 "steps": args.steps,
                 "seed": i + 1,
                 "learning_rate": lr * LR_FACTORS[i % len(LR_FACTORS)],
+                "max_staleness": args.max_staleness,
             }
             | lora
         )
@@ -305,6 +314,7 @@ def main() -> None:
         "steps": args.steps,
         "lora_r": args.lora_r,
         "runs_at_once": args.runs_at_once,
+        "max_staleness": args.max_staleness,
     }
     with tempfile.TemporaryDirectory(prefix="spotrl-many-") as scratch:
         work = args.work_dir or scratch
@@ -321,8 +331,8 @@ def main() -> None:
             worker_env={
                 "SPOTRL_HEARTBEAT_S": str(args.heartbeat_s),
                 "SPOTRL_RUNS_AT_ONCE": str(args.runs_at_once),
-                # each run's adapter and the next one, loaded beside it
-                "SPOTRL_MAX_LORAS": str(max(4, 2 * args.runs_at_once)),
+                # each run's adapters in flight (max_staleness + 1) and the next one
+                "SPOTRL_MAX_LORAS": str(max(4, (args.max_staleness + 2) * args.runs_at_once)),
             },
         )
         config = sized_for(config, specs[0], 2)
