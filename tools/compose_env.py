@@ -95,7 +95,7 @@ BLOCKS: dict[str, Block] = {
             "engine": Note(
                 "${SPOTRL_ENGINE:-hf}", "vllm: build the image with VLLM=cpu or VLLM=cuda"
             ),
-            "slots": 64,
+            "slots": Note("${SPOTRL_SLOTS:-64}", "most requests a worker generates at once"),
             "max_loras": Note(
                 "${SPOTRL_MAX_LORAS:-4}", "LoRA runs: adapters held at once (0: merged)"
             ),

@@ -74,6 +74,13 @@ class CoordinatorClient:
     def metrics(self, run_id: str) -> list[dict]:
         return self._json(self._send("GET", f"/v1/runs/{run_id}/metrics"))["steps"]
 
+    def prometheus(self) -> str:
+        """The coordinator's /metrics (Prometheus text: its own and its data plane's)."""
+        resp = self._send("GET", "/metrics")
+        if resp.status_code != 200:
+            raise CoordinatorError(f"GET /metrics: {resp.status_code} {resp.text[:200]}")
+        return resp.text
+
     def cancel(self, run_id: str) -> dict:
         return self._json(self._send("POST", f"/v1/runs/{run_id}/cancel"))
 

@@ -30,7 +30,10 @@ shell around it:
 
 A watch times what it sees as it polls: start it right after the loss, and follow workers lost
 together (a drained node's) with one watch over all their requests (`held` merged), not with
-one watch waited after another.
+one watch waited after another. A notice that takes a while to reach the worker (a drained
+node's: Swarm stops the task later) is followed from the notice on: poll the watch and `hold`
+what the worker holds until it left. A watch started only once it left can start after the
+step was trained and its keys deleted, and see none of it (the multi-host test did, three times).
 """
 
 import statistics
@@ -112,15 +115,32 @@ class RecoveryTracker:
     def __init__(self, held: dict[str, int], at: float) -> None:
         """`held`: request id -> the lease the lost worker held it under; `at`: the loss."""
         self.at = at
-        self.requests = {rid: RequestRecovery(rid, lease) for rid, lease in held.items()}
+        self.requests: dict[str, RequestRecovery] = {}
+        # every job seen, held or not: request id -> (lease, prefix tokens, when it was queued)
+        self.jobs: dict[str, list[tuple[int, int, float]]] = {}
+        self.hold(held)
+
+    def hold(self, held: dict[str, int]) -> None:
+        """More requests the lost worker held (a notice's, read again until the worker left):
+        the jobs seen already count for them too."""
+        for rid, lease in held.items():
+            if rid not in self.requests:
+                self.requests[rid] = RequestRecovery(rid, lease)
+                for job in self.jobs.get(rid, ()):
+                    self._continue(self.requests[rid], *job)
 
     def see_job(self, job: Job, queued_at: float) -> None:
         """A job on the stream: the first of a held request under a newer lease is its
         continuation."""
-        req = self.requests.get(job.request_id)
-        if req is None or job.lease <= req.lease or req.migrated_at is not None:
-            return
-        req.migrated_at, req.prefix_tokens = queued_at, len(job.prefix_ids)
+        seen = (job.lease, len(job.prefix_ids), queued_at)
+        self.jobs.setdefault(job.request_id, []).append(seen)
+        if (req := self.requests.get(job.request_id)) is not None:
+            self._continue(req, *seen)
+
+    @staticmethod
+    def _continue(req: RequestRecovery, lease: int, prefix_tokens: int, queued_at: float) -> None:
+        if lease > req.lease and req.migrated_at is None:
+            req.migrated_at, req.prefix_tokens = queued_at, prefix_tokens
 
     def see_progress(self, seen_at: float, tokens: dict[str, int], finished: set[str]) -> None:
         """What one consistent poll saw: tokens stored for each held request, and those
@@ -252,16 +272,27 @@ class RecoveryWatch:
         if not spec.rollout.migration:
             raise ValueError("recovery is measured with migration on")
         self.r, self.run_id, self.worker_id, self.cause = r, run_id, worker_id, cause
-        self.tracker = RecoveryTracker(held, at)
-        self.steps = sorted({step_of(rid) for rid in held})
-        self.logs = sorted(
-            {(step_of(rid), shard_of(rid, spec.rollout.coordinator_shards)) for rid in held}
-        )
-        self.after = {step: "-" for step in self.steps}  # last jobs entry read, per step
-        self.read = dict.fromkeys(self.logs, 0)  # log records replayed, per (step, shard)
-        self.arrays: dict[tuple[int, int], dict[tuple[int, int], Arrays]] = {
-            log: {} for log in self.logs
-        }
+        self.shards = spec.rollout.coordinator_shards
+        self.tracker = RecoveryTracker({}, at)
+        self.steps: list[int] = []
+        self.logs: list[tuple[int, int]] = []  # (step, shard)
+        self.after: dict[int, str] = {}  # last jobs entry read, per step
+        self.read: dict[tuple[int, int], int] = {}  # log records replayed, per (step, shard)
+        self.arrays: dict[tuple[int, int], dict[tuple[int, int], Arrays]] = {}
+        self.hold(held)
+
+    def hold(self, held: dict[str, int]) -> None:
+        """Follow more requests the worker held: a notice's, read again while the watch runs,
+        until the worker left (what it reads between the notice and its leaving is its too)."""
+        self.tracker.hold(held)
+        for rid in held:
+            step, log = step_of(rid), (step_of(rid), shard_of(rid, self.shards))
+            if step not in self.after:
+                self.after[step] = "-"
+                self.steps.append(step)
+            if log not in self.read:
+                self.read[log], self.arrays[log] = 0, {}
+                self.logs.append(log)
 
     def poll(self) -> bool:
         """Read the jobs, logs and request states once; whether every request is resolved."""

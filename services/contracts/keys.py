@@ -289,7 +289,8 @@ def worker_crash(worker_id: str) -> str:
 
 def worker_leaving(worker_id: str) -> str:
     """String set (with a TTL) by a worker that got its preemption notice and released its work:
-    the coordinator tells a notice from a sudden death by it."""
+    the coordinator tells a notice from a sudden death by it. Its value: when the notice came
+    (unix seconds)."""
     return f"{PREFIX}:worker:{worker_id}:leaving"
 
 

@@ -64,10 +64,15 @@ async def within(what: str, step: Coroutine[Any, Any, object], deadline: float) 
 
 
 async def leave_with_notice(
-    worker: RolloutWorker, r: aioredis.Redis, settings: RolloutSettings, plan: LeavingPlan
+    worker: RolloutWorker,
+    r: aioredis.Redis,
+    settings: RolloutSettings,
+    plan: LeavingPlan,
+    noticed_at: float,
 ) -> None:
-    """Release everything held, say "left with notice", close Redis and the engine; each step
-    ends by its deadline in `plan`, Redis reachable or not."""
+    """Release everything held, say "left with notice" (when the notice came: `noticed_at`,
+    unix seconds), close Redis and the engine; each step ends by its deadline in `plan`, Redis
+    reachable or not."""
 
     async def release() -> None:
         released = await worker.release_all()
@@ -78,7 +83,7 @@ async def leave_with_notice(
 
     async def farewell() -> None:
         # Say "left with notice" before the heartbeat goes, so nobody counts it as a loss.
-        await r.set(keys.worker_leaving(settings.worker_id), time.time(), ex=LEAVING_TTL_S)
+        await r.set(keys.worker_leaving(settings.worker_id), noticed_at, ex=LEAVING_TTL_S)
         await r.delete(keys.worker_heartbeat(settings.worker_id))
         if worker.peers is not None:
             await worker.peers.withdraw(r)
@@ -111,11 +116,11 @@ def build_app(settings: RolloutSettings) -> FastAPI:
         yield
         # SIGTERM is the preemption notice: stop taking jobs, release everything held, go,
         # within the grace period as a whole.
-        loop = asyncio.get_running_loop()
+        loop, noticed_at = asyncio.get_running_loop(), time.time()
         plan = plan_leaving(settings.preempt_grace_s, loop.time())
         await tasks.stop(max(0.0, plan.tasks_stopped_by - loop.time()))
         login.as_configured()  # never registered: say farewell as configured, as before
-        await leave_with_notice(worker, r, settings, plan)
+        await leave_with_notice(worker, r, settings, plan, noticed_at)
 
     app = FastAPI(title="spotrl rollout worker", version="1", lifespan=lifespan)
     auth = auth_for(settings)

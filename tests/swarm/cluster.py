@@ -155,7 +155,11 @@ class Cluster:
 
     def form_swarm(self) -> None:
         m = self.manager
-        m.docker("swarm", "init", "--advertise-addr", m.addr, "--listen-addr", f"{m.addr}:2377")
+        # heartbeats 20 s apart: a node is marked down only after a minute without one, so the
+        # partition the scenario makes (~10 s) is spotrl's to handle, not Swarm's (which would
+        # start the node's tasks elsewhere and stop them when it is back)
+        m.docker("swarm", "init", "--advertise-addr", m.addr, "--listen-addr", f"{m.addr}:2377",
+                 "--dispatcher-heartbeat", "20s")  # fmt: skip
         token = m.docker("swarm", "join-token", "-q", "worker").stdout.strip()
         for node in self.nodes.values():
             if node is not m:

@@ -80,6 +80,15 @@ class Fabric:
         """The member's IPv4 routes: only the subnet's own (no way out)."""
         return ip("-n", self.netns[member], "-4", "route", "show").splitlines()
 
+    def cut(self, member: str) -> None:
+        """Partition `member`: its bridge port down, so nothing reaches it or leaves it (its
+        processes keep running, as a spot VM cut off from the network does)."""
+        ip("-n", self.hub, "link", "set", f"v-{member}"[:15], "down")
+
+    def mend(self, member: str) -> None:
+        """`member` back on the network."""
+        ip("-n", self.hub, "link", "set", f"v-{member}"[:15], "up")
+
     def destroy(self) -> None:
         """Delete every namespace of this fabric (their veths and the bridge go with them)."""
         for ns in [*self.netns.values(), self.hub]:

@@ -6,10 +6,14 @@ reach it from a client namespace on the same subnet (never through the host's in
 
 The run, submitted over the REST API with the token: workers on both spot nodes produce tokens
 and pull weight blocks from each other; `spotrl scale` (its Scaler) holds the rollout service at
-`preemptible_wanted` within bounds; spot1 is drained mid-step (the notice: SIGTERM and the
-stop grace period), then a rollout container on spot2 is killed (no notice); the time until
-what each held generates again elsewhere is measured (services/cli/recovery.py). The run must
-end exact (audit: nothing lost or duplicated) and learn; teardown must leave nothing.
+`preemptible_wanted` within bounds. spot2 is cut off from the network (its bridge port down)
+while a worker there holds requests, until the coordinator declared the worker dead and its
+requests generate elsewhere, then put back: what the worker generated meanwhile arrives under
+leases that moved on and is fenced (counted), and it reads jobs again. Later spot1 is drained
+mid-step (the notice: SIGTERM and the stop grace period), then a rollout container on spot2 is
+killed (no notice). The time until what each held generates again elsewhere is measured
+(services/cli/recovery.py). The run must end exact (audit: nothing lost or duplicated) and
+learn; teardown must leave nothing.
 
 `python -m tests.swarm.scenario` prints the summary as JSON, last line; tests/swarm/test_swarm.py
 asserts it.
@@ -23,6 +27,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
@@ -38,12 +44,16 @@ from tests.swarm.images import build_and_save, load_everywhere, say
 from tests.swarm.stack import SwarmStack
 
 MODEL = "/models/arithmetic-base"
-KEYS = ("nodes", "workers_max", "blocks_from_peers", "drained", "killed", "lost", "duplicated",
-        "reward_first", "reward_last", "recovery_notice_s", "recovery_kill_s", "scale_decisions",
-        "leftovers", "wall_s")  # fmt: skip
+KEYS = ("nodes", "workers_max", "blocks_from_peers", "partitioned", "fenced_late_deltas",
+        "drained", "killed", "lost", "duplicated", "reward_first", "reward_last",
+        "recovery_partition_s", "recovery_notice_s", "recovery_kill_s", "rejoined_s",
+        "notice_delay_s", "recovery_from_drain_s",
+        "scale_decisions", "leftovers", "wall_s")  # fmt: skip
 FINAL = {"succeeded", "failed", "cancelled"}
 STEPS = int(os.environ.get("SPOTRL_SWARM_STEPS", "40"))
 BLOCK_BYTES = 64 * 1024  # the smallest blocks: a version is many, some from a peer
+PARTITION_AT_STEP = 3  # spot2 cut off from the network from this step
+PARTITION_S = 8.0  # at least; longer than the heartbeat TTL (5 s), and until its requests moved
 DRAIN_AT_STEP = 10  # the versions before it are pulled by workers on both spot nodes
 SETTINGS = {
     "SPOTRL_TRAINER_THREADS": "1",
@@ -55,6 +65,9 @@ SETTINGS = {
     # a slower engine: a response lasts longer than the drain takes to reach the worker, so
     # the drained worker still holds requests at its notice
     "SPOTRL_STEP_DELAY_MS": "150",
+    # 16 requests at once a worker: a step's rollout takes several rounds of ~1 s, so a worker
+    # drained at a step's start still generates when Swarm's SIGTERM reaches it, 2-3 s later
+    "SPOTRL_SLOTS": "16",
     # the store's egress capped (16 Mbit/s: a version takes ~1.4 s from it alone), so a worker
     # takes the blocks another already holds from it, across nodes, rather than all from the
     # store: without a cap both often pull everything from the store at once
@@ -72,6 +85,7 @@ class Driver:
         self.r = open_redis(stack.redis_url, stack.ca_file)  # the read-only user, over TLS
         self.run_id = ""
         self.workers: dict[str, str] = {}  # container -> the worker id it registered
+        self.refused_at_cut = 0  # late delta items the coordinator had refused at the partition
         summary["workers_max"] = 0
 
     def producing(self) -> list[dict]:
@@ -114,16 +128,13 @@ class Driver:
         probe.poll()
         return sum(1 for q in probe.tracker.requests.values() if not q.finished)
 
-    def recovery(
-        self, worker: str, cause: str, held: dict[str, int], at: float, timeout_s: float
-    ) -> float | None:
-        if not held:
-            return None
-        watch = RecoveryWatch(self.r, self.run_id, worker, cause, held, at)
+    def recovery(self, watch: RecoveryWatch, timeout_s: float) -> float | None:
+        """Until what the watch follows generates again elsewhere: seconds from the loss (None:
+        nothing it held moved, or something did not generate again within `timeout_s`)."""
         got = watch.wait(timeout_s=timeout_s, poll_s=0.05)
-        say(f"recovery ({cause}): {got.summary()}")
-        self.summary.setdefault("recovery", {})[cause] = got.summary()
-        return None if got.recovery_s is None else round(got.recovery_s, 2)
+        say(f"recovery ({watch.cause}): {got.summary()}")
+        self.summary.setdefault("recovery", {})[watch.cause] = got.summary()
+        return None if got.recovery_s is None or not got.held else round(got.recovery_s, 2)
 
     def run(self, spec: dict) -> None:
         self.run_id = self.client.submit(spec)
@@ -139,6 +150,7 @@ class Driver:
             poll_s=0.5,
         )
         say(f"workers producing on both spot nodes at step {self.step()} ({nodes})")
+        self.partition("spot2")
         wait_until(lambda: self.step() >= DRAIN_AT_STEP, f"step {DRAIN_AT_STEP}", 300, poll_s=0.2)
         self.summary["peer_loads_before_drain"] = self.stack.peer_loads()
 
@@ -187,31 +199,104 @@ class Driver:
         thread.start()  # in this thread's namespace: the client one
         return stop, thread, scaler
 
+    def partition(self, node: str) -> None:
+        """A spot node cut off from the network while a worker there holds requests, for longer
+        than the heartbeat TTL, then back: the coordinator declares the worker dead and its
+        requests generate elsewhere; what it generated meanwhile arrives late, under leases
+        that moved on (fenced: the steps' `stale_deltas`); it reads jobs again."""
+        wait_until(lambda: self.step() >= PARTITION_AT_STEP, "the partition's step", 300)
+        _, worker, held = wait_until(
+            lambda: self.holding(node), f"a worker on {node} holding requests", 180, poll_s=0.05
+        )
+        self.refused_at_cut = self.refused_late()
+        at_step, at = self.step(), time.time()
+        self.cluster.fabric.cut(node)
+        try:
+            held |= held_requests(self.r, self.run_id, worker)  # acknowledged by nobody now
+            say(f"cut {node} off at step {at_step}: {worker} held {len(held)} requests")
+            watch = RecoveryWatch(self.r, self.run_id, worker, "partition", held, at)
+            # cut off until its requests generate elsewhere: it was declared dead (heartbeat TTL)
+            self.summary["recovery_partition_s"] = self.recovery(watch, 60)
+            wait_until(lambda: time.time() - at >= PARTITION_S, "the partition's length", 60)
+        finally:
+            self.cluster.fabric.mend(node)
+        back = time.time()
+        self.summary["partitioned"], self.summary["partition_s"] = 1, round(back - at, 1)
+        wait_until(  # a job read since it is back: its old ones were claimed from it
+            lambda: set(held_requests(self.r, self.run_id, worker)) - set(held),
+            f"{worker} reading jobs again",
+            180,
+            poll_s=0.1,
+        )
+        self.summary["rejoined_s"] = round(time.time() - back, 1)
+        say(f"{node} back after {self.summary['partition_s']} s: {worker} reads jobs again")
+
+    def refused_late(self) -> int:
+        """Delta items the coordinator refused as late so far: under a lease that moved on, or
+        of a step no longer in flight (its /metrics, `spotrl_coordinator_delta_items_total`)."""
+        families = text_string_to_metric_families(self.client.prometheus())
+        return int(
+            sum(
+                sample.value
+                for family in families
+                if family.name == "spotrl_coordinator_delta_items"
+                for sample in family.samples
+                if sample.labels.get("outcome") in ("stale_lease", "unknown")
+            )
+        )
+
+    def fenced_since_the_partition(self) -> None:
+        """What the partitioned worker sent late and the coordinator refused (between the cut
+        and now), and the requests it dropped when its orders said they had moved (it read
+        them before its flush went out: then nothing of them arrives late)."""
+        self.summary["fenced_late_deltas"] = self.refused_late() - self.refused_at_cut
+        self.summary["fenced_by_order"] = sum(
+            1
+            for line in self.stack.service_logs("rollout")
+            if "@spot2" in line and "it was migrated" in line
+        )
+
     def drain(self, node: str) -> None:
-        """Spot node lost with notice: Swarm stops its tasks, SIGTERM then the grace period."""
-        _, worker, _ = wait_until(
+        """Spot node lost with notice: Swarm stops its tasks, SIGTERM then the grace period.
+        Drained as a step starts (Swarm's SIGTERM comes 2-3 s later: the worker must still be
+        generating then for the notice to move anything). The watch starts at the drain: the
+        worker reads jobs until the SIGTERM reaches it, and what it holds then is followed as
+        it is seen (`follow_until_it_leaves`)."""
+        self.fenced_since_the_partition()  # before the drain and the kill add their own
+        before = self.step()
+        wait_until(lambda: self.step() > before, "a step's start", 300, poll_s=0.05)
+        _, worker, held = wait_until(
             lambda: self.holding(node), f"a worker on {node} holding requests", 180, poll_s=0.05
         )
         at_step, at = self.step(), time.time()
+        watch = RecoveryWatch(self.r, self.run_id, worker, "notice", held, at)
         self.cluster.manager.docker("node", "update", "--availability", "drain", node)
-        held = self.held_until_it_leaves(worker)
+        noticed_at = self.follow_until_it_leaves(watch)
+        # Swarm's part: from the drain to the worker's notice (its SIGTERM)
+        delay = self.summary["notice_delay_s"] = round(noticed_at - at, 2)
         self.summary["drained"] = 1
-        say(f"drained {node} at step {at_step}: {worker} held {len(held)} requests")
-        # measured, not checked: a watch that misses a resolution must not use up the run that
-        # the kill after it needs (CI: a 180 s wait outlived the run, and the kill found no one)
-        self.summary["recovery_notice_s"] = self.recovery(worker, "notice", held, at, 30)
+        say(f"drained {node} at step {at_step}: {worker} noticed after {delay} s")
+        # measured, not checked here: a watch that misses a resolution must not use up the run
+        # that the kill after it needs (CI: a 180 s wait outlived the run, the kill found no one)
+        from_drain = self.summary["recovery_from_drain_s"] = self.recovery(watch, 30)
+        # from the notice the worker got, as for a cloud's notice, which reaches it directly
+        self.summary["recovery_notice_s"] = (
+            None if from_drain is None else round(from_drain - delay, 2)
+        )
         wait_until(lambda: self.step() >= at_step + 2, "steps after the drain", 300, poll_s=0.5)
 
-    def held_until_it_leaves(self, worker: str, timeout_s: float = 60.0) -> dict[str, int]:
-        """What `worker` holds when it leaves: the drain's SIGTERM reaches it a while after the
-        drain, and it reads jobs until then; its release acknowledges what it holds, so the
-        last look before its leaving key appears names what it released (empty: nothing)."""
-        held: dict[str, int] = {}
+    def follow_until_it_leaves(self, watch: RecoveryWatch, timeout_s: float = 60.0) -> float:
+        """Poll `watch` and add what its worker holds until the worker says it left (its
+        release acknowledges what it held); when the notice reached it (unix seconds)."""
+        leaving = keys.worker_leaving(watch.worker_id)
         deadline = time.monotonic() + timeout_s
-        while not self.r.exists(keys.worker_leaving(worker)) and time.monotonic() < deadline:
-            held = held_requests(self.r, self.run_id, worker) or held
+        while (noticed_at := self.r.get(leaving)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{watch.worker_id} did not leave {timeout_s} s after a notice")
+            watch.hold(held_requests(self.r, self.run_id, watch.worker_id))
+            watch.poll()
             time.sleep(0.01)
-        return held
+        return float(noticed_at)
 
     def kill(self, node: str) -> None:
         """A rollout container lost without notice: SIGKILL."""
@@ -223,7 +308,8 @@ class Driver:
         held |= held_requests(self.r, self.run_id, worker)  # frozen by the SIGKILL
         self.summary["killed"] = 1
         say(f"killed {worker} on {node} at step {at_step}: it held {len(held)} requests")
-        self.summary["recovery_kill_s"] = self.recovery(worker, "kill", held, at, 180)
+        watch = RecoveryWatch(self.r, self.run_id, worker, "kill", held, at)
+        self.summary["recovery_kill_s"] = self.recovery(watch, 180)
         wait_until(lambda: self.step() >= at_step + 2, "steps after the kill", 300, poll_s=0.5)
 
     def finish(self, run: dict, spec: dict) -> None:

@@ -21,8 +21,9 @@ from tools.swarm_stack import render
 NAME = "spotrl"
 RESERVED = ("redis", "coordinator", "weightstore", "trainer")
 # a daemon that looks an image up in a registry says so in its log (a pull, a registry host, a
-# DNS lookup): none of it may appear
-REGISTRY_LOOKUP = re.compile(r"\bpull|registry|docker\.io|lookup \S+ on", re.I)
+# DNS lookup): none of it may appear. Swarm's gossip (memberlist's "Push/Pull" with another
+# node, which fails while the partitioned node is cut off) is not a pull of an image.
+REGISTRY_LOOKUP = re.compile(r"(?<!push/)\bpull|registry|docker\.io|lookup \S+ on", re.I)
 HEALTH = re.compile(r"\((healthy|unhealthy|health: starting)\)")
 LOADED = re.compile(r"loaded \S+ v(\d+) \((\d+) bytes, (\d+) of them from peers\)")
 

@@ -1,6 +1,7 @@
 """A real multi-host run on Docker Swarm (tests/swarm/scenario.py): three nodes in network
-namespaces, the stack from docker-compose.yml, a spot node drained and a rollout container
-killed mid-run; exact, learning, and nothing left behind. Where no engine can start here it
+namespaces, the stack from docker-compose.yml, a spot node cut off from the network and back,
+a spot node drained and a rollout container killed mid-run; exact, learning, and nothing left
+behind. Where no engine can start here it
 skips with the reason; with CI=true it fails instead (.ci/run installs docker.io)."""
 
 import json
@@ -34,6 +35,10 @@ def test_swarm_run_survives_a_drain_and_a_kill_exact_and_leaves_nothing(tmp_path
     assert summary["workers_max"] >= 2, summary
     assert summary["blocks_from_peers"] > 0, summary
     assert summary["drained"] == 1 and summary["killed"] == 1, summary
+    assert summary["partitioned"] == 1 and summary["fenced_late_deltas"] >= 1, summary
+    # each loss's requests generated again elsewhere, the notice's within 5 s of the drain
+    assert summary["recovery_partition_s"] is not None, summary
+    assert summary["recovery_notice_s"] is not None and summary["recovery_notice_s"] < 5, summary
     assert summary["lost"] == 0 and summary["duplicated"] == 0, summary
     # the container killed held requests still generating, and each generated again elsewhere
     assert summary["recovery"]["kill"]["held"] > 0, summary

@@ -116,3 +116,19 @@ def test_the_bench_counts_only_steps_that_started_with_every_worker():
     assert out["recovery_kill_s"] == {"median": 5.0, "p90": 5.0, "n": 1}
     assert out["recovery_notice_s"] == {"median": 1.0, "p90": 1.5, "n": 2}
     assert out["held_notice"] == 22 and out["unresolved_kill"] == 0
+
+
+def test_a_request_held_later_counts_the_continuation_seen_before_it_was_held():
+    # a notice's watch runs from the notice: what the worker reads until it leaves is added as
+    # it is seen, and its continuation may have been read by an earlier poll
+    tracker = RecoveryTracker({"0:0:0": 0}, AT)
+    tracker.see_job(job("0:0:1", 1, 3), AT + 0.2)  # not held yet
+    tracker.see_progress(AT + 0.3, {"0:0:1": 3}, set())
+    tracker.hold({"0:0:1": 0, "0:0:0": 5})  # the lease first held stays
+    assert tracker.requests["0:0:0"].lease == 0
+    tracker.see_job(job("0:0:0", 1, 2), AT + 0.4)
+    tracker.see_progress(AT + 0.5, {"0:0:0": 3, "0:0:1": 4}, set())
+    result = tracker.result("w1", "notice")
+    assert tracker.done and (result.held, result.finished_before) == (2, 0)
+    assert result.migrated_s == pytest.approx(0.4)
+    assert result.per_request_s == pytest.approx([0.5, 0.5])
