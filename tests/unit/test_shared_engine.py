@@ -4,10 +4,16 @@ base, each run's requests under its own adapter and its own request ids, in one 
 import asyncio
 
 import pytest
+import redis.asyncio as aioredis
 import torch
 
+from services.rollout.context import worker_shared
+from services.rollout.control import Control
 from services.rollout.engines.hf import HFEngine
 from services.rollout.engines.shared import SharedEngine
+from services.rollout.flusher import Flusher
+from services.rollout.generation import Generator
+from services.rollout.settings import RolloutSettings
 from tests.factories import job
 from tests.harness.lora import lora_of, tiny_qwen2
 
@@ -157,3 +163,27 @@ def test_a_run_at_its_base_beside_runs_with_adapters_draws_from_the_base(publish
         for event in base.decode():
             expected.setdefault(event.request_id, []).append(event.token_id)
     assert asyncio.run(scenario()) == expected
+
+
+def test_a_run_starts_no_job_while_another_runs_load_holds_the_engine(published):
+    """The generation task starts a run's jobs under `engine_lock`: a load of another run
+    awaits midway (a vLLM engine restarting with LoRA holds no engine then), and a job started
+    meanwhile would land in an engine half loaded."""
+
+    async def scenario() -> None:
+        settings = RolloutSettings(worker_id="w", flush_tokens=4096, flush_ms=60000)
+        w = worker_shared(settings, aioredis.Redis(), HFEngine(max_adapters=4))
+        lane = w.lane("run-b")
+        await lane.engine.load_base(published / "base", "d")
+        lane.version = 0
+        generator = Generator(w, Control(w))
+        generator.serve(lane, Flusher(lane))
+        lane.inbox.put(b"1-0", jobs_of("run-b")[0])
+        async with w.engine_lock:  # run-a's load, midway
+            admitting = asyncio.create_task(generator.round())
+            await asyncio.sleep(0.1)
+            assert lane.engine.active == 0 and len(lane.inbox) == 1
+        await admitting
+        assert lane.engine.active == 1 and len(lane.inbox) == 0
+
+    asyncio.run(scenario())
