@@ -460,8 +460,8 @@ def test_compose_environment_is_rendered_from_the_settings_classes():
 @pytest.mark.parametrize(
     "edit",
     [
-        ('SPOTRL_SLOTS: "64"', 'SPOTRL_SLOTS: "65"'),  # a value changed by hand
-        ('SPOTRL_SLOTS: "64"', 'SPOTRL_SLOTZ: "64"'),  # a misspelt name
+        ("${SPOTRL_SLOTS:-64}", "${SPOTRL_SLOTS:-65}"),  # a value changed by hand
+        ("SPOTRL_SLOTS: ${", "SPOTRL_SLOTZ: ${"),  # a misspelt name
         ("  # checkpoints: a recreated", "  # checkpoint: a recreated"),  # a comment
     ],
 )
