@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from services.infra.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+OPEN_FILES_WANTED = 65536  # a server's soft limit on open files, where the hard one allows
 # this process, as /healthz and the port file name it (a port alone may be another process's)
 INSTANCE = uuid.uuid4().hex
 
@@ -243,6 +245,7 @@ def serve(
     port_file = settings.port_file
     if port_file is not None:
         port_file.unlink(missing_ok=True)  # a file from an earlier start names another process
+    raise_open_files_limit()
     gc.collect()
     gc.freeze()
     stack_dump.install()
@@ -252,6 +255,22 @@ def serve(
     if port_file is not None:
         write_port_file(port_file, sock.getsockname()[1])
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def raise_open_files_limit(want: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files toward `want`, within its hard limit: a
+    server holds a socket per client connection (up to `per_client` of each address), besides
+    its Redis, peer and file descriptors, and the usual soft limit of 1,024 ran out under a
+    thousand slow clients. One warning line when the hard limit keeps it lower; the limit in
+    force after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("open files limited to %d (hard limit): a client per file at most", soft)
+    return soft
 
 
 def server_config(
