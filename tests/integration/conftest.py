@@ -18,6 +18,7 @@ from services.cli import procs
 from services.cli.client import CoordinatorClient
 from services.cli.redis_client import open_redis
 from services.contracts import keys
+from services.contracts.messages import Heartbeat
 from services.contracts.runspec import FINAL_STATES
 from services.coordinator.step.store import replay
 from services.core.request_table import request_id
@@ -114,6 +115,29 @@ def small_spec(model, **over) -> dict:
         "seed": 1,
     }
     return spec | over
+
+
+def lora_specs(model, steps: int, seeds_and_rates) -> list[dict]:
+    """Small LoRA runs (r 4) on one base, one per (seed, learning rate): runs one engine
+    serves at once."""
+    return [
+        small_spec(
+            model,
+            steps=steps,
+            seed=seed,
+            lora_r=4,
+            lora_alpha=8,
+            learning_rate=lr,
+            max_new_tokens=8,
+        )
+        for seed, lr in seeds_and_rates
+    ]
+
+
+def heartbeats_of(rdb: redis.Redis, workers) -> dict[str, Heartbeat]:
+    """The live heartbeats of `workers` (those whose key has lapsed left out)."""
+    raw = {w: rdb.get(keys.worker_heartbeat(w)) for w in workers}
+    return {w: Heartbeat.decode(b) for w, b in raw.items() if b}
 
 
 def wait_final(client, deployment, run_id, timeout_s=240.0) -> dict:

@@ -18,7 +18,13 @@ from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from tests.harness.deploy import Deployment, DeploymentConfig
-from tests.integration.conftest import small_spec, wait_final, wait_until
+from tests.integration.conftest import (
+    heartbeats_of,
+    lora_specs,
+    small_spec,
+    wait_final,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -155,18 +161,7 @@ def test_one_engine_serves_three_lora_runs_and_a_kill_loses_none_of_them(tmp_pat
             "SPOTRL_MAX_LORAS": "6",
         },
     )
-    specs = [
-        small_spec(
-            tiny_model,
-            steps=steps,
-            seed=seed,
-            lora_r=4,
-            lora_alpha=8,
-            learning_rate=lr,
-            max_new_tokens=8,
-        )
-        for seed, lr in ((1, 1e-3), (2, 2e-3), (3, 5e-4))
-    ]
+    specs = lora_specs(tiny_model, steps, ((1, 1e-3), (2, 2e-3), (3, 5e-4)))
     workers = ("rollout-preemptible-1", "rollout-preemptible-2")
     with Deployment(config) as dep:
         client = CoordinatorClient(dep.coordinator_url)
@@ -174,8 +169,7 @@ def test_one_engine_serves_three_lora_runs_and_a_kill_loses_none_of_them(tmp_pat
         runs = [client.submit(spec) for spec in specs]
 
         def beats() -> dict[str, Heartbeat]:
-            raw = {w: rdb.get(keys.worker_heartbeat(w)) for w in workers}
-            return {w: Heartbeat.decode(b) for w, b in raw.items() if b}
+            return heartbeats_of(rdb, workers)
 
         wait_until(
             lambda: (

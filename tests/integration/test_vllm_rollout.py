@@ -16,12 +16,18 @@ import redis
 
 from services.cli.audit import audit_run
 from services.cli.client import CoordinatorClient
-from services.contracts import keys
 from services.contracts.messages import Heartbeat
 from services.contracts.runspec import RunSpec
 from tests.conftest import require_vllm
 from tests.harness.deploy import Deployment, DeploymentConfig
-from tests.integration.conftest import read_groups, small_spec, wait_final, wait_until
+from tests.integration.conftest import (
+    heartbeats_of,
+    lora_specs,
+    read_groups,
+    small_spec,
+    wait_final,
+    wait_until,
+)
 
 VLLM_ENV = {"SPOTRL_VLLM_KV_CACHE_GIB": "0.25"}
 
@@ -146,18 +152,7 @@ def test_one_vllm_engine_serves_two_lora_runs_and_a_kill_loses_neither(tmp_path,
         extra_env=env,
         worker_env=worker_env,
     )
-    specs = [
-        small_spec(
-            tiny_model,
-            steps=steps,
-            seed=seed,
-            lora_r=4,
-            lora_alpha=8,
-            learning_rate=lr,
-            max_new_tokens=8,
-        )
-        for seed, lr in ((1, 1e-3), (2, 2e-3))
-    ]
+    specs = lora_specs(tiny_model, steps, ((1, 1e-3), (2, 2e-3)))
     workers = ("rollout-preemptible-1", "rollout-preemptible-2")
     with Deployment(config) as dep:
         client = CoordinatorClient(dep.coordinator_url)
@@ -165,8 +160,7 @@ def test_one_vllm_engine_serves_two_lora_runs_and_a_kill_loses_neither(tmp_path,
         runs = [client.submit(spec) for spec in specs]
 
         def beats() -> dict[str, Heartbeat]:
-            raw = {w: rdb.get(keys.worker_heartbeat(w)) for w in workers}
-            return {w: Heartbeat.decode(b) for w, b in raw.items() if b}
+            return heartbeats_of(rdb, workers)
 
         def under_adapters() -> bool:
             """Each worker serves both runs, each at a version after its base: an adapter."""
