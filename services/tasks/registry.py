@@ -1,21 +1,23 @@
 """A run's task: where its examples come from and its reward. The built-ins are datasets with a
 reward of their own (arithmetic: generated sums, exact_match; long_addition: sums with a written
-scratchpad, long-tailed responses, exact_match on the whole scratchpad; math: GSM8K rows,
-boxed_match); a
-`dataset` run names its file, fields and reward in its spec."""
+scratchpad, long-tailed responses, exact_match on the whole scratchpad; countdown: counts down
+from 3 to 99, long-tailed responses a small model is sure of, exact_match; math: GSM8K rows,
+boxed_match); a `dataset` run names its file, fields and reward in its spec."""
 
 from pathlib import Path
 
 from services.contracts.runspec import RunSpec
 from services.tasks.arithmetic import ArithmeticRows
 from services.tasks.base import Example, PromptSource, TaskError
+from services.tasks.countdown import CountdownRows
 from services.tasks.dataset import DatasetRows, RowFormat, build_examples
 from services.tasks.dataset_files import DatasetLimits, read_rows
 from services.tasks.long_addition import LongAdditionRows
 from services.tasks.math_jsonl import SAMPLE_MATH_FILE, math_rows
 from services.tasks.reward_choice import RewardChoice, Scorer
 
-TASK_NAMES = ("arithmetic", "long_addition", "math", "dataset")
+TASK_NAMES = ("arithmetic", "long_addition", "countdown", "math", "dataset")
+GENERATED = ("arithmetic", "long_addition", "countdown")  # tasks that read no file
 
 
 class Task:
@@ -51,6 +53,8 @@ def task_for_spec(spec: RunSpec, limits: DatasetLimits | None = None) -> Task:
         return Task("arithmetic", ArithmeticRows(), RewardChoice("exact_match"))
     if spec.data.task == "long_addition":
         return Task("long_addition", LongAdditionRows(), RewardChoice("exact_match"))
+    if spec.data.task == "countdown":
+        return Task("countdown", CountdownRows(), RewardChoice("exact_match"))
     if spec.data.task == "math":
         math = math_rows(spec.data.task_path or SAMPLE_MATH_FILE, spec.data.shuffle, limits)
         return Task("math", math, RewardChoice("boxed_match"))
@@ -77,7 +81,7 @@ def load_task(name: str, path: str | Path | None = None) -> Task:
         raise TaskError(f"unknown task {name!r}; known: {', '.join(TASK_NAMES)}")
     if name == "dataset" and path is None:
         raise TaskError("task 'dataset' needs a file")
-    if path is not None and name in ("arithmetic", "long_addition"):
+    if path is not None and name in GENERATED:
         raise TaskError(f"the {name} task reads no file")
     if name == "math":
         return Task("math", math_rows(path or SAMPLE_MATH_FILE), RewardChoice("boxed_match"))

@@ -25,11 +25,12 @@ USER_REWARD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII
 
 
 class DataSection(Section):
-    task: Literal["arithmetic", "long_addition", "math", "dataset"] = Field(
+    task: Literal["arithmetic", "long_addition", "countdown", "math", "dataset"] = Field(
         "arithmetic",
         description="Where prompts and rewards come from: a built-in (arithmetic: generated "
         "sums, exact match; long_addition: sums of 2 to 12 digits with a written scratchpad, "
-        "responses of ~20 to ~300 tokens, exact match of the whole scratchpad; math: GSM8K "
+        "responses of ~20 to ~300 tokens, exact match of the whole scratchpad; countdown: "
+        "`47:` -> `47,46,...,0;`, responses of ~10 to ~290 tokens, exact match; math: GSM8K "
         "rows, their final number checked by math_verify) "
         "or `dataset` (the run's own file and reward, below; chosen when `dataset` is set).",
     )

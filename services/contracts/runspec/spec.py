@@ -269,6 +269,8 @@ EMBEDDED_DEFAULTS: Mapping[str, Any] = MappingProxyType(
 # long_addition: a step of 16 prompts x 8 responses of up to 420 tokens (its longest scratchpad
 # ~410), so rollout is most of the step (94% on 2 cores); 40 steps take 640 prompts, 3.3 passes
 # over the task's pool of 192 (its POOL_SIZE), each prompt coming back every 12 steps.
+# countdown: 16 prompts x 8 responses of up to 300 tokens (its longest count, from 99, ~290),
+# 40 steps taking 5 passes over its pool of 128, each prompt coming back every 8 steps.
 TASK_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "long_addition": MappingProxyType(
@@ -278,6 +280,14 @@ TASK_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "group_size": 8,
                 "max_new_tokens": 420,
                 "learning_rate": 3e-4,
+            }
+        ),
+        "countdown": MappingProxyType(
+            {
+                "steps": 40,
+                "prompts_per_step": 16,
+                "group_size": 8,
+                "max_new_tokens": 300,
             }
         ),
     }
