@@ -22,8 +22,9 @@ forward pass, `spec`), `rollout_speedup` (plain wall time / spec's), `tail_ratio
 the epoch's last response / time to its median response, mean over epochs), and the first
 epoch's response lengths. One line per epoch, and as its LAST line one JSON object.
 
-    .venv/bin/python bench/long_tail.py                   # builds long_addition's base model
+    .venv/bin/python bench/long_tail.py                   # builds countdown's base model (~3 min)
     .venv/bin/python bench/long_tail.py --model DIR       # a model already built for the task
+    .venv/bin/python bench/long_tail.py --task long_addition --prompts 16 --slots 32
 
 Regime: CPU, one torch thread, a small model: a forward pass costs mostly per-step overhead
 and, for wide batches, compute; on a GPU decoding is memory-bound and a drafted pass costs
@@ -43,16 +44,18 @@ VARIANTS = ("plain", "spec", "spec_length_aware")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--task", default="long_addition", help="task registry name")
+    p.add_argument("--task", default="countdown", help="task registry name")
     p.add_argument("--task-path", default=None, help="the task's file, where it reads one")
     p.add_argument("--model", default=None, help="model folder (default: build the task's)")
     p.add_argument("--init-steps", type=int, default=None, help="pre-training of a built model")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=440)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: the task's `spotrl up` preset's"
+    )
     p.add_argument("--draft-tokens", type=int, default=4)
-    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--slots", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-siblings", action="store_true", help="draft from history only")
     p.add_argument(
@@ -64,7 +67,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="timed runs of each variant (best)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.max_new_tokens is None:
+        from services.contracts.runspec import TASK_PRESETS
+
+        args.max_new_tokens = TASK_PRESETS.get(args.task, {}).get("max_new_tokens", 440)
+    return args
 
 
 def build_model(args: argparse.Namespace, folder: Path) -> Path:

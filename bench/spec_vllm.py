@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spec_engine import build_model, epoch_jobs, percentile, prompt_ids, stop_token_ids
+from long_tail import build_model, epoch_jobs, percentile, prompt_ids, stop_token_ids
 
 
 def parse_args() -> argparse.Namespace:
