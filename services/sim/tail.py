@@ -28,11 +28,11 @@ a plain step in the same pass: the factor scales with the drafting share). CPU, 
 the transformers engine's drafted step costs ~1.6x a plain one at k = 4 and 16-64 rows
 (docs/benchmarks.md, "Exact speculation in the transformers engine").
 
-The acceptance: `bench/spec_engine.py` measured 1.22 tokens a forward pass on `long_addition`
-with an under-trained 300-step model (alpha ~0.2 at k = 4) and a helper's 400-step model 3.4
-(alpha ~0.8); RhymeRL and DAS report history drafts accepted often on math reasoning. The
-default alpha 0.6 (2.3 tokens a step at k = 4) sits between; docs/simulation.md runs 0.2, 0.6
-and 0.8.
+The acceptance: `bench/long_tail.py` measured 1.22 tokens a forward pass on `long_addition`
+with an under-trained 300-step model (alpha ~0.2 at k = 4), and 3.57 on `countdown` with its
+base model (acceptance 0.84 at k = 4, docs/benchmarks.md, "The long tail"); RhymeRL and DAS
+report history drafts accepted often on math reasoning. The default alpha 0.6 (2.3 tokens a
+step at k = 4) sits between; docs/simulation.md runs 0.2, 0.6 and 0.8.
 
 **Length-aware dispatch** (`TailPolicy.length_aware`). From the second epoch on, each request
 has an expected length: the length of the previous epoch's response to the same prompt (the
