@@ -167,10 +167,24 @@ class JobIntake:
         the same name: its heartbeat never lapsed, so the coordinator cannot reclaim them). The
         coordinator continues each from its collected tokens (release cause `death`)."""
         self.earlier_pending = False
+        leases = await self.adopt_pending(version)
+        if leases:
+            log.warning("handing back %d jobs an earlier incarnation held", len(leases))
+            await self.flusher.release(leases, "death")
+
+    async def adopt_pending(self, version: int | None = None) -> list[RequestLease]:
+        """The jobs of the steps in flight (from `version`, default the one loaded) pending
+        under this worker's name that it does not hold: an earlier incarnation's, or a read
+        whose reply never came (the jobs task stopped mid-read as the worker leaves). Each goes
+        into the inbox, so that releasing its lease acknowledges it; their leases."""
         ctx = self.ctx
+        version = ctx.version if version is None else version
+        if version is None:
+            return []
+        held = {lease.request_id for lease in self.flusher.held()}
         leases = []
         for step in range(version, version + self.staleness + 1):
-            stream = keys.jobs_stream(run_id, step)
+            stream = keys.jobs_stream(ctx.run_id, step)
             entries = await read_group(
                 ctx.r, stream, keys.WORKERS_GROUP, ctx.w.consumer, 10_000, None, start="0"
             )
@@ -179,13 +193,13 @@ class JobIntake:
                 if job is None:
                     await ctx.r.xack(stream, keys.WORKERS_GROUP, entry[0])
                     continue
+                if job.request_id in held:
+                    continue
                 ctx.inbox.put(entry[0], job)
                 leases.append(
                     RequestLease(request_id=job.request_id, lease=job.lease, grant=job.grant)
                 )
-        if leases:
-            log.warning("handing back %d jobs an earlier incarnation held", len(leases))
-            await self.flusher.release(leases, "death")
+        return leases
 
     async def _fleet_part(self, run_id: str) -> int | None:
         """This worker's part of the slots the fleet allots the run (`worker_part`), where it

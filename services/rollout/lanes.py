@@ -156,10 +156,16 @@ class Lanes:
         w.engine.close_view(run_id)
 
     async def release_all(self) -> int:
-        """Give back every request held, of every run (a preemption notice)."""
+        """Give back every request held, of every run (a preemption notice), then the jobs
+        still pending under the worker's name: a read cut off as its jobs task stopped
+        delivered them in Redis and never here. Left pending, they would wait for the
+        heartbeat to lapse and come back as a death."""
         given = 0
         for lane in list(self.lanes.values()):
             given += await lane.flusher.release(lane.flusher.held(), "preemption")
+            if unread := await lane.intake.adopt_pending():
+                log.info("run %s: %d jobs read as it stopped", lane.ctx.run_id, len(unread))
+                given += await lane.flusher.release(unread, "preemption")
         return given
 
     def parts(self) -> list[tuple[WorkerContext, Flusher]]:
