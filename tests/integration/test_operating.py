@@ -264,8 +264,10 @@ def test_a_paused_run_opens_no_step_until_resumed_and_loses_nothing(
         lambda: run_events(rdb, run_id, "held_by_pause"), "the pause held no step", 120, 0.1
     )
     step = held[0]["step"]
-    # the steps before it finished and were trained; it is not queued while paused
-    assert client.run(run_id)["step"] == step < steps
+    # the steps before it finished and were trained (the API's read model says so once it
+    # refreshed after the commit); it is not queued while paused
+    assert step < steps
+    wait_until(lambda: client.run(run_id)["step"] == step, "the API never said the step", 30, 0.05)
     assert not rdb.exists(keys.jobs_stream(run_id, step))
     listed = cli(deployment, "status")
     assert "(paused)" in listed.stdout, listed.stdout
