@@ -6,7 +6,12 @@ new one joins): the fleet's use is measured in (b), what a kill costs and loses 
 
     .venv/bin/python bench/many_runs.py [--runs 4] [--steps 30] [--preemptible 2]
         [--lora-r 8] [--runs-at-once 4] [--max-staleness 0]
-        [--phases sequential,concurrent,killed]
+        [--phases sequential,concurrent,killed] [--task countdown [--model DIR]]
+
+`--task countdown` runs the long-response task (issue 50) with its `spotrl up` preset's group
+size and response length (`--prompts-per-step` to change its step), so rollout, not training,
+is most of each run's step: the regime a shared spot pool is for. Its base model is built
+first (3-4 minutes) unless `--model` names one.
 
 By default the runs are LoRA runs on the embedded base and each worker serves all of them at
 once on its one engine (`--runs-at-once`, SPOTRL_RUNS_AT_ONCE), one batch of every run's
@@ -56,7 +61,7 @@ from services.cli.up import ensure_model, sized_for
 from services.cli.up_summary import mean
 from services.contracts import keys
 from services.contracts.messages import FleetAllotment, Heartbeat
-from services.contracts.runspec import RunSpec
+from services.contracts.runspec import TASK_PRESETS, RunSpec
 from services.coordinator.workers.fleet import heartbeats
 from services.coordinator.workers.placement import claims_of
 from services.core.fleet_shares import allot, share_error
@@ -253,6 +258,11 @@ def run_phase(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"))
+    parser.add_argument("--model", type=Path, default=None, help="the task's base model folder")
+    parser.add_argument(
+        "--prompts-per-step", type=int, default=None, help="default: the task preset's"
+    )
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preemptible", type=int, default=2)
@@ -290,8 +300,15 @@ def main() -> None:
     phases = args.phases.split(",")
     if not set(phases) <= {"sequential", "concurrent", "killed"}:
         parser.error("--phases: of sequential, concurrent, killed")
-    model = ensure_model(Path(".spotrl/models/arithmetic-base"), "arithmetic", None, None)
+    model = args.model or ensure_model(
+        Path(f".spotrl/models/{args.task}-base"), args.task, None, None
+    )
     default = RunSpec(model=str(model.resolve()))
+    preset = dict(TASK_PRESETS.get(args.task, {})) | {"task": args.task}
+    preset.pop("steps", None)  # each run its own steps and learning rate, below
+    preset.pop("learning_rate", None)
+    if args.prompts_per_step:
+        preset["prompts_per_step"] = args.prompts_per_step
     # LoRA trains a few megabytes where full weights train all: its learning rate is higher
     lr = default.optimizer.learning_rate * (LORA_LR_FACTOR if args.lora_r else 1.0)
     lora = {"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r} if args.lora_r else {}
@@ -304,12 +321,14 @@ def main() -> None:
                 "learning_rate": lr * LR_FACTORS[i % len(LR_FACTORS)],
                 "max_staleness": args.max_staleness,
             }
+            | preset
             | lora
         )
         for i in range(args.runs)
     ]
     out: dict = {
-        "task": "arithmetic",
+        "task": args.task,
+        "prompts_per_step": specs[0].training.prompts_per_step,
         "runs": args.runs,
         "steps": args.steps,
         "lora_r": args.lora_r,
