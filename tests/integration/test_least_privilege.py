@@ -253,6 +253,14 @@ def test_c_a_worker_can_generate_and_nothing_more(
         "a stopped worker's heartbeat key outlived its TTL",
         30,
     )
+    # and the coordinator wrote what it writes of a worker gone (its `worker_left` events,
+    # then `gone_since`): in a CI it did so after the first snapshot
+    stopped = [proc.name for proc in deployment.workers()]
+    wait_until(
+        lambda: all(operator.hget(keys.worker(w), "gone_since") for w in stopped),
+        "the coordinator never marked the stopped workers gone",
+        30,
+    )
     before = snapshot(operator)
     store = Path(deployment.work_dir) / "weights"
     store_before = files(store)
