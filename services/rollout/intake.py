@@ -88,7 +88,7 @@ class JobIntake:
             self.idle = False
             await self.loader.load(run_id, latest)
             if ctx.version == latest and self.earlier_pending:
-                await self._hand_back_earlier(run_id, latest)
+                await self._hand_back_earlier(latest)
             if ctx.version == latest and not ctx.w.crashed:
                 # its jobs are queued already: read them now, after the orders (a pause may
                 # have come meanwhile), without looking at the run and its version again
@@ -161,7 +161,7 @@ class JobIntake:
             return
         self.idle = not got and ctx.busy == 0
 
-    async def _hand_back_earlier(self, run_id: str, version: int) -> None:
+    async def _hand_back_earlier(self, version: int) -> None:
         """Give back the jobs of the steps in flight that are pending under this worker's name
         from before this process started (an earlier incarnation killed and restarted under
         the same name: its heartbeat never lapsed, so the coordinator cannot reclaim them). The
