@@ -12,7 +12,11 @@ at most `--slots` requests at once. Epoch 1 runs plain; from epoch 2 on each epo
 - `spec_length_aware`: `spec`, with the longest expected requests dispatched first (expected:
   the previous epoch's mean length of the prompt's responses; RhymeRL's HistoPipe);
 - `oracle` (with `--oracle`): each request drafted from its own plain response, every draft
-  right: the ceiling of speculation in this engine on this machine.
+  right: the ceiling of speculation in this engine on this machine; with `--oracle-acceptance
+  P`, each token of those drafts is right with probability P (else another token): drafts
+  replayed at a given acceptance, for a model that cannot write the task itself (a random
+  model of a real architecture, `--shape`, on a GPU: its speed with the task model's
+  acceptance).
 
 The variants alternate `--rounds` times each, the best wall time of each kept (other work on
 the machine only slows a run). Measured over the epochs from 2 on: `identical_frac` (share of
@@ -25,6 +29,12 @@ epoch's response lengths. One line per epoch, and as its LAST line one JSON obje
     .venv/bin/python bench/long_tail.py                   # builds countdown's base model (~3 min)
     .venv/bin/python bench/long_tail.py --model DIR       # a model already built for the task
     .venv/bin/python bench/long_tail.py --task long_addition --prompts 16 --slots 32
+    .venv/bin/python bench/long_tail.py --model DIR --shape qwen2-0.6b --device cuda \
+        --variants plain --oracle --oracle-acceptance 0.9    # a real shape, drafts replayed
+
+`--shape` builds a random model of one of bench/trainer.py's shapes with the task model's
+tokenizer (`--model`, or the one built): it writes no task's answers, so only `plain` and
+`oracle` mean anything on it (its responses run to `--max-new-tokens`: no tail).
 
 Regime: CPU, one torch thread, a small model: a forward pass costs mostly per-step overhead
 and, for wide batches, compute; on a GPU decoding is memory-bound and a drafted pass costs
@@ -33,6 +43,7 @@ close to a plain one.
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -64,10 +75,29 @@ def parse_args() -> argparse.Namespace:
         help="also a variant drafted from each request's own plain response: the ceiling of "
         "speculation in this engine on this machine (every draft right)",
     )
+    p.add_argument(
+        "--oracle-acceptance",
+        type=float,
+        default=1.0,
+        help="each oracle draft token right with this probability (else another token)",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of {','.join(VARIANTS)} (plain always runs)",
+    )
+    p.add_argument("--shape", default=None, help="a random model of this bench/trainer.py shape")
+    p.add_argument("--device", default="cpu", help="the engine's torch device (cpu, cuda)")
     p.add_argument("--rounds", type=int, default=2, help="timed runs of each variant (best)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if not 0.0 <= args.oracle_acceptance <= 1.0:
+        p.error("--oracle-acceptance: a probability, 0 to 1")
+    args.variants = ["plain"] + [v for v in args.variants.split(",") if v and v != "plain"]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; of {VARIANTS}")
     if args.max_new_tokens is None:
         from services.contracts.runspec import TASK_PRESETS
 
@@ -83,6 +113,27 @@ def build_model(args: argparse.Namespace, folder: Path) -> Path:
         spec = spec.model_copy(update={"pretrain_steps": args.init_steps})
     print(f"building {args.task}'s model: {spec.pretrain_steps} steps", flush=True)
     return init_model(folder / "model", spec)
+
+
+def shape_model(shape: str, task_model: Path, folder: Path) -> Path:
+    """A random model of bench/trainer.py's `shape` that reads `task_model`'s tokenizer (the
+    same prompt ids, the same end-of-text token)."""
+    import shutil
+
+    from trainer import build_model as build_shape
+
+    params = build_shape(folder, shape)
+    config = json.loads((folder / "config.json").read_text())
+    task_config = json.loads((task_model / "config.json").read_text())
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if key in task_config:
+            config[key] = task_config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in task_model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, folder / f.name)
+    print(f"a random {shape} model: {params / 1e6:.0f}M parameters", flush=True)
+    return folder
 
 
 def prompt_ids(args: argparse.Namespace, model: Path) -> list[list[int]]:
@@ -202,17 +253,29 @@ def run_epoch(args, engine, jobs, history) -> dict[str, Rollout]:
     orders = {"plain": (jobs, None), "spec": (jobs, history)}
     orders["spec_length_aware"] = (longest_first(jobs, history), history)
     best: dict[str, Rollout] = {}
-    for _ in range(args.rounds):
-        for name in VARIANTS:
+
+    def keep(name: str, run: Rollout) -> None:
+        if name not in best or run.wall_s < best[name].wall_s:
+            best[name] = run
+
+    for round_ in range(args.rounds):
+        for name in args.variants:
             ordered, drafts_from = orders[name]
-            run = Rollout(engine, ordered, drafts_from, siblings).run()
-            if name not in best or run.wall_s < best[name].wall_s:
-                best[name] = run
+            keep(name, Rollout(engine, ordered, drafts_from, siblings).run())
         if args.oracle:
-            run = Rollout(engine, jobs, None, False, oracle=best["plain"].out).run()
-            if "oracle" not in best or run.wall_s < best["oracle"].wall_s:
-                best["oracle"] = run
+            drafts = replayed(best["plain"].out, args.oracle_acceptance, args.seed + round_)
+            keep("oracle", Rollout(engine, jobs, None, False, oracle=drafts).run())
     return best
+
+
+def replayed(plain: dict[str, list[int]], right: float, seed: int) -> dict[str, list[int]]:
+    """Each request's own plain tokens as its draft, each token kept with probability `right`
+    and else replaced by another (a draft token the engine's draw rejects)."""
+    rng = random.Random(seed)
+    return {
+        rid: [t if rng.random() < right else (t - 1 if t > 0 else 1) for t in tokens]
+        for rid, tokens in sorted(plain.items())
+    }
 
 
 def epoch_row(epoch: int, runs: dict[str, Rollout]) -> dict[str, Any]:
@@ -242,9 +305,11 @@ def summary_of(args, rows: list[dict[str, Any]], lengths: list[int]) -> dict[str
         return round(statistics.mean(r[name]["tail_ratio"] for r in later), 3)
 
     responses = sum(r["responses"] for r in later)
-    return {
+    out: dict[str, Any] = {
         "task": args.task,
         "model": str(args.model or "built"),
+        "shape": args.shape or "the task's",
+        "device": device_name(args.device),
         "prompts": args.prompts,
         "group": args.group,
         "epochs": args.epochs,
@@ -252,32 +317,53 @@ def summary_of(args, rows: list[dict[str, Any]], lengths: list[int]) -> dict[str
         "draft_tokens": args.draft_tokens,
         "siblings": not args.no_siblings,
         "temperature": args.temperature,
-        "identical_frac": round(total("spec", "identical") / max(1, responses), 4),
-        "identical_frac_length_aware": round(
-            total("spec_length_aware", "identical") / max(1, responses), 4
-        ),
-        "tokens_per_forward": round(total("spec", "tokens") / max(1, total("spec", "forwards")), 3),
-        "acceptance": round(total("spec", "accepted") / max(1, total("spec", "drafted")), 3),
-        "rollout_speedup": round(total("plain", "wall_s") / total("spec", "wall_s"), 3),
-        "rollout_speedup_length_aware": round(
-            total("plain", "wall_s") / total("spec_length_aware", "wall_s"), 3
-        ),
         "tail_ratio_plain": tail("plain"),
-        "tail_ratio_spec": tail("spec"),
-        "tail_ratio_spec_length_aware": tail("spec_length_aware"),
         "lengths_first_epoch_p50_p99": [percentile(lengths, 0.5), percentile(lengths, 0.99)],
-        "per_epoch_tokens_per_forward": [
-            round(r["spec"]["tokens"] / max(1, r["spec"]["forwards"]), 3) for r in later
-        ],
-        **(oracle_figures(later, total) if args.oracle else {}),
     }
+    if "spec" in args.variants:
+        out |= {
+            "identical_frac": round(total("spec", "identical") / max(1, responses), 4),
+            "tokens_per_forward": round(
+                total("spec", "tokens") / max(1, total("spec", "forwards")), 3
+            ),
+            "acceptance": round(total("spec", "accepted") / max(1, total("spec", "drafted")), 3),
+            "rollout_speedup": round(total("plain", "wall_s") / total("spec", "wall_s"), 3),
+            "tail_ratio_spec": tail("spec"),
+            "per_epoch_tokens_per_forward": [
+                round(r["spec"]["tokens"] / max(1, r["spec"]["forwards"]), 3) for r in later
+            ],
+        }
+    if "spec_length_aware" in args.variants:
+        out |= {
+            "identical_frac_length_aware": round(
+                total("spec_length_aware", "identical") / max(1, responses), 4
+            ),
+            "rollout_speedup_length_aware": round(
+                total("plain", "wall_s") / total("spec_length_aware", "wall_s"), 3
+            ),
+            "tail_ratio_spec_length_aware": tail("spec_length_aware"),
+        }
+    return out | (oracle_figures(args, later, total) if args.oracle else {})
 
 
-def oracle_figures(later: list[dict[str, Any]], total) -> dict[str, Any]:
+def device_name(device: str) -> str:
+    """The device as its driver names it (a GPU's model), or "cpu"."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return device
+
+
+def oracle_figures(args, later: list[dict[str, Any]], total) -> dict[str, Any]:
     """Every request drafted from its own plain response: what speculation yields here when
-    every draft is right."""
+    every draft is right (or each draft token with probability `--oracle-acceptance`)."""
     responses = sum(r["responses"] for r in later)
     return {
+        "oracle_draft_token_right": args.oracle_acceptance,
+        "oracle_acceptance": round(
+            total("oracle", "accepted") / max(1, total("oracle", "drafted")), 3
+        ),
         "oracle_identical_frac": round(total("oracle", "identical") / max(1, responses), 4),
         "oracle_tokens_per_forward": round(
             total("oracle", "tokens") / max(1, total("oracle", "forwards")), 3
@@ -296,8 +382,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_model(args, Path(tmp))
         prompts = prompt_ids(args, model)
+        if args.shape:
+            model = shape_model(args.shape, model, Path(tmp) / "shape")
         stop = stop_token_ids(model)
-        engine = HFEngine(slots=args.slots, draft_tokens=args.draft_tokens)
+        engine = HFEngine(args.device, slots=args.slots, draft_tokens=args.draft_tokens)
         engine.load_weights(model)
         Rollout(engine, epoch_jobs(args, prompts, 0, stop)[: args.slots], None, False).run()
         history: dict[int, list[list[int]]] = {}
