@@ -9,6 +9,10 @@ process (its peak memory is its own), the variants alternate for `--rounds`:
 - `packed`: micro-batches cut by `--tokens-per-micro-batch`, packed into one row, no padding;
 - with `--fp32-too` on a GPU, `padded-fp32`: the padded variant in float32 (the trainer before
   mixed precision), for the speedup of bfloat16;
+- with `--lora-r R`, `padded-lora`: the padded variant training a LoRA adapter of rank R on every
+  linear layer (the trainer's peft path) instead of every weight, side by side with full
+  weights; its MFU counts 4 x parameters a token (forward and the inputs' gradients: a frozen
+  base has no weight gradients), `lora_mfu_6n` the full-weight convention;
 - with `--unchunked-too`, `packed-unchunked`: the packed variant with every response token's
   logits at once (`logprob_chunk_tokens` past the micro-batch), for the peak memory that
   chunking saves (large with a large vocabulary: `--shape wide-vocab`).
@@ -126,6 +130,8 @@ def run_variant(args, variant: str) -> dict:
         over["max_tokens_per_micro_batch"] = args.tokens_per_micro_batch
     if variant == "packed-unchunked":
         over["logprob_chunk_tokens"] = 1 << 20
+    if variant.endswith("lora"):
+        over["lora"] = {"use_peft": True, "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r}
     spec = RunSpec(
         model=str(args.model),
         prompts_per_step=args.prompts_per_step,
@@ -217,6 +223,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fp32-too", action="store_true")
     parser.add_argument("--unchunked-too", action="store_true")
+    parser.add_argument("--lora-r", type=int, default=None, help="also padded-lora, this rank")
     parser.add_argument(
         "--torch-compile", action="store_true", help="torch_compile the bfloat16/auto variants"
     )
@@ -237,6 +244,7 @@ def main() -> None:
     params = build_model(args.model, args.shape)
     variants = ["padded", "packed"] + (["padded-fp32"] if args.fp32_too else [])
     variants += ["packed-unchunked"] if args.unchunked_too else []
+    variants += ["padded-lora"] if args.lora_r else []
     if args.only:
         variants = [v for v in variants if v in args.only.split(",")]
     results: dict[str, list[dict]] = {v: [] for v in variants}
@@ -257,8 +265,8 @@ def main() -> None:
     def peak_mem(variant: str) -> float:
         return round(max(r["peak_mem_gib"] for r in results[variant]), 3)
 
-    def mfu(variant: str) -> float:
-        return round(6 * params * tok_s(variant) / (peak * 1e12), 4)
+    def mfu(variant: str, flops_per_param: int = 6) -> float:
+        return round(flops_per_param * params * tok_s(variant) / (peak * 1e12), 4)
 
     summary: dict = {}
     if "packed" in results:
@@ -284,6 +292,14 @@ def main() -> None:
         summary["fp32_peak_mem_gib"] = peak_mem("padded-fp32")
         if "padded" in results:
             summary["bf16_vs_fp32"] = round(tok_s("padded") / tok_s("padded-fp32"), 3)
+    if "padded-lora" in results:
+        summary["lora_r"] = args.lora_r
+        summary["lora_tok_s"] = round(tok_s("padded-lora"), 1)
+        summary["lora_mfu"] = mfu("padded-lora", 4)
+        summary["lora_mfu_6n"] = mfu("padded-lora")
+        summary["lora_peak_mem_gib"] = peak_mem("padded-lora")
+        if "padded" in results:
+            summary["lora_vs_full"] = round(tok_s("padded-lora") / tok_s("padded"), 3)
     if "packed-unchunked" in results and "packed" in results:
         unchunked = peak_mem("packed-unchunked")
         summary["unchunked_peak_mem_gib"] = unchunked
