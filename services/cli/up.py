@@ -182,6 +182,7 @@ def up(
         console.print("stopping services")
         deployment.stop()
     summary["seed"] = spec.seed
+    summary["lora_r"] = spec.lora.lora_r if spec.lora.use_peft else None  # None: full weights
     summary["run_dir"] = str(run_dir)
     summary["worker_restarts"] = supervisor.restarts if supervisor else 0
     summary["worker_last_error"] = supervisor.last_error if supervisor else ""
